@@ -1,0 +1,27 @@
+# The two commands of the README (`make demo`, `make test`) do all the set-up themselves.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+# The CPU build of torch 2.13.0 is installed first and pinned; the package's own range is
+# then already satisfied, so pip never pulls a CUDA build.
+TORCH_PIN := torch==2.13.0
+
+.PHONY: install demo test clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/unbroken demo
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV) build *.egg-info

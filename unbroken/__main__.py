@@ -1,0 +1,3 @@
+from unbroken.cli import main
+
+main()

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``unbroken bench ...``; each prints one JSON object with ``--json``."""

@@ -1,0 +1,42 @@
+"""The ``unbroken`` command.
+
+Each subcommand lives next to the code it drives and is imported only when invoked, so
+``unbroken --help`` stays fast and a broken optional part cannot break the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+# name -> "module:attribute" of a click command or group.
+COMMANDS: dict[str, str] = {
+    "bench": "unbroken.bench.cli:bench",
+}
+
+# name -> "module:attribute" of the `unbroken bench NAME` scenarios.
+BENCHMARKS: dict[str, str] = {}
+
+
+class LazyGroup(click.Group):
+    """A click group whose subcommands are imported on first use."""
+
+    def __init__(self, *args: object, lazy: dict[str, str], **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._lazy = lazy
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(self._lazy))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self._lazy:
+            module_name, attr = self._lazy[cmd_name].split(":")
+            return getattr(importlib.import_module(module_name), attr)
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=LazyGroup, lazy=COMMANDS)
+@click.version_option(package_name="unbroken")
+def main() -> None:
+    """Fault-tolerant training for PyTorch: run, watch, diagnose, checkpoint, plan."""

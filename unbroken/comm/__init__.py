@@ -1,0 +1,1 @@
+"""comm layer (see DESIGN.md)."""

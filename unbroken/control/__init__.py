@@ -1,0 +1,1 @@
+"""control layer (see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""diagnosis layer (see DESIGN.md)."""
