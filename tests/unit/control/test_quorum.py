@@ -1,0 +1,199 @@
+"""Quorum rules: fast path, forming, catch-up assignment, split-brain safety."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from unbroken.control.quorum import QuorumDecision, QuorumRequest, QuorumRules, QuorumState
+
+
+def started(n: int = 3, min_replicas: int = 1, step: int = 0) -> QuorumState:
+    q = QuorumState(QuorumRules(total_replicas=n, min_replicas=min_replicas, join_window_s=1.0))
+    for r in range(n):
+        q.connect(r)
+    decisions: list[QuorumDecision] = []
+    for r in range(n):
+        answer, formed = q.request(QuorumRequest(r, step), now=0.0)
+        assert answer is None
+        decisions += formed
+    assert len(decisions) == 1 and decisions[0].members == tuple(range(n))
+    return q
+
+
+def test_first_quorum_waits_for_all_configured_replicas() -> None:
+    q = QuorumState(QuorumRules(total_replicas=3))
+    for r in range(3):
+        q.connect(r)
+    assert q.request(QuorumRequest(0, 0), 0.0) == (None, [])
+    assert q.request(QuorumRequest(1, 0), 0.1) == (None, [])
+    _, formed = q.request(QuorumRequest(2, 0), 0.2)
+    assert formed[0].epoch == 1 and formed[0].members == (0, 1, 2) and formed[0].behind == ()
+
+
+def test_first_quorum_forms_without_a_missing_replica_after_the_startup_window() -> None:
+    q = QuorumState(QuorumRules(total_replicas=3, startup_window_s=5.0))
+    q.connect(0)
+    q.connect(1)
+    q.request(QuorumRequest(0, 0), 0.0)
+    q.request(QuorumRequest(1, 0), 0.0)
+    assert q.evaluate(4.9) == []
+    assert q.evaluate(5.0)[0].members == (0, 1)
+
+
+def test_fast_path_answers_at_once_with_the_same_epoch() -> None:
+    q = started()
+    for step in (1, 2, 3):
+        for r in range(3):
+            answer, formed = q.request(QuorumRequest(r, step), now=step)
+            assert answer is not None and answer.epoch == 1 and answer.step == step
+            assert formed == []
+
+
+def test_crash_of_a_member_forms_a_new_epoch_without_it() -> None:
+    q = started()
+    q.request(QuorumRequest(0, 1), 1.0)
+    assert q.disconnect(2, 1.1) == []
+    assert q.in_flight_members() == (0, 1)
+    q.request(QuorumRequest(0, 1, failed_epoch=1), 1.2)
+    _, formed = q.request(QuorumRequest(1, 1, failed_epoch=1), 1.2)
+    assert formed[0].epoch == 2 and formed[0].members == (0, 1) and formed[0].step == 1
+
+
+def test_hung_member_is_left_out_after_the_join_window() -> None:
+    q = started()
+    q.request(QuorumRequest(0, 1, failed_epoch=1), 1.0)
+    assert q.request(QuorumRequest(1, 1, failed_epoch=1), 1.0) == (None, [])
+    assert q.evaluate(1.9) == []
+    formed = q.evaluate(2.0)
+    assert formed[0].members == (0, 1)
+
+
+def test_newcomer_is_admitted_at_the_next_step_behind_with_a_donor() -> None:
+    q = started()
+    # Member 0 already got step 5's answer; the newcomer must not split step 5.
+    q.request(QuorumRequest(0, 5), 5.0)
+    q.connect(3)
+    assert q.request(QuorumRequest(3, 0), 5.0) == (None, [])
+    for r in (1, 2):
+        answer, _ = q.request(QuorumRequest(r, 5), 5.0)
+        assert answer is not None and answer.members == (0, 1, 2)
+    formed = []
+    for r in range(3):
+        answer, f = q.request(QuorumRequest(r, 6), 6.0)
+        assert answer is None
+        formed += f
+    d = formed[0]
+    assert d.members == (0, 1, 2, 3) and d.step == 6 and d.behind == (3,)
+    assert d.donor_of(3) in (0, 1, 2) and d.contributing == 3
+
+
+def test_donors_are_spread_across_up_to_date_members() -> None:
+    q = started(n=4)
+    for r in (2, 3):
+        q.disconnect(r, 1.0)
+    q.request(QuorumRequest(0, 10, failed_epoch=1), 1.0)
+    q.request(QuorumRequest(1, 10, failed_epoch=1), 1.0)
+    for r in (2, 3):
+        q.connect(r)
+        q.request(QuorumRequest(r, 0), 2.0)
+    q.request(QuorumRequest(0, 11), 2.0)
+    _, formed = q.request(QuorumRequest(1, 11), 2.0)
+    d = formed[0]
+    assert set(d.behind) == {2, 3}
+    assert {d.donor_of(2), d.donor_of(3)} == {0, 1}
+
+
+def test_join_window_for_a_newcomer_counts_from_the_first_member_that_asks() -> None:
+    q = started()
+    q.connect(3)
+    q.request(QuorumRequest(3, 0), 1.0)
+    assert q.evaluate(30.0) == []  # members are mid-step: nobody is left out
+    q.request(QuorumRequest(0, 1), 30.0)
+    q.request(QuorumRequest(1, 1), 30.5)
+    assert q.evaluate(30.9) == []
+    assert q.evaluate(31.0)[0].members == (0, 1, 3)  # 2 is presumed hung
+
+
+def test_no_quorum_below_min_replicas_then_resumes() -> None:
+    q = started(n=3, min_replicas=2)
+    q.disconnect(1, 1.0)
+    q.disconnect(2, 1.0)
+    assert q.request(QuorumRequest(0, 1, failed_epoch=1), 1.0) == (None, [])
+    assert q.evaluate(100.0) == []
+    q.connect(1)
+    _, formed = q.request(QuorumRequest(1, 0), 101.0)
+    assert formed[0].members == (0, 1) and formed[0].behind == (1,)
+
+
+def test_minority_never_forms_even_if_min_replicas_allows() -> None:
+    q = started(n=4, min_replicas=1)
+    # Replica 0 is cut off from 1..3 (they are alive but do not answer it).
+    q.request(QuorumRequest(0, 1, failed_epoch=1), 1.0)
+    assert q.evaluate(50.0) == []
+
+
+def test_bad_rules_are_rejected_with_a_clear_message() -> None:
+    with pytest.raises(ValueError, match="min_replicas"):
+        QuorumRules(total_replicas=2, min_replicas=3)
+    with pytest.raises(ValueError, match="total_replicas"):
+        QuorumRules(total_replicas=0)
+
+
+def test_restarted_coordinator_continues_with_higher_epochs() -> None:
+    q = QuorumState(QuorumRules(total_replicas=1), first_epoch=41)
+    q.connect(0)
+    _, formed = q.request(QuorumRequest(0, 7), 0.0)
+    assert formed[0].epoch == 42 and formed[0].step == 7
+
+
+def test_decision_round_trips_through_json() -> None:
+    d = QuorumDecision(3, 9, (0, 2, 5), (5,), ((5, 0),))
+    assert QuorumDecision.from_json(d.to_json()) == d
+
+
+events = st.lists(
+    st.tuples(
+        st.sampled_from(["ask", "fail", "disconnect", "connect", "tick"]),
+        st.integers(0, 4),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(events)
+def test_invariants_hold_under_any_sequence_of_events(evs: list[tuple[str, int]]) -> None:
+    """Epochs only grow; one membership per (epoch, step); every quorum is a live majority."""
+    rules = QuorumRules(total_replicas=5, min_replicas=2, join_window_s=1.0, startup_window_s=2.0)
+    q = QuorumState(rules)
+    steps = dict.fromkeys(range(5), 0)
+    last_epoch = 0
+    seen: dict[tuple[int, int], tuple[int, ...]] = {}
+    now = 0.0
+    for kind, r in evs:
+        now += 0.3
+        formed: list[QuorumDecision] = []
+        answer = None
+        if kind == "connect":
+            q.connect(r)
+        elif kind == "disconnect":
+            formed = q.disconnect(r, now)
+        elif kind == "tick":
+            formed = q.evaluate(now)
+        else:
+            failed = q.current.epoch if (kind == "fail" and q.current) else None
+            answer, formed = q.request(QuorumRequest(r, steps[r], failed), now)
+        for d in formed + ([answer] if answer else []):
+            assert d.epoch >= last_epoch
+            last_epoch = d.epoch
+            assert seen.setdefault((d.epoch, d.step), d.members) == d.members
+        for d in formed:
+            assert len(d.members) >= rules.min_replicas
+            assert 2 * len(d.members) > len(q.alive)
+            assert set(d.behind) < set(d.members)
+            for m in d.members:
+                steps[m] = d.step + 1
+        if answer is not None:
+            steps[r] = answer.step + 1

@@ -1,0 +1,238 @@
+"""Quorum rules: who trains together at which step, under which epoch.
+
+Pure logic with time passed in, so every rule is unit-tested without sockets. The coordinator
+service feeds it events (a replica connected, asked, went away) and delivers the decisions it
+returns.
+
+The rules, in the order they are checked:
+
+* **Fast path**: a member of the current epoch asking for the next step while nothing changed
+  gets the current membership at once. The first fast answer for a step fixes that step's
+  membership: everybody asking for the same step gets the same answer, so a late joiner can
+  never split one step's exchange between two epochs; it is admitted at the next step.
+* **Forming**: anything else (a failure report, a member gone, a newcomer, a step that went
+  backwards) starts forming a new epoch. It forms as soon as every live replica has asked, or
+  after the join window with those who asked, and only with at least ``min_replicas`` and a
+  strict majority of the replicas alive at the coordinator, so two halves can never both
+  train.
+* **Catch-up**: members whose step is behind the newest step in the new quorum are marked
+  behind and each gets a donor, spread round-robin across the up-to-date members.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+
+@dataclasses.dataclass(frozen=True)
+class QuorumRequest:
+    """A replica asking to train step ``step``.
+
+    Attributes:
+        replica: the replica group's id.
+        step: the step the replica is about to train (its committed step count).
+        failed_epoch: set when the replica's exchange in that epoch failed; forces a new epoch.
+    """
+
+    replica: int
+    step: int
+    failed_epoch: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class QuorumDecision:
+    """Who trains step ``step`` together under ``epoch``.
+
+    Attributes:
+        epoch: strictly increasing across decisions that change membership.
+        step: the step every member trains next (the newest step among the members).
+        members: replica ids, sorted; a member's index is its rank in the exchange.
+        behind: members that must first load the state of ``step`` from their donor.
+        donors: behind replica -> the up-to-date replica that serves it.
+    """
+
+    epoch: int
+    step: int
+    members: tuple[int, ...]
+    behind: tuple[int, ...] = ()
+    donors: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def contributing(self) -> int:
+        """How many replicas contribute a gradient this step (behind ones send zeros)."""
+        return len(self.members) - len(self.behind)
+
+    def donor_of(self, replica: int) -> int | None:
+        return dict(self.donors).get(replica)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "epoch": self.epoch,
+            "step": self.step,
+            "members": list(self.members),
+            "behind": list(self.behind),
+            "donors": [list(p) for p in self.donors],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, object]) -> QuorumDecision:
+        return cls(
+            epoch=int(data["epoch"]),  # type: ignore[arg-type]
+            step=int(data["step"]),  # type: ignore[arg-type]
+            members=tuple(data["members"]),  # type: ignore[arg-type]
+            behind=tuple(data["behind"]),  # type: ignore[arg-type]
+            donors=tuple(tuple(p) for p in data["donors"]),  # type: ignore[arg-type, misc]
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class QuorumRules:
+    """Settings of the quorum rules.
+
+    Attributes:
+        total_replicas: how many replicas the job is configured with.
+        min_replicas: the fewest replicas that may train.
+        join_window_s: how long forming waits for replicas that are alive but have not asked.
+        startup_window_s: how long the very first quorum waits for all replicas to arrive.
+    """
+
+    total_replicas: int
+    min_replicas: int = 1
+    join_window_s: float = 1.0
+    startup_window_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.total_replicas < 1:
+            raise ValueError(f"total_replicas must be >= 1, got {self.total_replicas}")
+        if not 1 <= self.min_replicas <= self.total_replicas:
+            raise ValueError(
+                f"min_replicas must be between 1 and total_replicas ({self.total_replicas}), "
+                f"got {self.min_replicas}"
+            )
+
+
+class QuorumState:
+    """Membership and epochs of one job.
+
+    Args:
+        rules: the settings.
+        first_epoch: epochs issued start above this (a restarted coordinator passes the
+            highest epoch it had persisted, so epochs keep growing across restarts).
+    """
+
+    def __init__(self, rules: QuorumRules, first_epoch: int = 0) -> None:
+        self.rules = rules
+        self.epoch = first_epoch
+        self.current: QuorumDecision | None = None
+        self.alive: set[int] = set()
+        self.waiting: dict[int, QuorumRequest] = {}
+        self.forming_since: float | None = None
+        self.join_window_s = rules.join_window_s
+        # The current epoch can no longer complete an exchange (a member failed or left).
+        self.broken = False
+
+    # -- events -------------------------------------------------------------------------
+
+    def connect(self, replica: int) -> None:
+        """A replica (all its ranks) is connected and heartbeating."""
+        self.alive.add(replica)
+
+    def disconnect(self, replica: int, now: float) -> list[QuorumDecision]:
+        """A replica exited, closed its connection or stopped heartbeating."""
+        self.alive.discard(replica)
+        self.waiting.pop(replica, None)
+        if self.current is not None and replica in self.current.members:
+            self.broken = True
+            self._start_forming(now)
+        elif not self.waiting and not self.broken:
+            self.forming_since = None
+        return self.evaluate(now)
+
+    def request(
+        self, req: QuorumRequest, now: float
+    ) -> tuple[QuorumDecision | None, list[QuorumDecision]]:
+        """Handles a replica's quorum request.
+
+        Returns:
+            The immediate answer for the requester (fast path) or None if it must wait, and
+            the decisions formed by this request (to be delivered to everyone waiting).
+        """
+        self.alive.add(req.replica)
+        fast = self._fast_answer(req)
+        if fast is not None:
+            return fast, []
+        cur = self.current
+        if req.failed_epoch is not None and cur is not None and req.failed_epoch == cur.epoch:
+            self.broken = True
+        self.waiting[req.replica] = req
+        # A newcomer alone does not start the join window: the members are mid-step and
+        # will ask when they finish it; the window counts from the first member that asks.
+        if cur is None or self.broken or req.replica in cur.members:
+            self._start_forming(now)
+        return None, self.evaluate(now)
+
+    def _fast_answer(self, req: QuorumRequest) -> QuorumDecision | None:
+        cur = self.current
+        if (
+            cur is None
+            or self.broken
+            or req.failed_epoch is not None
+            or req.replica not in cur.members
+            or req.step < cur.step
+        ):
+            return None
+        if req.step > cur.step:
+            if self.waiting:
+                return None  # a newcomer waits: admit it at this new step
+            self.current = dataclasses.replace(cur, step=req.step, behind=(), donors=())
+        return self.current
+
+    def in_flight_members(self) -> tuple[int, ...]:
+        """Members of a broken epoch that may still be blocked in its exchange."""
+        if self.current is None or not self.broken:
+            return ()
+        return tuple(m for m in self.current.members if m in self.alive and m not in self.waiting)
+
+    # -- rules --------------------------------------------------------------------------
+
+    def evaluate(self, now: float) -> list[QuorumDecision]:
+        """Forms a quorum if the rules allow; called on every event and on a timer."""
+        if self.forming_since is None or not self.waiting:
+            return []
+        asked = set(self.waiting) & self.alive
+        everyone_asked = self.alive <= asked
+        waited = now - self.forming_since
+        if self.current is None:
+            ready = (everyone_asked and len(asked) >= self.rules.total_replicas) or (
+                waited >= self.rules.startup_window_s
+            )
+        else:
+            ready = everyone_asked or waited >= self.join_window_s
+        if not ready or not majority_ok(asked, self.alive, self.rules.min_replicas):
+            return []
+        return [self._form(asked)]
+
+    def _form(self, asked: set[int]) -> QuorumDecision:
+        members = tuple(sorted(asked))
+        steps = {m: self.waiting.pop(m).step for m in members}
+        step = max(steps.values())
+        behind = tuple(m for m in members if steps[m] < step)
+        ahead = [m for m in members if steps[m] == step]
+        donors = tuple((b, ahead[i % len(ahead)]) for i, b in enumerate(behind))
+        self.epoch += 1
+        self.current = QuorumDecision(self.epoch, step, members, behind, donors)
+        self.broken = False
+        self.waiting.clear()
+        self.forming_since = None
+        return self.current
+
+    def _start_forming(self, now: float) -> None:
+        if self.forming_since is None:
+            self.forming_since = now
+
+
+def majority_ok(asked: Iterable[int], alive: Iterable[int], min_replicas: int) -> bool:
+    """Whether ``asked`` may train: enough replicas and a strict majority of the live ones."""
+    a, b = set(asked), set(alive)
+    return len(a) >= min_replicas and 2 * len(a) > len(b)
