@@ -1,11 +1,36 @@
 """unbroken: fault-tolerant data-parallel training for PyTorch.
 
-The public API is deliberately small; everything a training loop touches is importable from
-here.
+A training loop needs a handful of lines::
+
+    manager = unbroken.init(state_dict=..., load_state_dict=...)
+    optimizer = unbroken.Optimizer(torch.optim.AdamW(model.parameters()), manager)
+    for batch in ...:
+        optimizer.zero_grad(); model(batch).backward(); optimizer.step()
+
+and is launched with ``unbroken run --replicas N -- python train.py``.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["DataParallel", "Manager", "Optimizer", "__version__", "average_gradients", "init"]
+
+if TYPE_CHECKING:
+    from unbroken.train.manager import Manager, init
+    from unbroken.train.optimizer import DataParallel, Optimizer, average_gradients
+
+
+def __getattr__(name: str) -> Any:
+    # Importing torch only when the training API is used keeps the CLI quick to start.
+    if name in ("Manager", "init"):
+        from unbroken.train import manager
+
+        return getattr(manager, name)
+    if name in ("Optimizer", "DataParallel", "average_gradients"):
+        from unbroken.train import optimizer
+
+        return getattr(optimizer, name)
+    raise AttributeError(f"module 'unbroken' has no attribute {name!r}")

@@ -13,6 +13,8 @@ import click
 # name -> "module:attribute" of a click command or group.
 COMMANDS: dict[str, str] = {
     "bench": "unbroken.bench.cli:bench",
+    "coordinator": "unbroken.control.coordinator_cli:coordinator",
+    "run": "unbroken.launch.run_cli:run",
 }
 
 # name -> "module:attribute" of the `unbroken bench NAME` scenarios.

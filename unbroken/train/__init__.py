@@ -1,1 +1,1 @@
-"""train layer (see DESIGN.md)."""
+"""What a training loop touches: the step protocol and the model/optimizer wrappers."""

@@ -1,0 +1,78 @@
+"""Trains the small GPT as one replica of a fault-tolerant job.
+
+    unbroken run --replicas 3 -- python examples/gpt/train.py --steps 200
+
+The unbroken parts are marked; the rest is an ordinary PyTorch loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from data import batch, make_corpus  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+import unbroken  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    torch.manual_seed(args.seed)  # every replica starts from the same weights
+    cfg = GPTConfig()
+    model = GPT(cfg)
+    corpus = make_corpus(cfg.vocab_size, seed=1234)
+    inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    # --- unbroken: join the job; say what a recovering peer needs -----------------------
+    def state_dict() -> dict:
+        return {"model": model.state_dict(), "optim": inner.state_dict(), "rng": torch.get_rng_state()}
+
+    def load_state_dict(state: dict) -> None:
+        model.load_state_dict(state["model"])
+        inner.load_state_dict(state["optim"])
+        torch.set_rng_state(state["rng"])
+
+    manager = unbroken.init(state_dict=state_dict, load_state_dict=load_state_dict)
+    optimizer = unbroken.Optimizer(inner, manager)
+    # ------------------------------------------------------------------------------------
+
+    cfg_r = manager.config
+    run_dir = Path(cfg_r.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    metrics = open(run_dir / f"metrics-r{cfg_r.replica_id}.jsonl", "a", buffering=1)
+    while manager.step < args.steps:
+        t0 = time.perf_counter()
+        optimizer.zero_grad()  # unbroken: starts the step's quorum
+        x, y = batch(corpus, manager.step, cfg_r.replica_id, cfg_r.num_replicas, args.batch_size, cfg.block_size)
+        loss = model(x, y)
+        loss.backward()
+        step = manager.step
+        committed = optimizer.step()  # unbroken: average across replicas, commit
+        d = manager.decision
+        metrics.write(json.dumps({
+            "t": time.time(), "replica": cfg_r.replica_id, "step": manager.step - 1 if committed else step, "loss": loss.item(),
+            "committed": committed, "epoch": d.epoch if d else None,
+            "members": list(d.members) if d else [], "contributing": manager.contributing,
+            "recovered": cfg_r.replica_id in (d.behind if d else ()), "step_s": time.perf_counter() - t0,
+            "pid": os.getpid(),
+        }) + "\n")
+    torch.save(state_dict() | {"step": manager.step}, run_dir / f"final-r{cfg_r.replica_id}.pt")
+    manager.shutdown()
+
+
+if __name__ == "__main__":
+    main()

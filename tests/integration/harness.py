@@ -1,0 +1,107 @@
+"""Runs a real job (launcher, coordinator, replica processes) and injects real faults."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = ROOT / "examples" / "gpt" / "train.py"
+
+
+class Job:
+    """``unbroken run`` of the example GPT in ``run_dir``; always cleaned up on exit."""
+
+    def __init__(self, run_dir: Path, replicas: int = 3, steps: int = 60, extra: list[str] | None = None,
+                 train_args: list[str] | None = None, coordinator: str | None = None) -> None:
+        self.run_dir = run_dir
+        self.replicas = replicas
+        cmd = [sys.executable, "-m", "unbroken", "run", "--replicas", str(replicas), "--run-dir", str(run_dir)]
+        if coordinator:
+            cmd += ["--coordinator", coordinator]
+        cmd += (extra or []) + ["--", sys.executable, str(TRAIN), "--steps", str(steps)] + (train_args or [])
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        self.log = open(run_dir.parent / f"{run_dir.name}-launcher.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        path = self.run_dir / "events.jsonl"
+        if not path.exists():
+            return []
+        out = []
+        for line in path.read_text().splitlines():
+            try:
+                e = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if kind is None or e["kind"] == kind:
+                out.append(e)
+        return out
+
+    def metrics(self, replica: int) -> list[dict[str, Any]]:
+        path = self.run_dir / f"metrics-r{replica}.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def pid(self, replica: int) -> int:
+        return [e["pid"] for e in self.events("process_started") if e["replica"] == replica][-1]
+
+    def wait_for_step(self, replica: int, step: int, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            rows = self.metrics(replica)
+            if rows and rows[-1]["step"] >= step:
+                return
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the job ended early with code {self.proc.returncode}")
+            time.sleep(0.05)
+        raise AssertionError(f"replica {replica} did not reach step {step} in {timeout}s")
+
+    def final_states(self) -> dict[int, dict[str, Any]]:
+        out = {}
+        for r in range(self.replicas):
+            path = self.run_dir / f"final-r{r}.pt"
+            if path.exists():
+                out[r] = torch.load(path, weights_only=False)
+        return out
+
+
+def assert_identical(states: dict[int, dict[str, Any]]) -> None:
+    """Every replica holds bitwise-identical parameters and optimizer state."""
+    assert len(states) >= 2, f"only {len(states)} replicas wrote a final state"
+    ref_id, ref = next(iter(states.items()))
+    for r, s in states.items():
+        assert s["step"] == ref["step"], (r, s["step"], ref["step"])
+        for k, v in ref["model"].items():
+            assert torch.equal(v, s["model"][k]), f"replica {r} parameter {k} differs from replica {ref_id}"
+        for pid, st in ref["optim"]["state"].items():
+            for k, v in st.items():
+                assert torch.equal(v, s["optim"]["state"][pid][k]), f"replica {r} optimizer {pid}.{k} differs"

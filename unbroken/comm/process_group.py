@@ -1,0 +1,125 @@
+"""A cross-replica process group that can be abandoned and rebuilt without a restart.
+
+Every quorum epoch gets a fresh ``torch.distributed`` group on a fresh store prefix. An exchange
+waits on its work's future together with an abort flag (set when the coordinator pushes an
+abort) and a deadline; whichever comes first ends the wait. A group whose operation was
+abandoned is never used again and its buffers are never reused (the backend may still write
+into them), and it is kept alive rather than destroyed, because destroying a Gloo group with a
+stuck operation blocks until that operation times out.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from unbroken.config import parse_host_port
+
+
+class ExchangeFailed(RuntimeError):
+    """The exchange of this epoch cannot complete: a peer died, hung, or we were told to abort."""
+
+
+class CrossReplicaGroup:
+    """The reconfigurable group among the same rank of every replica in the quorum.
+
+    Args:
+        timeout_s: the backend's own timeout; only bounds how long an abandoned operation
+            lingers, since waits are bounded by the learned deadline.
+    """
+
+    def __init__(self, timeout_s: float = 60.0) -> None:
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.epoch: int | None = None
+        self.rank = 0
+        self.size = 1
+        self._pg: Any = None
+        self._abandoned: list[Any] = []
+        self._stores: dict[str, dist.TCPStore] = {}
+        self._wake: threading.Event | None = None  # the wait in progress, one per operation
+        self._aborted_epoch: int | None = None
+        self._lock = threading.Lock()
+
+    def configure(self, store_address: str, epoch: int, rank: int, size: int, tag: str, device: torch.device) -> None:
+        """Joins the group of ``epoch``; every member calls this with the same epoch and tag."""
+        if self._pg is not None:
+            self._abandoned.append(self._pg)
+            self._pg = None
+        self.epoch, self.rank, self.size = epoch, rank, size
+        if size == 1:
+            return
+        store = self._store(store_address)
+        prefix = dist.PrefixStore(f"unbroken/{tag}/epoch{epoch}", store)
+        if device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            self._pg = dist.ProcessGroupNCCL(prefix, rank, size, opts)
+        else:
+            self._pg = dist.ProcessGroupGloo(prefix, rank, size, self.timeout)
+
+    def abandon(self) -> None:
+        """Stops using the current group (its operation may still be running)."""
+        if self._pg is not None:
+            if hasattr(self._pg, "abort") and not isinstance(self._pg, dist.ProcessGroupGloo):
+                self._pg.abort()  # NCCL: releases the GPU-side operation
+            self._abandoned.append(self._pg)
+            self._pg = None
+        self.epoch = None
+
+    def abort(self, epoch: int) -> None:
+        """Called from the coordinator connection's thread: ends a wait on ``epoch`` now."""
+        with self._lock:
+            self._aborted_epoch = epoch
+            if self.epoch == epoch and self._wake is not None:
+                self._wake.set()
+
+    def allreduce_sum(self, tensor: torch.Tensor, deadline_s: float) -> float:
+        """Sums ``tensor`` in place across the group; returns the seconds it took.
+
+        Raises:
+            ExchangeFailed: a peer failed, the deadline passed, or the coordinator aborted
+                this epoch. The tensor's contents are then undefined and it must not be
+                reused.
+        """
+        if self.size == 1:
+            return 0.0
+        if self._pg is None:
+            raise ExchangeFailed("no group: this epoch was abandoned")
+        epoch = self.epoch
+        start = time.perf_counter()
+        wake = threading.Event()
+        with self._lock:
+            if self._aborted_epoch == epoch:
+                raise ExchangeFailed(f"epoch {epoch} was aborted by the coordinator")
+            self._wake = wake
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        work = self._pg.allreduce([tensor], opts)
+        fut = work.get_future()
+        fut.add_done_callback(lambda _: wake.set())
+        woke = wake.wait(deadline_s)
+        with self._lock:
+            self._wake = None
+        if fut.done():
+            try:
+                fut.wait()
+            except Exception as e:  # the backend's error: a peer's connection closed
+                self.abandon()
+                raise ExchangeFailed(f"exchange failed in epoch {epoch}: {e}") from e
+            return time.perf_counter() - start
+        self.abandon()
+        if woke:
+            raise ExchangeFailed(f"epoch {epoch} was aborted by the coordinator")
+        raise ExchangeFailed(f"exchange in epoch {epoch} passed its {deadline_s:.2f}s deadline")
+
+    def _store(self, address: str) -> dist.TCPStore:
+        if address not in self._stores:
+            host, port = parse_host_port(address, "store address")
+            self._stores[address] = dist.TCPStore(
+                host, port, None, False, timeout=datetime.timedelta(seconds=30)
+            )
+        return self._stores[address]

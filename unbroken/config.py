@@ -1,0 +1,109 @@
+"""Typed settings. Every environment variable unbroken reads or sets is named here.
+
+The launcher writes these into each worker's environment; ``unbroken.init()`` reads them back,
+so a training script needs no arguments of its own to join a fault-tolerant job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+ENV_COORDINATOR = "UNBROKEN_COORDINATOR"
+ENV_REPLICA_ID = "UNBROKEN_REPLICA_ID"
+ENV_NUM_REPLICAS = "UNBROKEN_NUM_REPLICAS"
+ENV_RUN_DIR = "UNBROKEN_RUN_DIR"
+ENV_LR_SCALING = "UNBROKEN_LR_SCALING"
+ENV_NODE = "UNBROKEN_NODE"
+ENV_RESTART_COUNT = "UNBROKEN_RESTART_COUNT"
+# The standard torch.distributed variables, scoped to one replica group.
+ENV_RANK = "RANK"
+ENV_WORLD_SIZE = "WORLD_SIZE"
+ENV_LOCAL_RANK = "LOCAL_RANK"
+ENV_MASTER_ADDR = "MASTER_ADDR"
+ENV_MASTER_PORT = "MASTER_PORT"
+
+
+class ConfigError(ValueError):
+    """A setting is missing or malformed; the message says what to set."""
+
+
+def parse_host_port(value: str, what: str = "address") -> tuple[str, int]:
+    """Parses ``HOST:PORT``; a clear error names the setting that is wrong."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{what} must look like HOST:PORT (e.g. 127.0.0.1:29510), got {value!r}")
+    return host, int(port)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaConfig:
+    """Where this process sits in the job.
+
+    Attributes:
+        coordinator: ``HOST:PORT`` of the coordinator.
+        replica_id: this replica group's id, 0..num_replicas-1 (spares may use higher ids).
+        num_replicas: replicas the job is configured with (the "total" of LR scaling).
+        rank: rank inside the replica group.
+        world_size: ranks per replica group.
+        run_dir: where logs and metrics of this run go.
+        lr_scaling: scale the learning rate by sqrt(healthy/total) while replicas are missing.
+        node: the host name reported in events and diagnosis.
+        restart_count: how many times the launcher restarted this replica.
+    """
+
+    coordinator: str
+    replica_id: int
+    num_replicas: int
+    rank: int = 0
+    world_size: int = 1
+    run_dir: str = "."
+    lr_scaling: bool = True
+    node: str = "localhost"
+    restart_count: int = 0
+
+    def __post_init__(self) -> None:
+        parse_host_port(self.coordinator, ENV_COORDINATOR)
+        if self.num_replicas < 1:
+            raise ConfigError(f"{ENV_NUM_REPLICAS} must be >= 1, got {self.num_replicas}")
+        if self.replica_id < 0:
+            raise ConfigError(f"{ENV_REPLICA_ID} must be >= 0, got {self.replica_id}")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(
+                f"{ENV_RANK} must be in [0, {ENV_WORLD_SIZE}={self.world_size}), got {self.rank}"
+            )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ReplicaConfig:
+        """Reads the configuration the launcher put in the environment."""
+        env = os.environ if env is None else env
+        if ENV_COORDINATOR not in env:
+            raise ConfigError(
+                f"{ENV_COORDINATOR} is not set: start the script with "
+                "`unbroken run --replicas N -- python train.py` or set it to the coordinator's "
+                "HOST:PORT"
+            )
+
+        def integer(name: str, default: int | None = None) -> int:
+            raw = env.get(name)
+            if raw is None:
+                if default is None:
+                    raise ConfigError(f"{name} is not set (the launcher sets it)")
+                return default
+            try:
+                return int(raw)
+            except ValueError:
+                raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
+
+        return cls(
+            coordinator=env[ENV_COORDINATOR],
+            replica_id=integer(ENV_REPLICA_ID),
+            num_replicas=integer(ENV_NUM_REPLICAS),
+            rank=integer(ENV_RANK, 0),
+            world_size=integer(ENV_WORLD_SIZE, 1),
+            run_dir=env.get(ENV_RUN_DIR, "."),
+            lr_scaling=env.get(ENV_LR_SCALING, "1") not in ("0", "false", "False"),
+            node=env.get(ENV_NODE, os.uname().nodename),
+            restart_count=integer(ENV_RESTART_COUNT, 0),
+        )

@@ -1,0 +1,192 @@
+"""The replica side of the coordinator connection.
+
+One background thread keeps the connection: it reconnects (with bounded backoff) when the
+coordinator restarts, re-sends a quorum request that was in flight, sends heartbeats, and hands
+pushed aborts to the exchange at once. The training thread only calls :meth:`request_quorum`
+and waits on the future it returns.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from unbroken.config import parse_host_port
+from unbroken.control import protocol
+
+log = logging.getLogger(__name__)
+
+
+class CoordinatorUnreachable(ConnectionError):
+    """The coordinator could not be reached within the configured time."""
+
+
+class CoordinatorClient:
+    """A persistent, self-healing connection to the coordinator.
+
+    Args:
+        address: ``HOST:PORT`` of the coordinator.
+        hello: identity sent on every (re)connection: replica, rank, world_size, transfer_addr...
+        on_abort: called from the connection thread with the epoch to abort.
+        heartbeat_s: heartbeat period.
+        reconnect_timeout_s: give up (fail pending requests) after this long without a
+            connection; covers a coordinator restart.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        hello: dict[str, Any],
+        on_abort: Callable[[int], None] | None = None,
+        heartbeat_s: float = 0.1,
+        reconnect_timeout_s: float = 120.0,
+    ) -> None:
+        self.host, self.port = parse_host_port(address, "coordinator address")
+        self.hello = dict(hello)
+        self.on_abort = on_abort
+        self.heartbeat_s = heartbeat_s
+        self.reconnect_timeout_s = reconnect_timeout_s
+        self.store_address: str | None = None
+        self.step = 0
+        self._ids = itertools.count(1)
+        self._pending: dict[int, tuple[dict[str, Any], Future[dict[str, Any]]]] = {}
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._connected = threading.Event()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="unbroken-coordinator", daemon=True)
+        self._thread.start()
+
+    def wait_connected(self, timeout: float) -> None:
+        if not self._connected.wait(timeout):
+            raise CoordinatorUnreachable(
+                f"no coordinator answered at {self.host}:{self.port} within {timeout:.0f}s: "
+                "is `unbroken coordinator` (or `unbroken run`) running there?"
+            )
+
+    def request_quorum(
+        self, step: int, failed_epoch: int | None = None, step_time: float | None = None
+    ) -> Future[dict[str, Any]]:
+        """Asks for the quorum of ``step``; the future resolves with the coordinator's answer."""
+        self.step = step
+        req_id = next(self._ids)
+        msg = {"op": "quorum", "id": req_id, "step": step, "failed_epoch": failed_epoch,
+               "step_time": step_time}
+        fut: Future[dict[str, Any]] = Future()
+        with self._lock:
+            self._pending[req_id] = (msg, fut)
+        self._send(msg)
+        return fut
+
+    def close(self, finished: bool = True) -> None:
+        """Says goodbye (a finished replica is not a failed one) and stops the thread."""
+        if finished:
+            self._send({"op": "bye"})
+        self._closed.set()
+        self._thread.join(timeout=2.0)
+        if self._sock is not None:
+            self._sock.close()
+
+    # -- connection thread ---------------------------------------------------------------
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        sock = self._sock
+        if sock is None:
+            return  # re-sent on reconnect
+        try:
+            with self._lock:
+                sock.sendall(protocol.encode(msg))
+        except OSError:
+            pass  # the connection thread notices and reconnects
+
+    def _connect(self) -> socket.socket | None:
+        deadline = time.monotonic() + self.reconnect_timeout_s
+        delay = 0.05
+        while not self._closed.is_set() and time.monotonic() < deadline:
+            try:
+                sock = socket.create_connection((self.host, self.port), timeout=2.0)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.settimeout(None)
+                hello = {"op": "hello", "pid": os.getpid(), "step": self.step, **self.hello}
+                sock.sendall(protocol.encode(hello))
+                return sock
+            except OSError:
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        return None
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            sock = self._connect()
+            if sock is None:
+                self._fail_pending(
+                    CoordinatorUnreachable(
+                        f"lost the coordinator at {self.host}:{self.port} for "
+                        f"{self.reconnect_timeout_s:.0f}s"
+                    )
+                )
+                return
+            self._sock = sock
+            with self._lock:
+                resend = [m for (m, _) in self._pending.values()]
+            for m in resend:
+                self._send(m)
+            self._serve(sock)
+            self._sock = None
+            self._connected.clear()
+            sock.close()
+
+    def _serve(self, sock: socket.socket) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(sock, selectors.EVENT_READ)
+        buf = b""
+        next_beat = 0.0
+        try:
+            while not self._closed.is_set():
+                now = time.monotonic()
+                if now >= next_beat:
+                    self._send({"op": "heartbeat", "step": self.step})
+                    next_beat = now + self.heartbeat_s
+                if not sel.select(timeout=max(0.0, next_beat - now)):
+                    continue
+                data = sock.recv(1 << 16)
+                if not data:
+                    return
+                buf += data
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    self._handle(protocol.decode(line))
+        except OSError:
+            return
+        finally:
+            sel.close()
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        op = msg["op"]
+        if op == "welcome":
+            self.store_address = msg["store"]
+            self._connected.set()
+        elif op == "quorum":
+            self.store_address = msg.get("store", self.store_address)
+            with self._lock:
+                entry = self._pending.pop(int(msg["id"]), None)
+            if entry is not None:
+                entry[1].set_result(msg)
+        elif op == "abort" and self.on_abort is not None:
+            self.on_abort(int(msg["epoch"]))
+        elif op == "error":
+            log.warning("coordinator: %s", msg.get("message"))
+
+    def _fail_pending(self, exc: Exception) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for _, fut in pending.values():
+            fut.set_exception(exc)

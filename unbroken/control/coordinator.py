@@ -1,0 +1,340 @@
+"""The coordinator service: membership, quorum epochs, pushed aborts, persisted history.
+
+A thin asyncio shell around :mod:`unbroken.control.quorum`. Each rank of each replica keeps one
+TCP connection open (see :mod:`unbroken.control.protocol`); a closed connection or a process
+exit reported by the supervisor evicts the replica at once, a silent one is evicted when its
+heartbeats stop. The coordinator also hosts the ``torch.distributed`` TCPStore on which the
+cross-replica groups of every epoch rendezvous.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import datetime
+import logging
+import statistics
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from unbroken.control import protocol
+from unbroken.control.quorum import QuorumDecision, QuorumRequest, QuorumRules, QuorumState
+from unbroken.control.state_store import StateStore
+from unbroken.observe.events import EventLog
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class CoordinatorSettings:
+    """How the coordinator runs.
+
+    Attributes:
+        total_replicas: replicas the job is configured with.
+        min_replicas: fewest replicas that may train.
+        state_dir: where epochs and events persist (SQLite) and events.jsonl is written.
+        host: address to bind; loopback unless the job spans machines.
+        port: port to bind; 0 picks a free one.
+        heartbeat_timeout_s: a replica silent this long is evicted (a stopped process).
+        join_window_floor_s: the join window never drops below this; above it the window is
+            three median step times, learned from what replicas report.
+        startup_window_s: how long the first quorum waits for every configured replica.
+    """
+
+    total_replicas: int
+    min_replicas: int = 1
+    state_dir: Path = Path("unbroken-state")
+    host: str = "127.0.0.1"
+    port: int = 0
+    heartbeat_timeout_s: float = 2.0
+    join_window_floor_s: float = 0.5
+    startup_window_s: float = 20.0
+
+
+@dataclasses.dataclass
+class _RankConn:
+    replica: int
+    rank: int
+    world_size: int
+    writer: asyncio.StreamWriter
+    transfer_addr: str
+    pid: int
+    node: str
+    last_heartbeat: float
+    step: int = 0
+    finished: bool = False
+
+
+class Coordinator:
+    """One job's coordinator. Use ``await start()``, then ``address``; ``await stop()``."""
+
+    TICK_S = 0.05
+
+    def __init__(self, settings: CoordinatorSettings) -> None:
+        self.settings = settings
+        self.store = StateStore(settings.state_dir)
+        self.events = EventLog(Path(settings.state_dir) / "events.jsonl", "coordinator")
+        self.events.subscribe(self.store.record_event)
+        first_epoch = self.store.max_epoch()
+        self.quorum = QuorumState(
+            QuorumRules(
+                total_replicas=settings.total_replicas,
+                min_replicas=settings.min_replicas,
+                join_window_s=settings.join_window_floor_s,
+                startup_window_s=settings.startup_window_s,
+            ),
+            first_epoch=first_epoch,
+        )
+        self.replicas: dict[int, dict[int, _RankConn]] = {}
+        self.pending: dict[int, dict[int, tuple[_RankConn, int, int, int | None]]] = {}
+        self.step_times: deque[float] = deque(maxlen=200)
+        self._aborted: dict[int, int] = {}
+        self._server: asyncio.base_events.Server | None = None
+        self._tick_task: asyncio.Task[None] | None = None
+        self._tcp_store: Any = None
+        self.store_address = ""
+        if first_epoch:
+            self.events.emit("coordinator_restarted", continue_after_epoch=first_epoch)
+
+    @property
+    def address(self) -> str:
+        assert self._server is not None, "call start() first"
+        host, port = self._server.sockets[0].getsockname()[:2]
+        return f"{host}:{port}"
+
+    async def start(self) -> None:
+        import torch.distributed as dist
+
+        self._tcp_store = dist.TCPStore(
+            self.settings.host,
+            0,
+            None,
+            True,
+            timeout=datetime.timedelta(seconds=60),
+            wait_for_workers=False,
+        )
+        self.store_address = f"{self.settings.host}:{self._tcp_store.port}"
+        try:
+            self._server = await asyncio.start_server(
+                self._serve, self.settings.host, self.settings.port, limit=protocol.MAX_LINE
+            )
+        except OSError as e:
+            raise OSError(
+                f"the coordinator cannot listen on {self.settings.host}:{self.settings.port}: "
+                f"{e.strerror}; pick another port with --port (0 picks a free one)"
+            ) from e
+        self._tick_task = asyncio.create_task(self._tick())
+        self.events.emit("coordinator_started", address=self.address, store=self.store_address)
+
+    async def stop(self) -> None:
+        if self._tick_task:
+            self._tick_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._tick_task
+        if self._server:
+            self._server.close()
+            for ranks in self.replicas.values():
+                for conn in ranks.values():
+                    conn.writer.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+        self.events.close()
+        self.store.close()
+        self._tcp_store = None
+
+    # -- called by the supervisor in the same process --------------------------------------
+
+    def replica_exited(self, replica: int, exitcode: int | None = None) -> None:
+        """The supervisor saw a process of ``replica`` exit: evict it now, not on a timeout."""
+        if replica in self.quorum.alive or replica in self.replicas:
+            self._evict(replica, f"process exited with code {exitcode}")
+
+    def status(self) -> dict[str, Any]:
+        cur = self.quorum.current
+        return {
+            "epoch": cur.epoch if cur else self.quorum.epoch,
+            "step": cur.step if cur else None,
+            "members": list(cur.members) if cur else [],
+            "forming": self.quorum.forming_since is not None,
+            "join_window_s": self.quorum.join_window_s,
+            "replicas": {
+                r: {
+                    "ranks": len(ranks),
+                    "step": max((c.step for c in ranks.values()), default=0),
+                    "node": next(iter(ranks.values())).node if ranks else "",
+                    "alive": r in self.quorum.alive,
+                }
+                for r, ranks in sorted(self.replicas.items())
+            },
+            "median_step_s": statistics.median(self.step_times) if self.step_times else None,
+        }
+
+    # -- connections -----------------------------------------------------------------------
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn: _RankConn | None = None
+        try:
+            while True:
+                line = await reader.readline()
+                if not line:
+                    break
+                msg = protocol.decode(line)
+                if msg["op"] == "hello":
+                    conn = self._hello(msg, writer)
+                elif msg["op"] == "status":
+                    self._send(writer, {"op": "status", **self.status()})
+                elif msg["op"] == "exited":
+                    self.replica_exited(int(msg["replica"]), msg.get("exitcode"))
+                elif conn is None:
+                    self._send(writer, {"op": "error", "message": "say hello first"})
+                elif msg["op"] == "heartbeat":
+                    conn.last_heartbeat = time.monotonic()
+                    conn.step = int(msg.get("step", conn.step))
+                elif msg["op"] == "quorum":
+                    conn.last_heartbeat = time.monotonic()
+                    self._quorum_request(conn, msg)
+                elif msg["op"] == "bye":
+                    conn.finished = True
+                    self.events.emit("replica_finished", replica=conn.replica, rank=conn.rank)
+        except (ConnectionError, ValueError, asyncio.IncompleteReadError) as e:
+            log.debug("connection ended: %s", e)
+        finally:
+            writer.close()
+            if conn is not None:
+                self._connection_closed(conn)
+
+    def _hello(self, msg: dict[str, Any], writer: asyncio.StreamWriter) -> _RankConn:
+        conn = _RankConn(
+            replica=int(msg["replica"]),
+            rank=int(msg["rank"]),
+            world_size=int(msg["world_size"]),
+            writer=writer,
+            transfer_addr=str(msg.get("transfer_addr", "")),
+            pid=int(msg.get("pid", 0)),
+            node=str(msg.get("node", "")),
+            last_heartbeat=time.monotonic(),
+            step=int(msg.get("step", 0)),
+        )
+        ranks = self.replicas.setdefault(conn.replica, {})
+        old = ranks.get(conn.rank)
+        if old is not None and old.writer is not writer:
+            old.writer.close()
+        ranks[conn.rank] = conn
+        self._send(writer, {"op": "welcome", "store": self.store_address, "epoch": self.quorum.epoch})
+        if len(ranks) == conn.world_size:
+            self.quorum.connect(conn.replica)
+            self.events.emit(
+                "replica_connected", replica=conn.replica, node=conn.node, pid=conn.pid, step=conn.step
+            )
+        return conn
+
+    def _connection_closed(self, conn: _RankConn) -> None:
+        ranks = self.replicas.get(conn.replica, {})
+        if ranks.get(conn.rank) is not conn:
+            return  # already replaced by a reconnect
+        del ranks[conn.rank]
+        if not ranks:
+            self.replicas.pop(conn.replica, None)
+        if conn.finished:
+            self.pending.pop(conn.replica, None)
+            self.quorum.alive.discard(conn.replica)
+            return
+        self._evict(conn.replica, "connection closed (process died or lost its network)")
+
+    def _evict(self, replica: int, reason: str) -> None:
+        for conn in list(self.replicas.pop(replica, {}).values()):
+            conn.writer.close()
+        self.pending.pop(replica, None)
+        was_member = self.quorum.current is not None and replica in self.quorum.current.members
+        self.events.emit("replica_evicted", replica=replica, reason=reason, member=was_member)
+        self._deliver(self.quorum.disconnect(replica, time.monotonic()))
+        self._push_aborts()
+
+    # -- quorum ----------------------------------------------------------------------------
+
+    def _quorum_request(self, conn: _RankConn, msg: dict[str, Any]) -> None:
+        step_time = msg.get("step_time")
+        if step_time:
+            self.step_times.append(float(step_time))
+        conn.step = int(msg["step"])
+        failed = msg.get("failed_epoch")
+        ranks = self.pending.setdefault(conn.replica, {})
+        ranks[conn.rank] = (conn, int(msg["id"]), conn.step, failed)
+        if len(ranks) < conn.world_size:
+            return
+        del self.pending[conn.replica]
+        failures = [f for (_, _, _, f) in ranks.values() if f is not None]
+        req = QuorumRequest(
+            replica=conn.replica,
+            step=min(s for (_, _, s, _) in ranks.values()),
+            failed_epoch=max(failures) if failures else None,
+        )
+        if req.failed_epoch is not None:
+            self.events.emit("exchange_failed", replica=req.replica, epoch=req.failed_epoch, step=req.step)
+        answer, formed = self.quorum.request(req, time.monotonic())
+        if answer is not None:
+            self._reply(answer, {req.replica: ranks})
+        else:
+            self.pending[conn.replica] = ranks
+        self._deliver(formed)
+        self._push_aborts()
+
+    def _deliver(self, decisions: list[QuorumDecision]) -> None:
+        for d in decisions:
+            self.store.record_epoch(d.epoch, d.step, list(d.members), list(d.behind))
+            self.events.emit(
+                "quorum", epoch=d.epoch, step=d.step, members=list(d.members),
+                behind=list(d.behind), donors=[list(p) for p in d.donors],
+            )
+            waiting = {m: self.pending.pop(m) for m in d.members if m in self.pending}
+            self._reply(d, waiting)
+
+    def _reply(
+        self, d: QuorumDecision, waiting: dict[int, dict[int, tuple[_RankConn, int, int, int | None]]]
+    ) -> None:
+        for ranks in waiting.values():
+            for rank, (conn, req_id, _, _) in ranks.items():
+                addrs = {
+                    str(m): self.replicas[m][rank].transfer_addr
+                    for m in d.members
+                    if m in self.replicas and rank in self.replicas[m]
+                }
+                self._send(
+                    conn.writer,
+                    {"op": "quorum", "id": req_id, "decision": d.to_json(), "transfer_addrs": addrs,
+                     "store": self.store_address},
+                )
+
+    def _push_aborts(self) -> None:
+        cur = self.quorum.current
+        if cur is None:
+            return
+        for replica in self.quorum.in_flight_members():
+            if self._aborted.get(replica) == cur.epoch:
+                continue
+            self._aborted[replica] = cur.epoch
+            for conn in self.replicas.get(replica, {}).values():
+                self._send(conn.writer, {"op": "abort", "epoch": cur.epoch})
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.TICK_S)
+            now = time.monotonic()
+            for replica, ranks in list(self.replicas.items()):
+                silent = [c for c in ranks.values() if now - c.last_heartbeat > self.settings.heartbeat_timeout_s]
+                if silent and not any(c.finished for c in ranks.values()):
+                    self._evict(replica, f"no heartbeat for {self.settings.heartbeat_timeout_s:.1f}s (hung or stopped)")
+            if len(self.step_times) >= 5:
+                self.quorum.join_window_s = max(
+                    self.settings.join_window_floor_s, 3.0 * statistics.median(self.step_times)
+                )
+            self._deliver(self.quorum.evaluate(now))
+            self._push_aborts()
+
+    @staticmethod
+    def _send(writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
+        if not writer.is_closing():
+            writer.write(protocol.encode(msg))

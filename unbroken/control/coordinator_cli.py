@@ -1,0 +1,45 @@
+"""``unbroken coordinator``: run the coordinator on its own (multi-node jobs, or a restart)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from pathlib import Path
+
+import click
+
+from unbroken.control.coordinator import Coordinator, CoordinatorSettings
+
+
+async def _serve(settings: CoordinatorSettings) -> None:
+    coordinator = Coordinator(settings)
+    await coordinator.start()
+    click.echo(f"coordinator listening on {coordinator.address}", err=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    with contextlib.suppress(asyncio.CancelledError):
+        await stop.wait()
+    await coordinator.stop()
+
+
+@click.command()
+@click.option("--replicas", type=int, required=True, help="Replicas the job is configured with.")
+@click.option("--min-replicas", type=int, default=None, help="Fewest replicas that may train [default: a majority].")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=29510, show_default=True)
+@click.option("--state-dir", type=click.Path(path_type=Path), default=Path("runs/coordinator"), show_default=True)
+@click.option("--heartbeat-timeout", type=float, default=2.0, show_default=True, help="Seconds of silence before eviction.")
+def coordinator(replicas: int, min_replicas: int | None, host: str, port: int, state_dir: Path, heartbeat_timeout: float) -> None:
+    """Serve membership and quorum epochs for a job; state persists in --state-dir."""
+    try:
+        settings = CoordinatorSettings(
+            total_replicas=replicas,
+            min_replicas=min_replicas if min_replicas is not None else replicas // 2 + 1,
+            state_dir=state_dir, host=host, port=port, heartbeat_timeout_s=heartbeat_timeout,
+        )
+        asyncio.run(_serve(settings))
+    except (ValueError, OSError) as e:
+        raise click.UsageError(str(e)) from e

@@ -1,0 +1,30 @@
+"""The coordinator's wire format: one JSON object per line over a persistent TCP connection.
+
+A persistent connection is the point: when a replica process dies, the kernel closes its socket
+and the coordinator learns it within milliseconds, with no heartbeat timeout; and the
+coordinator can push an abort to a replica blocked in an exchange.
+
+Client -> coordinator ops: ``hello``, ``heartbeat``, ``quorum``, ``bye``, ``exited``.
+Coordinator -> client ops: ``welcome``, ``quorum`` (the answer, same ``id``), ``abort``,
+``error``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+Message = dict[str, Any]
+
+MAX_LINE = 1 << 20
+
+
+def encode(msg: Message) -> bytes:
+    return json.dumps(msg, separators=(",", ":")).encode() + b"\n"
+
+
+def decode(line: bytes) -> Message:
+    msg = json.loads(line)
+    if not isinstance(msg, dict) or "op" not in msg:
+        raise ValueError(f"not a protocol message: {line[:80]!r}")
+    return msg

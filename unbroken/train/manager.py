@@ -1,0 +1,256 @@
+"""The replica step protocol: quorum, reconfigure, catch up, exchange, vote, commit.
+
+One :class:`Manager` per rank. A training loop calls :meth:`start_step` when a step begins
+(the quorum request then travels while the forward pass runs) and :meth:`allreduce` after the
+backward pass; it applies the optimizer step only if that returns True. The optimizer wrapper
+in :mod:`unbroken.train.optimizer` does both for you.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from unbroken.comm.deadline import LearnedDeadline
+from unbroken.comm.process_group import CrossReplicaGroup, ExchangeFailed
+from unbroken.comm.transfer import TransferServer, fetch_state, take_snapshot
+from unbroken.config import ReplicaConfig
+from unbroken.control.client import CoordinatorClient
+from unbroken.control.quorum import QuorumDecision
+
+log = logging.getLogger(__name__)
+
+StateDictFn = Callable[[], dict[str, Any]]
+LoadStateDictFn = Callable[[dict[str, Any]], None]
+
+
+class Manager:
+    """Runs this rank's side of the fault-tolerant step protocol.
+
+    Args:
+        state_dict: returns everything a recovering peer needs (model, optimizer, RNG, data
+            position); called on the training thread at a step boundary.
+        load_state_dict: applies a state fetched from a donor.
+        config: where this rank sits; read from the environment when omitted.
+        device: where gradients live; picks Gloo (CPU) or NCCL (CUDA) for the exchange.
+        deadline: how long an exchange may take before a peer is presumed hung.
+        max_attempts: exchange attempts per step before the step is given up.
+        quorum_timeout_s: how long to wait for a quorum (training waits while fewer than
+            ``min_replicas`` are alive).
+    """
+
+    def __init__(
+        self,
+        state_dict: StateDictFn,
+        load_state_dict: LoadStateDictFn,
+        config: ReplicaConfig | None = None,
+        device: torch.device | None = None,
+        deadline: LearnedDeadline | None = None,
+        max_attempts: int = 8,
+        quorum_timeout_s: float = 600.0,
+        connect_timeout_s: float = 60.0,
+    ) -> None:
+        self.config = config or ReplicaConfig.from_env()
+        self.device = device or torch.device("cpu")
+        self._state_dict = state_dict
+        self._load_state_dict = load_state_dict
+        self.deadline = deadline or LearnedDeadline()
+        self.max_attempts = max_attempts
+        self.quorum_timeout_s = quorum_timeout_s
+        self.step = 0
+        self.decision: QuorumDecision | None = None
+        self.group = CrossReplicaGroup()
+        self.transfer = TransferServer(host=self.config.coordinator.rpartition(":")[0] or "127.0.0.1")
+        self.stats: dict[str, float] = {"exchange_failures": 0, "recoveries": 0, "donations": 0,
+                                        "last_exchange_s": 0.0, "last_recovery_s": 0.0}
+        self._quorum: Future[dict[str, Any]] | None = None
+        self._buffer: torch.Tensor | None = None
+        self._last_commit: float | None = None
+        self._step_time: float | None = None
+        self._fetch: tuple[threading.Thread, dict[str, Any]] | None = None
+        if self.config.world_size > 1 and not dist.is_initialized():
+            dist.init_process_group("gloo" if self.device.type == "cpu" else "nccl")
+        self.client = CoordinatorClient(
+            self.config.coordinator,
+            hello={
+                "replica": self.config.replica_id,
+                "rank": self.config.rank,
+                "world_size": self.config.world_size,
+                "transfer_addr": self.transfer.address,
+                "node": self.config.node,
+            },
+            on_abort=self.group.abort,
+        )
+        self.client.wait_connected(connect_timeout_s)
+
+    # -- the step ------------------------------------------------------------------------
+
+    def start_step(self) -> None:
+        """Asks for this step's quorum; the answer travels while the forward pass runs."""
+        if self._quorum is None:
+            self._quorum = self.client.request_quorum(self.step, None, self._step_time)
+
+    @property
+    def lr_scale(self) -> float:
+        """sqrt(contributing / configured replicas) while replicas are missing, else 1."""
+        if not self.config.lr_scaling or self.decision is None:
+            return 1.0
+        return min(1.0, math.sqrt(self.decision.contributing / self.config.num_replicas))
+
+    @property
+    def contributing(self) -> int:
+        return self.decision.contributing if self.decision else 1
+
+    def allreduce(self, grads: list[torch.Tensor]) -> bool:
+        """Averages ``grads`` in place over the contributing replicas.
+
+        Retries in a new epoch when a peer fails; a replica that is behind sends zeros and
+        loads the donor's state before returning. Returns whether the caller may apply the
+        optimizer step (every rank of this replica group succeeded).
+        """
+        self.start_step()
+        failed: int | None = None
+        for _ in range(self.max_attempts):
+            decision = self._await_quorum(failed)
+            behind = self.config.replica_id in decision.behind
+            ok = self._exchange(grads, decision, zero=behind)
+            if self.config.world_size > 1:
+                ok = self._vote(ok)
+            if ok:
+                if behind:
+                    self._finish_recovery(decision)
+                return True
+            failed = decision.epoch
+            self.stats["exchange_failures"] += 1
+        log.error("step %d: no exchange succeeded in %d attempts; skipping it", self.step, self.max_attempts)
+        return False
+
+    def commit(self) -> None:
+        """Marks the step applied; the next :meth:`start_step` asks for the next one."""
+        now = time.perf_counter()
+        if self._last_commit is not None:
+            self._step_time = now - self._last_commit
+        self._last_commit = now
+        self.step += 1
+
+    def shutdown(self) -> None:
+        """Leaves the job cleanly: the coordinator records a finished replica, not a failure."""
+        self.client.close(finished=True)
+        self.transfer.close()
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _await_quorum(self, failed_epoch: int | None) -> QuorumDecision:
+        if failed_epoch is not None or self._quorum is None:
+            self._quorum = self.client.request_quorum(self.step, failed_epoch, self._step_time)
+        fut, self._quorum = self._quorum, None
+        msg = fut.result(timeout=self.quorum_timeout_s)
+        d = QuorumDecision.from_json(msg["decision"])
+        me = self.config.replica_id
+        if self.group.epoch != d.epoch:
+            self.group.configure(
+                msg.get("store") or self.client.store_address or "",
+                d.epoch,
+                d.members.index(me),
+                len(d.members),
+                tag=f"rank{self.config.rank}",
+                device=self.device,
+            )
+        addrs: dict[str, str] = msg.get("transfer_addrs", {})
+        if any(donor == me for (_, donor) in d.donors):
+            # The state at the start of this step: taken here, on the training thread,
+            # before the optimizer moves it; served from a background thread.
+            self.transfer.publish(take_snapshot(d.step, self._full_state(), self.transfer.pool))
+            self.stats["donations"] += 1
+        if me in d.behind and self._fetch is None:
+            self._start_fetch(addrs[str(d.donor_of(me))], d.step)
+        self.decision = d
+        return d
+
+    def _full_state(self) -> dict[str, Any]:
+        return {"user": self._state_dict(), "unbroken": {"step": self.step}}
+
+    def _start_fetch(self, address: str, step: int) -> None:
+        box: dict[str, Any] = {"start": time.perf_counter()}
+
+        def run() -> None:
+            try:
+                box["state"] = fetch_state(address, step)
+            except Exception as e:  # surfaces on the training thread in _finish_recovery
+                box["error"] = e
+
+        thread = threading.Thread(target=run, name="unbroken-fetch", daemon=True)
+        thread.start()
+        self._fetch = (thread, box)
+
+    def _finish_recovery(self, decision: QuorumDecision) -> None:
+        assert self._fetch is not None
+        thread, box = self._fetch
+        self._fetch = None
+        thread.join()
+        if "error" in box:
+            raise RuntimeError(f"catch-up from a donor failed: {box['error']}") from box["error"]
+        state = box["state"]
+        self._load_state_dict(state["user"])
+        self.step = int(state["unbroken"]["step"])
+        assert self.step == decision.step, (self.step, decision.step)
+        self.stats["recoveries"] += 1
+        self.stats["last_recovery_s"] = time.perf_counter() - box["start"]
+
+    def _exchange(self, grads: list[torch.Tensor], d: QuorumDecision, zero: bool) -> bool:
+        locals_ = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        n = sum(g.numel() for g in locals_)
+        buf = self._buffer
+        if buf is None or buf.numel() != n + 2:
+            buf = self._buffer = torch.empty(n + 2, dtype=torch.float32, device=self.device)
+        if zero:
+            buf.zero_()
+        else:
+            offset = 0
+            for g in locals_:
+                buf[offset : offset + g.numel()].copy_(g.reshape(-1))
+                offset += g.numel()
+            buf[n] = 1.0
+        # Every member adds its step and whether it contributes, so a member that silently
+        # trains a different step is caught instead of averaged in.
+        buf[n + 1] = float(d.step)
+        try:
+            seconds = self.group.allreduce_sum(buf, self.deadline.seconds)
+        except ExchangeFailed as e:
+            log.warning("replica %d step %d: %s", self.config.replica_id, self.step, e)
+            self._buffer = None  # the backend may still write into it
+            return False
+        contributing, step_sum = buf[n].item(), buf[n + 1].item()
+        if round(contributing) != d.contributing or step_sum != float(d.step) * len(d.members):
+            log.warning("replica %d: members disagree on the step (%s); redoing it", self.config.replica_id, step_sum)
+            return False
+        self.deadline.observe(seconds)
+        self.stats["last_exchange_s"] = seconds
+        scale = 1.0 / d.contributing
+        offset = 0
+        for g in locals_:
+            torch.mul(buf[offset : offset + g.numel()].view_as(g), scale, out=g)
+            offset += g.numel()
+        return True
+
+    def _vote(self, ok: bool) -> bool:
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+
+def init(
+    state_dict: StateDictFn,
+    load_state_dict: LoadStateDictFn,
+    **kwargs: Any,
+) -> Manager:
+    """Joins the fault-tolerant job this process was launched into (see ``unbroken run``)."""
+    return Manager(state_dict, load_state_dict, **kwargs)
