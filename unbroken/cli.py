@@ -13,6 +13,7 @@ import click
 # name -> "module:attribute" of a click command or group.
 COMMANDS: dict[str, str] = {
     "bench": "unbroken.bench.cli:bench",
+    "simulate": "unbroken.sim.cli:simulate",
 }
 
 # name -> "module:attribute" of the `unbroken bench NAME` scenarios.
