@@ -77,6 +77,16 @@ def _per_1000_node_days(rate: float) -> float:
     return rate / 1000.0 / 24.0
 
 
+def _meta_fleet(gpus: int) -> Cluster:
+    """A job on Meta's fleet failure rate; 8 replicas and a 10 s step are assumed."""
+    return Cluster(
+        gpus=gpus,
+        node_failure_rate_per_h=_per_1000_node_days(META_FAILURES_PER_1000_NODE_DAYS),
+        replicas=8,
+        step_s=10.0,
+    )
+
+
 def kokolis_first_order(recovery_s: float, interval_s: float, mttf_s: float) -> float:
     """First-order ETTR in the form of Kokolis et al.: ``1 - (u0 + interval / 2) / MTTF``.
 
@@ -151,12 +161,7 @@ def _llama3(figures: dict[str, Figure]) -> Preset:
 
 
 def _meta16k(figures: dict[str, Figure]) -> Preset:
-    cluster = Cluster(
-        gpus=META_GPUS,
-        node_failure_rate_per_h=_per_1000_node_days(META_FAILURES_PER_1000_NODE_DAYS),
-        replicas=8,
-        step_s=10.0,
-    )
+    cluster = _meta_fleet(META_GPUS)
     mttf = 1.0 / cluster.event_rate_per_s
     rows = tuple(
         (
@@ -193,12 +198,7 @@ def _meta16k(figures: dict[str, Figure]) -> Preset:
 
 
 def _c4(figures: dict[str, Figure]) -> Preset:
-    cluster = Cluster(
-        gpus=C4_GPUS,
-        node_failure_rate_per_h=_per_1000_node_days(META_FAILURES_PER_1000_NODE_DAYS),
-        replicas=8,
-        step_s=10.0,
-    )
+    cluster = _meta_fleet(C4_GPUS)
     mtbf = 1.0 / cluster.event_rate_per_s
     policies = _ft_hsdp_policies(figures, cluster.step_s)
     policies["synchronous"] = Policy(

@@ -110,7 +110,7 @@ def render(result: dict[str, Any]) -> Group:
             f"{entry['ettr']:.1%} ± {entry['ettr_ci95']:.2%}",
             f"{entry['ettr_closed_form']:.1%}",
             target_text,
-            ", ".join(f"{k} {v:.1%}" for v, k in lost[:5]),
+            ", ".join(f"{k} {v:.1%}" for v, k in lost[:3]),
             f"{entry['checkpoint_interval_s'] / 60:.1f} min",
         )
     parts: list[Any] = [main]
