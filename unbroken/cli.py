@@ -15,6 +15,7 @@ COMMANDS: dict[str, str] = {
     "bench": "unbroken.bench.cli:bench",
     "coordinator": "unbroken.control.coordinator_cli:coordinator",
     "run": "unbroken.launch.run_cli:run",
+    "simulate": "unbroken.sim.cli:simulate",
 }
 
 # name -> "module:attribute" of the `unbroken bench NAME` scenarios.

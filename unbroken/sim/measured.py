@@ -1,0 +1,149 @@
+"""unbroken's own figures, read from ``unbroken bench`` outputs and scaled to a cluster.
+
+The benchmarks run on one machine (CPU processes, Gloo, a state of about a gigabyte). What
+carries over to a cluster, and how, is stated in :data:`ASSUMPTIONS` and printed with every
+projection; whatever a benchmark file does not provide falls back to the benchmark's target from
+the issue that defines it (an upper bound, so the projection is not flattered by a missing file).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from unbroken.sim.model import Policy
+
+#: Share of failures that present as hangs (the rest as crashes that surface at once).
+HANG_SHARE = 0.2
+#: Per-GPU training state: a 405B-parameter model with bf16 weights, fp32 master copy and Adam
+#: moments (16 bytes per parameter, 6.5 TB) sharded over one of 12 replicas of ~8,192 GPUs is
+#: 0.8 GB per GPU; rounded up.
+STATE_GIB_PER_GPU = 1.0
+#: Rebuilding the cross-replica group at scale; FT-HSDP reports "seconds, not minutes".
+PG_REBUILD_S = 10.0
+#: Restarting a failed replica (new node, containers, replica-internal init) is not something
+#: unbroken measures; FT-HSDP's published 7 minutes is used, less its state load.
+REPLICA_RESTART_S = 420.0
+#: Checkpoints of a replica-level job only guard against losing every replica.
+MIN_CHECKPOINT_INTERVAL_S = 1800.0
+
+ASSUMPTIONS: tuple[str, ...] = (
+    f"{HANG_SHARE:.0%} of failures are hangs (detected by timeout), the rest crashes",
+    f"per-GPU state {STATE_GIB_PER_GPU:g} GiB (405B params x 16 B over a ~8K-GPU replica); "
+    "checkpoint stall and state load scale linearly from the benchmark's per-GiB figures, "
+    "because every GPU snapshots and loads its own shard in parallel",
+    "survivor stall = the benchmark's single-machine stall (crash or hang, weighted) "
+    f"+ {PG_REBUILD_S:g} s to rebuild the cross-replica group at scale",
+    f"replica restart (node, containers, init) = FT-HSDP's published {REPLICA_RESTART_S / 60:g} min; "
+    "unbroken does not measure it",
+    "catch-up: the rejoining replica is out for rejoin_steps more steps; survivors lose "
+    "rejoin_steps x step x (donor_slowdown - 1) because the slowest donor paces the exchange",
+    "steady overhead = overhead_ratio x record_overhead_ratio - 1 applies to every step",
+)
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One input figure and where it came from."""
+
+    value: float
+    source: str
+
+
+#: name -> (file, dotted key, fallback, unit); fallbacks are the issues' targets.
+FIELDS: dict[str, tuple[str, str, float]] = {
+    "crash_stall_s": ("recovery.json", "crash.survivor_stall_s", 1.0),
+    "hang_stall_s": ("recovery.json", "hang.survivor_stall_s", 3.0),
+    "rejoin_steps": ("recovery.json", "crash.rejoin_steps", 2.0),
+    "donor_slowdown": ("recovery.json", "crash.donor_slowdown", 1.10),
+    "overhead_ratio": ("recovery.json", "overhead_ratio", 1.05),
+    "record_overhead_ratio": ("diagnosis.json", "record_overhead_ratio", 1.01),
+    "diagnosis_s": ("diagnosis.json", "scenarios[].detect_s (mean over fault scenarios)", 2.0),
+    "checkpoint_size_mb": ("checkpoint.json", "size_mb", 1024.0),
+    "checkpoint_stall_s": ("checkpoint.json", "systems.unbroken.stall_s", 0.055),
+    "checkpoint_durable_s": ("checkpoint.json", "systems.unbroken.durable_s", 4.5),
+    "restore_memory_s": ("checkpoint.json", "systems.unbroken.restore_memory_s", 0.1),
+}
+
+
+def _dig(data: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(data, dict) or part not in data:
+            return None
+        data = data[part]
+    return data
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc}); re-run the benchmark or remove the file") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold one JSON object, found {type(data).__name__}")
+    return data
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+        return float(value)
+    return None
+
+
+def read_figures(bench_dir: Path) -> dict[str, Figure]:
+    """Every figure the projection needs, measured where a benchmark file provides it."""
+    files = {name: _load(bench_dir / name) for name in ("recovery.json", "checkpoint.json", "diagnosis.json")}
+    figures: dict[str, Figure] = {}
+    for name, (file, key, fallback) in FIELDS.items():
+        data = files[file]
+        if name == "diagnosis_s":
+            value = _mean_detect(data)
+        else:
+            value = _number(_dig(data, key)) if data is not None else None
+        if value is None:
+            figures[name] = Figure(fallback, f"default (target; {file} {key} not found)")
+        else:
+            figures[name] = Figure(value, f"measured: {bench_dir / file} {key}")
+    return figures
+
+
+def _mean_detect(data: dict[str, Any] | None) -> float | None:
+    if data is None or not isinstance(data.get("scenarios"), list):
+        return None
+    values = [
+        _number(s.get("detect_s"))
+        for s in data["scenarios"]
+        if isinstance(s, dict) and not s.get("clean", False)
+    ]
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def unbroken_policy(figures: dict[str, Figure], step_s: float) -> Policy:
+    """The unbroken recovery design at cluster scale, from benchmark figures."""
+    f = {name: fig.value for name, fig in figures.items()}
+    per_gib = STATE_GIB_PER_GPU / (f["checkpoint_size_mb"] / 1024.0 or 1.0)
+    detection = (1 - HANG_SHARE) * f["crash_stall_s"] + HANG_SHARE * f["hang_stall_s"]
+    rejoin_steps = f["rejoin_steps"]
+    state_load = f["restore_memory_s"] * per_gib
+    return Policy(
+        name="unbroken",
+        replica_level=True,
+        stall_s={"detection": detection, "pg_rebuild": PG_REBUILD_S},
+        degraded_s={
+            "diagnosis": HANG_SHARE * f["diagnosis_s"],
+            "replica_restart": REPLICA_RESTART_S,
+            "state_load": state_load,
+            "catch_up_steps": rejoin_steps * step_s,
+        },
+        rejoin_stall_s=rejoin_steps * step_s * max(0.0, f["donor_slowdown"] - 1.0),
+        checkpoint_interval_s=max(MIN_CHECKPOINT_INTERVAL_S, f["checkpoint_durable_s"] * per_gib),
+        checkpoint_stall_s=f["checkpoint_stall_s"] * per_gib,
+        steady_overhead=max(0.0, f["overhead_ratio"] * f["record_overhead_ratio"] - 1.0),
+        notes=ASSUMPTIONS,
+    )

@@ -1,0 +1,132 @@
+"""Runs a preset through both estimators and shapes the result for JSON and the terminal."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+
+from unbroken.sim.interval import optimal_intervals
+from unbroken.sim.measured import ASSUMPTIONS
+from unbroken.sim.model import HOUR, closed_form
+from unbroken.sim.montecarlo import simulate
+from unbroken.sim.presets import Preset, max_restart_for
+
+
+def _round(values: dict[str, float]) -> dict[str, float]:
+    return {key: round(value, 5) for key, value in values.items()}
+
+
+def evaluate(preset: Preset, *, years: float = 1.0, runs: int = 20, seed: int = 0,
+             intervals: bool = True) -> dict[str, Any]:
+    """Closed form, Monte Carlo, checkpoint intervals and targets for every policy of a preset."""
+    cluster = preset.cluster
+    policies: dict[str, Any] = {}
+    for key, policy in preset.policies.items():
+        estimate = closed_form(cluster, policy)
+        sim = simulate(cluster, policy, years=years, runs=runs, seed=seed)
+        entry: dict[str, Any] = {
+            "ettr": round(sim.ettr, 5),
+            "ettr_ci95": round(sim.ci95, 5),
+            "ettr_closed_form": round(estimate.ettr, 5),
+            "lost": _round(sim.lost),
+            "lost_closed_form": _round(estimate.lost),
+            "per_failure_s": {**policy.stall_s, **policy.degraded_s},
+            "checkpoint_interval_s": round(estimate.checkpoint_interval_s, 3),
+            "checkpoint_stall_s": policy.checkpoint_stall_s,
+            "simulation_s": round(sim.elapsed_s, 3),
+            "notes": list(policy.notes) if key != "unbroken" else [],
+        }
+        if intervals:
+            entry["checkpoint"] = asdict(optimal_intervals(cluster, policy, seed=seed))
+        target = preset.targets.get(key)
+        if target is not None:
+            entry["target"] = _judge(target, sim.ettr, sim.lost)
+        policies[key] = entry
+    result: dict[str, Any] = {
+        "preset": preset.name,
+        "title": preset.title,
+        "gpus": cluster.gpus,
+        "nodes": cluster.nodes,
+        "replicas": cluster.replicas,
+        "mtbf_min": round(60.0 / (cluster.event_rate_per_s * 3600.0), 3) if cluster.event_rate_per_s else None,
+        "failures_per_day": round(cluster.event_rate_per_s * 24 * HOUR, 3),
+        "policies": policies,
+        "sources": list(preset.sources),
+        "unbroken_figures": {k: {"value": f.value, "source": f.source} for k, f in preset.figures.items()},
+        "assumptions": list(ASSUMPTIONS),
+        "simulation": {"years_per_run": years, "runs": runs, "seed": seed},
+    }
+    if preset.table:
+        result["table"] = [
+            {
+                "recovery_min": minutes,
+                "ettr": round(simulate(cluster, policy, years=years, runs=runs, seed=seed).ettr, 5),
+                "ettr_closed_form": round(closed_form(cluster, policy).ettr, 5),
+                "reference": round(reference, 5),
+            }
+            for minutes, policy, reference in preset.table
+        ]
+    if preset.name == "llama3":
+        restart = max_restart_for(0.90, cluster, preset.policies["synchronous"])
+        result["max_restart_min_for_90pct"] = None if math.isnan(restart) else round(restart / 60, 2)
+    return result
+
+
+def _judge(target: Any, ettr: float, lost: dict[str, float]) -> dict[str, Any]:
+    if target.kind == "downtime":
+        got = sum(v for k, v in lost.items() if k not in ("lost_work", "checkpoint_stall", "steady_overhead"))
+        ok = abs(got - target.value) <= target.tolerance
+    elif target.kind == "below":
+        got, ok = ettr, ettr > target.value
+    else:
+        got, ok = ettr, abs(ettr - target.value) <= target.tolerance
+    return {"kind": target.kind, "published": target.value, "tolerance": target.tolerance,
+            "got": round(got, 5), "met": bool(ok), "source": target.source}
+
+
+def render(result: dict[str, Any]) -> Group:
+    """Rich tables: ETTR per policy with its breakdown, then the preset's extras."""
+    main = Table(title=f"{result['title']} — {result['gpus']:,} GPUs, a failure every "
+                 f"{result['mtbf_min']:.1f} min")
+    main.add_column("policy")
+    main.add_column("ETTR (MC ±95%)", justify="right")
+    main.add_column("closed form", justify="right")
+    main.add_column("target", justify="right")
+    main.add_column("where the rest goes (share of wall time)")
+    main.add_column("ckpt interval", justify="right")
+    for name, entry in result["policies"].items():
+        lost = sorted(((v, k) for k, v in entry["lost"].items() if v >= 0.0005), reverse=True)
+        target = entry.get("target")
+        target_text = "" if target is None else (
+            f"{'>' if target['kind'] == 'below' else ''}{target['published']:.1%} "
+            f"{'ok' if target['met'] else 'MISSED'}"
+        )
+        main.add_row(
+            name,
+            f"{entry['ettr']:.1%} ± {entry['ettr_ci95']:.2%}",
+            f"{entry['ettr_closed_form']:.1%}",
+            target_text,
+            ", ".join(f"{k} {v:.1%}" for v, k in lost[:3]),
+            f"{entry['checkpoint_interval_s'] / 60:.1f} min",
+        )
+    parts: list[Any] = [main]
+    if "table" in result:
+        table = Table(title="ETTR against recovery time (synchronous)")
+        for column in ("recovery", "ETTR (MC)", "closed form", "first-order reference"):
+            table.add_column(column, justify="right")
+        for row in result["table"]:
+            table.add_row(f"{row['recovery_min']:g} min", f"{row['ettr']:.1%}",
+                          f"{row['ettr_closed_form']:.1%}", f"{row['reference']:.1%}")
+        parts.append(table)
+    figures = Table(title="unbroken figures (cluster-scale assumptions in --json 'assumptions')")
+    figures.add_column("figure")
+    figures.add_column("value", justify="right")
+    figures.add_column("source")
+    for name, fig in result["unbroken_figures"].items():
+        figures.add_row(name, f"{fig['value']:g}", fig["source"])
+    parts.append(figures)
+    return Group(*parts)
