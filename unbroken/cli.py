@@ -13,10 +13,13 @@ import click
 # name -> "module:attribute" of a click command or group.
 COMMANDS: dict[str, str] = {
     "bench": "unbroken.bench.cli:bench",
+    "plan": "unbroken.network.cli:plan",
 }
 
 # name -> "module:attribute" of the `unbroken bench NAME` scenarios.
-BENCHMARKS: dict[str, str] = {}
+BENCHMARKS: dict[str, str] = {
+    "planner": "unbroken.bench.planner:planner",
+}
 
 
 class LazyGroup(click.Group):
