@@ -44,16 +44,7 @@ def candidate_paths(topo: Topology, traffic: Traffic) -> Candidates:
     """Equal-cost paths of every connection (alive links only)."""
     pad = topo.n_links
     cache: dict[tuple[int, int], np.ndarray] = {}
-    leaf_cache: dict[tuple[str, str], np.ndarray] = {}
     edges = topo.graph.edges
-
-    def leaf_links(a: str, b: str) -> np.ndarray:
-        if (a, b) not in leaf_cache:
-            rows = [[edges[u, v]["idx"] for u, v in zip(p, p[1:])] for p in topo.leaf_paths(a, b)]
-            width = max((len(r) for r in rows), default=0)
-            leaf_cache[(a, b)] = np.array(rows, dtype=int).reshape(len(rows), width)
-        return leaf_cache[(a, b)]
-
     def build(src: int, dst: int) -> np.ndarray:
         (hs, ls), (hd, ld) = topo.locate(src), topo.locate(dst)
         gs, gd = f"{topo.hosts[hs].name}.g{ls}", f"{topo.hosts[hd].name}.g{ld}"
@@ -71,7 +62,7 @@ def candidate_paths(topo: Topology, traffic: Traffic) -> Candidates:
                 lb = topo.leaf_of(port_d)
                 if lb is None or topo.state[edges[lb, port_d]["idx"]] == "down":
                     continue
-                mid = leaf_links(la, lb)
+                mid = topo.leaf_path_links(la, lb)
                 if len(mid) == 0:
                     continue
                 p = len(mid)

@@ -53,7 +53,8 @@ class Topology:
     state: list[str]
     _factor: dict[int, float]
     links: list[tuple[str, str]] = field(default_factory=list)
-    _leaf_paths: dict[tuple[str, str], list[tuple[str, ...]]] = field(default_factory=dict, repr=False)
+    _leaf_paths: dict[tuple[str, str], np.ndarray] = field(default_factory=dict, repr=False)
+    _up_cache: dict[str, list[tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict, repr=False)
     _gpu_offsets: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=int), repr=False)
 
     # ----------------------------------------------------------------- construction
@@ -210,37 +211,51 @@ class Topology:
             self._factor[i] = frac if frac is not None else 1.0
 
     # ----------------------------------------------------------------- paths
-    def leaf_paths(self, a: str, b: str) -> list[tuple[str, ...]]:
-        """All alive valley-free shortest switch paths from switch a to switch b."""
+    def leaf_path_links(self, a: str, b: str) -> np.ndarray:
+        """All alive valley-free shortest paths from switch a to switch b, as rows of link
+        indices (cached: ring traffic asks for the same leaf pairs over and over)."""
         key = (a, b)
         if key not in self._leaf_paths:
             self._leaf_paths[key] = self._valley_free(a, b)
         return self._leaf_paths[key]
 
-    def _up(self, node: str) -> list[str]:
-        tier = self.graph.nodes[node]["tier"]
-        return sorted(n for n in self.graph.successors(node)
-                      if self.graph.nodes[n].get("tier", 0) > tier and self._alive(node, n))
+    def leaf_paths(self, a: str, b: str) -> list[tuple[str, ...]]:
+        """The same paths as node names."""
+        return [(a,) + tuple(self.links[i][1] for i in row) for row in self.leaf_path_links(a, b)]
 
-    def _valley_free(self, a: str, b: str) -> list[tuple[str, ...]]:
+    def _ups(self, node: str) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per number of hops climbed (0..3): the switches reached and the links taken."""
+        if node not in self._up_cache:
+            levels = [(np.array([node], dtype=object), np.zeros((1, 0), dtype=np.int64))]
+            for _ in range(3):
+                tops, links = levels[-1]
+                nt, nl = [], []
+                for t, row in zip(tops.tolist(), links.tolist()):
+                    tier = self.graph.nodes[t]["tier"]
+                    for n in sorted(self.graph.successors(t)):
+                        i = self.graph.edges[t, n]["idx"]
+                        # links are added in pairs, so i ^ 1 is the way back down
+                        if self.graph.nodes[n].get("tier", 0) > tier and self.state[i] != DOWN \
+                                and self.state[i ^ 1] != DOWN:
+                            nt.append(n)
+                            nl.append(row + [i])
+                levels.append((np.array(nt, dtype=object),
+                               np.array(nl, dtype=np.int64).reshape(len(nl), len(row) + 1
+                                                                     if nl else 0)))
+            self._up_cache[node] = levels
+        return self._up_cache[node]
+
+    def _valley_free(self, a: str, b: str) -> np.ndarray:
         if a == b:
-            return [(a,)]
-        # Climb from both ends tier by tier until the reachable sets meet.
-        ups_a: list[tuple[str, ...]] = [(a,)]
-        ups_b: list[tuple[str, ...]] = [(b,)]
-        for _ in range(3):
-            tops_b: dict[str, list[tuple[str, ...]]] = {}
-            for p in ups_b:
-                tops_b.setdefault(p[-1], []).append(p)
-            found = [pa + pb[::-1][1:] for pa in ups_a for pb in tops_b.get(pa[-1], [])]
-            if found:
-                return sorted(found)
-            ups_a = [p + (n,) for p in ups_a for n in self._up(p[-1])]
-            ups_b = [p + (n,) for p in ups_b for n in self._up(p[-1])
-                     if self._alive(n, p[-1])]
-            if not ups_a or not ups_b:
+            return np.zeros((1, 0), dtype=np.int64)
+        # climb from both ends until the sets of reached switches meet
+        for (ta, la), (tb, lb) in zip(self._ups(a), self._ups(b)):
+            if len(ta) == 0 or len(tb) == 0:
                 break
-        return []
+            i, j = np.nonzero(ta[:, None] == tb[None, :])
+            if len(i):
+                return np.hstack([la[i], (lb[j] ^ 1)[:, ::-1]])
+        return np.zeros((0, 0), dtype=np.int64)
 
     def gpu_paths(self, src: int, dst: int) -> list[tuple[str, ...]]:
         """Equal-cost node paths between two GPUs' NIC ports (or NVLink within a host).
