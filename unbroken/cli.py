@@ -16,10 +16,13 @@ COMMANDS: dict[str, str] = {
     "coordinator": "unbroken.control.coordinator_cli:coordinator",
     "run": "unbroken.launch.run_cli:run",
     "simulate": "unbroken.sim.cli:simulate",
+    "plan": "unbroken.network.cli:plan",
 }
 
 # name -> "module:attribute" of the `unbroken bench NAME` scenarios.
-BENCHMARKS: dict[str, str] = {}
+BENCHMARKS: dict[str, str] = {
+    "planner": "unbroken.bench.planner:planner",
+}
 
 
 class LazyGroup(click.Group):
