@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -105,3 +106,67 @@ def assert_identical(states: dict[int, dict[str, Any]]) -> None:
         for pid, st in ref["optim"]["state"].items():
             for k, v in st.items():
                 assert torch.equal(v, s["optim"]["state"][pid][k]), f"replica {r} optimizer {pid}.{k} differs"
+
+
+def python_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+
+
+class Processes:
+    """Processes a test starts by hand (a coordinator, bare workers); all ended on exit."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def __enter__(self) -> Processes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+    def start(self, args: list[str], name: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        with open(self.run_dir / f"{name}.log", "ab") as log:
+            p = subprocess.Popen(args, env=env or python_env(), stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    def coordinator(self, port: int, replicas: int, min_replicas: int, state_dir: Path) -> subprocess.Popen[bytes]:
+        return self.start(
+            [sys.executable, "-m", "unbroken", "coordinator", "--replicas", str(replicas),
+             "--min-replicas", str(min_replicas), "--port", str(port), "--state-dir", str(state_dir),
+             "--startup-window", "3"],
+            "coordinator",
+        )
+
+    def worker(self, replica: int, coordinator: str, replicas: int, steps: int) -> subprocess.Popen[bytes]:
+        env = {**python_env(), "UNBROKEN_COORDINATOR": coordinator, "UNBROKEN_REPLICA_ID": str(replica),
+               "UNBROKEN_NUM_REPLICAS": str(replicas), "UNBROKEN_RUN_DIR": str(self.run_dir)}
+        return self.start([sys.executable, str(TRAIN), "--steps", str(steps)], f"worker{replica}", env)
+
+
+def metrics(run_dir: Path, replica: int) -> list[dict[str, Any]]:
+    path = run_dir / f"metrics-r{replica}.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_for_step(run_dir: Path, replica: int, step: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = metrics(run_dir, replica)
+        if rows and rows[-1]["step"] >= step:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"replica {replica} did not reach step {step} in {timeout}s")
+
+
+def load_finals(run_dir: Path, replicas: list[int]) -> dict[int, dict[str, Any]]:
+    return {r: torch.load(run_dir / f"final-r{r}.pt", weights_only=False) for r in replicas
+            if (run_dir / f"final-r{r}.pt").exists()}

@@ -32,13 +32,18 @@ async def _serve(settings: CoordinatorSettings) -> None:
 @click.option("--port", type=int, default=29510, show_default=True)
 @click.option("--state-dir", type=click.Path(path_type=Path), default=Path("runs/coordinator"), show_default=True)
 @click.option("--heartbeat-timeout", type=float, default=2.0, show_default=True, help="Seconds of silence before eviction.")
-def coordinator(replicas: int, min_replicas: int | None, host: str, port: int, state_dir: Path, heartbeat_timeout: float) -> None:
+@click.option("--startup-window", type=float, default=20.0, show_default=True, help="Seconds the first quorum waits for every replica.")
+def coordinator(
+    replicas: int, min_replicas: int | None, host: str, port: int, state_dir: Path,
+    heartbeat_timeout: float, startup_window: float,
+) -> None:
     """Serve membership and quorum epochs for a job; state persists in --state-dir."""
     try:
         settings = CoordinatorSettings(
             total_replicas=replicas,
             min_replicas=min_replicas if min_replicas is not None else replicas // 2 + 1,
             state_dir=state_dir, host=host, port=port, heartbeat_timeout_s=heartbeat_timeout,
+            startup_window_s=startup_window,
         )
         asyncio.run(_serve(settings))
     except (ValueError, OSError) as e:

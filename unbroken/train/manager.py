@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -89,7 +90,7 @@ class Manager:
             },
             on_abort=self.group.abort,
         )
-        self.client.wait_connected(connect_timeout_s)
+        self.client.wait_connected(float(os.environ.get("UNBROKEN_CONNECT_TIMEOUT", connect_timeout_s)))
 
     # -- the step ------------------------------------------------------------------------
 
