@@ -13,10 +13,13 @@ import click
 # name -> "module:attribute" of a click command or group.
 COMMANDS: dict[str, str] = {
     "bench": "unbroken.bench.cli:bench",
+    "checkpoint": "unbroken.checkpoint.cli:checkpoint",
 }
 
 # name -> "module:attribute" of the `unbroken bench NAME` scenarios.
-BENCHMARKS: dict[str, str] = {}
+BENCHMARKS: dict[str, str] = {
+    "checkpoint": "unbroken.bench.checkpoint:checkpoint",
+}
 
 
 class LazyGroup(click.Group):

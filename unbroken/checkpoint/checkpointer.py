@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from unbroken.checkpoint import disk, reshard
-from unbroken.checkpoint.manifest import ShardManifest, TensorEntry, layout, shard_dir_name, with_checksums
+from unbroken.checkpoint import disk, reshard, restore
+from unbroken.checkpoint.manifest import ShardManifest, layout, shard_dir_name, with_checksums
 from unbroken.checkpoint.peer import PeerClient
 from unbroken.checkpoint.persist import PersistProcess
 from unbroken.checkpoint.snapshot import HostBuffer, Shard, copy_into, flatten, unflatten
@@ -67,10 +67,6 @@ class _Slot:
     step: int | None = None
     manifest: ShardManifest | None = None
     objects: bytes = b""
-
-
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 class Checkpointer:
@@ -161,7 +157,7 @@ class Checkpointer:
 
     def _snapshot(self, slot: _Slot, manifest: ShardManifest, objects: bytes,
                   tensors: dict[str, Any]) -> None:
-        copy_into(slot.buffer, manifest.tensors, tensors)
+        copy_into(slot.buffer, manifest.tensors, tensors, single_thread=self._copier is not None)
         with self._cond:
             slot.state, slot.step, slot.manifest, slot.objects = "pending", manifest.step, manifest, objects
             self._dispatch()
@@ -348,59 +344,18 @@ class Checkpointer:
         return Restored(manifest.step, state, source, skipped, manifest.world_size)
 
     def _from_disk(self, step: int, want: dict[str, Any] | None, skipped: list[str]) -> Restored:
-        shards = disk.committed_shards(self.directory, step)
-        by_rank: dict[int, str] = {}
-        for (replica, rank), path in sorted(shards.items()):
-            by_rank.setdefault(rank, path)
-        manifests = {rank: disk.read_manifest(path) for rank, path in by_rank.items()}
-        saved_world = next(iter(manifests.values())).world_size
-        source_rank = reshard.objects_source_rank(self.rank, saved_world)
-        skeleton = pickle.loads(disk.read_objects(by_rank[source_rank], manifests[source_rank]))
-        own = manifests[source_rank]
+        shards = restore.open_step(self.directory, step)
+        source_rank = reshard.objects_source_rank(self.rank, shards.world_size)
+        skeleton = pickle.loads(shards.objects(source_rank))
         if want is None:
-            if saved_world != self.world_size:
-                raise ValueError(f"saved by {saved_world} ranks, loading at {self.world_size}: pass "
-                                 "into= with this rank's Shard markers to re-cut the tensors")
-            want = {e.name: (torch.empty(e.shape, dtype=getattr(torch, e.dtype)), e) for e in own.tensors}
-        tensors = self._read_wanted(by_rank, manifests, want)
-        shards_meta = {n: spec for n, (_, spec) in want.items()}
-        state = unflatten(skeleton, tensors, shards_meta)  # type: ignore[arg-type]
-        return Restored(step, state, "disk", skipped, saved_world)
-
-    def _read_wanted(self, by_rank: dict[int, str], manifests: dict[int, ShardManifest],
-                     want: dict[str, Any]) -> dict[str, torch.Tensor]:
-        files = {rank: disk.DataFile.open(by_rank[rank], m) for rank, m in manifests.items()}
-        try:
-            out = {}
-            for name, (dest, spec) in want.items():
-                pieces = [(rank, e) for rank, m in sorted(manifests.items()) for e in m.tensors
-                          if e.name == name]
-                if not pieces:
-                    raise ValueError(f"tensor {name!r} is not in the checkpoint")
-                whole = [e for _, e in pieces if e.global_offset == spec.global_offset and e.shape == spec.shape]
-                if whole and dest.is_contiguous() and dest.device.type == "cpu" \
-                        and str(dest.dtype).removeprefix("torch.") == whole[0].dtype:
-                    rank = next(r for r, e in pieces if e is whole[0])
-                    files[rank].read_into(whole[0], _bytes_of(dest))
-                else:
-                    self._assemble(name, dest, spec, pieces, files)
-                out[name] = dest
-            return out
-        finally:
-            for f in files.values():
-                f.close()
-
-    @staticmethod
-    def _assemble(name: str, dest: torch.Tensor, spec: Any, pieces: list[tuple[int, TensorEntry]],
-                  files: dict[int, disk.DataFile]) -> None:
-        entries = {i: (rank, e) for i, (rank, e) in enumerate(pieces)}
-        plan = reshard.plan([reshard.Piece(i, e.global_offset, e.shape) for i, (_, e) in entries.items()],
-                            spec.global_offset, spec.shape, name)
-        for c in plan:
-            rank, e = entries[c.key]
-            piece = torch.empty(e.shape, dtype=getattr(torch, e.dtype))
-            files[rank].read_into(e, _bytes_of(piece))
-            dest[c.dst].copy_(piece[c.src])
+            if shards.world_size != self.world_size:
+                raise ValueError(f"saved by {shards.world_size} ranks, loading at {self.world_size}: "
+                                 "pass into= with this rank's Shard markers to re-cut the tensors")
+            want = {e.name: (torch.empty(e.shape, dtype=getattr(torch, e.dtype)), e)
+                    for e in shards.manifests[source_rank].tensors}
+        tensors = shards.read(want)
+        state = unflatten(skeleton, tensors, {n: spec for n, (_, spec) in want.items()})
+        return Restored(step, state, "disk", skipped, shards.world_size)
 
 
 __all__ = ["Checkpointer", "CheckpointError", "PersistOutcome", "Restored", "Shard"]

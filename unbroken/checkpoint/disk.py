@@ -61,13 +61,13 @@ def check_writable(root: str) -> None:
     Creates the directory if its parent exists, then really creates and removes a file: that is
     the only honest test (permission bits say nothing for root or on read-only mounts).
     """
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise ValueError(f"checkpoint path {root!r} exists and is not a directory")
     try:
         os.makedirs(root, exist_ok=True)
     except OSError as exc:
         raise ValueError(f"checkpoint directory {root!r} cannot be created: {exc.strerror}; "
                          "choose a path on a writable filesystem") from exc
-    if not os.path.isdir(root):
-        raise ValueError(f"checkpoint path {root!r} exists and is not a directory")
     probe = os.path.join(root, f".probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         with open(probe, "wb") as f:

@@ -170,4 +170,7 @@ class PersistProcess:
 
 
 if __name__ == "__main__":
+    # Yield the CPU to training: when both want a core the trainer's threads win, so persisting
+    # slows training little; when the trainer is idle the disk still gets full speed.
+    os.nice(10)
     serve(socket.socket(fileno=int(sys.argv[1])))
