@@ -98,7 +98,7 @@ def write_fsync(nbytes: int, directory: str) -> float:
     with open(path, "wb") as f:
         view = memoryview(buf)
         for i in range(0, len(view), 32 << 20):
-            f.write(view[i:i + 32 << 20])
+            f.write(view[i:i + (32 << 20)])
         f.flush()
         os.fsync(f.fileno())
     _fsync_path(directory)

@@ -134,15 +134,13 @@ class Checkpointer:
 
     def _take_slot(self, nbytes: int) -> _Slot:
         """A buffer to copy into: never the one being persisted; the oldest snapshot otherwise."""
-        if len(self._slots) < 2:
-            slot = _Slot(HostBuffer(nbytes))
-            self._slots.append(slot)
+        while len(self._slots) < 2:  # both at once, so no later save pays for an allocation
+            self._slots.append(_Slot(HostBuffer(nbytes)))
             self._attach(len(self._slots) - 1)
-        else:
-            candidates = [s for s in self._slots if s.state != "inflight"]
-            slot = min(candidates, key=lambda s: -1 if s.step is None else s.step)
-            if slot.state == "pending":
-                self.coalesced += 1
+        candidates = [s for s in self._slots if s.state != "inflight"]
+        slot = min(candidates, key=lambda s: -1 if s.step is None else s.step)
+        if slot.state == "pending":
+            self.coalesced += 1
         if slot.buffer.capacity < nbytes:
             slot.buffer.close()
             slot.buffer = HostBuffer(int(nbytes * 1.25))

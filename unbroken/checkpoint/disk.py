@@ -114,9 +114,9 @@ def write_shard(root: str, manifest: ShardManifest, objects: bytes, data: memory
     it (zlib and ``write`` both release the GIL), so they cost no extra pass over the data.
     """
     step_dir = os.path.join(root, step_dir_name(manifest.step))
-    if not os.path.isdir(step_dir):
-        os.makedirs(step_dir, exist_ok=True)
-        fsync_dir(root)
+    # The step directory's own entry in ``root`` becomes durable with the fsync of ``root``
+    # that follows the move of ``latest``; until then a crash can only lose this newest step.
+    os.makedirs(step_dir, exist_ok=True)
     final = os.path.join(step_dir, manifest.shard_name)
     tmp = os.path.join(step_dir, f".{manifest.shard_name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     os.mkdir(tmp)
