@@ -109,15 +109,22 @@ def test_kill_9_during_persist_leaves_previous_checkpoint(ckpt_dir: str) -> None
             fresh.load(2)  # the half-written step is never read
 
 
+def mount_tmpfs(path: Path, options: str) -> bool:
+    """Mount a tmpfs (root only): real ENOSPC / EROFS from the kernel, not a simulation."""
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True,
+                       capture_output=True)
+        return True
+    except (OSError, subprocess.CalledProcessError):
+        return False
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[str]:
-    """A 3 MiB tmpfs: a real ENOSPC from the kernel (needs root to mount)."""
+    """A 3 MiB filesystem, so that a 4 MB save hits a full disk."""
     mnt = tmp_path / "small"
     mnt.mkdir()
-    try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], check=True,
-                       capture_output=True)
-    except (OSError, subprocess.CalledProcessError):
+    if not mount_tmpfs(mnt, "size=3m"):
         pytest.skip("cannot mount a small tmpfs here (needs root); full-disk test not run")
     try:
         yield str(mnt)
@@ -178,10 +185,7 @@ def test_unusable_directory_fails_before_training(tmp_path: Path) -> None:
     ro = tmp_path / "ro"
     ro.mkdir()
     if os.geteuid() == 0:  # root ignores permission bits: use a read-only mount instead
-        try:
-            subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], check=True,
-                           capture_output=True)
-        except (OSError, subprocess.CalledProcessError):
+        if not mount_tmpfs(ro, "ro,size=1m"):
             pytest.skip("root without mount: cannot make an unwritable directory")
     else:
         ro.chmod(0o555)

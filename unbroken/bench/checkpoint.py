@@ -24,6 +24,8 @@ from typing import Any, Callable
 import click
 import torch
 
+from unbroken.checkpoint.disk import fsync_dir
+
 ROUNDS = 2
 
 
@@ -82,14 +84,6 @@ def _sized_trainer(size_mb: int) -> Trainer:
     return Trainer(width, layers, batch=16)
 
 
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_fsync(nbytes: int, directory: str) -> float:
     """Seconds for a plain write + fsync of ``nbytes`` from warm memory: the disk's floor."""
     buf = bytearray(os.urandom(1 << 20)) * (nbytes >> 20)
@@ -101,7 +95,7 @@ def write_fsync(nbytes: int, directory: str) -> float:
             f.write(view[i:i + (32 << 20)])
         f.flush()
         os.fsync(f.fileno())
-    _fsync_path(directory)
+    fsync_dir(directory)
     took = time.perf_counter() - started
     os.unlink(path)
     return took
@@ -137,7 +131,7 @@ class TorchSave(System):
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_path(self.root)
+        fsync_dir(self.root)
 
     def restore_disk(self, state: dict[str, Any]) -> None:
         _copy_tree_into(state, torch.load(self.path, weights_only=True))
