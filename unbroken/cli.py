@@ -17,11 +17,13 @@ COMMANDS: dict[str, str] = {
     "run": "unbroken.launch.run_cli:run",
     "simulate": "unbroken.sim.cli:simulate",
     "plan": "unbroken.network.cli:plan",
+    "checkpoint": "unbroken.checkpoint.cli:checkpoint",
 }
 
 # name -> "module:attribute" of the `unbroken bench NAME` scenarios.
 BENCHMARKS: dict[str, str] = {
     "planner": "unbroken.bench.planner:planner",
+    "checkpoint": "unbroken.bench.checkpoint:checkpoint",
 }
 
 

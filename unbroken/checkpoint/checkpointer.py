@@ -1,0 +1,359 @@
+"""The ``Checkpointer``: what a training loop calls.
+
+``save(step, state)`` copies the state into a reused host buffer and returns; the persist
+process writes it to disk and a peer while training goes on. Two buffers alternate so that a
+save never waits for the disk: while one is being written, the next snapshot goes into the
+other; if a third save comes before the disk is done, it replaces the snapshot still waiting
+(the newest always wins; the skipped step stays in memory only until overwritten).
+
+With ``overlap=True`` even the copy leaves the training thread: ``save`` returns at once and
+the copy runs in a helper thread while the forward and backward passes read the weights; the
+first thing that would modify them must call :meth:`fence` (done for you on the optimizer by
+:meth:`guard`, and by the next ``save``/``load``).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import pickle
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from unbroken.checkpoint import disk, reshard, restore
+from unbroken.checkpoint.manifest import ShardManifest, layout, shard_dir_name, with_checksums
+from unbroken.checkpoint.peer import PeerClient
+from unbroken.checkpoint.persist import PersistProcess
+from unbroken.checkpoint.snapshot import HostBuffer, Shard, copy_into, flatten, unflatten
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(RuntimeError):
+    """No checkpoint could be restored; the message lists what was tried and why it failed."""
+
+
+@dataclass
+class PersistOutcome:
+    """What became of one step on its way to disk."""
+
+    step: int
+    ok: bool
+    error: str | None = None
+    durable_s: float | None = None
+    peer_error: str | None = None
+
+
+@dataclass
+class Restored:
+    """A restored state and where it came from."""
+
+    step: int
+    state: Any
+    source: str  # "memory", "peer" or "disk"
+    skipped: list[str] = field(default_factory=list)  # newer candidates that failed, and why
+    saved_world_size: int = 1
+
+
+@dataclass
+class _Slot:
+    buffer: HostBuffer
+    state: str = "free"  # free | writing | pending | inflight
+    step: int | None = None
+    manifest: ShardManifest | None = None
+    objects: bytes = b""
+
+
+class Checkpointer:
+    """Tiered asynchronous checkpoints for one shard (one rank of one replica).
+
+    Args:
+        directory: where checkpoints are written; created if missing; checked writable now,
+            before training starts.
+        keep_last: complete checkpoints kept on disk (the newest is never deleted).
+        replica, replicas, rank, world_size: this shard's place in the job, recorded so that a
+            checkpoint can be loaded at another world size.
+        peer: ``(host, port)`` of a :class:`~unbroken.checkpoint.peer.PeerStore` that keeps a
+            copy of each committed snapshot in its memory.
+        owner: this shard's key at the peer (default: ``r{replica}-w{rank}``).
+        overlap: run the snapshot copy in a helper thread (see module doc).
+        persist_rate_mb_s: cap on disk write bandwidth, to spare shared storage.
+    """
+
+    def __init__(self, directory: str, keep_last: int = 3, *, replica: int = 0, replicas: int = 1,
+                 rank: int = 0, world_size: int = 1, peer: tuple[str, int] | None = None,
+                 owner: str | None = None, overlap: bool = False,
+                 persist_rate_mb_s: float | None = None) -> None:
+        if keep_last < 1:
+            raise ValueError("keep_last must be at least 1")
+        if not (0 <= replica < replicas and 0 <= rank < world_size):
+            raise ValueError(f"replica {replica} of {replicas} / rank {rank} of {world_size} is "
+                             "out of range")
+        disk.check_writable(directory)
+        self.directory = directory
+        self.keep_last = keep_last
+        self.replica, self.replicas, self.rank, self.world_size = replica, replicas, rank, world_size
+        self.peer = peer
+        self.owner = owner or shard_dir_name(replica, rank)
+        self.rate_bytes_s = persist_rate_mb_s * 1e6 if persist_rate_mb_s else None
+        self._cond = threading.Condition()
+        self._slots: list[_Slot] = []
+        self._outcomes: list[PersistOutcome] = []
+        self._closing = False
+        self._proc: PersistProcess | None = None
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="unbroken-snapshot") if overlap else None
+        self._copy: Future[None] | None = None
+        self.last_stall_s = 0.0
+        self.coalesced = 0
+
+    # ----------------------------------------------------------------- saving
+    def save(self, step: int, state: Any) -> None:
+        """Snapshot ``state`` (a nested dict/list of tensors and picklable objects) as ``step``.
+
+        Returns once the state is copied (or, with ``overlap``, once the copy is started).
+        Persist failures never raise here: they are reported by :meth:`wait`.
+        """
+        started = time.perf_counter()
+        self.fence()
+        tensors, skeleton = flatten(state)
+        objects = pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
+        entries = layout(spec for _, spec in tensors.values())
+        manifest = ShardManifest(step, self.replica, self.replicas, self.rank, self.world_size, entries)
+        with self._cond:
+            slot = self._take_slot(manifest.data_len)
+        if self._copier is None:
+            self._snapshot(slot, manifest, objects, tensors)
+        else:
+            self._copy = self._copier.submit(self._snapshot, slot, manifest, objects, tensors)
+        self.last_stall_s = time.perf_counter() - started
+
+    def _take_slot(self, nbytes: int) -> _Slot:
+        """A buffer to copy into: never the one being persisted; the oldest snapshot otherwise."""
+        while len(self._slots) < 2:  # both at once, so no later save pays for an allocation
+            self._slots.append(_Slot(HostBuffer(nbytes)))
+            self._attach(len(self._slots) - 1)
+        candidates = [s for s in self._slots if s.state != "inflight"]
+        slot = min(candidates, key=lambda s: -1 if s.step is None else s.step)
+        if slot.state == "pending":
+            self.coalesced += 1
+        if slot.buffer.capacity < nbytes:
+            slot.buffer.close()
+            slot.buffer = HostBuffer(int(nbytes * 1.25))
+            self._attach(self._slots.index(slot))
+        slot.state, slot.step, slot.manifest = "writing", None, None
+        return slot
+
+    def _attach(self, index: int) -> None:
+        if self._proc is not None:
+            buf = self._slots[index].buffer
+            self._proc.attach(index, buf.fd, buf.capacity)
+
+    def _snapshot(self, slot: _Slot, manifest: ShardManifest, objects: bytes,
+                  tensors: dict[str, Any]) -> None:
+        copy_into(slot.buffer, manifest.tensors, tensors, single_thread=self._copier is not None)
+        with self._cond:
+            slot.state, slot.step, slot.manifest, slot.objects = "pending", manifest.step, manifest, objects
+            self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Hand the newest pending snapshot to the persist process if it is idle (lock held)."""
+        if self._closing or any(s.state == "inflight" for s in self._slots):
+            return
+        pending = [s for s in self._slots if s.state == "pending"]
+        if not pending:
+            return
+        slot = max(pending, key=lambda s: s.step or 0)
+        if self._proc is None or not self._proc.alive():
+            self._proc = PersistProcess(self._on_message)
+            for i in range(len(self._slots)):
+                self._attach(i)
+        assert slot.manifest is not None
+        self._proc.submit({
+            "slot": self._slots.index(slot), "root": self.directory, "keep_last": self.keep_last,
+            "manifest": slot.manifest.to_json(), "objects": base64.b64encode(slot.objects).decode(),
+            "rate_bytes_s": self.rate_bytes_s, "peer": list(self.peer) if self.peer else None,
+            "owner": self.owner,
+        })
+        slot.state = "inflight"
+
+    def _on_message(self, message: dict[str, Any]) -> None:
+        with self._cond:
+            inflight = [s for s in self._slots if s.state == "inflight"]
+            if message["op"] == "done":
+                slot = self._slots[message["slot"]]
+                if message["ok"] and slot.manifest is not None:
+                    slot.manifest.tensors = with_checksums(slot.manifest.tensors, message["crcs"])
+                outcome = PersistOutcome(message["step"], message["ok"], message.get("error"),
+                                         message.get("durable_s"), message.get("peer_error"))
+            elif message["op"] == "died":
+                self._proc = None
+                if not inflight or self._closing:
+                    if not self._closing:
+                        self._dispatch()
+                    self._cond.notify_all()
+                    return
+                slot = inflight[0]
+                outcome = PersistOutcome(slot.step or -1, False, "the persist process died "
+                                         f"(exit code {message['returncode']}) while writing step "
+                                         f"{slot.step}; that step is not on disk")
+            else:
+                return
+            if not outcome.ok:
+                log.warning("checkpoint: %s", outcome.error)
+            self._outcomes.append(outcome)
+            slot.state = "free"
+            self._dispatch()
+            self._cond.notify_all()
+
+    def fence(self) -> None:
+        """Block until the running snapshot copy is done (call before changing the weights)."""
+        if self._copy is not None:
+            self._copy.result()
+            self._copy = None
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer.step()`` wait for an overlapped snapshot copy before it runs."""
+        optimizer.register_step_pre_hook(lambda *_: self.fence())
+
+    def wait(self, timeout: float | None = None) -> list[PersistOutcome]:
+        """Block until every snapshot taken so far is durable (or failed); return the outcomes
+        since the last ``wait``. Failures are reported here, not raised: training goes on."""
+        self.fence()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while any(s.state in ("pending", "inflight") for s in self._slots):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError("checkpoints still being persisted")
+                self._cond.wait(left)
+            outcomes, self._outcomes = self._outcomes, []
+        return outcomes
+
+    @property
+    def persist_pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def close(self) -> None:
+        """Finish pending writes, stop the persist process, free the buffers."""
+        try:
+            self.wait()
+        finally:
+            with self._cond:
+                self._closing = True
+                proc, self._proc = self._proc, None
+            if proc is not None:
+                proc.close()
+            if self._copier is not None:
+                self._copier.shutdown()
+            for s in self._slots:
+                s.buffer.close()
+            self._slots.clear()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- loading
+    def load_latest(self, into: Any = None) -> Restored:
+        """Restore the newest good checkpoint: memory, then peer memory, then disk.
+
+        Args:
+            into: optionally, a state of the same structure whose tensors are filled in place
+                (no allocation; also how a rank of a differently sized job asks for its shards,
+                by holding :class:`Shard` markers with its own offsets).
+        """
+        return self._restore(None, into)
+
+    def load(self, step: int, into: Any = None) -> Restored:
+        """Restore one particular step (see :meth:`load_latest`)."""
+        return self._restore(step, into)
+
+    def _restore(self, step: int | None, into: Any) -> Restored:
+        self.fence()
+        want = flatten(into)[0] if into is not None else None
+        candidates: list[tuple[int, int, str, Any]] = []
+        with self._cond:
+            for s in self._slots:
+                if s.state != "writing" and s.manifest is not None and self._fits(s.manifest, want):
+                    candidates.append((s.manifest.step, 0, "memory", s))
+        if self.peer is not None:
+            try:
+                copy = PeerClient(*self.peer).get(self.owner)
+                if copy is not None and self._fits(copy.manifest, want):
+                    candidates.append((copy.manifest.step, 1, "peer", copy))
+            except OSError as exc:
+                log.warning("checkpoint: peer %s unreachable (%s)", self.peer, exc)
+        candidates += [(s, 2, "disk", None) for s in disk.complete_steps(self.directory)]
+        candidates = sorted((c for c in candidates if step is None or c[0] == step),
+                            key=lambda c: (-c[0], c[1]))
+        skipped: list[str] = []
+        for cstep, _, source, handle in candidates:
+            try:
+                if source == "memory":
+                    return self._from_memory(handle, want, skipped)
+                if source == "peer":
+                    handle.verify()
+                    return self._from_bytes(handle.manifest, handle.objects,
+                                            memoryview(handle.data), want, "peer", skipped)
+                return self._from_disk(cstep, want, skipped)
+            except (disk.CorruptCheckpoint, ValueError, OSError, pickle.UnpicklingError) as exc:
+                reason = f"step {cstep} from {source}: {exc}"
+                log.warning("checkpoint: skipping %s", reason)
+                skipped.append(reason)
+        what = "any checkpoint" if step is None else f"step {step}"
+        raise CheckpointError(f"could not restore {what} from {self.directory}"
+                              + (f"; tried: {'; '.join(skipped)}" if skipped else "; none found"))
+
+    def _fits(self, manifest: ShardManifest, want: dict[str, Any] | None) -> bool:
+        """Whether a memory/peer copy of our own shard serves this request without re-cutting."""
+        if manifest.world_size != self.world_size or manifest.rank != self.rank:
+            return False
+        if want is None:
+            return True
+        have = {t.name: t for t in manifest.tensors}
+        return all(n in have and have[n].shape == spec.shape and have[n].global_offset ==
+                   spec.global_offset and have[n].dtype == spec.dtype for n, (_, spec) in want.items())
+
+    def _from_memory(self, slot: _Slot, want: dict[str, Any] | None, skipped: list[str]) -> Restored:
+        assert slot.manifest is not None
+        tensors = {}
+        for e in slot.manifest.tensors:
+            src = slot.buffer.view(e)
+            tensors[e.name] = want[e.name][0].copy_(src) if want and e.name in want else src.clone()
+        state = unflatten(pickle.loads(slot.objects), tensors, {e.name: e for e in slot.manifest.tensors})
+        return Restored(slot.manifest.step, state, "memory", skipped, slot.manifest.world_size)
+
+    def _from_bytes(self, manifest: ShardManifest, objects: bytes, data: memoryview,
+                    want: dict[str, Any] | None, source: str, skipped: list[str]) -> Restored:
+        tensors = {}
+        for e in manifest.tensors:
+            src = torch.frombuffer(data[e.begin:e.end], dtype=torch.uint8) if e.end > e.begin \
+                else torch.empty(0, dtype=torch.uint8)
+            src = src.view(getattr(torch, e.dtype)).view(e.shape)
+            tensors[e.name] = want[e.name][0].copy_(src) if want and e.name in want else src.clone()
+        state = unflatten(pickle.loads(objects), tensors, {e.name: e for e in manifest.tensors})
+        return Restored(manifest.step, state, source, skipped, manifest.world_size)
+
+    def _from_disk(self, step: int, want: dict[str, Any] | None, skipped: list[str]) -> Restored:
+        shards = restore.open_step(self.directory, step)
+        source_rank = reshard.objects_source_rank(self.rank, shards.world_size)
+        skeleton = pickle.loads(shards.objects(source_rank))
+        if want is None:
+            if shards.world_size != self.world_size:
+                raise ValueError(f"saved by {shards.world_size} ranks, loading at {self.world_size}: "
+                                 "pass into= with this rank's Shard markers to re-cut the tensors")
+            want = {e.name: (torch.empty(e.shape, dtype=getattr(torch, e.dtype)), e)
+                    for e in shards.manifests[source_rank].tensors}
+        tensors = shards.read(want)
+        state = unflatten(skeleton, tensors, {n: spec for n, (_, spec) in want.items()})
+        return Restored(step, state, "disk", skipped, shards.world_size)
+
+
+__all__ = ["Checkpointer", "CheckpointError", "PersistOutcome", "Restored", "Shard"]

@@ -1,0 +1,243 @@
+"""What a checkpoint shard contains, as plain data: tensor layout, global offsets, checksums.
+
+A shard is the state one (replica, rank) saved at one step. Its tensors are packed back to back
+in one buffer that is, byte for byte, the data section of a safetensors file: the snapshot
+buffer in memory, the file on disk and the copy in a peer all share this layout, so moving a
+shard between tiers is a single copy and the file opens with any safetensors reader.
+
+Everything here is pure (no files, no processes) so it can be tested alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import zlib
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+FORMAT = "unbroken-checkpoint/1"
+DATA_FILE = "data.safetensors"
+OBJECTS_FILE = "objects.pkl"
+MANIFEST_FILE = "manifest.json"
+LATEST_FILE = "latest"
+CRC_CHUNK = 8 << 20
+
+# torch dtype name -> (safetensors dtype code, bytes per element)
+DTYPES: dict[str, tuple[str, int]] = {
+    "float64": ("F64", 8),
+    "float32": ("F32", 4),
+    "float16": ("F16", 2),
+    "bfloat16": ("BF16", 2),
+    "float8_e4m3fn": ("F8_E4M3", 1),
+    "float8_e5m2": ("F8_E5M2", 1),
+    "int64": ("I64", 8),
+    "int32": ("I32", 4),
+    "int16": ("I16", 2),
+    "int8": ("I8", 1),
+    "uint8": ("U8", 1),
+    "uint16": ("U16", 2),
+    "uint32": ("U32", 4),
+    "uint64": ("U64", 8),
+    "bool": ("BOOL", 1),
+}
+
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_SHARD_DIR = re.compile(r"^r(\d+)-w(\d+)$")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor before layout: its name, dtype and where it sits in the global tensor."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A laid-out tensor: ``[begin, end)`` bytes in the data section, and its checksum."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    begin: int
+    end: int
+    crc32: int | None = None
+
+
+@dataclass
+class ShardManifest:
+    """Everything needed to find, check and re-cut one shard without opening its data."""
+
+    step: int
+    replica: int
+    replicas: int
+    rank: int
+    world_size: int
+    tensors: list[TensorEntry]
+    objects_len: int = 0
+    objects_crc32: int | None = None
+    format: str = FORMAT
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def data_len(self) -> int:
+        return max((t.end for t in self.tensors), default=0)
+
+    @property
+    def shard_name(self) -> str:
+        return shard_dir_name(self.replica, self.rank)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ShardManifest:
+        """Parse and validate a manifest; a damaged one is a ValueError naming the problem."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"manifest is not valid JSON ({exc})") from exc
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise ValueError(f"manifest format is not {FORMAT!r}")
+        try:
+            tensors = [
+                TensorEntry(
+                    name=t["name"],
+                    dtype=t["dtype"],
+                    shape=tuple(t["shape"]),
+                    global_shape=tuple(t["global_shape"]),
+                    global_offset=tuple(t["global_offset"]),
+                    begin=int(t["begin"]),
+                    end=int(t["end"]),
+                    crc32=t.get("crc32"),
+                )
+                for t in raw["tensors"]
+            ]
+            manifest = cls(
+                step=int(raw["step"]),
+                replica=int(raw["replica"]),
+                replicas=int(raw["replicas"]),
+                rank=int(raw["rank"]),
+                world_size=int(raw["world_size"]),
+                tensors=tensors,
+                objects_len=int(raw.get("objects_len", 0)),
+                objects_crc32=raw.get("objects_crc32"),
+                extra=dict(raw.get("extra", {})),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"manifest is missing or mistypes a field ({exc!r})") from exc
+        validate(manifest)
+        return manifest
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype name, with a clear error for dtypes we cannot store."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} cannot be checkpointed; supported: {sorted(DTYPES)}")
+    return DTYPES[dtype][1]
+
+
+def layout(specs: Iterable[TensorSpec]) -> list[TensorEntry]:
+    """Pack tensors back to back, widest dtype first.
+
+    Widest first means every tensor starts at a multiple of its own element size without any
+    padding, which safetensors requires (no holes) and which lets a byte buffer be viewed as
+    the tensor's dtype in place.
+    """
+    ordered = sorted(specs, key=lambda s: (-itemsize(s.dtype), s.name))
+    names = [s.name for s in ordered]
+    if len(set(names)) != len(names):
+        raise ValueError("tensor names in one shard must be unique")
+    entries, offset = [], 0
+    for s in ordered:
+        if len(s.shape) != len(s.global_shape) or len(s.global_offset) != len(s.shape):
+            raise ValueError(f"{s.name}: shape, global_shape and global_offset differ in rank")
+        for lo, n, g in zip(s.global_offset, s.shape, s.global_shape):
+            if lo < 0 or lo + n > g:
+                raise ValueError(f"{s.name}: shard {s.shape} at {s.global_offset} "
+                                 f"falls outside global shape {s.global_shape}")
+        entries.append(TensorEntry(s.name, s.dtype, s.shape, s.global_shape, s.global_offset,
+                                   offset, offset + s.nbytes))
+        offset += s.nbytes
+    return entries
+
+
+def validate(manifest: ShardManifest) -> None:
+    """Check a manifest's internal consistency (contiguous, in bounds, known dtypes)."""
+    if manifest.step < 0:
+        raise ValueError("manifest step is negative")
+    if not (0 <= manifest.replica < manifest.replicas and 0 <= manifest.rank < manifest.world_size):
+        raise ValueError("manifest replica/rank outside replicas/world_size")
+    offset = 0
+    for t in sorted(manifest.tensors, key=lambda t: t.begin):
+        if t.begin != offset:
+            raise ValueError(f"{t.name}: data starts at {t.begin}, expected {offset} (hole or overlap)")
+        if t.end - t.begin != math.prod(t.shape) * itemsize(t.dtype):
+            raise ValueError(f"{t.name}: byte range does not match shape and dtype")
+        offset = t.end
+
+
+def with_checksums(entries: list[TensorEntry], crcs: dict[str, int]) -> list[TensorEntry]:
+    """Entries with their checksums filled in (computed later, by the persist process)."""
+    return [TensorEntry(**{**asdict(e), "crc32": crcs[e.name]}) for e in entries]
+
+
+def safetensors_header(entries: list[TensorEntry], metadata: dict[str, str] | None = None) -> bytes:
+    """The length prefix and JSON header that precede the data section in a safetensors file.
+
+    Padded with spaces to a multiple of 8 so the data section stays 8-byte aligned.
+    """
+    header: dict[str, Any] = {
+        e.name: {"dtype": DTYPES[e.dtype][0], "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
+        for e in entries
+    }
+    if metadata:
+        header["__metadata__"] = metadata
+    body = json.dumps(header, separators=(",", ":")).encode()
+    body += b" " * (-(8 + len(body)) % 8)
+    return len(body).to_bytes(8, "little") + body
+
+
+def crc32(view: memoryview | bytes, start: int = 0) -> int:
+    """CRC32 in chunks: zlib releases the GIL per call, so other threads run in between."""
+    mv = memoryview(view).cast("B")
+    value = start
+    for i in range(0, len(mv), CRC_CHUNK):
+        value = zlib.crc32(mv[i:i + CRC_CHUNK], value)
+    return value
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def shard_dir_name(replica: int, rank: int) -> str:
+    return f"r{replica}-w{rank}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a committed step directory name, or None for anything else (temp dirs)."""
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def parse_shard_dir(name: str) -> tuple[int, int] | None:
+    m = _SHARD_DIR.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def is_complete(shards: Iterable[tuple[int, int]], world_size: int) -> bool:
+    """A step is complete when every rank's shard is committed by at least one replica."""
+    return {w for _, w in shards} >= set(range(world_size))

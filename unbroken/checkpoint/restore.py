@@ -1,0 +1,79 @@
+"""Reading a committed step from disk into tensors, re-cut to whatever boxes are asked for.
+
+A request is a dict ``name -> (destination tensor, spec)`` where the spec gives the box in
+the global tensor. A request that matches a saved piece exactly is read straight into the
+destination's memory (no allocation, checksum verified on the way); anything else is assembled
+from the overlapping saved pieces by :func:`unbroken.checkpoint.reshard.plan`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from unbroken.checkpoint import disk, reshard
+from unbroken.checkpoint.manifest import ShardManifest, TensorEntry
+
+
+def bytes_of(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, writable, without a copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+@dataclass
+class StepShards:
+    """The committed shards of one step: one per saved rank (replicas are interchangeable)."""
+
+    dirs: dict[int, str]
+    manifests: dict[int, ShardManifest]
+
+    @property
+    def world_size(self) -> int:
+        return next(iter(self.manifests.values())).world_size
+
+    def objects(self, rank: int) -> bytes:
+        return disk.read_objects(self.dirs[rank], self.manifests[rank])
+
+    def read(self, want: dict[str, tuple[torch.Tensor, Any]]) -> dict[str, torch.Tensor]:
+        """Fill each requested destination from the saved pieces; returns name -> tensor."""
+        files = {rank: disk.DataFile.open(self.dirs[rank], m) for rank, m in self.manifests.items()}
+        try:
+            for name, (dest, spec) in want.items():
+                pieces = [(rank, e) for rank, m in sorted(self.manifests.items())
+                          for e in m.tensors if e.name == name]
+                if not pieces:
+                    raise ValueError(f"tensor {name!r} is not in the checkpoint")
+                exact = [(r, e) for r, e in pieces
+                         if e.global_offset == tuple(spec.global_offset) and e.shape == tuple(spec.shape)]
+                if exact and dest.is_contiguous() and dest.device.type == "cpu" \
+                        and str(dest.dtype).removeprefix("torch.") == exact[0][1].dtype:
+                    files[exact[0][0]].read_into(exact[0][1], bytes_of(dest))
+                else:
+                    _assemble(name, dest, spec, pieces, files)
+            return {name: dest for name, (dest, _) in want.items()}
+        finally:
+            for f in files.values():
+                f.close()
+
+
+def open_step(root: str, step: int) -> StepShards:
+    """Manifests of a step's shards, one per rank, lowest replica first."""
+    dirs: dict[int, str] = {}
+    for (_, rank), path in sorted(disk.committed_shards(root, step).items()):
+        dirs.setdefault(rank, path)
+    if not dirs:
+        raise disk.CorruptCheckpoint(f"step {step} has no committed shard in {root}")
+    return StepShards(dirs, {rank: disk.read_manifest(path) for rank, path in dirs.items()})
+
+
+def _assemble(name: str, dest: torch.Tensor, spec: Any, pieces: list[tuple[int, TensorEntry]],
+              files: dict[int, disk.DataFile]) -> None:
+    plan = reshard.plan([reshard.Piece(i, e.global_offset, e.shape) for i, (_, e) in enumerate(pieces)],
+                        tuple(spec.global_offset), tuple(spec.shape), name)
+    for c in plan:
+        rank, e = pieces[c.key]  # type: ignore[index]
+        piece = torch.empty(e.shape, dtype=getattr(torch, e.dtype))
+        files[rank].read_into(e, bytes_of(piece))
+        dest[c.dst].copy_(piece[c.src].to(dest.dtype))
