@@ -15,6 +15,7 @@ COMMANDS: dict[str, str] = {
     "bench": "unbroken.bench.cli:bench",
     "coordinator": "unbroken.control.coordinator_cli:coordinator",
     "run": "unbroken.launch.run_cli:run",
+    "demo": "unbroken.launch.demo:demo",
     "simulate": "unbroken.sim.cli:simulate",
     "plan": "unbroken.network.cli:plan",
     "checkpoint": "unbroken.checkpoint.cli:checkpoint",
