@@ -67,10 +67,7 @@ class Job:
         return out
 
     def metrics(self, replica: int) -> list[dict[str, Any]]:
-        path = self.run_dir / f"metrics-r{replica}.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return metrics(self.run_dir, replica)
 
     def pid(self, replica: int) -> int:
         return [e["pid"] for e in self.events("process_started") if e["replica"] == replica][-1]

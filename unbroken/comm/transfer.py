@@ -48,38 +48,32 @@ class TensorEntry:
     nbytes: int
 
 
+def _map_tensors(obj: Any, fn: Any) -> Any:
+    """Rebuilds a nested dict/list/tuple, replacing every leaf that ``fn`` handles."""
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_map_tensors(v, fn) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_map_tensors(v, fn) for v in obj)
+    return fn(obj)
+
+
 def flatten_state(state: Any) -> tuple[Any, list[torch.Tensor]]:
     """Splits a nested state into a picklable skeleton and the list of its tensors."""
     tensors: list[torch.Tensor] = []
 
-    def walk(obj: Any) -> Any:
+    def leaf(obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             tensors.append(obj)
             return _TensorRef(len(tensors) - 1)
-        if isinstance(obj, dict):
-            return {k: walk(v) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [walk(v) for v in obj]
-        if isinstance(obj, tuple):
-            return tuple(walk(v) for v in obj)
         return obj
 
-    return walk(state), tensors
+    return _map_tensors(state, leaf), tensors
 
 
 def unflatten_state(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
-    def walk(obj: Any) -> Any:
-        if isinstance(obj, _TensorRef):
-            return tensors[obj.index]
-        if isinstance(obj, dict):
-            return {k: walk(v) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [walk(v) for v in obj]
-        if isinstance(obj, tuple):
-            return tuple(walk(v) for v in obj)
-        return obj
-
-    return walk(skeleton)
+    return _map_tensors(skeleton, lambda o: tensors[o.index] if isinstance(o, _TensorRef) else o)
 
 
 def layout(tensors: list[torch.Tensor]) -> tuple[list[TensorEntry], int]:
