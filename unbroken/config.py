@@ -21,6 +21,12 @@ ENV_RESTART_COUNT = "UNBROKEN_RESTART_COUNT"
 ENV_CHAOS = "UNBROKEN_CHAOS"
 # "0" turns the flight recorder off (measuring its overhead); diagnosis then sees nothing.
 ENV_RECORDER = "UNBROKEN_RECORDER"
+# "0" waits for the training thread before acting on a quorum answer (measuring what acting
+# early saves): the new epoch's rendezvous and a catch-up fetch then start after the compute.
+ENV_PREPARE_EARLY = "UNBROKEN_PREPARE_EARLY"
+# Actions for training-metric anomalies over the default policy, e.g.
+# "loss_spike=rollback,memory_growth=none" (see unbroken.diagnosis.metrics.parse_policy).
+ENV_ANOMALY_POLICY = "UNBROKEN_ANOMALY_POLICY"
 # The standard torch.distributed variables, scoped to one replica group.
 ENV_RANK = "RANK"
 ENV_WORLD_SIZE = "WORLD_SIZE"

@@ -107,7 +107,10 @@ def main() -> None:
             d = manager.decision
             row = {"epoch": d.epoch if d else None, "members": list(d.members) if d else [],
                    "behind": list(d.behind) if d else [], "donor": any(dn == replica for _, dn in (d.donors if d else ())),
-                   "step": d.step if d else step, "committed": committed}
+                   "step": d.step if d else step, "committed": committed,
+                   "exchange_s": manager.stats["last_exchange_s"], "join_wait_s": manager.stats["last_join_wait_s"],
+                   "recovery_s": manager.stats["last_recovery_s"],
+                   "fetch_s": manager.stats.get("last_fetch_s", 0.0), "load_s": manager.stats.get("last_load_s", 0.0)}
             step = manager.step
         else:
             flat = torch._utils._flatten_dense_tensors([p.grad for p in params])

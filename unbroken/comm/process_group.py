@@ -59,6 +59,7 @@ class CrossReplicaGroup:
         self._store_lock = threading.Lock()
         self.recorder: FlightRecorder | None = None
         self.members: list[int] = []
+        self.last_join_wait_s = 0.0  # how long the last exchange waited for its epoch's rendezvous
         self.tag = ""
         self.mode = os.environ.get(ENV_EXCHANGE, "backend")
         if self.mode not in ("backend", "ring"):
@@ -137,8 +138,10 @@ class CrossReplicaGroup:
             if self._aborted_epoch == epoch:
                 raise ExchangeFailed(f"epoch {epoch} was aborted by the coordinator")
             self._wake = wake
+        self.last_join_wait_s = 0.0
         if self._pg is None:
             self._join_group(wake, max(deadline_s, self.rendezvous_s))
+            self.last_join_wait_s = time.perf_counter() - start
             start = time.perf_counter()  # the learned deadline times the exchange alone
         rec = self.recorder
         nbytes = tensor.numel() * tensor.element_size()

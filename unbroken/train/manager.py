@@ -24,7 +24,7 @@ from unbroken.comm.deadline import LearnedDeadline
 from unbroken.comm.process_group import CrossReplicaGroup, ExchangeFailed
 from unbroken.comm.recorder import FlightRecorder, install_stack_dump
 from unbroken.comm.transfer import TransferServer, fetch_state, flatten_state, layout, take_snapshot
-from unbroken.config import ENV_RECORDER, ReplicaConfig, local_address_towards
+from unbroken.config import ENV_ANOMALY_POLICY, ENV_PREPARE_EARLY, ENV_RECORDER, ReplicaConfig, local_address_towards
 from unbroken.control.client import CoordinatorClient
 from unbroken.control.quorum import QuorumDecision
 from unbroken.diagnosis.metrics import parse_policy, wants_skip
@@ -75,19 +75,21 @@ class Manager:
         # Peers on other nodes fetch from here: listen on the address that reaches the coordinator.
         self.transfer = TransferServer(host=local_address_towards(self.config.coordinator.rpartition(":")[0]))
         self.stats: dict[str, float] = {"exchange_failures": 0, "recoveries": 0, "donations": 0,
-                                        "last_exchange_s": 0.0, "last_recovery_s": 0.0}
+                                        "last_exchange_s": 0.0, "last_recovery_s": 0.0, "last_join_wait_s": 0.0}
         self._quorum: Future[dict[str, Any]] | None = None
         self._buffer: torch.Tensor | None = None
         self._last_commit: float | None = None
         self._step_time: float | None = None
         self._fetch: tuple[threading.Thread, dict[str, Any]] | None = None
         self._prewarmed = False
+        self._prepare_lock = threading.Lock()
+        self.prepare_early = os.environ.get(ENV_PREPARE_EARLY, "1") != "0"
         self.chaos = WorkerChaos.from_env(self.config.replica_id)  # injected faults, usually None
         self._compute_t0 = time.perf_counter()
         record = os.environ.get(ENV_RECORDER, "1") != "0"
         self.recorder = FlightRecorder(self.config.replica_id) if record else None
         self.group.recorder = self.recorder
-        self.anomaly_policy = parse_policy(os.environ.get("UNBROKEN_ANOMALY_POLICY", ""))
+        self.anomaly_policy = parse_policy(os.environ.get(ENV_ANOMALY_POLICY, ""))
         self._metrics: tuple[float | None, float | None] = (None, None)
         stack_file = os.path.join(self.config.run_dir, "stacks", f"r{self.config.replica_id}-rank{self.config.rank}.txt")
         self._stack_file = install_stack_dump(stack_file)
@@ -114,6 +116,8 @@ class Manager:
         """Asks for this step's quorum; the answer travels while the forward pass runs."""
         if self._quorum is None:
             self._quorum = self.client.request_quorum(self.step, None, self._step_time)
+            if self.prepare_early:
+                self._quorum.add_done_callback(self._prepare_soon)
             self._compute_t0 = time.perf_counter()
             if self.chaos is not None:
                 self.chaos.start_step(self.step)
@@ -198,27 +202,46 @@ class Manager:
             self._quorum = self.client.request_quorum(self.step, failed_epoch, self._step_time)
         fut, self._quorum = self._quorum, None
         msg = fut.result(timeout=self.quorum_timeout_s)
-        d = QuorumDecision.from_json(msg["decision"])
-        me = self.config.replica_id
-        if self.group.epoch != d.epoch:
-            self.group.configure(
-                msg.get("store") or self.client.store_address or "",
-                d.epoch,
-                d.members.index(me),
-                len(d.members),
-                tag=f"rank{self.config.rank}",
-                device=self.device,
-                members=list(d.members),
-            )
-        addrs: dict[str, str] = msg.get("transfer_addrs", {})
-        if any(donor == me for (_, donor) in d.donors):
+        d = self._prepare(msg)
+        if any(donor == self.config.replica_id for (_, donor) in d.donors):
             # The state at the start of this step: taken here, on the training thread,
             # before the optimizer moves it; served from a background thread.
             self.transfer.publish(take_snapshot(d.step, self._full_state(), self.transfer.pool))
             self.stats["donations"] += 1
-        if me in d.behind and self._fetch is None:
-            self._start_fetch(addrs[str(d.donor_of(me))], d.step)
         self.decision = d
+        return d
+
+    def _prepare_soon(self, fut: Future[dict[str, Any]]) -> None:
+        """Acts on a quorum answer the moment it arrives, while the forward pass still runs.
+
+        A new epoch's rendezvous and a behind replica's fetch then overlap the compute of
+        the step instead of starting after it, which every member would otherwise wait for.
+        Runs on the coordinator connection's thread; anything that fails here is done again,
+        and raised, on the training thread in :meth:`_await_quorum`.
+        """
+        try:
+            self._prepare(fut.result())
+        except Exception as e:  # noqa: BLE001 - retried where it can be raised
+            log.debug("early preparation of a quorum failed: %s", e)
+
+    def _prepare(self, msg: dict[str, Any]) -> QuorumDecision:
+        """Joins the decision's epoch and starts this replica's fetch if it is behind (idempotent)."""
+        d = QuorumDecision.from_json(msg["decision"])
+        me = self.config.replica_id
+        with self._prepare_lock:
+            if self.group.epoch != d.epoch:
+                self.group.configure(
+                    msg.get("store") or self.client.store_address or "",
+                    d.epoch,
+                    d.members.index(me),
+                    len(d.members),
+                    tag=f"rank{self.config.rank}",
+                    device=self.device,
+                    members=list(d.members),
+                )
+            if me in d.behind and self._fetch is None:
+                addrs: dict[str, str] = msg.get("transfer_addrs", {})
+                self._start_fetch(addrs[str(d.donor_of(me))], d.step)
         return d
 
     def _full_state(self) -> dict[str, Any]:
@@ -230,6 +253,7 @@ class Manager:
         def run() -> None:
             try:
                 box["state"] = fetch_state(address, step)
+                box["fetched"] = time.perf_counter()
             except Exception as e:  # surfaces on the training thread in _finish_recovery
                 box["error"] = e
 
@@ -245,11 +269,17 @@ class Manager:
         if "error" in box:
             raise RuntimeError(f"catch-up from a donor failed: {box['error']}") from box["error"]
         state = box["state"]
+        waited = time.perf_counter() - box["fetched"]  # negative: the exchange waited for the fetch
         self._load_state_dict(state["user"])
         self.step = int(state["unbroken"]["step"])
         assert self.step == decision.step, (self.step, decision.step)
         self.stats["recoveries"] += 1
-        self.stats["last_recovery_s"] = time.perf_counter() - box["start"]
+        now = time.perf_counter()
+        self.stats["last_recovery_s"] = now - box["start"]
+        self.stats["last_fetch_s"] = box["fetched"] - box["start"]
+        self.stats["last_load_s"] = now - box["fetched"] - max(0.0, waited)
+        log.info("replica %d caught up to step %d: fetch %.3fs, load %.3fs", self.config.replica_id,
+                 self.step, self.stats["last_fetch_s"], self.stats["last_load_s"])
 
     def _exchange(self, grads: list[torch.Tensor], d: QuorumDecision, zero: bool) -> bool:
         locals_ = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
@@ -287,6 +317,7 @@ class Manager:
             return False
         self.deadline.observe(seconds)
         self.stats["last_exchange_s"] = seconds
+        self.stats["last_join_wait_s"] = self.group.last_join_wait_s
         if round(contributing) == 0:
             return False  # every replica sat this step out: nothing to apply
         scale = 1.0 / round(contributing)
