@@ -245,8 +245,15 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-def fetch_state(address: str, step: int, timeout_s: float = 120.0) -> Any:
+def fetch_state(address: str, step: int, timeout_s: float = 120.0, into: Any = None) -> Any:
     """Fetches the state of ``step`` from the donor at ``address`` and verifies every chunk.
+
+    Args:
+        into: the receiver's own state, nested like the donor's. A tensor of it at the same
+            place, with the same dtype and shape, receives its bytes directly: no fresh
+            memory to fault in and nothing to copy when the state is then loaded (loading a
+            tensor into itself is free). Its contents are undefined if the fetch fails,
+            which is harmless for a replica that is behind: its own state is being replaced.
 
     Raises:
         TransferError: the donor is unreachable, has no snapshot of ``step`` within
@@ -261,12 +268,55 @@ def fetch_state(address: str, step: int, timeout_s: float = 120.0) -> Any:
         raise TransferError(f"cannot reach the donor at {address}: {e}") from e
     try:
         with sock:
-            return _receive(sock, address, step, timeout_s)
+            return _receive(sock, address, step, timeout_s, into)
     except OSError as e:  # a reset or a timeout mid-transfer
         raise TransferError(f"the transfer from the donor at {address} failed: {e}") from e
 
 
-def _receive(sock: socket.socket, address: str, step: int, timeout_s: float) -> Any:
+def receive_targets(skeleton: Any, entries: list[TensorEntry], into: Any) -> list[torch.Tensor | None]:
+    """For each entry, the receiver's own tensor at the same place that can take its bytes."""
+    targets: list[torch.Tensor | None] = [None] * len(entries)
+
+    def walk(theirs: Any, ours: Any) -> None:
+        if isinstance(theirs, _TensorRef):
+            e = entries[theirs.index]
+            # Plain tensors only: a subclass (DTensor) may not own the memory its shape says.
+            if (type(ours) in (torch.Tensor, torch.nn.Parameter) and ours.device.type == "cpu"
+                    and ours.is_contiguous() and not ours.is_sparse
+                    and str(ours.dtype).removeprefix("torch.") == e.dtype and tuple(ours.shape) == e.shape):
+                targets[theirs.index] = ours
+        elif isinstance(theirs, dict) and isinstance(ours, dict):
+            for k, v in theirs.items():
+                if k in ours:
+                    walk(v, ours[k])
+        elif isinstance(theirs, (list, tuple)) and isinstance(ours, (list, tuple)) and len(theirs) == len(ours):
+            for a, b in zip(theirs, ours):
+                walk(a, b)
+
+    walk(skeleton, into)
+    return targets
+
+
+def _segments(entries: list[TensorEntry], targets: list[torch.Tensor | None], buf: torch.Tensor,
+              total: int) -> list[tuple[int, memoryview]]:
+    """The stream cut into (start, destination) pieces: a target tensor's own bytes, or the
+    receive buffer for everything else (padding, tensors with no target)."""
+    whole = memoryview(buf.numpy())
+    out: list[tuple[int, memoryview]] = []
+    pos = 0
+    for e, t in sorted(zip(entries, targets), key=lambda p: p[0].offset):
+        if t is None or e.nbytes == 0:
+            continue
+        if e.offset > pos:
+            out.append((pos, whole[pos:e.offset]))
+        out.append((e.offset, memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())))
+        pos = e.offset + e.nbytes
+    if pos < total:
+        out.append((pos, whole[pos:total]))
+    return out
+
+
+def _receive(sock: socket.socket, address: str, step: int, timeout_s: float, into: Any) -> Any:
     sock.sendall(json.dumps({"step": step, "wait_s": timeout_s}).encode() + b"\n")
     hdr = bytearray(_HDR.size)
     _recv_exact(sock, memoryview(hdr))
@@ -277,18 +327,34 @@ def _receive(sock: socket.socket, address: str, step: int, timeout_s: float) -> 
     _recv_exact(sock, memoryview(raw))
     header = json.loads(raw)
     total, chunk_size = int(header["total"]), int(header["chunk"])
-    buf = torch.empty(max(total, 1), dtype=torch.uint8)
-    view = memoryview(buf.numpy())
-    crc = bytearray(_CRC.size)
-    for off in range(0, total, chunk_size):
-        chunk = view[off : min(off + chunk_size, total)]
-        _recv_exact(sock, chunk)
-        _recv_exact(sock, memoryview(crc))
-        if checksum(chunk) != _CRC.unpack(crc)[0]:
-            raise TransferError(f"checksum mismatch in the chunk at byte {off} from {address}")
     entries = [TensorEntry(e["dtype"], tuple(e["shape"]), e["offset"], e["nbytes"]) for e in header["entries"]]
+    skeleton = pickle.loads(bytes.fromhex(header["skeleton"]))
+    targets = receive_targets(skeleton, entries, into) if into is not None else [None] * len(entries)
+    # Pages of this buffer that only targeted tensors cover are never touched, so never faulted in.
+    buf = torch.empty(max(total, 1), dtype=torch.uint8)
+    segments = _segments(entries, targets, buf, total)
+    crc = bytearray(_CRC.size)
+    seg = 0
+    for off in range(0, total, chunk_size):
+        end, value = min(off + chunk_size, total), 0
+        pos = off
+        while pos < end:
+            start, dest = segments[seg]
+            if pos >= start + len(dest):
+                seg += 1
+                continue
+            piece = dest[pos - start : min(end, start + len(dest)) - start]
+            _recv_exact(sock, piece)
+            value = checksum(piece, value)
+            pos += len(piece)
+        _recv_exact(sock, memoryview(crc))
+        if value != _CRC.unpack(crc)[0]:
+            raise TransferError(f"checksum mismatch in the chunk at byte {off} from {address}")
     # Small tensors get their own storage: some consumers (torch.set_rng_state) misread
     # views at an offset. Large ones stay views of the receive buffer; copying them again
     # would double the memory traffic of a catch-up for nothing.
-    tensors = [_view(buf, e).clone() if e.nbytes < OWN_STORAGE_BELOW else _view(buf, e) for e in entries]
-    return unflatten_state(pickle.loads(bytes.fromhex(header["skeleton"])), tensors)
+    tensors = [
+        t if t is not None else (_view(buf, e).clone() if e.nbytes < OWN_STORAGE_BELOW else _view(buf, e))
+        for t, e in zip(targets, entries)
+    ]
+    return unflatten_state(skeleton, tensors)

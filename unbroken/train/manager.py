@@ -8,6 +8,7 @@ in :mod:`unbroken.train.optimizer` does both for you.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -83,6 +84,7 @@ class Manager:
         self._fetch: tuple[threading.Thread, dict[str, Any]] | None = None
         self._prewarmed = False
         self._prepare_lock = threading.Lock()
+        self._own_state: dict[str, Any] | None = None  # a fresh process's tensors, see start_step
         self.prepare_early = os.environ.get(ENV_PREPARE_EARLY, "1") != "0"
         self.chaos = WorkerChaos.from_env(self.config.replica_id)  # injected faults, usually None
         self._compute_t0 = time.perf_counter()
@@ -115,6 +117,12 @@ class Manager:
     def start_step(self) -> None:
         """Asks for this step's quorum; the answer travels while the forward pass runs."""
         if self._quorum is None:
+            if self._last_commit is None and self._own_state is None:
+                # A process that has not trained yet is most likely a restarted one about to
+                # catch up: note where its tensors live, here on the training thread, so the
+                # fetch can write the donor's bytes straight into them.
+                with contextlib.suppress(Exception):
+                    self._own_state = self._full_state()
             self._quorum = self.client.request_quorum(self.step, None, self._step_time)
             if self.prepare_early:
                 self._quorum.add_done_callback(self._prepare_soon)
@@ -178,6 +186,7 @@ class Manager:
         if self._last_commit is not None:
             self._step_time = now - self._last_commit
         self._last_commit = now
+        self._own_state = None  # trained without catching up: nothing to receive into
         self.step += 1
         if not self._prewarmed:
             # The state is complete (optimizer state exists) only after the first commit.
@@ -249,10 +258,11 @@ class Manager:
 
     def _start_fetch(self, address: str, step: int) -> None:
         box: dict[str, Any] = {"start": time.perf_counter()}
+        into, self._own_state = self._own_state, None
 
         def run() -> None:
             try:
-                box["state"] = fetch_state(address, step)
+                box["state"] = fetch_state(address, step, into=into)
                 box["fetched"] = time.perf_counter()
             except Exception as e:  # surfaces on the training thread in _finish_recovery
                 box["error"] = e

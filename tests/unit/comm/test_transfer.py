@@ -30,6 +30,28 @@ def test_fetched_state_is_bitwise_the_snapshot_even_when_the_donor_moves_on() ->
     torch.set_rng_state(got["rng"])  # small tensors own their storage: usable as RNG state
 
 
+@pytest.mark.parametrize("chunk", [transfer.CHUNK, 1000])
+def test_received_into_the_receivers_own_tensors_where_they_fit(monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
+    """A behind replica's tensors take the donor's bytes in place (nothing to fault in or copy
+    on load); a tensor that does not fit, or that the receiver lacks, arrives in new memory."""
+    monkeypatch.setattr(transfer, "CHUNK", chunk)  # small chunks: pieces cross chunk boundaries
+    server = TransferServer()
+    try:
+        donor = _state()
+        donor["optim"]["momentum"] = torch.randn(300, 5)
+        server.publish(take_snapshot(5, donor, server.pool))
+        mine = {"model": {"w": torch.zeros(700, 700), "b": torch.zeros(6)}, "optim": {"step": 0}}
+        w, b = mine["model"]["w"], mine["model"]["b"]
+        got = fetch_state(server.address, 5, into=mine)
+    finally:
+        server.close()
+    assert got["model"]["w"] is w and torch.equal(w, donor["model"]["w"])
+    assert got["model"]["b"] is not b and torch.equal(got["model"]["b"], donor["model"]["b"])
+    assert torch.equal(b, torch.zeros(6))  # a shape mismatch leaves the receiver's tensor alone
+    assert torch.equal(got["optim"]["momentum"], donor["optim"]["momentum"])
+    assert got["optim"]["step"] == 12 and torch.equal(got["rng"], donor["rng"])
+
+
 def test_a_corrupted_chunk_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     server = TransferServer()
     try:
@@ -37,9 +59,9 @@ def test_a_corrupted_chunk_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         real = transfer.checksum
         calls = {"n": 0}
 
-        def flaky(chunk: memoryview) -> int:  # the receiver's view of a chunk damaged in flight
+        def flaky(chunk: memoryview, start: int = 0) -> int:  # a chunk damaged in flight
             calls["n"] += 1
-            value = real(chunk)
+            value = real(chunk, start)
             return value ^ 1 if calls["n"] == 2 else value
 
         monkeypatch.setattr(transfer, "checksum", flaky)
