@@ -16,10 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["DataParallel", "Manager", "Optimizer", "__version__", "average_gradients", "init"]
+__all__ = ["Checkpointer", "DataParallel", "Manager", "Optimizer", "__version__", "average_gradients",
+           "checkpointer_for", "init", "resume", "save_if_due"]
 
 if TYPE_CHECKING:
     from unbroken.train.manager import Manager, init
+    from unbroken.checkpoint import Checkpointer
+    from unbroken.train.checkpointing import checkpointer_for, resume, save_if_due
     from unbroken.train.optimizer import DataParallel, Optimizer, average_gradients
 
 
@@ -33,4 +36,12 @@ def __getattr__(name: str) -> Any:
         from unbroken.train import optimizer
 
         return getattr(optimizer, name)
+    if name in ("checkpointer_for", "resume", "save_if_due"):
+        from unbroken.train import checkpointing
+
+        return getattr(checkpointing, name)
+    if name == "Checkpointer":
+        from unbroken.checkpoint import Checkpointer
+
+        return Checkpointer
     raise AttributeError(f"module 'unbroken' has no attribute {name!r}")

@@ -17,6 +17,10 @@ ENV_RUN_DIR = "UNBROKEN_RUN_DIR"
 ENV_LR_SCALING = "UNBROKEN_LR_SCALING"
 ENV_NODE = "UNBROKEN_NODE"
 ENV_RESTART_COUNT = "UNBROKEN_RESTART_COUNT"
+# Where the job's checkpoints live (``unbroken run --checkpoint-dir``); unset: none.
+ENV_CHECKPOINT_DIR = "UNBROKEN_CHECKPOINT_DIR"
+# Set by the supervisor when it rolls the job back: load exactly this checkpoint step.
+ENV_RESUME_STEP = "UNBROKEN_RESUME_STEP"
 # The worker-side faults of this rank (JSON, see unbroken.launch.chaos); unset: no chaos.
 ENV_CHAOS = "UNBROKEN_CHAOS"
 # "0" turns the flight recorder off (measuring its overhead); diagnosis then sees nothing.
@@ -76,6 +80,9 @@ class ReplicaConfig:
         lr_scaling: scale the learning rate by sqrt(healthy/total) while replicas are missing.
         node: the host name reported in events and diagnosis.
         restart_count: how many times the launcher restarted this replica.
+        checkpoint_dir: the job's checkpoint directory, if it has one.
+        resume_step: the checkpoint step to resume from when the supervisor rolled the job
+            back; None otherwise.
     """
 
     coordinator: str
@@ -87,6 +94,8 @@ class ReplicaConfig:
     lr_scaling: bool = True
     node: str = "localhost"
     restart_count: int = 0
+    checkpoint_dir: str | None = None
+    resume_step: int | None = None
 
     def __post_init__(self) -> None:
         parse_host_port(self.coordinator, ENV_COORDINATOR)
@@ -131,4 +140,6 @@ class ReplicaConfig:
             lr_scaling=env.get(ENV_LR_SCALING, "1") not in ("0", "false", "False"),
             node=env.get(ENV_NODE, os.uname().nodename),
             restart_count=integer(ENV_RESTART_COUNT, 0),
+            checkpoint_dir=env.get(ENV_CHECKPOINT_DIR) or None,
+            resume_step=integer(ENV_RESUME_STEP) if env.get(ENV_RESUME_STEP) else None,
         )

@@ -29,6 +29,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--checkpoint-every", type=int, default=10,
+                    help="Steps between checkpoints, when the job has a checkpoint directory (0: none).")
     ap.add_argument("--pace-s", type=float, default=0.0,
                     help="Make each step last at least this long, as a larger model would (tests and demos).")
     args = ap.parse_args()
@@ -50,6 +52,8 @@ def main() -> None:
 
     manager = unbroken.init(state_dict=state_dict, load_state_dict=load_state_dict)
     optimizer = unbroken.Optimizer(inner, manager)
+    checkpointer = unbroken.checkpointer_for(manager)  # None unless `unbroken run --checkpoint-dir`
+    unbroken.resume(manager, checkpointer)
     # ------------------------------------------------------------------------------------
 
     cfg_r = manager.config
@@ -63,19 +67,26 @@ def main() -> None:
         loss = model(x, y)
         loss.backward()
         step = manager.step
-        committed = optimizer.step()  # unbroken: average across replicas, commit
+        # unbroken: report the loss before the exchange (a NaN then sits the step out),
+        # average across replicas and commit, then checkpoint when one is due
+        reported = manager.report_loss(loss.item(), step)
+        committed = optimizer.step()
+        if committed:
+            unbroken.save_if_due(manager, checkpointer, args.checkpoint_every)
         if args.pace_s > 0:
             time.sleep(max(0.0, args.pace_s - (time.perf_counter() - t0)))
         d = manager.decision
         metrics.write(json.dumps({
             "t": time.time(), "replica": cfg_r.replica_id, "step": manager.step - 1 if committed else step,
-            "loss": manager.report_loss(loss.item(), step),
+            "loss": reported,
             "committed": committed, "epoch": d.epoch if d else None,
             "members": list(d.members) if d else [], "contributing": manager.contributing,
             "recovered": cfg_r.replica_id in (d.behind if d else ()), "step_s": time.perf_counter() - t0,
             "pid": os.getpid(),
         }) + "\n")
     torch.save(state_dict() | {"step": manager.step}, run_dir / f"final-r{cfg_r.replica_id}.pt")
+    if checkpointer is not None:
+        checkpointer.close()  # waits for the last checkpoint to reach the disk
     manager.shutdown()
 
 

@@ -41,3 +41,19 @@ def apply(root: str, keep_last: int) -> list[int]:
         os.rename(path, trash)
         shutil.rmtree(trash, ignore_errors=True)
     return doomed
+
+
+def discard_newer(root: str, step: int) -> list[int]:
+    """Delete every checkpoint newer than ``step`` and point ``latest`` at ``step``.
+
+    After a rollback to ``step`` they belong to an abandoned history (the one the rollback
+    undid); left in place, a later resume or rollback could load the damage again, and a
+    replayed step saved by another replica would sit beside its stale shards.
+    """
+    doomed = [s for s in disk.list_steps(root) if s > step]
+    for s in doomed:
+        trash = os.path.join(root, f".trash-{step_dir_name(s)}-{os.getpid()}")
+        os.rename(os.path.join(root, step_dir_name(s)), trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    disk.update_latest(root, step)
+    return sorted(doomed)

@@ -10,6 +10,7 @@ cross-replica groups of every epoch rendezvous.
 from __future__ import annotations
 
 import asyncio
+import os
 import contextlib
 import dataclasses
 import datetime
@@ -23,6 +24,9 @@ from typing import Any
 from unbroken.control import protocol
 from unbroken.control.assignment import Assignment
 from unbroken.control.quorum import QuorumDecision, QuorumRequest, QuorumRules, QuorumState
+from unbroken.config import ENV_ANOMALY_POLICY
+from unbroken.diagnosis.master import DiagnosisMaster
+from unbroken.diagnosis.metrics import parse_policy
 from unbroken.diagnosis.service import DiagnosisService
 from unbroken.control.state_store import StateStore
 from unbroken.observe.events import EventLog
@@ -48,6 +52,8 @@ class CoordinatorSettings:
         startup_window_s: how long the first quorum waits for every configured replica.
         finish_grace_s: node agents are told the job is over this long after the first replica
             finished, even if a replica is still catching up (with no donor left it never can).
+        anomaly_policy: actions for training-metric anomalies over the default, as in
+            ``UNBROKEN_ANOMALY_POLICY`` (which is read when this is empty).
     """
 
     total_replicas: int
@@ -60,6 +66,7 @@ class CoordinatorSettings:
     join_window_floor_s: float = 0.5
     startup_window_s: float = 20.0
     finish_grace_s: float = 10.0
+    anomaly_policy: str = ""
 
 
 @dataclasses.dataclass
@@ -97,7 +104,8 @@ class Coordinator:
         self.store = StateStore(settings.state_dir)
         self.events = EventLog(Path(settings.state_dir) / "events.jsonl", "coordinator")
         self.events.subscribe(self.store.record_event)
-        self.diagnosis = DiagnosisService(self.events)
+        policy = parse_policy(settings.anomaly_policy or os.environ.get(ENV_ANOMALY_POLICY, ""))
+        self.diagnosis = DiagnosisService(self.events, DiagnosisMaster(policy=policy))
         first_epoch = self.store.max_epoch()
         self.quorum = QuorumState(
             QuorumRules(

@@ -99,6 +99,12 @@ class Fault:
     limit_mb: float = 0.0
     name: str = ""
 
+    @property
+    def one_step(self) -> bool:
+        """A fault of one step (a NaN with no duration): replaying that step does not repeat it,
+        as a transient error would not (a rolled-back job replays the step)."""
+        return self.kind == "nan_loss" and self.duration_s is None
+
     def __post_init__(self) -> None:
         where = f"fault {self.name or self.kind!r}"
         if self.kind not in KINDS:

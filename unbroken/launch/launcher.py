@@ -28,13 +28,16 @@ from pathlib import Path
 from typing import Any
 
 from unbroken import config as env
+from unbroken.checkpoint.disk import check_writable, complete_steps
+from unbroken.checkpoint.retention import discard_newer
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings
+from unbroken.diagnosis.metrics import parse_policy
 from unbroken.launch import injector, workers
 from unbroken.launch.chaos import Fault, Schedule, worker_env
 from unbroken.launch.lifecycle import RUNNING, Lifecycle, State
 from unbroken.launch.workers import free_port, package_path
 from unbroken.launch.policy import Placement, RestartBook, RestartPolicy, Slot
-from unbroken.launch.verdicts import IGNORE, ISOLATE, VERDICT_ACTIONS, verdict_action
+from unbroken.launch.verdicts import IGNORE, ISOLATE, ROLLBACK, VERDICT_ACTIONS, rollback_step, verdict_action
 from unbroken.observe.events import Event, EventLog
 
 HANG_ACTIONS = ("restart", "wait")
@@ -65,6 +68,11 @@ class LaunchSettings:
             restarted (``restart``) or left to resume and rejoin by itself (``wait``).
         warm_spare: keep one worker process with torch already imported for restarts
             (``python script.py`` and ``python -m module`` commands; see launch/warm.py).
+        checkpoint_dir: the job's checkpoint directory, handed to the workers; a ``rollback``
+            verdict restarts every replica from a checkpoint found there.
+        anomaly_policy: what training-metric anomalies do, over the default policy
+            (``"nonfinite_loss=rollback"``; see :func:`unbroken.diagnosis.metrics.parse_policy`),
+            for the workers (skipping a step) and the coordinator's verdicts.
     """
 
     command: tuple[str, ...]
@@ -84,6 +92,8 @@ class LaunchSettings:
     on_verdict: str = "isolate"
     on_hang: str = "restart"
     warm_spare: bool = True
+    checkpoint_dir: Path | None = None
+    anomaly_policy: str = ""
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -105,6 +115,9 @@ class LaunchSettings:
         if self.on_hang not in HANG_ACTIONS:
             raise ValueError(f"--on-hang must be one of {', '.join(HANG_ACTIONS)}, got {self.on_hang!r}")
         self.schedule.validate(self.replicas, self.ranks_per_replica, coordinator_in_process=self.coordinator is None)
+        parse_policy(self.anomaly_policy)  # a typo fails here, with the kinds and actions it accepts
+        if self.checkpoint_dir is not None:
+            check_writable(str(self.checkpoint_dir))  # before any replica trains, not at its first save
 
     @property
     def quorum_min(self) -> int:
@@ -119,6 +132,7 @@ def local_slots(replicas: int, spares: int) -> list[Slot]:
 @dataclasses.dataclass
 class _Replica(workers.ReplicaProcs):
     pending: asyncio.Task[None] | None = None
+    resume_step: int | None = None  # the checkpoint its next processes load (a rollback)
 
 
 class Launcher:
@@ -142,6 +156,7 @@ class Launcher:
         self.job_step = 0
         self.exit_code: int | None = None
         self._fired: set[int] = set()
+        self._rolling_back: set[int] = set()  # replicas restarted by the last rollback
         self._worker_fault_start: dict[int, float] = {}
         self._stop = asyncio.Event()
         self._changed = asyncio.Event()
@@ -186,7 +201,7 @@ class Launcher:
     def _coordinator_settings(self, port: int) -> CoordinatorSettings:
         return CoordinatorSettings(
             total_replicas=self.s.replicas, min_replicas=self.s.quorum_min, state_dir=self.run_dir,
-            port=port, heartbeat_timeout_s=self.s.heartbeat_timeout_s,
+            port=port, heartbeat_timeout_s=self.s.heartbeat_timeout_s, anomaly_policy=self.s.anomaly_policy,
         )
 
     def _move(self, replica: int, state: State, reason: str) -> None:
@@ -199,10 +214,19 @@ class Launcher:
 
     def _worker_env(self, r: _Replica, rank: int, master_port: int, slot: Slot) -> dict[str, str]:
         faults = self.s.schedule.worker_faults(r.replica, rank) if slot == self.placement.home[r.replica] else []
+        if r.restarts:  # a one-step fault the job already went through does not strike again
+            faults = [f for f in faults if not f.one_step or f.step is None or f.step > self.job_step]
+        extra = worker_env(faults, self.job_start)
+        if self.s.checkpoint_dir is not None:
+            extra[env.ENV_CHECKPOINT_DIR] = str(self.s.checkpoint_dir)
+        if r.resume_step is not None:
+            extra[env.ENV_RESUME_STEP] = str(r.resume_step)
+        if self.s.anomaly_policy:
+            extra[env.ENV_ANOMALY_POLICY] = self.s.anomaly_policy
         return workers.worker_env(coordinator=self.address, replica=r.replica, num_replicas=self.s.replicas,
                                   run_dir=self.run_dir, restarts=r.restarts, node=slot.node, rank=rank,
                                   world_size=self.s.ranks_per_replica, master_port=master_port,
-                                  threads=self._threads(), extra=worker_env(faults, self.job_start))
+                                  threads=self._threads(), extra=extra)
 
     def _warmable(self) -> bool:
         """``python script.py`` or ``python -m module``, one rank per replica: a warm worker can run it."""
@@ -240,6 +264,12 @@ class Launcher:
         master_port = free_port()
         r.procs = []
         r.step_at_start = self.job_step
+        if r.resume_step is not None and self.s.checkpoint_dir is not None:
+            # Now that the old processes are gone (none can still be persisting a newer step):
+            # the checkpoints after the rollback's target hold the history it undid.
+            discarded = discard_newer(str(self.s.checkpoint_dir), r.resume_step)
+            if discarded:
+                self.events.emit("checkpoints_discarded", steps=discarded, rollback_step=r.resume_step)
         for rank in range(self.s.ranks_per_replica):
             path = self.run_dir / "logs" / f"replica{r.replica}-rank{rank}.log"
             environ = self._worker_env(r, rank, master_port, slot)
@@ -250,8 +280,9 @@ class Launcher:
                 proc = await self._cold_start(environ, path)
             r.procs.append(proc)
             self.events.emit("process_started", replica=r.replica, rank=rank, pid=proc.pid, restart=r.restarts,
-                             node=slot.node, slot=slot.name)
+                             node=slot.node, slot=slot.name, resume_step=r.resume_step)
             asyncio.get_running_loop().create_task(self._watch(r, rank, proc))
+        r.resume_step = None  # later restarts catch up from a peer, which is newer
 
     async def _cold_start(self, environ: dict[str, str], path: Path) -> asyncio.subprocess.Process:
         return await workers.start_worker(self.s.command, environ, path)
@@ -350,6 +381,9 @@ class Launcher:
             self.events.emit("verdict_ignored", verdict_class=e.get("class"), replica=replica, action=action,
                              reason=why if action == IGNORE else "not a replica of this job")
             return
+        if action == ROLLBACK:
+            self._roll_back(e, why)
+            return
         r = self.replicas[replica]
         if self.lifecycle.state[replica] not in RUNNING:
             return
@@ -361,6 +395,36 @@ class Launcher:
         self.events.emit("verdict_acted", verdict_class=e.get("class"), replica=replica, action=action, reason=why)
         self._failed(r, f"diagnosis verdict: {e.get('class')} (confidence {e.get('confidence', 0):.2f})",
                      time.monotonic(), blame=False)
+
+    def _roll_back(self, e: Event, why: str) -> None:
+        """Restarts every replica from the newest checkpoint before the anomalous step."""
+        def ignore(reason: str) -> None:
+            self.events.emit("verdict_ignored", verdict_class=e.get("class"), replica=replica, action=ROLLBACK,
+                             reason=reason)
+
+        replica = (e.get("culprit") or {}).get("replica")
+        anomaly_step = (e.get("evidence") or {}).get("step")
+        if self._rolling_back and any(self.lifecycle.state[r] != State.TRAINING for r in self._rolling_back):
+            return ignore("a rollback is under way")
+        self._rolling_back = set()
+        if self.s.checkpoint_dir is None:
+            return ignore("no checkpoint directory to roll back to (unbroken run --checkpoint-dir)")
+        if not isinstance(anomaly_step, int):
+            return ignore("the verdict names no step")
+        target = rollback_step(anomaly_step, complete_steps(str(self.s.checkpoint_dir)))
+        if target is None:
+            return ignore(f"no complete checkpoint at or before step {anomaly_step} in {self.s.checkpoint_dir}")
+        self.events.emit("verdict_acted", verdict_class=e.get("class"), replica=replica, action=ROLLBACK, reason=why)
+        self.events.emit("rollback", step=target, anomaly_step=anomaly_step, culprit=replica,
+                         anomaly=(e.get("evidence") or {}).get("anomaly"))
+        for r in self.replicas.values():
+            if self.lifecycle.state[r.replica] in (State.FINISHED, State.STOPPED, State.ISOLATED):
+                continue
+            r.resume_step = target
+            self._rolling_back.add(r.replica)
+            if self.lifecycle.state[r.replica] in RUNNING and r.procs:
+                self._failed(r, f"rollback to the checkpoint of step {target} ({why})", time.monotonic(),
+                             blame=False)
 
     # -- the periodic work: steps, chaos, re-admission -----------------------------
 

@@ -35,6 +35,12 @@ def supervisor_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--blame-threshold", type=int, default=RestartPolicy.blame_threshold, show_default=True,
                      help="Faults on one node within --blame-window that isolate it."),
         click.option("--blame-window", type=float, default=RestartPolicy.blame_window_s, show_default=True),
+        click.option("--checkpoint-dir", type=click.Path(path_type=Path), default=None,
+                     help="The job's checkpoint directory (UNBROKEN_CHECKPOINT_DIR for the workers); "
+                          "a rollback verdict restarts the job from a checkpoint there."),
+        click.option("--anomaly-policy", default="", metavar="KIND=ACTION,...",
+                     help="Actions for training-metric anomalies, e.g. nonfinite_loss=rollback,loss_spike=skip_step "
+                          "(actions: skip_step, rollback, isolate, none)."),
         click.option("--readmit-after", type=float, default=RestartPolicy.readmit_after_s, show_default=True,
                      help="Seconds an isolated node waits before the self-check that can re-admit it."),
     ]
@@ -54,7 +60,8 @@ def supervisor_settings(kw: dict[str, Any]) -> dict[str, Any]:
     )
     schedule = Schedule.build(files=kw.pop("fault_files"), flags=kw.pop("faults"))
     return {"policy": policy, "schedule": schedule, "spares": kw.pop("spares"),
-            "on_verdict": kw.pop("on_verdict"), "on_hang": kw.pop("on_hang")}
+            "on_verdict": kw.pop("on_verdict"), "on_hang": kw.pop("on_hang"),
+            "checkpoint_dir": kw.pop("checkpoint_dir"), "anomaly_policy": kw.pop("anomaly_policy")}
 
 
 @click.command(context_settings={"ignore_unknown_options": True})

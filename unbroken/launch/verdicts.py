@@ -10,9 +10,11 @@ Each verdict class has its own remedy, and ``--on-verdict`` caps it (``ignore`` 
   stays with the hardware, so the replica moves to a spare slot (or restarts in place when no
   spare is free).
 - ``metric_anomaly``: what the anomaly policy asked for in the verdict's ``evidence.action``:
-  ``isolate`` isolates, ``rollback`` restarts the replica (it then catches up from a healthy
-  peer's state, which rolls its own state back); ``skip_step`` and ``none`` were already
-  handled inside the worker, so the supervisor does nothing.
+  ``isolate`` isolates; ``rollback`` restarts every replica from the newest checkpoint saved
+  before the anomalous step (:func:`rollback_step`): by the time a spike is judged its
+  gradient has been averaged into every replica, so no single replica's state is good;
+  ``skip_step`` and ``none`` were already handled inside the worker, so the supervisor does
+  nothing.
 - a verdict about a *link* (``culprit.link`` set with no single guilty node), or one that names
   no replica (``culprit.replica`` -1 or missing): nothing. Killing either end does not mend a
   link; the exchange's deadline abandons the stuck collective and the verdict is the evidence
@@ -21,22 +23,24 @@ Each verdict class has its own remedy, and ``--on-verdict`` caps it (``ignore`` 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from unbroken.diagnosis.verdict import COMM_HANG, COMM_SLOW, METRIC_ANOMALY, NONCOMM_HANG, STRAGGLER
 
-ISOLATE, RESTART, IGNORE = "isolate", "restart", "ignore"
-VERDICT_ACTIONS = (ISOLATE, RESTART, IGNORE)
-_STRENGTH = {IGNORE: 0, RESTART: 1, ISOLATE: 2}
+ISOLATE, RESTART, IGNORE, ROLLBACK = "isolate", "restart", "ignore", "rollback"
+VERDICT_ACTIONS = (ISOLATE, RESTART, IGNORE)  # what --on-verdict may cap them at
+_STRENGTH = {IGNORE: 0, RESTART: 1, ROLLBACK: 1, ISOLATE: 2}
 CLASS_ACTIONS: dict[str, str] = {
     NONCOMM_HANG: RESTART, COMM_HANG: RESTART, STRAGGLER: ISOLATE, COMM_SLOW: ISOLATE,
 }
-_METRIC_ACTIONS = {"isolate": ISOLATE, "rollback": RESTART}
+_METRIC_ACTIONS = {"isolate": ISOLATE, "rollback": ROLLBACK}
 
 
 def verdict_action(verdict: Mapping[str, Any], on_verdict: str) -> tuple[str, str]:
     """The action for one ``verdict`` event and why: (``isolate``|``restart``|``ignore``, reason).
+
+    ``rollback`` acts on the whole job, not on the culprit (see the module doc).
 
     Args:
         verdict: the event's fields (``class``, ``culprit``, ``evidence``).
@@ -63,3 +67,13 @@ def verdict_action(verdict: Mapping[str, Any], on_verdict: str) -> tuple[str, st
     if _STRENGTH[on_verdict] < _STRENGTH[wanted]:
         return on_verdict, f"{kind} calls for {wanted}, capped by --on-verdict {on_verdict}"
     return wanted, f"{kind}: {wanted}"
+
+
+def rollback_step(anomaly_step: int, checkpoint_steps: Iterable[int]) -> int | None:
+    """The checkpoint to roll back to: the newest one saved before the anomalous update.
+
+    A checkpoint labelled ``s`` holds the state after ``s`` steps, that is before step ``s``'s
+    update; the anomaly of step ``s`` came with that update, so checkpoint ``s`` is still good.
+    None when no checkpoint is that old.
+    """
+    return max((s for s in checkpoint_steps if s <= anomaly_step), default=None)

@@ -256,6 +256,32 @@ class Manager:
     def _full_state(self) -> dict[str, Any]:
         return {"user": self._state_dict(), "unbroken": {"step": self.step}}
 
+    def state_dict(self) -> dict[str, Any]:
+        """This replica's whole state: the user's (model, optimizer, ...) and its step.
+
+        What a checkpoint must hold for a resumed or rolled-back replica to rejoin at the
+        right step; the same thing a donor sends a recovering peer. Call between steps.
+        """
+        return self._full_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Loads what :meth:`state_dict` returned (say, from a checkpoint); call between steps."""
+        self._load_state_dict(state["user"])
+        self.step = int(state["unbroken"]["step"])
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether this replica saves the job's checkpoint after this step.
+
+        The lowest-numbered member that is not catching up: replicas hold the same state, so
+        one copy per step is enough, and when that replica is gone the next one takes over.
+        """
+        d = self.decision
+        if d is None:
+            return False
+        up = [m for m in d.members if m not in d.behind]
+        return bool(up) and self.config.replica_id == min(up)
+
     def _start_fetch(self, address: str, step: int) -> None:
         box: dict[str, Any] = {"start": time.perf_counter()}
         into, self._own_state = self._own_state, None

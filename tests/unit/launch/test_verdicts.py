@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from unbroken.launch.verdicts import verdict_action
+from unbroken.launch.verdicts import rollback_step, verdict_action
 
 
 def v(cls: str, replica: int | None = 1, link: list[int] | None = None, **evidence: object) -> dict:
@@ -36,7 +36,9 @@ def test_link_verdicts_touch_no_process() -> None:
 
 def test_metric_anomaly_follows_the_anomaly_policy() -> None:
     assert verdict_action(v("metric_anomaly", action="isolate"), "isolate")[0] == "isolate"
-    assert verdict_action(v("metric_anomaly", action="rollback"), "isolate")[0] == "restart"
+    assert verdict_action(v("metric_anomaly", action="rollback"), "isolate")[0] == "rollback"
+    assert verdict_action(v("metric_anomaly", action="rollback"), "restart")[0] == "rollback"
+    assert verdict_action(v("metric_anomaly", action="rollback"), "ignore")[0] == "ignore"
     assert verdict_action(v("metric_anomaly", action="skip_step"), "isolate")[0] == "ignore"
     assert verdict_action(v("metric_anomaly", action=None), "isolate")[0] == "ignore"
 
@@ -45,3 +47,11 @@ def test_old_or_unknown_classes_and_bad_settings() -> None:
     assert verdict_action(v("hang"), "isolate")[0] == "ignore"
     with pytest.raises(ValueError, match="--on-verdict must be one of"):
         verdict_action(v("straggler"), "explode")
+
+
+def test_rollback_goes_to_the_newest_checkpoint_before_the_bad_update() -> None:
+    # checkpoint 30 holds the state before step 30's update: still good for an anomaly at 30
+    assert rollback_step(30, [10, 20, 30, 40]) == 30
+    assert rollback_step(37, [40, 10, 30, 20]) == 30
+    assert rollback_step(5, [10, 20]) is None
+    assert rollback_step(5, []) is None
