@@ -11,8 +11,8 @@ the peer being a replica id. Each connection also feeds an ICCL window monitor.
 Link faults for the scenario suite live here too, because only the transport knows a link:
 ``UNBROKEN_LINK_FAULT="A-B:mb_s=20:step=30"`` slows both directions between replicas A and B
 to 20 MB/s from step 30; ``"A-B:stall:step=30"`` stops the transfer A -> B for good;
-``"A:mb_s=20:step=30"`` slows every connection of replica A (a slow node). The delay is applied
-after the send is posted, as a slow wire would.
+``"A:mb_s=20:step=30"`` slows every connection of replica A (a slow node). The delay holds the
+send after it is posted, as a slow wire would (see :func:`unbroken.comm.ring.ring_allreduce_sum`).
 """
 
 from __future__ import annotations
@@ -162,15 +162,12 @@ class FlightRecorder:
         outstanding = sum(e[5] for e in self.open_links.values() if e[3] == entry[3])
         mon.completed(entry[5], (entry[7] - entry[6]) / 1e9, outstanding)
 
-    def before_send(self, peer: int, step: int) -> None:
+    def send_delay_s(self, peer: int, step: int, nbytes: int) -> float:
         if self.link_fault is None:
-            return
+            return 0.0
         dst = self.members[peer] if peer < len(self.members) else peer
-        entry = self.open_links.get(("send", step))
-        nbytes = entry[5] if entry else 0
         delay = self.link_fault.delay_s(self.replica, dst, self.step, nbytes)
-        if delay is not None:
-            time.sleep(delay if delay != float("inf") else 3600.0)
+        return 0.0 if delay is None else delay
 
     # -- connection thread ---------------------------------------------------------------
 

@@ -33,11 +33,14 @@ class MasterSettings:
     silent_factor: float = 5.0
     straggler_window: int = 10
     straggler_threshold: float = 0.72
-    link_window: int = 16
-    link_min_samples: int = 8
-    link_ratio: float = 2.0  # 1.35 called scheduling noise of a busy 2-core machine a slow link
+    link_window: int = 16  # transfers per cell: 8 collectives, as each direction carries every other one
+    link_min_samples: int = 12
+    # On cells' fastest quarters: healthy cells of a loaded 2-core host reached 2.5x of the
+    # reference for a few collectives, never 3x over 5 (captured clean ring runs).
+    link_ratio: float = 3.0
+    link_quantile: float = 0.25
     link_warmup: int = 15  # a group's first collectives (connection setup, warm caches) are uneven
-    confirm: int = 3  # consecutive evaluations a slow-connection finding must hold
+    confirm: int = 3  # new collectives a straggler or step-time finding must hold over
     link_confirm: int = 5  # new collectives a slow-connection finding must hold over
 
 
@@ -74,7 +77,7 @@ class DiagnosisMaster:
         self.detectors: dict[Ident, MetricDetector] = {}
         self._pending_metric: list[Verdict] = []
         self._link_streak: tuple[Any, int, int] = (None, 0, -1)
-        self._change_streak: dict[Ident, int] = {}
+        self._change_streak: dict[Ident, tuple[int, int, int]] = {}  # first, length, at collective
         self._straggler_streak: dict[int, tuple[Any, int, int]] = {}
         self._arrived = 0  # collectives completed by every member so far
         self._epoch_group: dict[int, str] = {}
@@ -342,8 +345,9 @@ class DiagnosisMaster:
         return out
 
     def _slow_links(self) -> list[Verdict]:
-        f = links.classify_slow(self.cells, self.s.link_ratio, self.s.link_min_samples)
-        sig = (f.pattern, f.replica, f.link) if f else None
+        f = links.classify_slow(self.cells, self.s.link_ratio, self.s.link_min_samples, self.s.link_quantile)
+        # Which direction of a slow link is the slower may flip between collectives; the link does not.
+        sig = (f.pattern, frozenset(f.link) if f.link else f.replica) if f else None
         prev, n, at = self._link_streak
         # Counted in new collectives, not evaluations: one slow burst re-read at every tick
         # of the coordinator is still one burst.
@@ -362,19 +366,40 @@ class DiagnosisMaster:
             stragglers = {v.culprit.replica for v in self._stragglers()}
             for rep, ratio in changed.items():
                 others = [c for o, c in changed.items() if o != rep and c is not None]
-                alone = (ratio is not None and ratio >= 1.25 and others
-                         and max(others) < 1.1 and min(others) > 0.85)
-                n = self._change_streak[(rep, rank)] = self._change_streak.get((rep, rank), 0) + 1 if alone else 0
+                alone = bool(ratio is not None and ratio >= 1.25 and others
+                             and max(others) < 1.1 and min(others) > 0.85)
+                key = (rep, rank)
+                # Counted in new collectives: one slow burst re-read at every tick is one burst.
+                _, n, at = self._change_streak.get(key, (0, 0, -1))
+                n = (n + (at != self._arrived)) if alone else 0
+                first = self._change_streak.get(key, (self._arrived, 0, 0))[0] if n > 1 else self._arrived
+                self._change_streak[key] = (first, n, self._arrived)
                 # A change shared by every replica is the machine, not a replica; so is one replica
                 # slowing while another speeds up (processes trading places on shared cores). A big
                 # change is a straggler, which the straggler rule names with better evidence.
                 if n < self.s.confirm or rep in stragglers:
+                    continue
+                if self._straggler_coming(rep, rank) and self._arrived - first < self.s.straggler_window:
                     continue
                 node = self.ranks.get((rep, rank), _Rank("", 0)).node or None
                 out.append(Verdict(Culprit(rep, rank, node), METRIC_ANOMALY, 0.7,
                                    {"anomaly": "step_time_change", "recent_over_baseline": round(ratio, 3),
                                     "action": self.policy.get("step_time_change")}))
         return out
+
+
+    def _straggler_coming(self, replica: int, rank: int) -> bool:
+        """Whether the replica's latest compute times are past the straggler threshold.
+
+        The step-time change point sees a slowdown as soon as half its window is slow; the
+        straggler rule, which names the class better (slow *and* last), needs a few more
+        collectives. A change this big is left to it for one straggler window.
+        """
+        xs = list(self._detector((replica, rank)).compute)
+        if len(xs) < 2 * self.s.confirm + 1:
+            return False
+        base = median(xs[:-self.s.straggler_window] or xs)
+        return base > 0 and median(xs[-self.s.confirm:]) * self.s.straggler_threshold >= base
 
 
 def _num(x: Any) -> float | None:
