@@ -37,11 +37,20 @@ class LinkFinding:
 CELL_QUANTILE = 0.25
 
 
+def quantile_of(xs: Sequence[float], q: float) -> float:
+    """numpy's default (linear) quantile, in plain Python: on a window of 16 samples it is ~50x
+    cheaper than ``np.quantile``, and the coordinator evaluates every cell at every tick."""
+    s = sorted(xs)
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
 def cell_floors(cells: Mapping[Cell, Sequence[float]], min_samples: int,
-                quantile: float = CELL_QUANTILE) -> dict[Cell, float]:
+                q: float = CELL_QUANTILE) -> dict[Cell, float]:
     """Each cell's low quantile, for cells with at least ``min_samples`` samples."""
-    return {c: float(np.quantile(np.asarray(xs, dtype=float), quantile))
-            for c, xs in cells.items() if len(xs) >= min_samples}
+    return {c: quantile_of(xs, q) for c, xs in cells.items() if len(xs) >= min_samples}
 
 
 def classify_slow(cells: Mapping[Cell, Sequence[float]], ratio: float = 3.0, min_samples: int = 8,

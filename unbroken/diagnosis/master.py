@@ -80,6 +80,8 @@ class DiagnosisMaster:
         self._change_streak: dict[Ident, tuple[int, int, int]] = {}  # first, length, at collective
         self._straggler_streak: dict[int, tuple[Any, int, int]] = {}
         self._arrived = 0  # collectives completed by every member so far
+        self._judged = -1  # the value of _arrived the collective-driven rules last ran at
+        self._periodic: list[Verdict] = []
         self._epoch_group: dict[int, str] = {}
         self._reported: dict[tuple[Any, ...], float] = {}
         self.onset_hint: dict[Ident, float] = {}
@@ -229,7 +231,14 @@ class DiagnosisMaster:
 
     def evaluate(self, now: float) -> list[Verdict]:
         """New verdicts since the last call (each finding once until it clears)."""
-        found = self._hangs(now) + self._stalled(now) + self._silent(now) + self._stragglers(count=True) + self._slow_links() + self._metric()
+        if self._judged != self._arrived:
+            # Stragglers, slow connections and step-time changes only move with a new collective:
+            # between collectives the last findings stand (and keep their findings reported).
+            self._judged = self._arrived
+            self._periodic = self._stragglers(count=True) + self._slow_links() + self._step_time()
+        found = (self._hangs(now) + self._stalled(now) + self._silent(now) + self._periodic
+                 + self._pending_metric)
+        self._pending_metric = []
         fresh = []
         for v in found:
             if v.key not in self._reported:
@@ -359,8 +368,8 @@ class DiagnosisMaster:
         ev = {"pattern": f.pattern, **f.evidence}
         return [Verdict(Culprit(f.replica, None, node if f.pattern != "link" else None, f.link), COMM_SLOW, 0.8, ev)]
 
-    def _metric(self) -> list[Verdict]:
-        out, self._pending_metric = self._pending_metric, []
+    def _step_time(self) -> list[Verdict]:
+        out = []
         for rank, comp in self.compute.items():
             changed = {rep: self._detector((rep, rank)).change_point() for rep in comp}
             stragglers = {v.culprit.replica for v in self._stragglers()}

@@ -5,7 +5,10 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from unbroken.diagnosis import hang, links, straggler
 from unbroken.diagnosis.metrics import MetricDetector, parse_policy, wants_skip
@@ -210,3 +213,8 @@ def test_verdict_interface_and_validation() -> None:
 def test_everyone_silent_is_no_verdict() -> None:
     views = [view(0, 7, 2.0, silent=2.0), view(1, 7, 2.0, silent=2.0)]
     assert hang.classify_hang("g", views, 0.5, 1.0) is None
+
+
+@given(st.lists(st.floats(0, 1e3), min_size=1, max_size=40), st.floats(0, 1))
+def test_quantile_matches_numpy(xs, q) -> None:
+    assert links.quantile_of(xs, q) == pytest.approx(float(np.quantile(xs, q)), rel=1e-9, abs=1e-9)
