@@ -1,8 +1,10 @@
 """The connection matrix: which sender, receiver or link makes transfers slow (C4D).
 
 Cells hold the time per megabyte of transfers from a sender to a receiver, each measured only
-while data was waiting (from the later of the two posts to the receive's completion), so an
-idle connection has no samples and is never called slow. A cell's figure is a low quantile of
+when the receiver was already waiting for it (from the send's post to the receive's
+completion): the connection was then the only thing between the data and its reader. An idle
+connection, or one whose receiver is late because it is busy, gives no samples and is never
+called slow. A cell's figure is a low quantile of
 its recent samples (:data:`CELL_QUANTILE`): scheduling on a busy host only ever *adds* delay to
 some transfers (measured on 2 shared cores: medians spread 2-3x between healthy cells, fastest
 quarters 1.3x), while a slow wire raises every transfer, the fastest included. Against a
