@@ -128,15 +128,18 @@ class FlightRecorder:
         rec[5] = time.monotonic_ns()
         rec[6] = ok
         self.open = None
-        if ok:  # an abandoned collective keeps its stalled transfers as evidence
+        if ok:
             self.open_links.clear()
-        elif ok is False:  # ... and ships them with it: the next collective clears open_links
+        else:
+            # A failed collective ships its unfinished transfers as evidence (the next collective
+            # clears open_links), with whether it gave up at its own deadline (a stall) or was
+            # failed for it (the coordinator's abort after a peer's deadline, a closed connection).
             try:
                 stalled = [[e[2], e[3], e[4], e[6]] for e in list(self.open_links.values())]
             except RuntimeError:  # changed under us by the ring thread
                 stalled = []
             if stalled:
-                self._stalls.append([rec[0], rec[1], stalled])
+                self._stalls.append([rec[0], rec[1], stalled, ok is False])
         self.ring.append(rec)
         self._out.append(rec)
 

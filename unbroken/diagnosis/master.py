@@ -87,6 +87,9 @@ class DiagnosisMaster:
         self.onset_hint: dict[Ident, float] = {}
         # (group, seq, rank) -> replica -> transfers still open when it abandoned the collective
         self.stalls: dict[tuple[str, int, int], dict[int, list[tuple[str, int, int, float]]]] = {}
+        # ... of which at least one member gave up at its own deadline; the others may have been
+        # aborted by the coordinator because of it (a crash fails every member at once instead)
+        self._deadline_passed: set[tuple[str, int, int]] = set()
 
     # -- ingest ----------------------------------------------------------------------------
 
@@ -130,11 +133,15 @@ class DiagnosisMaster:
             r.open = None
         for group, seq, direction, peer, step, nbytes, post_ns, done_ns in batch.get("links", ()):
             self._link_half(group, seq, step, direction, replica, peer, post_ns / 1e9 + to_c, done_ns / 1e9 + to_c, nbytes)
-        for group, seq, stalled in batch.get("stalls", ()):
+        for group, seq, stalled, *deadline in batch.get("stalls", ()):
             got = self.stalls.setdefault((group, seq, rank), {})
             got[replica] = [(d, peer, step, post_ns / 1e9 + to_c) for d, peer, step, post_ns in stalled]
+            if not deadline or deadline[0]:
+                self._deadline_passed.add((group, seq, rank))
             if len(self.stalls) > 64:
-                self.stalls.pop(next(iter(self.stalls)))
+                oldest = next(iter(self.stalls))
+                del self.stalls[oldest]
+                self._deadline_passed.discard(oldest)
         r.open_recvs = [(g, seq, peer, step, post_ns / 1e9 + to_c)
                         for g, seq, d, peer, step, _nb, post_ns in batch.get("open_links", ()) if d == "recv"]
         r.flags = list(batch.get("flags", ()))
@@ -281,7 +288,7 @@ class DiagnosisMaster:
         return out
 
     def _stalled(self, now: float) -> list[Verdict]:
-        """Every member abandoned the same collective at its deadline: a communication hang.
+        """Members abandoned the same collective at a deadline: a communication hang.
 
         Counters are equal, so no rank is behind; the stalled transfer names the link. A
         receive is stalled only if its sender's send is open too: a rank stuck in its send
@@ -296,9 +303,10 @@ class DiagnosisMaster:
             paired = [x for x in recvs if (x[2], x[3], x[0]) in sends]
             # Both ends of one transfer saying it never finished is evidence enough; the others
             # may have been aborted by the coordinator before their own deadline.
-            if len(members) < 2 or not (paired or set(members) <= set(got)):
+            if len(members) < 2 or key not in self._deadline_passed or not (paired or set(members) <= set(got)):
                 continue
             del self.stalls[key]
+            self._deadline_passed.discard(key)
             if not (paired or recvs):
                 continue
             step, post, sender, receiver = min(paired or recvs)
@@ -306,7 +314,7 @@ class DiagnosisMaster:
             evidence = {"group": group, "seq": seq, "ring_step": step, "stalled_s": round(now - post, 3),
                         "open_transfers": {str(m): [f"{d} {'to' if d == 'send' else 'from'} {p} @ring step {s}"
                                                     for d, p, s, _ in links] for m, links in got.items()},
-                        "reason": f"every member abandoned seq {seq} at its deadline; the transfer {sender} -> "
+                        "reason": f"seq {seq} was abandoned at a deadline; the transfer {sender} -> "
                                   f"{receiver} at ring step {step} never completed"
                                   + ("" if paired else " (its sender's side is unknown)")}
             out.append(Verdict(Culprit(sender, rank, node, (sender, receiver)), COMM_HANG,

@@ -182,6 +182,29 @@ def test_stalled_ring_names_the_link_whose_send_never_finished() -> None:
     assert not [v for v in m.evaluate(t + 0.7) if v.kind == "comm_hang"]  # reported once
 
 
+def stalled_collective(deadline: dict[int, bool]) -> list:
+    """0 -> 1 stuck at ring step 0; which members gave up at their own deadline is ``deadline``."""
+    m = DiagnosisMaster()
+    t = 50.0
+    open_ = {0: [["send", 1, 0, int(t * NS)]], 1: [["recv", 0, 0, int(t * NS)], ["send", 2, 0, int(t * NS)]],
+             2: [["recv", 1, 1, int((t + 0.01) * NS)], ["send", 0, 1, int((t + 0.01) * NS)]]}
+    for r in (0, 1, 2):
+        rec = [G, 7, "allreduce", 4, int(t * NS), int((t + 0.5) * NS), False if deadline[r] else None, [0, 1, 2]]
+        m.ingest((r, 0), f"n{r}", batch(t + 0.6, records=[rec], stalls=[[G, 7, open_[r], deadline[r]]]), t + 0.6)
+    return [v for v in m.evaluate(t + 0.6) if v.kind == "comm_hang"]
+
+
+def test_stall_seen_by_one_deadline_and_two_aborted_members_names_the_link() -> None:
+    """The first member to reach its deadline gets the others aborted; their evidence still counts."""
+    hang = stalled_collective({0: False, 1: False, 2: True})
+    assert hang and hang[0].culprit.link == (0, 1)
+
+
+def test_collective_failed_everywhere_without_a_deadline_is_no_comm_hang() -> None:
+    """A closed connection (a crash) fails every member at once with transfers open: not a stall."""
+    assert stalled_collective({0: False, 1: False, 2: False}) == []
+
+
 def test_a_silent_rank_among_talking_ones_is_a_noncomm_hang() -> None:
     m = DiagnosisMaster()
     for i in range(20):
