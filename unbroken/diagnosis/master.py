@@ -400,7 +400,7 @@ class DiagnosisMaster:
                 # change is a straggler, which the straggler rule names with better evidence.
                 if n < self.s.confirm or rep in stragglers:
                     continue
-                if self._straggler_coming(rep, rank) and self._arrived - first < self.s.straggler_window:
+                if self._straggler_coming(rep, rank) and self._arrived - first < 2 * self.s.confirm:
                     continue
                 node = self.ranks.get((rep, rank), _Rank("", 0)).node or None
                 out.append(Verdict(Culprit(rep, rank, node), METRIC_ANOMALY, 0.7,
@@ -413,8 +413,10 @@ class DiagnosisMaster:
         """Whether the replica's latest compute times are past the straggler threshold.
 
         The step-time change point sees a slowdown as soon as half its window is slow; the
-        straggler rule, which names the class better (slow *and* last), needs a few more
-        collectives. A change this big is left to it for one straggler window.
+        straggler rule, which names the class better (slow *and* last), needs one or two more
+        collectives (its window's median moves a sample later) and its own confirmation. A
+        change this big is left to it for that long, and no longer: a rank that is slow but
+        not last still gets its step-time verdict.
         """
         xs = list(self._detector((replica, rank)).compute)
         if len(xs) < 2 * self.s.confirm + 1:
