@@ -15,6 +15,7 @@ a slow row (sender), column (receiver) and cell (link) can be told apart.
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -31,7 +32,9 @@ class LinkHook(Protocol):
 
     def done(self, direction: str, peer: int, step: int, token: int) -> None: ...
 
-    def before_send(self, peer: int, step: int) -> None: ...
+    def send_delay_s(self, peer: int, step: int, nbytes: int) -> float:
+        """Seconds the wire to ``peer`` holds this send (0: none; inf: it never arrives)."""
+        ...
 
 
 def ring_order(size: int, seq: int) -> list[int]:
@@ -90,22 +93,37 @@ def ring_allreduce_sum(
         # Pieces let the add of one piece overlap the transfer of the next.
         rparts = [(a + r0, b + r0) for a, b in chunk_bounds(r1 - r0, pieces)]
         sparts = [(a + s0, b + s0) for a, b in chunk_bounds(s1 - s0, pieces)]
-        rtok = hook.posted("recv", pred, step, (r1 - r0) * tensor.element_size()) if hook else 0
+        rbytes, sbytes = (r1 - r0) * tensor.element_size(), (s1 - s0) * tensor.element_size()
+        rtok = hook.posted("recv", pred, step, rbytes) if hook else 0
         rworks = [pg.recv([dest[a - r0 : b - r0]], pred, tag * pieces + i) for i, (a, b) in enumerate(rparts)]
-        stok = hook.posted("send", succ, step, (s1 - s0) * tensor.element_size()) if hook else 0
-        if hook:
-            hook.before_send(succ, step)
+        delay = hook.send_delay_s(succ, step, sbytes) if hook else 0.0
+        if delay > 0:
+            # An injected slow wire: the data leaves late, but this rank's own receive is not
+            # held up by it (on a real link it would not be), so receive first, then send.
+            _receive(rparts, rworks, tensor, dest, r0, reduce, wait)
+            if hook:
+                hook.done("recv", pred, step, rtok)
+        stok = hook.posted("send", succ, step, sbytes) if hook else 0
+        if delay > 0:
+            time.sleep(min(delay, 3600.0))
         sworks = [pg.send([tensor[a:b]], succ, tag * pieces + i) for i, (a, b) in enumerate(sparts)]
-        for (a, b), rwork in zip(rparts, rworks):
-            wait(rwork)
-            if reduce:
-                tensor[a:b].add_(dest[a - r0 : b - r0])
-        if hook:
-            hook.done("recv", pred, step, rtok)
+        if delay <= 0:
+            _receive(rparts, rworks, tensor, dest, r0, reduce, wait)
+            if hook:
+                hook.done("recv", pred, step, rtok)
         for swork in sworks:
             wait(swork)
         if hook:
             hook.done("send", succ, step, stok)
+
+
+def _receive(rparts: list[tuple[int, int]], rworks: list[Any], tensor: torch.Tensor, dest: torch.Tensor,
+             r0: int, reduce: bool, wait: WaitFn) -> None:
+    """Waits for each piece of a ring step's receive; reduce steps add it in place."""
+    for (a, b), rwork in zip(rparts, rworks):
+        wait(rwork)
+        if reduce:
+            tensor[a:b].add_(dest[a - r0 : b - r0])
 
 
 def plain_wait(timeout_s: float) -> WaitFn:

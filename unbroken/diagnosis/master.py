@@ -33,11 +33,14 @@ class MasterSettings:
     silent_factor: float = 5.0
     straggler_window: int = 10
     straggler_threshold: float = 0.72
-    link_window: int = 16
-    link_min_samples: int = 8
-    link_ratio: float = 2.0  # 1.35 called scheduling noise of a busy 2-core machine a slow link
+    link_window: int = 16  # transfers per cell: 8 collectives, as each direction carries every other one
+    link_min_samples: int = 12
+    # On cells' fastest quarters: healthy cells of a heavily loaded 2-core host held 2.8x of the
+    # reference over 5 collectives at worst (captured clean ring runs); an injected 60 MB/s wire is 20-30x.
+    link_ratio: float = 4.0
+    link_quantile: float = 0.25
     link_warmup: int = 15  # a group's first collectives (connection setup, warm caches) are uneven
-    confirm: int = 3  # consecutive evaluations a slow-connection finding must hold
+    confirm: int = 3  # new collectives a straggler or step-time finding must hold over
     link_confirm: int = 5  # new collectives a slow-connection finding must hold over
 
 
@@ -74,14 +77,19 @@ class DiagnosisMaster:
         self.detectors: dict[Ident, MetricDetector] = {}
         self._pending_metric: list[Verdict] = []
         self._link_streak: tuple[Any, int, int] = (None, 0, -1)
-        self._change_streak: dict[Ident, int] = {}
+        self._change_streak: dict[Ident, tuple[int, int, int]] = {}  # first, length, at collective
         self._straggler_streak: dict[int, tuple[Any, int, int]] = {}
         self._arrived = 0  # collectives completed by every member so far
+        self._judged = -1  # the value of _arrived the collective-driven rules last ran at
+        self._periodic: list[Verdict] = []
         self._epoch_group: dict[int, str] = {}
         self._reported: dict[tuple[Any, ...], float] = {}
         self.onset_hint: dict[Ident, float] = {}
         # (group, seq, rank) -> replica -> transfers still open when it abandoned the collective
         self.stalls: dict[tuple[str, int, int], dict[int, list[tuple[str, int, int, float]]]] = {}
+        # ... of which at least one member gave up at its own deadline; the others may have been
+        # aborted by the coordinator because of it (a crash fails every member at once instead)
+        self._deadline_passed: set[tuple[str, int, int]] = set()
 
     # -- ingest ----------------------------------------------------------------------------
 
@@ -125,11 +133,15 @@ class DiagnosisMaster:
             r.open = None
         for group, seq, direction, peer, step, nbytes, post_ns, done_ns in batch.get("links", ()):
             self._link_half(group, seq, step, direction, replica, peer, post_ns / 1e9 + to_c, done_ns / 1e9 + to_c, nbytes)
-        for group, seq, stalled in batch.get("stalls", ()):
+        for group, seq, stalled, *deadline in batch.get("stalls", ()):
             got = self.stalls.setdefault((group, seq, rank), {})
             got[replica] = [(d, peer, step, post_ns / 1e9 + to_c) for d, peer, step, post_ns in stalled]
+            if not deadline or deadline[0]:
+                self._deadline_passed.add((group, seq, rank))
             if len(self.stalls) > 64:
-                self.stalls.pop(next(iter(self.stalls)))
+                oldest = next(iter(self.stalls))
+                del self.stalls[oldest]
+                self._deadline_passed.discard(oldest)
         r.open_recvs = [(g, seq, peer, step, post_ns / 1e9 + to_c)
                         for g, seq, d, peer, step, _nb, post_ns in batch.get("open_links", ()) if d == "recv"]
         r.flags = list(batch.get("flags", ()))
@@ -194,9 +206,13 @@ class DiagnosisMaster:
             if len(self._halves) > 512:
                 self._halves.pop(next(iter(self._halves)))
             return
-        posts = (post, other[0])
-        recv_done = done if direction == "recv" else other[1]
-        seconds = max(0.0, recv_done - max(posts))
+        recv_post, recv_done, send_post = (post, done, other[0]) if direction == "recv" else (*other[:2], post)
+        if recv_post > send_post:
+            # The receiver came late (it was still busy): the data was not waiting on the wire but
+            # on the receiver, and a busy receiver's slow wake-up is its own (measured on 2 shared
+            # cores: these transfers' fastest quarter is 2x that of the ones a receiver awaited).
+            return
+        seconds = max(0.0, recv_done - send_post)
         mb = max(nbytes, 1) / 1e6
         self.cells.setdefault((src, dst), deque(maxlen=self.s.link_window)).append(seconds / mb)
 
@@ -226,7 +242,14 @@ class DiagnosisMaster:
 
     def evaluate(self, now: float) -> list[Verdict]:
         """New verdicts since the last call (each finding once until it clears)."""
-        found = self._hangs(now) + self._stalled(now) + self._silent(now) + self._stragglers(count=True) + self._slow_links() + self._metric()
+        if self._judged != self._arrived:
+            # Stragglers, slow connections and step-time changes only move with a new collective:
+            # between collectives the last findings stand (and keep their findings reported).
+            self._judged = self._arrived
+            self._periodic = self._stragglers(count=True) + self._slow_links() + self._step_time()
+        found = (self._hangs(now) + self._stalled(now) + self._silent(now) + self._periodic
+                 + self._pending_metric)
+        self._pending_metric = []
         fresh = []
         for v in found:
             if v.key not in self._reported:
@@ -265,7 +288,7 @@ class DiagnosisMaster:
         return out
 
     def _stalled(self, now: float) -> list[Verdict]:
-        """Every member abandoned the same collective at its deadline: a communication hang.
+        """Members abandoned the same collective at a deadline: a communication hang.
 
         Counters are equal, so no rank is behind; the stalled transfer names the link. A
         receive is stalled only if its sender's send is open too: a rank stuck in its send
@@ -280,9 +303,10 @@ class DiagnosisMaster:
             paired = [x for x in recvs if (x[2], x[3], x[0]) in sends]
             # Both ends of one transfer saying it never finished is evidence enough; the others
             # may have been aborted by the coordinator before their own deadline.
-            if len(members) < 2 or not (paired or set(members) <= set(got)):
+            if len(members) < 2 or key not in self._deadline_passed or not (paired or set(members) <= set(got)):
                 continue
             del self.stalls[key]
+            self._deadline_passed.discard(key)
             if not (paired or recvs):
                 continue
             step, post, sender, receiver = min(paired or recvs)
@@ -290,7 +314,7 @@ class DiagnosisMaster:
             evidence = {"group": group, "seq": seq, "ring_step": step, "stalled_s": round(now - post, 3),
                         "open_transfers": {str(m): [f"{d} {'to' if d == 'send' else 'from'} {p} @ring step {s}"
                                                     for d, p, s, _ in links] for m, links in got.items()},
-                        "reason": f"every member abandoned seq {seq} at its deadline; the transfer {sender} -> "
+                        "reason": f"seq {seq} was abandoned at a deadline; the transfer {sender} -> "
                                   f"{receiver} at ring step {step} never completed"
                                   + ("" if paired else " (its sender's side is unknown)")}
             out.append(Verdict(Culprit(sender, rank, node, (sender, receiver)), COMM_HANG,
@@ -342,8 +366,9 @@ class DiagnosisMaster:
         return out
 
     def _slow_links(self) -> list[Verdict]:
-        f = links.classify_slow(self.cells, self.s.link_ratio, self.s.link_min_samples)
-        sig = (f.pattern, f.replica, f.link) if f else None
+        f = links.classify_slow(self.cells, self.s.link_ratio, self.s.link_min_samples, self.s.link_quantile)
+        # Which direction of a slow link is the slower may flip between collectives; the link does not.
+        sig = (f.pattern, frozenset(f.link) if f.link else f.replica) if f else None
         prev, n, at = self._link_streak
         # Counted in new collectives, not evaluations: one slow burst re-read at every tick
         # of the coordinator is still one burst.
@@ -355,26 +380,49 @@ class DiagnosisMaster:
         ev = {"pattern": f.pattern, **f.evidence}
         return [Verdict(Culprit(f.replica, None, node if f.pattern != "link" else None, f.link), COMM_SLOW, 0.8, ev)]
 
-    def _metric(self) -> list[Verdict]:
-        out, self._pending_metric = self._pending_metric, []
+    def _step_time(self) -> list[Verdict]:
+        out = []
         for rank, comp in self.compute.items():
             changed = {rep: self._detector((rep, rank)).change_point() for rep in comp}
             stragglers = {v.culprit.replica for v in self._stragglers()}
             for rep, ratio in changed.items():
                 others = [c for o, c in changed.items() if o != rep and c is not None]
-                alone = (ratio is not None and ratio >= 1.25 and others
-                         and max(others) < 1.1 and min(others) > 0.85)
-                n = self._change_streak[(rep, rank)] = self._change_streak.get((rep, rank), 0) + 1 if alone else 0
+                alone = bool(ratio is not None and ratio >= 1.25 and others
+                             and max(others) < 1.1 and min(others) > 0.85)
+                key = (rep, rank)
+                # Counted in new collectives: one slow burst re-read at every tick is one burst.
+                _, n, at = self._change_streak.get(key, (0, 0, -1))
+                n = (n + (at != self._arrived)) if alone else 0
+                first = self._change_streak.get(key, (self._arrived, 0, 0))[0] if n > 1 else self._arrived
+                self._change_streak[key] = (first, n, self._arrived)
                 # A change shared by every replica is the machine, not a replica; so is one replica
                 # slowing while another speeds up (processes trading places on shared cores). A big
                 # change is a straggler, which the straggler rule names with better evidence.
                 if n < self.s.confirm or rep in stragglers:
+                    continue
+                if self._straggler_coming(rep, rank) and self._arrived - first < 2 * self.s.confirm:
                     continue
                 node = self.ranks.get((rep, rank), _Rank("", 0)).node or None
                 out.append(Verdict(Culprit(rep, rank, node), METRIC_ANOMALY, 0.7,
                                    {"anomaly": "step_time_change", "recent_over_baseline": round(ratio, 3),
                                     "action": self.policy.get("step_time_change")}))
         return out
+
+
+    def _straggler_coming(self, replica: int, rank: int) -> bool:
+        """Whether the replica's latest compute times are past the straggler threshold.
+
+        The step-time change point sees a slowdown as soon as half its window is slow; the
+        straggler rule, which names the class better (slow *and* last), needs one or two more
+        collectives (its window's median moves a sample later) and its own confirmation. A
+        change this big is left to it for that long, and no longer: a rank that is slow but
+        not last still gets its step-time verdict.
+        """
+        xs = list(self._detector((replica, rank)).compute)
+        if len(xs) < 2 * self.s.confirm + 1:
+            return False
+        base = median(xs[:-self.s.straggler_window] or xs)
+        return base > 0 and median(xs[-self.s.confirm:]) * self.s.straggler_threshold >= base
 
 
 def _num(x: Any) -> float | None:

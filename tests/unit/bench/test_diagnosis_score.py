@@ -79,3 +79,19 @@ def test_link_fault_of_a_whole_node() -> None:
 def test_bad_link_fault_specs(spec: str, msg: str) -> None:
     with pytest.raises(ValueError, match=msg):
         LinkFault.parse(spec)
+
+
+def test_overhead_ratio_is_paired_so_drifting_load_cancels() -> None:
+    from unbroken.bench.diagnosis import paired_ratio
+
+    # Load doubles between the first and the second pair; within each pair the recorder costs 1%.
+    pairs = [([1.01] * 5, [1.0] * 5), ([2.02] * 5, [2.0] * 5), ([1.01] * 3, [1.0] * 3)]
+    assert paired_ratio(pairs) == pytest.approx(1.01)
+    assert paired_ratio([([], [1.0])]) is None
+
+
+def test_recorder_cost_is_timed_per_thread() -> None:
+    from unbroken.bench.diagnosis import recorder_cost_us
+
+    cost = recorder_cost_us(n=50)
+    assert set(cost) == {"training_thread", "ring_transfers", "batch"} and all(v > 0 for v in cost.values())

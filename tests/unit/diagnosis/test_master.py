@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from unbroken.diagnosis.master import DiagnosisMaster
 
 NS = 1_000_000_000
@@ -35,13 +37,27 @@ def test_clean_run_gives_no_verdict() -> None:
     assert verdicts == []
 
 
-def test_straggler_found_within_twenty_steps() -> None:
+def slowdown(after: dict[int, float], warm: int = 30, steps: int = 30) -> list:
+    """Verdicts (seq, verdict) once compute times change from 0.1 s each to ``after``."""
     m = DiagnosisMaster()
-    t, _ = run_steps(m, range(30), {0: 0.1, 1: 0.1, 2: 0.1})
-    _, verdicts = run_steps(m, range(30, 50), {0: 0.1, 1: 0.15, 2: 0.1}, t)
+    t, _ = run_steps(m, range(warm), {0: 0.1, 1: 0.1, 2: 0.1})
+    return run_steps(m, range(warm, warm + steps), after, t)[1]
+
+
+def test_straggler_found_within_twenty_steps() -> None:
+    """At 1.5x the step-time change point sees it too, but leaves a change this big to the straggler rule."""
+    verdicts = slowdown({0: 0.1, 1: 0.15, 2: 0.1}, steps=20)
     assert verdicts, "no straggler verdict within 20 steps"
     seq, v = verdicts[0]
     assert v.kind == "straggler" and v.culprit.replica == 1
+
+
+def test_small_slowdown_is_a_step_time_change() -> None:
+    verdicts = slowdown({0: 0.1, 1: 0.1, 2: 0.13}, warm=40)
+    assert verdicts, "a 1.3x slowdown went unreported"
+    seq, v = verdicts[0]
+    assert (v.kind, v.culprit.replica, v.evidence["anomaly"]) == ("metric_anomaly", 2, "step_time_change")
+    assert seq < 60
 
 
 def test_stopped_rank_is_named_with_its_counter() -> None:
@@ -70,26 +86,71 @@ def test_departed_member_explains_failed_waits() -> None:
     assert m.evaluate(t + 5.0) == []
 
 
-def test_slow_link_from_ring_transfers() -> None:
-    m = DiagnosisMaster()
+def ring_collectives(m: DiagnosisMaster, seqs: range, dur, recv_late=lambda seq, src, dst, step: 0.0) -> list:
+    """Ring all-reduces of 3 replicas; ``dur(seq, src, dst, step)`` is a transfer's time on the wire
+    and ``recv_late`` how long after the sender the receiver posted (it was still computing)."""
     verdicts = []
-    for seq in range(30):  # the first 15 are warm-up, not judged
+    for seq in seqs:
         now = 10.0 + seq
         order = [0, 1, 2] if seq % 2 == 0 else [2, 1, 0]
         for i, src in enumerate(order):
             dst = order[(i + 1) % 3]
             for step in range(4):
-                dur = 0.02 * (2.5 if {src, dst} == {0, 2} and seq >= 15 else 1.0)
                 post = now + step * 0.1
-                send = [G, seq, "send", dst, step, 1_000_000, int(post * NS), int((post + dur) * NS)]
-                recv = [G, seq, "recv", src, step, 1_000_000, int(post * NS), int((post + dur) * NS)]
+                rpost = post + recv_late(seq, src, dst, step)
+                done = rpost + dur(seq, src, dst, step)
+                send = [G, seq, "send", dst, step, 1_000_000, int(post * NS), int(done * NS)]
+                recv = [G, seq, "recv", src, step, 1_000_000, int(rpost * NS), int(done * NS)]
                 m.ingest((src, 0), f"n{src}", batch(now + 1, links=[send]), now + 1)
                 m.ingest((dst, 0), f"n{dst}", batch(now + 1, links=[recv]), now + 1)
         for r in range(3):  # the collective itself, which every member completed
             rec = [G, seq, "allreduce", 4, int(now * NS), int((now + 0.5) * NS), True, [0, 1, 2]]
             m.ingest((r, 0), f"n{r}", batch(now + 1, records=[rec]), now + 1)
-        verdicts += m.evaluate(now + 1)
-    assert verdicts and verdicts[0].kind == "comm_slow" and verdicts[0].culprit.link == (0, 2)
+        verdicts += [(seq, v) for v in m.evaluate(now + 1)]
+    return verdicts
+
+
+def test_slow_link_from_ring_transfers_within_twenty_collectives() -> None:
+    m = DiagnosisMaster()
+    wire = lambda seq, a, b, step: 0.001 * (4.0 if {a, b} == {0, 2} and seq >= 30 else 1.0)  # noqa: E731
+    assert ring_collectives(m, range(30), wire) == []
+    verdicts = ring_collectives(m, range(30, 60), wire)
+    assert verdicts, "no verdict on a link 4x slower"
+    seq, v = verdicts[0]
+    assert v.kind == "comm_slow" and set(v.culprit.link) == {0, 2} and seq < 50
+    assert v.evidence["pattern"] == "link" and v.evidence["slow_cells"] == ["0->2", "2->0"]
+
+
+def test_slow_node_is_its_row_and_column() -> None:
+    m = DiagnosisMaster()
+    wire = lambda seq, a, b, step: 0.001 * (4.0 if 2 in (a, b) and seq >= 30 else 1.0)  # noqa: E731
+    verdicts = ring_collectives(m, range(60), wire)
+    assert verdicts
+    seq, v = verdicts[0]
+    assert (v.kind, v.culprit.replica, v.culprit.link, v.evidence["pattern"]) == ("comm_slow", 2, None, "node")
+    assert 30 <= seq < 50
+
+
+def test_scheduling_noise_on_a_busy_host_is_no_slow_link() -> None:
+    """Heavy-tailed extra delays (a descheduled thread) on any transfer: the floor stays healthy."""
+    rng = random.Random(7)
+
+    def wire(seq: int, a: int, b: int, step: int) -> float:
+        base = 0.001 * rng.uniform(0.8, 1.25)
+        return base * (1 + rng.expovariate(0.3)) if rng.random() < 0.5 else base
+
+    assert ring_collectives(DiagnosisMaster(), range(300), wire) == []
+
+
+def test_one_slow_burst_is_no_verdict() -> None:
+    wire = lambda seq, a, b, step: 0.001 * (20.0 if (a, b) == (0, 1) and 40 <= seq < 42 else 1.0)  # noqa: E731
+    assert ring_collectives(DiagnosisMaster(), range(80), wire) == []
+
+
+def test_waiting_for_a_computing_peer_is_not_a_slow_link() -> None:
+    """The receiver posts late on one link (it was busy): idle time is not congestion."""
+    late = lambda seq, a, b, step: 0.05 if (a, b) == (1, 2) else 0.0  # noqa: E731
+    assert ring_collectives(DiagnosisMaster(), range(80), lambda *_: 0.001, late) == []
 
 
 def test_nan_loss_is_a_metric_anomaly_of_that_replica() -> None:
@@ -115,6 +176,29 @@ def test_stalled_ring_names_the_link_whose_send_never_finished() -> None:
     hang = [v for v in verdicts if v.kind == "comm_hang"]
     assert hang and hang[0].culprit.link == (0, 1) and hang[0].culprit.replica == 0
     assert not [v for v in m.evaluate(t + 0.7) if v.kind == "comm_hang"]  # reported once
+
+
+def stalled_collective(deadline: dict[int, bool]) -> list:
+    """0 -> 1 stuck at ring step 0; which members gave up at their own deadline is ``deadline``."""
+    m = DiagnosisMaster()
+    t = 50.0
+    open_ = {0: [["send", 1, 0, int(t * NS)]], 1: [["recv", 0, 0, int(t * NS)], ["send", 2, 0, int(t * NS)]],
+             2: [["recv", 1, 1, int((t + 0.01) * NS)], ["send", 0, 1, int((t + 0.01) * NS)]]}
+    for r in (0, 1, 2):
+        rec = [G, 7, "allreduce", 4, int(t * NS), int((t + 0.5) * NS), False if deadline[r] else None, [0, 1, 2]]
+        m.ingest((r, 0), f"n{r}", batch(t + 0.6, records=[rec], stalls=[[G, 7, open_[r], deadline[r]]]), t + 0.6)
+    return [v for v in m.evaluate(t + 0.6) if v.kind == "comm_hang"]
+
+
+def test_stall_seen_by_one_deadline_and_two_aborted_members_names_the_link() -> None:
+    """The first member to reach its deadline gets the others aborted; their evidence still counts."""
+    hang = stalled_collective({0: False, 1: False, 2: True})
+    assert hang and hang[0].culprit.link == (0, 1)
+
+
+def test_collective_failed_everywhere_without_a_deadline_is_no_comm_hang() -> None:
+    """A closed connection (a crash) fails every member at once with transfers open: not a stall."""
+    assert stalled_collective({0: False, 1: False, 2: False}) == []
 
 
 def test_a_silent_rank_among_talking_ones_is_a_noncomm_hang() -> None:
