@@ -122,8 +122,11 @@ def fault_outcomes(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def summarize(run_dir: Path, wall_s: float, reference: list[float] | None) -> dict[str, Any]:
+def summarize(run_dir: Path, wall_s: float, reference: list[float] | None,
+              checkpoint_dir: Path | None = None) -> dict[str, Any]:
     import torch
+
+    from unbroken.checkpoint.disk import complete_steps
 
     events = list(read_events(run_dir / "events.jsonl"))
     events.sort(key=lambda e: e["t"])
@@ -156,6 +159,7 @@ def summarize(run_dir: Path, wall_s: float, reference: list[float] | None) -> di
         "final_loss": round(statistics.mean(by_step[s] for s in last), 4) if last else None,
         "reference_final_loss": round(statistics.mean(reference[-10:]), 4) if reference else None,
         "replicas_identical": identical,
+        "checkpoints_on_disk": complete_steps(str(checkpoint_dir)) if checkpoint_dir else [],
         "verdict_source": sorted({(e.get("evidence") or {}).get("detector", e["source"])
                                   for e in events if e["kind"] == "verdict"}),
     }
@@ -184,6 +188,7 @@ def demo(steps: int, run_dir: Path, report: Path | None, no_reference: bool, as_
         kw["spares"] = kw["spares"] or 1
     if kw["readmit_after"] == 30.0:
         kw["readmit_after"] = 10.0
+    kw["checkpoint_dir"] = kw["checkpoint_dir"] or run_dir / "checkpoints"  # wiped with RUN_DIR below
     try:
         extra = supervisor_settings(kw)
         late = [f.label for f in extra["schedule"] if f.step is not None and f.step >= steps]
@@ -212,7 +217,7 @@ def demo(steps: int, run_dir: Path, report: Path | None, no_reference: bool, as_
             console.print("fault-free reference of the same training (one process, same batches) ...")
             reference = reference_losses(steps)
             cache.write_text(json.dumps(reference))
-    summary = summarize(run_dir, wall, reference)
+    summary = summarize(run_dir, wall, reference, settings.checkpoint_dir)
     summary["exit_code"] = code
     report = report or run_dir / "report.html"
     from unbroken.observe.report import write_report
