@@ -79,6 +79,7 @@ class FaultFigures:
     rejoin_steps: int | None
     donor_slowdown: float | None
     catch_up_step: int | None
+    non_donor_slowdown: float | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in dataclasses.asdict(self).items()}
@@ -96,7 +97,9 @@ def fault_figures(
       to the first step it contributed to (2 when it joins at the next step boundary:
       the step in flight, then its zero-gradient step).
     - donor slowdown: the donor's step time while it served the catch-up, over the median of
-      its own ``LOCAL_STEPS`` steps before it.
+      its own ``LOCAL_STEPS`` steps before it; the non-donor slowdown is the same ratio for a
+      survivor that served nothing (on one shared machine every survivor pays for the
+      transfer's CPU and memory traffic, whoever serves it).
     """
     survivors = {r: rows for r, rows in rows_by_replica.items() if r != victim}
     median = median_step(survivors, before=fault_t)
@@ -109,7 +112,7 @@ def fault_figures(
     caught_up = [r for r in step_rows(victim_rows) if r["t1"] > fault_t and r.get("committed") and victim in r.get("behind", [])]
     catch_up_step = caught_up[0]["step"] if caught_up else None
     rejoin_steps = None
-    donor_slowdown = None
+    donor_slowdown = non_donor_slowdown = None
     if readies and catch_up_step is not None:
         first_contributing = catch_up_step + 1
         committed_after_ready = {
@@ -118,15 +121,19 @@ def fault_figures(
         }
         rejoin_steps = len(committed_after_ready)
         for rows in survivors.values():
-            served = [r for r in step_rows(rows) if r.get("donor") and r["step"] == catch_up_step]
-            if not served:
+            at = [r for r in step_rows(rows) if r["step"] == catch_up_step]
+            if not at:
                 continue
-            # Against the donor's own steps just before: on a shared machine the load drifts
-            # over a run, and the question is what serving cost, not what the neighbours did.
+            # Against the survivor's own steps just before: on a shared machine the load drifts
+            # over a run, and the question is what the catch-up cost, not what the neighbours did.
             before = [r["step_s"] for r in step_rows(rows)
                       if r.get("committed") and catch_up_step - LOCAL_STEPS <= r["step"] < catch_up_step]
             reference = statistics.median(before) if len(before) >= 3 else median
-            donor_slowdown = max(donor_slowdown or 0.0, served[0]["step_s"] / reference)
+            ratio = at[0]["step_s"] / reference
+            if at[0].get("donor"):
+                donor_slowdown = max(donor_slowdown or 0.0, ratio)
+            else:  # the same step of a survivor that served nothing: what the machine, not serving, cost
+                non_donor_slowdown = max(non_donor_slowdown or 0.0, ratio)
     return FaultFigures(
         survivor_stall_s=max(0.0, worst - median),
         worst_survivor_step_s=worst,
@@ -134,6 +141,7 @@ def fault_figures(
         rejoin_steps=rejoin_steps,
         donor_slowdown=donor_slowdown,
         catch_up_step=catch_up_step,
+        non_donor_slowdown=non_donor_slowdown,
     )
 
 
@@ -141,6 +149,19 @@ def digests_identical(run_dir: Path, replicas: int) -> bool:
     """True when every replica finished at the same step with the same state digest."""
     found = [json.loads(p.read_text()) for p in (run_dir / f"digest-r{r}.json" for r in range(replicas)) if p.exists()]
     return len(found) == replicas and len({(d["step"], d["digest"]) for d in found}) == 1
+
+
+def serving_figures(run_dir: Path, replicas: int, median_step_s: float) -> dict[str, Any]:
+    """What the donor's serving thread spent on the catch-up: wall and CPU seconds, and that CPU
+    as a share of one step (the donor's own cost, apart from what the machine's load adds)."""
+    served = [x for r in range(replicas) if (run_dir / f"digest-r{r}.json").exists()
+              for x in json.loads((run_dir / f"digest-r{r}.json").read_text()).get("served", [])]
+    if not served:
+        return {}
+    cpu = sum(x["cpu_s"] for x in served)
+    return {"serve_s": round(sum(x["s"] for x in served), 4), "serve_cpu_s": round(cpu, 4),
+            "serve_mb": round(sum(x["bytes"] for x in served) / 1e6, 1),
+            "serve_cpu_step_share": round(cpu / median_step_s, 4) if median_step_s > 0 else None}
 
 
 # -- running the jobs ------------------------------------------------------------------------
@@ -272,7 +293,8 @@ def run_all(s: BenchSettings, rounds: int, log: Any, scenarios: tuple[str, ...] 
         resumed = fault_t + s.hang_s if fault == "hang" else None
         figures = fault_figures(rows, victim, fault_t, resumed).as_json()
         identical[fault] = digests_identical(out, s.replicas)
-        result[fault] = {**figures, "replicas_identical": identical[fault], "fault_t": round(fault_t, 3)}
+        result[fault] = {**figures, "replicas_identical": identical[fault], "fault_t": round(fault_t, 3),
+                         **serving_figures(out, s.replicas, figures["median_step_s"])}
         if fault == "hang":
             result[fault]["stopped_s"] = s.hang_s
         log(f"  {json.dumps(result[fault])}")

@@ -124,8 +124,9 @@ def main() -> None:
         t1 = time.time()
         log.write(json.dumps({**row, "t0": t0, "t1": t1, "step_s": t1 - t0, "compute_s": t_exchange - t0,
                               "loss": loss.item(), "pid": os.getpid()}) + "\n")
+    served = manager.transfer.served if args.mode == "unbroken" else []
     (args.out / f"digest-r{replica}.json").write_text(
-        json.dumps({"step": step, "digest": state_digest(model, inner)})
+        json.dumps({"step": step, "digest": state_digest(model, inner), "served": served})
     )
     if args.mode == "unbroken":
         manager.shutdown()

@@ -205,7 +205,7 @@ class TransferServer:
         # yields to the training threads (Linux applies the nice value per thread).
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SERVE_NICE)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         with conn:
             try:
                 req = json.loads(conn.makefile("rb").readline())
@@ -231,7 +231,8 @@ class TransferServer:
                 finally:
                     with self._cond:
                         snap.readers -= 1
-                self.served.append({"step": step, "bytes": snap.total, "s": time.perf_counter() - start})
+                self.served.append({"step": step, "bytes": snap.total, "s": time.perf_counter() - start,
+                                    "cpu_s": time.thread_time() - cpu_start})
             except (OSError, ValueError, KeyError) as e:
                 log.warning("state transfer to a peer failed: %s", e)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from unbroken.bench.recovery import digests_identical, fault_figures, median_step
+from unbroken.bench.recovery import digests_identical, fault_figures, median_step, serving_figures
 
 
 def _steps(replica: int, steps: range, t_start: float, step_s: float, **extra: object) -> list[dict]:
@@ -50,6 +50,7 @@ def test_crash_figures_from_a_clean_rejoin() -> None:
     assert f.catch_up_step == 50
     assert f.rejoin_steps == 2  # step 49 (in flight when ready) and the zero-gradient step 50
     assert f.donor_slowdown == pytest.approx(1.05)
+    assert f.non_donor_slowdown == pytest.approx(1.05)  # replica 1 served nothing, paid the same
 
 
 def test_no_rejoin_is_reported_as_missing_not_zero() -> None:
@@ -73,3 +74,12 @@ def test_digests_identical_requires_every_replica(tmp_path: Path) -> None:
     assert not digests_identical(tmp_path, 3)
     (tmp_path / "digest-r2.json").unlink()
     assert not digests_identical(tmp_path, 3)
+
+
+def test_serving_figures_sum_what_the_donors_served(tmp_path: Path) -> None:
+    (tmp_path / "digest-r0.json").write_text(json.dumps({"step": 60, "digest": "a", "served": [
+        {"step": 50, "bytes": 200_000_000, "s": 0.5, "cpu_s": 0.04}]}))
+    (tmp_path / "digest-r1.json").write_text(json.dumps({"step": 60, "digest": "a", "served": []}))
+    got = serving_figures(tmp_path, 3, median_step_s=0.4)
+    assert got == {"serve_s": 0.5, "serve_cpu_s": 0.04, "serve_mb": 200.0, "serve_cpu_step_share": 0.1}
+    assert serving_figures(tmp_path / "missing", 3, 0.4) == {}
