@@ -148,3 +148,29 @@ def test_a_second_agent_with_the_same_node_name_is_refused(tmp_path: Path) -> No
         twin = subprocess.run(cluster.agent_args("a") + sleep, env=python_env(), capture_output=True, timeout=60)
     assert twin.returncode == 2
     assert b"an agent for node 'a' is already connected" in twin.stderr
+
+
+def test_agents_and_workers_ride_out_a_coordinator_restart(tmp_path: Path) -> None:
+    # kill -9 of the coordinator; a new one on the same port and state directory takes the
+    # agents back with the replicas they run: no worker is restarted, the job finishes.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with Processes(tmp_path) as ps:
+        cluster = Cluster(ps, run_dir, replicas=2, min_replicas=1)
+        cluster.agent("a", steps=60)
+        cluster.agent("b", steps=60)
+        wait_for_step(run_dir, 0, 8, timeout=90)
+        first = ps.procs[0]
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+        wait_until("the agents to notice", lambda: all(cluster.agent_events(n, "coordinator_disconnected") for n in "ab"))
+        ps.coordinator(cluster.port, 2, 1, run_dir)
+        cluster.wait_agents(["a", "b"])
+    for node, replica in (("a", 0), ("b", 1)):
+        assert [e["running"] for e in cluster.agent_events(node, "coordinator_reconnected")] == [[replica]]
+        assert [e["replica"] for e in cluster.agent_events(node, "process_started")] == [replica]  # never restarted
+    epochs = [q["epoch"] for q in cluster.events("quorum")]
+    assert epochs == sorted(epochs) and len(set(epochs)) == len(epochs), "epochs went back after the restart"
+    finals = load_finals(run_dir, [0, 1])
+    assert finals[0]["step"] == 60
+    assert_identical(finals)

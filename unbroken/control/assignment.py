@@ -20,14 +20,25 @@ class Assignment:
     slots: dict[str, int] = dataclasses.field(default_factory=dict)
     owner: dict[int, str] = dataclasses.field(default_factory=dict)
 
-    def join(self, node: str, slots: int) -> list[int]:
-        """Registers ``node``'s agent; returns the replica ids it should start now."""
+    def join(self, node: str, slots: int, running: list[int] | tuple[int, ...] = (),
+             busy: set[int] | frozenset[int] = frozenset()) -> list[int]:
+        """Registers ``node``'s agent; returns the replica ids it should run.
+
+        Args:
+            running: replicas the agent already runs: it is back after the coordinator
+                restarted, and keeps them unless another agent claimed them first.
+            busy: replicas whose workers are connected though no agent owns them (their agent
+                has not come back yet after a restart): not handed to anyone else meanwhile.
+        """
         if node in self.slots:
             raise ValueError(f"an agent for node {node!r} is already connected: give each agent its own --node")
         if slots < 1:
             raise ValueError(f"an agent needs at least one slot, got {slots}")
         self.slots[node] = slots
-        return self._fill(node)
+        kept = [r for r in sorted(set(running)) if 0 <= r < self.total_replicas and r not in self.owner][:slots]
+        for r in kept:
+            self.owner[r] = node
+        return sorted(kept + self._fill(node, skip=busy))
 
     def leave(self, node: str, done: set[int] | frozenset[int] = frozenset()
               ) -> tuple[list[int], dict[str, list[int]]]:
@@ -55,8 +66,10 @@ class Assignment:
     def unassigned(self) -> list[int]:
         return [r for r in range(self.total_replicas) if r not in self.owner]
 
-    def _fill(self, node: str, among: list[int] | None = None) -> list[int]:
-        candidates = [r for r in (among if among is not None else range(self.total_replicas)) if r not in self.owner]
+    def _fill(self, node: str, among: list[int] | None = None,
+              skip: set[int] | frozenset[int] = frozenset()) -> list[int]:
+        candidates = [r for r in (among if among is not None else range(self.total_replicas))
+                      if r not in self.owner and r not in skip]
         got = candidates[: max(0, self.free(node))]
         for r in got:
             self.owner[r] = node

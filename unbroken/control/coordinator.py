@@ -310,7 +310,9 @@ class Coordinator:
     def _agent_hello(self, msg: dict[str, Any], writer: asyncio.StreamWriter) -> _AgentConn | None:
         node = str(msg.get("node", ""))
         try:
-            replicas = self.assignment.join(node, int(msg.get("slots", 1)))
+            busy = {r for r, conns in self.replicas.items() if conns}
+            replicas = self.assignment.join(node, int(msg.get("slots", 1)),
+                                            running=[int(r) for r in msg.get("running", [])], busy=busy)
         except ValueError as e:
             self._send(writer, {"op": "error", "message": str(e)})
             return None

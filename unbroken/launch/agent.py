@@ -7,7 +7,10 @@ and reports every exit at once (``exited``), so the survivors move on without a 
 connection is its life: if the agent or its node dies, the coordinator sees the connection
 close, evicts all its replicas and hands them to agents with free slots. So that nothing trains
 on unwatched, every worker is started with the kernel's parent-death signal (see
-:mod:`unbroken.launch.workers`): ``kill -9`` of the agent takes its workers with it.
+:mod:`unbroken.launch.workers`): ``kill -9`` of the agent takes its workers with it. If the
+coordinator goes away instead, the agent keeps its workers and waits ``--connect-timeout`` for a
+coordinator restarted at the same address (on the same state directory), which takes it back
+with the replicas it runs.
 """
 
 from __future__ import annotations
@@ -144,29 +147,59 @@ class Agent:
             await asyncio.sleep(self.s.heartbeat_s)
 
     async def _listen(self, reader: asyncio.StreamReader) -> None:
-        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
-            while line := await reader.readline():
-                msg = protocol.decode(line)
-                if msg["op"] == "assign":
-                    self.num_replicas = int(msg["num_replicas"])
-                    self.events.emit("replicas_assigned", replicas=msg["replicas"])
-                    for r in msg["replicas"]:
-                        await self._spawn(self.replicas.setdefault(int(r), _Replica(int(r))))
-                elif msg["op"] == "agent_status":
-                    self._progress({int(r): int(s) for r, s in msg["steps"].items()})
-                elif msg["op"] == "job_finished":
-                    self._job_finished = True
-                    self.events.emit("job_finished")
-                    self._tasks.append(asyncio.create_task(self._end_after_grace()))
-                    self._maybe_done()
-                elif msg["op"] == "error":
-                    self.error = f"the coordinator refused this agent: {msg.get('message')}"
-                    self._stop.set()
-                    return
-        # The coordinator is gone: no more restarts; the workers notice too and end.
+        while True:
+            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+                while line := await reader.readline():
+                    if not await self._handle(protocol.decode(line)):
+                        return
+            if self._job_finished:
+                break
+            back = await self._reconnect()
+            if back is None:
+                break
+            reader = back
+        # The coordinator is gone for good: no more restarts; the workers notice too and end.
         self._coordinator_lost = True
         self.events.emit("coordinator_lost")
         self._maybe_done()
+
+    async def _handle(self, msg: dict[str, Any]) -> bool:
+        """Acts on one message from the coordinator; False when the agent must stop listening."""
+        if msg["op"] == "assign":
+            self.num_replicas = int(msg["num_replicas"])
+            self.events.emit("replicas_assigned", replicas=msg["replicas"])
+            for r in msg["replicas"]:
+                await self._spawn(self.replicas.setdefault(int(r), _Replica(int(r))))  # running ones stay
+        elif msg["op"] == "agent_status":
+            self._progress({int(r): int(s) for r, s in msg["steps"].items()})
+        elif msg["op"] == "job_finished":
+            self._job_finished = True
+            self.events.emit("job_finished")
+            self._tasks.append(asyncio.create_task(self._end_after_grace()))
+            self._maybe_done()
+        elif msg["op"] == "error":
+            self.error = f"the coordinator refused this agent: {msg.get('message')}"
+            self._stop.set()
+            return False
+        return True
+
+    async def _reconnect(self) -> asyncio.StreamReader | None:
+        """Waits up to ``connect_timeout_s`` for a coordinator at the same address (restarted on
+        its state directory) and rejoins it with the replicas this agent runs; None if none came.
+
+        The workers keep training meanwhile and reconnect by themselves, so a coordinator restart
+        costs the job no process.
+        """
+        self.events.emit("coordinator_disconnected")
+        try:
+            reader, self._writer = await self._connect()
+        except ConnectionError:
+            return None
+        running = sorted(r.replica for r in self.replicas.values() if r.procs)
+        self._send({"op": "agent_hello", "node": self.s.node, "slots": self.s.slots, "pid": os.getpid(),
+                    "running": running})
+        self.events.emit("coordinator_reconnected", running=running)
+        return reader
 
     def _progress(self, steps: dict[int, int]) -> None:
         if max(steps.values(), default=0) > max(self.steps.values(), default=0):

@@ -28,7 +28,7 @@ from unbroken.launch.policy import RestartPolicy
 @click.option("--backoff", type=float, default=RestartPolicy.backoff_initial_s, show_default=True,
               help="First restart delay in seconds; doubles per failure without progress.")
 @click.option("--connect-timeout", type=float, default=30.0, show_default=True,
-              help="Seconds to wait for the coordinator to answer.")
+              help="Seconds to wait for the coordinator to answer, at start and after it went away (a restarted one takes the agent back).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 def agent(**kw: Any) -> None:
     """Run this node's share of a job: `unbroken agent --coordinator HOST:PORT -- python train.py`.

@@ -52,3 +52,12 @@ def test_bad_joins_say_what_to_fix() -> None:
         a.join("a", 1)
     with pytest.raises(ValueError, match="at least one slot"):
         a.join("b", 0)
+
+
+def test_after_a_coordinator_restart_agents_keep_what_they_run() -> None:
+    a = Assignment(total_replicas=3)
+    # b comes back first with replica 1; replica 0's workers are connected but a is not back yet
+    assert a.join("b", 2, running=[1], busy={0, 1}) == [1, 2]
+    assert a.join("a", 1, running=[0]) == [0]
+    # a claim beyond the job's replicas, or of a replica another agent holds, is not granted
+    assert a.join("c", 2, running=[1, 7]) == []
