@@ -116,6 +116,9 @@ class CoordinatorClient:
         while not self._closed.is_set() and time.monotonic() < deadline:
             try:
                 sock = socket.create_connection((self.host, self.port), timeout=2.0)
+                if protocol.connected_to_itself(sock):
+                    sock.close()
+                    raise ConnectionRefusedError("no coordinator yet (connected to itself)")
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sock.settimeout(None)
                 hello = {"op": "hello", "pid": os.getpid(), "step": self.step, **self.hello}

@@ -17,6 +17,7 @@ The agent's connection closing means every replica it ran is gone.
 from __future__ import annotations
 
 import json
+import socket
 from typing import Any
 
 Message = dict[str, Any]
@@ -33,3 +34,16 @@ def decode(line: bytes) -> Message:
     if not isinstance(msg, dict) or "op" not in msg:
         raise ValueError(f"not a protocol message: {line[:80]!r}")
     return msg
+
+
+def connected_to_itself(sock: socket.socket) -> bool:
+    """Whether a loopback connect met no listener but its own port (TCP simultaneous open).
+
+    Reconnecting in a loop to a coordinator that is down, with its port in the ephemeral range,
+    can pick that very port as the source: the socket then talks to itself, and an endless
+    wait on its own hello follows. Such a socket must be closed and the connect retried.
+    """
+    try:
+        return bool(sock.getsockname() == sock.getpeername())
+    except OSError:
+        return False

@@ -128,7 +128,11 @@ class Agent:
         deadline = time.monotonic() + self.s.connect_timeout_s
         while True:
             try:
-                return await asyncio.open_connection(host, port, limit=protocol.MAX_LINE)
+                reader, writer = await asyncio.open_connection(host, port, limit=protocol.MAX_LINE)
+                if protocol.connected_to_itself(writer.get_extra_info("socket")):
+                    writer.close()
+                    raise ConnectionRefusedError("no coordinator yet (connected to itself)")
+                return reader, writer
             except OSError as e:
                 if time.monotonic() > deadline:
                     raise ConnectionError(
