@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from unbroken.diagnosis.robust import quantile_of
+
 Cell = tuple[int, int]
 
 
@@ -37,16 +39,6 @@ class LinkFinding:
 
 
 CELL_QUANTILE = 0.25
-
-
-def quantile_of(xs: Sequence[float], q: float) -> float:
-    """numpy's default (linear) quantile, in plain Python: on a window of 16 samples it is ~50x
-    cheaper than ``np.quantile``, and the coordinator evaluates every cell at every tick."""
-    s = sorted(xs)
-    pos = q * (len(s) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def cell_floors(cells: Mapping[Cell, Sequence[float]], min_samples: int,

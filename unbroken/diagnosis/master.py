@@ -386,9 +386,13 @@ class DiagnosisMaster:
             changed = {rep: self._detector((rep, rank)).change_point() for rep in comp}
             stragglers = {v.culprit.replica for v in self._stragglers()}
             for rep, ratio in changed.items():
+                det = self._detector((rep, rank))
                 others = [c for o, c in changed.items() if o != rep and c is not None]
-                alone = bool(ratio is not None and ratio >= 1.25 and others
-                             and max(others) < 1.1 and min(others) > 0.85)
+                # The fastest quarter must move too: a busy machine makes one replica bursty, a
+                # degraded one slower at every step (MetricDetector.floor_shift).
+                alone = bool(ratio is not None and ratio >= det.change_ratio and others
+                             and max(others) < 1.1 and min(others) > 0.85
+                             and det.floor_shift() >= det.change_floor)
                 key = (rep, rank)
                 # Counted in new collectives: one slow burst re-read at every tick is one burst.
                 _, n, at = self._change_streak.get(key, (0, 0, -1))

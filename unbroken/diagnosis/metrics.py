@@ -4,7 +4,9 @@ Each replica's step metrics (loss, gradient norm, compute time, memory) are judg
 robust running statistics of its own history: non-finite values at once; a loss spike or a
 gradient-norm explosion when the value lies many robust standard deviations above the median
 AND a clear multiple of it (so a flat, noise-free history cannot raise alarms on tiny moves); a
-step-time change point when the median of the recent window departs from the baseline window;
+step-time change point when the median of the recent window departs from the baseline window
+and its fastest quarter departs too (a noisy neighbour makes steps bursty, a degraded rank makes
+every step slower);
 memory growth when memory rises steadily over a long window.
 
 What happens next is a policy: :data:`ACTIONS` per anomaly kind.
@@ -19,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from unbroken.diagnosis.robust import median, robust_z
+from unbroken.diagnosis.robust import median, quantile_of, robust_z
 
 SKIP, ROLLBACK, ISOLATE, NONE = "skip_step", "rollback", "isolate", "none"
 ACTIONS = (SKIP, ROLLBACK, ISOLATE, NONE)
@@ -65,7 +67,9 @@ class MetricDetector:
         spike_z: robust z-score above which a value is a spike...
         spike_ratio: ...if it is also this multiple of the median.
         change_window: recent steps whose median is compared with the baseline.
-        change_ratio: recent/baseline median ratio that makes a change point.
+        change_ratio: recent/baseline median ratio that makes a change point...
+        change_floor: ...if the recent window's fastest quarter is also this multiple of the
+            baseline's (see :meth:`floor_shift`).
         memory_window: steps over which memory growth is judged.
         memory_growth: relative growth over that window that is an anomaly.
     """
@@ -77,6 +81,7 @@ class MetricDetector:
     grad_ratio: float = 4.0
     change_window: int = 8
     change_ratio: float = 1.25
+    change_floor: float = 1.15
     memory_window: int = 50
     memory_growth: float = 0.2
 
@@ -97,7 +102,7 @@ class MetricDetector:
         if compute_s is not None:
             self.compute.append(compute_s)
             ratio = self.change_point()
-            if ratio is not None and ratio >= self.change_ratio:
+            if ratio is not None and ratio >= self.change_ratio and self.floor_shift() >= self.change_floor:
                 out.append(Anomaly("step_time_change", step, ratio, {"recent_over_baseline": round(ratio, 3)}))
         if memory is not None:
             self.memory.append(memory)
@@ -127,6 +132,24 @@ class MetricDetector:
         xs = list(self.compute)
         base = median(xs[:-w])
         return median(xs[-w:]) / base if base > 0 else None
+
+    def floor_shift(self) -> float:
+        """The recent window's fastest quarter over the baseline's (0.0 until both are full).
+
+        A CPU hog sharing the machine takes a core from a replica now and then: its steps turn
+        bursty, some slow, some as fast as ever, and the median can move while the fastest
+        quarter stays put (a captured busy run: median 1.18x, fastest quarter 0.94x). A rank
+        that got slower (a throttled device, a sleep in its loop) is slower at every step, so
+        its fastest quarter moves with the median. The quarter is slower to move than the
+        median (about 8 of the 10 recent steps must be slow rather than 6), which is the price
+        of not calling a busy machine a fault.
+        """
+        w = self.change_window
+        if len(self.compute) < self.min_history + w:
+            return 0.0
+        xs = list(self.compute)
+        base = quantile_of(xs[:-w], 0.25)
+        return quantile_of(xs[-w:], 0.25) / base if base > 0 else 0.0
 
     def memory_trend(self) -> float | None:
         """Relative growth over the window if memory rose steadily (a fitted line, r^2 >= 0.8)."""

@@ -12,6 +12,16 @@ def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs))
 
 
+def quantile_of(xs: Sequence[float], q: float) -> float:
+    """numpy's default (linear) quantile, in plain Python: on a window of 16 samples it is ~50x
+    cheaper than ``np.quantile``, and the coordinator evaluates every cell at every tick."""
+    s = sorted(xs)
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
 def mad(xs: Sequence[float]) -> float:
     """Median absolute deviation (unscaled)."""
     m = median(xs)

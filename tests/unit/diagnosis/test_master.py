@@ -228,3 +228,46 @@ def test_replicas_trading_places_on_shared_cores_is_no_verdict() -> None:
     t, _ = run_steps(m, range(40), {0: 0.1, 1: 0.1, 2: 0.1})
     _, verdicts = run_steps(m, range(40, 70), {0: 0.08, 1: 0.13, 2: 0.1}, t)
     assert verdicts == []
+
+
+def run_noisy(m: DiagnosisMaster, seqs: range, compute, rng: random.Random, t: float = 0.0) -> tuple[float, list]:
+    """Like :func:`run_steps`, with ``compute(replica, rng)`` drawing each compute time."""
+    verdicts = []
+    for seq in seqs:
+        t, got = run_steps(m, range(seq, seq + 1), {r: compute(r, rng) for r in range(3)}, t)
+        verdicts += got
+    return t, verdicts
+
+
+def jitter(x: float, rng: random.Random) -> float:
+    return x * rng.uniform(0.95, 1.05)
+
+
+def test_steady_small_slowdown_among_noise_is_found_within_twenty_steps() -> None:
+    rng = random.Random(5)
+    m = DiagnosisMaster()
+    t, before = run_noisy(m, range(40), lambda r, g: jitter(0.1, g), rng)
+    _, verdicts = run_noisy(m, range(40, 80), lambda r, g: jitter(0.13 if r == 2 else 0.1, g), rng, t)
+    assert before == []
+    assert verdicts, "a steady 1.3x slowdown went unreported"
+    seq, v = verdicts[0]
+    assert (v.kind, v.culprit.replica, v.evidence["anomaly"]) == ("metric_anomaly", 2, "step_time_change")
+    assert seq < 40 + 20
+
+
+def test_bursty_slowdown_of_a_busy_machine_is_no_step_time_change() -> None:
+    # A CPU hog takes replica 0's core at two steps out of three: its median moves by more than
+    # the change ratio (the rule without the fastest quarter named it), but a third of its
+    # steps are as fast as before.
+    rng = random.Random(7)
+    m = DiagnosisMaster()
+    t, _ = run_noisy(m, range(40), lambda r, g: jitter(0.1, g), rng)
+    medians = []
+    verdicts = []
+    for seq in range(40, 140):
+        slow = seq % 3 != 0
+        t, got = run_noisy(m, range(seq, seq + 1), lambda r, g: jitter(0.13 if r == 0 and slow else 0.1, g), rng, t)
+        verdicts += got
+        medians.append(m.detectors[(0, 0)].change_point())
+    assert max(medians) >= 1.25, "the hog did not move the median: this test would prove nothing"
+    assert verdicts == []
