@@ -7,8 +7,9 @@ are fed from the coordinator connection's thread, which drains everything in sma
 with every heartbeat (:meth:`FlightRecorder.batch`), so analysis happens there and in the
 coordinator, never on the training thread or in the exchange.
 
-A collective record is ``[group, seq, op, nbytes, enter_ns, exit_ns, ok, members]`` (monotonic
-ns); a transfer record ``[group, seq, direction, peer, ring_step, nbytes, post_ns, done_ns]``,
+A collective record is ``[group, seq, op, nbytes, enter_ns, exit_ns, ok, members, rq_enter_ns,
+rq_exit_ns]`` (monotonic ns; ``rq_*`` is the training thread's cumulative run-queue wait, see
+:class:`RunQueueWait`); a transfer record ``[group, seq, direction, peer, ring_step, nbytes, post_ns, done_ns]``,
 the peer being a replica id. Each connection also feeds an ICCL window monitor.
 
 Link faults for the scenario suite live here too, because only the transport knows a link:
@@ -24,6 +25,7 @@ import dataclasses
 import faulthandler
 import os
 import signal
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -84,6 +86,38 @@ class LinkFault:
         return None
 
 
+class RunQueueWait:
+    """The calling thread's cumulative time runnable but without a CPU (Linux schedstat), in ns.
+
+    This is what tells "this rank is slow" from "this machine is busy": a rank whose compute is
+    slow, or that sleeps, does not wait in the run queue; one whose CPU other processes hold
+    does. Subtracting it from the time between two collectives leaves the rank's own compute
+    time. Counts the training thread only (its intra-op helper threads are not read); 0 where
+    the kernel does not say (then nothing is subtracted). One ``pread`` of about 2 us.
+    """
+
+    def __init__(self) -> None:
+        self._fd: int | None = None
+        self._tid: int | None = None
+
+    def read(self) -> int:
+        tid = threading.get_native_id()
+        if tid != self._tid:
+            self._tid = tid
+            if self._fd is not None:
+                os.close(self._fd)
+            try:
+                self._fd = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
+            except OSError:
+                self._fd = None
+        if self._fd is None:
+            return 0
+        try:
+            return int(os.pread(self._fd, 64, 0).split()[1])
+        except (OSError, ValueError, IndexError):
+            return 0
+
+
 class FlightRecorder:
     """Bounded record of this rank's collectives and transfers, shipped off the hot path.
 
@@ -107,6 +141,7 @@ class FlightRecorder:
         self.open_links: dict[tuple[str, int], list[Any]] = {}
         self.monitors: dict[tuple[str, int], WindowMonitor] = {}
         self.step = 0
+        self.run_queue = RunQueueWait()
         self.members: list[int] = []
         self.group = ""
         spec = os.environ.get(ENV_LINK_FAULT)
@@ -118,7 +153,7 @@ class FlightRecorder:
         seq = self._seq.get(group, -1) + 1
         self._seq[group] = seq
         self.group, self.members = group, members
-        rec = [group, seq, op, nbytes, time.monotonic_ns(), 0, False, members]
+        rec = [group, seq, op, nbytes, time.monotonic_ns(), 0, False, members, self.run_queue.read(), 0]
         self.open_links.clear()
         self.open = rec
         return rec
@@ -127,6 +162,7 @@ class FlightRecorder:
         """``ok``: True done, False abandoned at its deadline (a stall), None failed for a known reason."""
         rec[5] = time.monotonic_ns()
         rec[6] = ok
+        rec[9] = self.run_queue.read()
         self.open = None
         if ok:
             self.open_links.clear()

@@ -51,7 +51,7 @@ class _Rank:
     offset_s: float | None = None
     gaps: deque[float] = dataclasses.field(default_factory=lambda: deque(maxlen=100))
     entered: dict[str, int] = dataclasses.field(default_factory=dict)
-    exits: dict[str, dict[int, float]] = dataclasses.field(default_factory=dict)
+    exits: dict[str, dict[int, tuple[float, float]]] = dataclasses.field(default_factory=dict)  # seq -> (exit, run-queue wait)
     open: tuple[str, int, float] | None = None  # group, seq, enter (coordinator clock)
     failed: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)  # group -> seq, enter
     latest: str = ""
@@ -106,7 +106,8 @@ class DiagnosisMaster:
         r.offset_s = off if r.offset_s is None else min(r.offset_s, off)
         to_c = r.offset_s
         replica, rank = ident
-        for group, seq, _op, _nb, enter_ns, exit_ns, ok, members in batch.get("records", ()):
+        for group, seq, _op, _nb, enter_ns, exit_ns, ok, members, *run_queue in batch.get("records", ()):
+            rq_enter, rq_exit = (run_queue[0] / 1e9, run_queue[1] / 1e9) if len(run_queue) == 2 else (0.0, 0.0)
             self.members[group] = list(members)
             r.entered[group] = max(r.entered.get(group, -1), seq)
             enter, exit_ = enter_ns / 1e9 + to_c, exit_ns / 1e9 + to_c
@@ -115,10 +116,13 @@ class DiagnosisMaster:
                 self.waits.append(exit_ - enter)
                 exits = r.exits.setdefault(group, {})
                 prev = exits.get(seq - 1)
-                exits[seq] = exit_
+                exits[seq] = (exit_, rq_exit)
                 exits.pop(seq - 8, None)
                 if prev is not None:
-                    self._arrival(rank, group, seq, replica, enter, enter - prev)
+                    # The rank's own compute: the time since its last collective, less the time
+                    # it waited for a CPU others held (a busy machine is not a slow rank).
+                    waited = max(0.0, rq_enter - prev[1])
+                    self._arrival(rank, group, seq, replica, enter, max(0.0, enter - prev[0] - waited))
                 r.failed.pop(group, None)
             elif ok is False:
                 r.failed[group] = (seq, enter)  # abandoned: the peer it waited for never came

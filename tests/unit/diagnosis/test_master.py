@@ -15,15 +15,21 @@ def batch(now: float, records=(), open_=None, links=(), steps=(), stalls=()) -> 
             "open_links": [], "steps": list(steps), "flags": [], "memory": None, "stalls": list(stalls)}
 
 
-def run_steps(m: DiagnosisMaster, seqs: range, compute: dict[int, float], t: float = 0.0) -> tuple[float, list]:
-    """Healthy collectives where replica r computes compute[r] seconds between them."""
+def run_steps(m: DiagnosisMaster, seqs: range, compute: dict[int, float], t: float = 0.0,
+              queued: dict[int, float] | None = None, rq: dict[int, int] | None = None) -> tuple[float, list]:
+    """Healthy collectives where replica r computes compute[r] seconds between them, of which
+    queued[r] it waited for a CPU; ``rq`` carries each replica's cumulative run-queue wait (ns,
+    what the recorder reads from the kernel) from one call to the next."""
     exits = {r: t for r in compute}
+    rq = {} if rq is None else rq
     verdicts = []
     for seq in seqs:
         enters = {r: exits[r] + compute[r] for r in compute}
         done = max(enters.values()) + 0.01
         for r in compute:
-            rec = [G, seq, "allreduce", 400, int(enters[r] * NS), int(done * NS), True, sorted(compute)]
+            rq[r] = rq.get(r, 0) + int((queued or {}).get(r, 0.0) * NS)
+            rec = [G, seq, "allreduce", 400, int(enters[r] * NS), int(done * NS), True, sorted(compute),
+                   rq[r], rq[r]]
             m.ingest((r, 0), f"n{r}", batch(done, records=[rec]), done)
             exits[r] = done
         t = done
@@ -271,3 +277,13 @@ def test_bursty_slowdown_of_a_busy_machine_is_no_step_time_change() -> None:
         medians.append(m.detectors[(0, 0)].change_point())
     assert max(medians) >= 1.25, "the hog did not move the median: this test would prove nothing"
     assert verdicts == []
+
+
+def test_a_replica_waiting_for_a_cpu_is_not_a_straggler() -> None:
+    """1.5x longer between collectives, all of it queued behind other processes for a CPU: the
+    machine is busy, the rank is not slow. The same 1.5x with no run-queue wait is named."""
+    m, rq = DiagnosisMaster(), {}
+    t, _ = run_steps(m, range(30), {0: 0.1, 1: 0.1, 2: 0.1}, rq=rq)
+    _, verdicts = run_steps(m, range(30, 60), {0: 0.1, 1: 0.15, 2: 0.1}, t, queued={1: 0.05}, rq=rq)
+    assert verdicts == []
+    assert slowdown({0: 0.1, 1: 0.15, 2: 0.1}, steps=30)
