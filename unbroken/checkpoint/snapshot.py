@@ -166,21 +166,37 @@ class HostBuffer:
         os.close(self.fd)
 
 
-def copy_into(buffer: HostBuffer, entries: list[TensorEntry],
-              tensors: dict[str, tuple[torch.Tensor, TensorSpec]], single_thread: bool = False) -> None:
-    """Copy every tensor into its region of the buffer (the only work the trainer waits for).
+PARALLEL_COPY_MIN = 8 << 20  # below this, torch's threaded copy costs more than it saves
+
+
+def copy_tensor(dst: torch.Tensor, src: torch.Tensor, single_thread: bool = False,
+                non_blocking: bool = False) -> None:
+    """Copy ``src`` into ``dst`` (same dtype and shape), cheaply for small CPU tensors.
+
+    Contiguous CPU tensors smaller than ``PARALLEL_COPY_MIN`` are copied with one plain
+    ``memmove``: torch's copy starts a parallel region for anything over 32K elements, and on
+    a machine with more runnable threads than cores each region waits for a descheduled worker
+    (a 117-tensor, 5 MB state took 10-250 ms that way under load, ~1 ms by memmove).
 
     Args:
-        single_thread: copy contiguous CPU tensors with one plain ``memmove`` each (which
-            releases the GIL) instead of torch's multi-threaded copy, so a copy running beside
-            the training thread takes one core rather than competing for all of them.
+        single_thread: ``memmove`` whatever the size (it releases the GIL), so a copy running
+            beside the training thread takes one core rather than competing for all of them.
+        non_blocking: passed to torch's copy (device tensors into pinned memory).
     """
+    nbytes = src.numel() * src.element_size()
+    if src.device.type == "cpu" and src.is_contiguous() and dst.is_contiguous() and nbytes \
+            and (single_thread or nbytes < PARALLEL_COPY_MIN):
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+    else:
+        dst.copy_(src, non_blocking=non_blocking)
+
+
+def copy_into(buffer: HostBuffer, entries: list[TensorEntry],
+              tensors: dict[str, tuple[torch.Tensor, TensorSpec]], single_thread: bool = False) -> None:
+    """Copy every tensor into its region of the buffer (the only work the trainer waits for);
+    see :func:`copy_tensor` for ``single_thread``."""
     non_blocking = buffer._pinned
     for e, dst in zip(entries, buffer.views(entries)):
-        src = tensors[e.name][0].detach()
-        if single_thread and src.device.type == "cpu" and src.is_contiguous() and dst.numel():
-            ctypes.memmove(dst.data_ptr(), src.data_ptr(), e.end - e.begin)
-        else:
-            dst.copy_(src, non_blocking=non_blocking)
+        copy_tensor(dst, tensors[e.name][0].detach(), single_thread, non_blocking)
     if non_blocking:
         torch.cuda.current_stream().synchronize()
