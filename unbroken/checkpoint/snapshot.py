@@ -42,6 +42,7 @@ class TensorRef:
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
+_ATOMS = frozenset({int, float, bool, str, bytes, type(None)})
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -67,24 +68,28 @@ def flatten(state: Any, prefix: str = "",
     known = known or {}
 
     def walk(node: Any, path: str) -> Any:
+        if type(node) in _ATOMS:  # most leaves (hyperparameters, parameter ids): decided at once
+            return node
+        if isinstance(node, torch.Tensor):
+            return add(node, path, None, None, False)
         if isinstance(node, Shard):
             return add(node.tensor, path, tuple(node.global_shape), tuple(node.global_offset), True)
-        if isinstance(node, torch.Tensor):
-            return add(node, path, tuple(node.shape), (0,) * node.dim(), False)
         if isinstance(node, dict):
             return type(node)((k, walk(v, f"{path}/{k}" if path else str(k))) for k, v in node.items())
         if isinstance(node, (list, tuple)) and not hasattr(node, "_fields"):
             return type(node)(walk(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(node))
         return node
 
-    def add(t: torch.Tensor, path: str, gshape: tuple[int, ...], goff: tuple[int, ...],
+    def add(t: torch.Tensor, path: str, gshape: tuple[int, ...] | None, goff: tuple[int, ...] | None,
             sharded: bool) -> TensorRef:
         if path in tensors:
             raise ValueError(f"two entries of the state flatten to the same name {path!r}; "
                              "rename one of the keys")
-        if t.is_sparse or t.is_quantized:
+        if t.layout is not torch.strided or t.is_quantized:
             raise ValueError(f"{path}: sparse and quantized tensors cannot be checkpointed")
         dtype, shape = _dtype_name(t.dtype), tuple(t.shape)
+        if gshape is None or goff is None:  # a whole tensor: its own global tensor
+            gshape, goff = shape, (0,) * len(shape)
         spec = known.get(path)
         if spec is None or spec.dtype != dtype or spec.shape != shape or spec.global_shape != gshape \
                 or spec.global_offset != goff:
