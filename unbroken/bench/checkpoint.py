@@ -344,7 +344,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run(size_mb: int, steps: int, rounds: int, workdir: str) -> dict[str, Any]:
+def run(size_mb: int, steps: int, rounds: int, workdir: str, every_step_rounds: int | None = None) -> dict[str, Any]:
     """Every system, and the plain write+fsync, measured once per round in turn (rotating
     the order), so that each ratio compares figures taken seconds apart on this noisy machine."""
     import torch.distributed as dist
@@ -388,7 +388,7 @@ def run(size_mb: int, steps: int, rounds: int, workdir: str) -> dict[str, Any]:
         for system in live.values():
             system.close()
         dist.destroy_process_group()
-    result.update(every_step_runs(steps, rounds, workdir))
+    result.update(every_step_runs(steps, every_step_rounds or rounds, workdir))
     result["targets"] = _targets(result, per_round, plain)
     return result
 
@@ -467,17 +467,20 @@ def _targets(r: dict[str, Any], per_round: dict[str, list[dict[str, Any]]], plai
               help="Training steps in each every-step run.")
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
               help="Rounds in which every system is measured once, in turn.")
+@click.option("--every-step-rounds", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Rounds of the every-step runs (one without checkpoints, then each variant with).")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,
               help="Where checkpoints are written (default: a temporary directory under runs/).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @click.option("--out", type=click.Path(dir_okay=False), default="runs/bench/checkpoint.json",
               show_default=True, help="Where the JSON is also written.")
-def checkpoint(size_mb: int, steps: int, rounds: int, workdir: str | None, as_json: bool, out: str) -> None:
+def checkpoint(size_mb: int, steps: int, rounds: int, every_step_rounds: int, workdir: str | None,
+               as_json: bool, out: str) -> None:
     """Stall, durable time and restores of four checkpointers on one state; every-step cost."""
     os.makedirs("runs", exist_ok=True)
     work = tempfile.mkdtemp(prefix="bench-checkpoint-", dir=workdir or "runs")
     try:
-        result = run(size_mb, steps, rounds, work)
+        result = run(size_mb, steps, rounds, work, every_step_rounds)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     publish(result, out, as_json)
