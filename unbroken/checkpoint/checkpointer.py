@@ -39,7 +39,7 @@ from unbroken.checkpoint.manifest import (
 )
 from unbroken.checkpoint.peer import PeerClient
 from unbroken.checkpoint.persist import PersistProcess
-from unbroken.checkpoint.snapshot import HostBuffer, Shard, copy_into, flatten, unflatten
+from unbroken.checkpoint.snapshot import HostBuffer, Shard, copy_all, copy_into, flatten, unflatten
 
 log = logging.getLogger(__name__)
 
@@ -389,10 +389,15 @@ class Checkpointer:
 
     def _from_memory(self, slot: _Slot, want: dict[str, Any] | None, skipped: list[str]) -> Restored:
         assert slot.manifest is not None
-        tensors = {}
+        tensors, pairs = {}, []
         for e in slot.manifest.tensors:
             src = slot.buffer.view(e)
-            tensors[e.name] = want[e.name][0].copy_(src) if want and e.name in want else src.clone()
+            if want and e.name in want:
+                tensors[e.name] = want[e.name][0]
+                pairs.append((want[e.name][0], src))
+            else:
+                tensors[e.name] = src.clone()
+        copy_all(pairs)
         state = unflatten(pickle.loads(slot.objects), tensors, {e.name: e for e in slot.manifest.tensors})
         return Restored(slot.manifest.step, state, "memory", skipped, slot.manifest.world_size)
 
