@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -15,8 +17,10 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from unbroken.checkpoint import Checkpointer, CheckpointError, PeerStore, Shard
+from unbroken.checkpoint import Checkpointer, CheckpointError, PeerStore, Shard, directio, disk
 from unbroken.checkpoint.cli import checkpoint as checkpoint_cli
+from unbroken.checkpoint.manifest import ShardManifest, layout
+from unbroken.checkpoint.snapshot import HostBuffer, copy_into, flatten
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -83,6 +87,44 @@ def wait_for(predicate: Any, timeout: float = 20.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         time.sleep(0.02)
+
+
+def test_disk_tier_waits_for_its_interval_and_wait_writes_at_once(ckpt_dir: str) -> None:
+    with Checkpointer(ckpt_dir, persist_interval_s=0.5) as ck:
+        ck.save(1, make_state(1))
+        assert all(o.ok for o in ck.wait())
+        for step in (2, 3, 4):  # inside the interval: memory only, the newest replacing the rest
+            ck.save(step, make_state(step))
+        assert ck.load_latest().step == 4 and ck.load_latest().source == "memory"
+        wait_for(lambda: disk.read_latest(ckpt_dir) == 4, timeout=10)  # the newest, unasked
+        assert disk.complete_steps(ckpt_dir) == [4, 1]
+        ck.persist_interval_s = 60.0
+        ck.save(5, make_state(5))
+        ck.save(6, make_state(6))
+        time.sleep(0.3)
+        assert disk.read_latest(ckpt_dir) == 4  # not yet: the interval has not passed
+        started = time.monotonic()
+        assert [o.step for o in ck.wait()] == [4, 6]
+        assert time.monotonic() - started < 30  # wait() did not sit out the interval
+    with Checkpointer(ckpt_dir) as fresh:
+        _bitwise_same(fresh.load_latest().state, make_state(6))
+
+
+def test_a_changed_layout_is_laid_out_again(ckpt_dir: str) -> None:
+    with Checkpointer(ckpt_dir, overlap=True) as ck:
+        ck.save(1, {"w": torch.arange(4.0), "n": torch.tensor(1)})
+        ck.save(2, {"w": torch.arange(6.0), "n": torch.tensor(2)})  # same names, one grew
+        got = ck.load_latest().state
+        assert torch.equal(got["w"], torch.arange(6.0)) and int(got["n"]) == 2
+        ck.save(3, {"w": torch.arange(6, dtype=torch.int32), "n": torch.tensor(3)})  # new dtype
+        ck.wait()
+    with Checkpointer(ckpt_dir) as fresh:
+        assert torch.equal(fresh.load_latest().state["w"], torch.arange(6, dtype=torch.int32))
+
+
+def test_bad_persist_interval_is_refused(ckpt_dir: str) -> None:
+    with pytest.raises(ValueError, match="persist_interval_s"):
+        Checkpointer(ckpt_dir, persist_interval_s=-1)
 
 
 def test_kill_9_during_persist_leaves_previous_checkpoint(ckpt_dir: str) -> None:
@@ -275,3 +317,92 @@ def test_cli_ls_and_export_join_shards(ckpt_dir: str, tmp_path: Path) -> None:
     assert bad.exit_code == 2 and "not a directory" in bad.output
     bad = runner.invoke(checkpoint_cli, ["export", ckpt_dir, "--step", "99", "--out", out])
     assert bad.exit_code == 2 and "step 99" in bad.output
+
+
+def _write_shard_here(root: str, state: dict[str, Any], step: int) -> None:
+    """Commit one shard in this process (the persist process's code, without the process), so
+    that the test can change how files are opened."""
+    tensors, skeleton = flatten(state)
+    manifest = ShardManifest(step, 0, 1, 0, 1, layout([spec for _, spec in tensors.values()]))
+    buf = HostBuffer(manifest.data_len)
+    try:
+        copy_into(buf, manifest.tensors, tensors)
+        disk.check_writable(root)
+        disk.write_shard(root, manifest, pickle.dumps(skeleton), memoryview(buf.map))
+        disk.update_latest(root, step)
+    finally:
+        buf.close()
+
+
+def _bitwise_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    for x, y in ((a["model"]["w"], b["model"]["w"]), (a["model"]["b"], b["model"]["b"]), (a["half"], b["half"])):
+        assert x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+    assert a["step"] == b["step"] and a["data"] == b["data"]
+
+
+@pytest.fixture
+def data_opens(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Records, for every shard data file opened for bulk I/O, whether it got direct I/O."""
+    seen: list[bool] = []
+    real = directio.open_file
+
+    def spy(path: str, flags: int, mode: int = 0o644) -> tuple[int, bool]:
+        fd, direct = real(path, flags, mode)
+        seen.append(direct)
+        return fd, direct
+
+    monkeypatch.setattr(directio, "open_file", spy)
+    return seen
+
+
+def _supports_o_direct(directory: Path) -> bool:
+    probe = directory / "probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0)))
+        return hasattr(os, "O_DIRECT")
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def test_default_path_uses_direct_io_where_the_filesystem_has_it(tmp_path: Path, data_opens: list[bool]) -> None:
+    if not _supports_o_direct(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    root = str(tmp_path / "ckpt")
+    _write_shard_here(root, make_state(3), 3)
+    with Checkpointer(root) as fresh:
+        restored = fresh.load_latest()
+    assert restored.source == "disk"
+    _bitwise_same(restored.state, make_state(3))
+    assert data_opens == [True, True]  # the data file's write, then its read
+
+
+def test_filesystem_without_direct_io_falls_back_to_buffered_io(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               data_opens: list[bool]) -> None:
+    direct_flag = getattr(os, "O_DIRECT", 0)
+    if not direct_flag:
+        pytest.skip("no O_DIRECT on this platform: the buffered path is the only path")
+    real_open = os.open
+    refused: list[str] = []
+
+    def open_without_direct(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & direct_flag:  # as on tmpfs of old kernels, some FUSE and network filesystems
+            refused.append(str(path))
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_without_direct)
+    buffered, direct = str(tmp_path / "buffered"), str(tmp_path / "direct")
+    _write_shard_here(buffered, make_state(4), 4)
+    with Checkpointer(buffered) as fresh:
+        restored = fresh.load_latest()
+        assert fresh.load_latest().source == "disk"
+    assert refused and data_opens == [False, False, False]
+    _bitwise_same(restored.state, make_state(4))
+    monkeypatch.setattr(os, "open", real_open)
+    _write_shard_here(direct, make_state(4), 4)
+    name = os.path.join("step-00000004", "r0-w0", "data.safetensors")
+    with open(os.path.join(buffered, name), "rb") as a, open(os.path.join(direct, name), "rb") as b:
+        assert a.read() == b.read()  # the same bytes on disk whichever way they were written
+    assert torch.equal(load_file(os.path.join(buffered, name))["model/w"], make_state(4)["model"]["w"])

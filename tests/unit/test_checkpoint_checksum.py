@@ -33,6 +33,17 @@ def test_parallel_checksums_match_one_pass(algorithm: str) -> None:
     assert got == [REFERENCE[algorithm](bytes(data[lo:hi])) for lo, hi in ranges]
 
 
+def test_many_small_ranges_grouped_into_few_jobs_keep_their_own_checksums() -> None:
+    data = memoryview(os.urandom(checksum.PIECE + 5000))
+    bounds = list(range(0, 4000, 37)) + [4000, 4000, checksum.PIECE + 4000, len(data)]
+    ranges = list(zip(bounds, bounds[1:]))
+    with ThreadPoolExecutor(2) as pool:
+        pending = checksum.start(data, ranges, pool)
+        got = checksum.finish(pending)
+    assert len(pending.jobs) <= 3  # ~110 small ranges do not each cost a job
+    assert got == [crc32c.crc32c(bytes(data[lo:hi])) for lo, hi in ranges]
+
+
 def test_unknown_algorithm_is_refused_and_old_manifests_mean_crc32() -> None:
     m = ShardManifest(1, 0, 1, 0, 1, layout([TensorSpec("x", "float32", (2,), (2,), (0,))]))
     assert m.checksum == "crc32c"

@@ -5,8 +5,8 @@ saves it inside real training steps, so ``stall_s`` is the time the training thr
 (for unbroken with ``overlap=True``: the ``save`` call plus any wait at the optimizer guard,
 while the next forward/backward ran), then once more while idle for ``durable_s`` (from the
 save call until data and directory are fsynced). Restores fill the existing tensors in place;
-each system reads its files however it reads them (unbroken writes and reads with direct I/O,
-so its reads come from the device, the others' mostly from the page cache).
+before each system's restore from disk its files are evicted from the page cache
+(:func:`drop_cache`), so every system reads from the device, as after a node restart.
 
 The machine is shared and noisy, so nothing is compared across runs: in each of ``--rounds``
 rounds every system and a plain write+fsync of the same bytes are measured in turn (order
@@ -104,6 +104,27 @@ def write_fsync(nbytes: int, directory: str) -> float:
     return took
 
 
+def drop_cache(root: str) -> None:
+    """Evict every file under ``root`` from the page cache, so that a restore reads the device.
+
+    Each system's restore is timed from the same state, a cold cache as after a node restart:
+    otherwise a system that writes through the page cache (torch.save, DCP) is timed reading
+    memory while one that writes with direct I/O (unbroken) is timed reading the disk, and the
+    ratio swings with whatever else touched the cache. The files are fsynced, so their pages
+    are clean and ``POSIX_FADV_DONTNEED`` drops them.
+    """
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            try:
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def _copy_tree_into(dst: Any, src: Any) -> None:
     for d, s in zip(_tensors(dst), _tensors(src)):
         d.copy_(s)
@@ -113,6 +134,7 @@ class System:
     """One way of checkpointing, driven the same way for all."""
 
     name = ""
+    root = ""
 
     def save(self, step: int, state: dict[str, Any]) -> None: ...
     def fence(self) -> None: ...
@@ -183,11 +205,11 @@ class Dcp(System):
 
 
 class Unbroken(System):
-    def __init__(self, root: str, overlap: bool) -> None:
+    def __init__(self, root: str, overlap: bool, **options: Any) -> None:
         from unbroken.checkpoint import Checkpointer
 
         self.root, self.overlap = root, overlap
-        self.ck = Checkpointer(root, keep_last=2, overlap=overlap)
+        self.ck = Checkpointer(root, keep_last=2, overlap=overlap, **options)
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         self.ck.save(step, state)
@@ -239,6 +261,7 @@ def measure_round(system: System, trainer: Trainer, step: int) -> dict[str, Any]
     started = time.perf_counter()
     if system.restore_memory(state):
         out["restore_memory_s"] = time.perf_counter() - started
+    drop_cache(system.root)
     started = time.perf_counter()
     system.restore_disk(state)
     out["restore_disk_s"] = time.perf_counter() - started
@@ -321,7 +344,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run(size_mb: int, steps: int, rounds: int, workdir: str) -> dict[str, Any]:
+def run(size_mb: int, steps: int, rounds: int, workdir: str, every_step_rounds: int | None = None) -> dict[str, Any]:
     """Every system, and the plain write+fsync, measured once per round in turn (rotating
     the order), so that each ratio compares figures taken seconds apart on this noisy machine."""
     import torch.distributed as dist
@@ -365,35 +388,54 @@ def run(size_mb: int, steps: int, rounds: int, workdir: str) -> dict[str, Any]:
         for system in live.values():
             system.close()
         dist.destroy_process_group()
-    result.update(every_step_runs(steps, rounds, workdir))
+    result.update(every_step_runs(steps, every_step_rounds or rounds, workdir))
     result["targets"] = _targets(result, per_round, plain)
     return result
 
 
 def every_step_runs(steps: int, rounds: int, workdir: str) -> dict[str, Any]:
-    """The example's training with and without a checkpoint at every step, alternated."""
+    """The example's training with and without a checkpoint at every step, alternated.
+
+    Checkpointed twice per round: with the Checkpointer's defaults (every step snapshotted in
+    memory, the newest written to disk at most once per ``persist_interval_s``), which gives
+    ``every_step_slowdown``; and with ``persist_interval_s=0`` (a disk write whenever the
+    previous one is done), reported as ``every_step_disk_every_chance_slowdown``.
+    """
+    from unbroken.checkpoint.checkpointer import DEFAULT_PERSIST_INTERVAL_S
+
     root = os.path.join(workdir, "every_step")
     trainer = GptTrainer()
     out: dict[str, Any] = {"every_step_model_mb": round(trainer.nbytes() / 2**20, 2)}
-    base, ckpt, skipped = [], [], []
-    for r in range(rounds + 1):  # round 0 warms up both paths and is not counted
+    variants: dict[str, dict[str, Any]] = {"default": {}, "disk_every_chance": {"persist_interval_s": 0.0}}
+    base: list[float] = []
+    ckpt: dict[str, list[float]] = {v: [] for v in variants}
+    skipped: dict[str, list[int]] = {v: [] for v in variants}
+    for r in range(rounds + 1):  # round 0 warms up every path and is not counted
         plain_s, _ = every_step(steps, None, trainer)
-        shutil.rmtree(root, ignore_errors=True)
-        ck_s, n = every_step(steps, lambda: Unbroken(root, overlap=True), trainer)
+        line = f"every step, round {r}: {plain_s / steps * 1e3:.1f} ms/step without"
         if r:
             base.append(plain_s)
-            ckpt.append(ck_s)
-            skipped.append(n)
-        _log(f"every step, round {r}: {plain_s / steps * 1e3:.1f} ms/step without, "
-             f"{ck_s / steps * 1e3:.1f} ms/step with checkpoints ({n} coalesced)")
-    ratios = [c / b - 1 for b, c in zip(base, ckpt)]
+        for name, options in variants.items():
+            shutil.rmtree(root, ignore_errors=True)
+            ck_s, n = every_step(steps, lambda: Unbroken(root, overlap=True, **options), trainer)
+            if r:
+                ckpt[name].append(ck_s)
+                skipped[name].append(n)
+            line += f"; {ck_s / steps * 1e3:.1f} with {name} ({n} coalesced)"
+        _log(line)
+    ratios = {name: [c / b - 1 for b, c in zip(base, runs)] for name, runs in ckpt.items()}
     out.update({
         "every_step_steps": steps,
+        "every_step_persist_interval_s": DEFAULT_PERSIST_INTERVAL_S,
         "every_step_base_step_s": statistics.median(base) / steps,
-        "every_step_ckpt_step_s": statistics.median(ckpt) / steps,
-        "every_step_slowdown": statistics.median(ratios),
-        "every_step_slowdown_rounds": ratios,
-        "every_step_coalesced": skipped,
+        "every_step_ckpt_step_s": statistics.median(ckpt["default"]) / steps,
+        "every_step_slowdown": statistics.median(ratios["default"]),
+        "every_step_slowdown_rounds": ratios["default"],
+        "every_step_coalesced": skipped["default"],
+        "every_step_disk_every_chance_step_s": statistics.median(ckpt["disk_every_chance"]) / steps,
+        "every_step_disk_every_chance_slowdown": statistics.median(ratios["disk_every_chance"]),
+        "every_step_disk_every_chance_slowdown_rounds": ratios["disk_every_chance"],
+        "every_step_disk_every_chance_coalesced": skipped["disk_every_chance"],
     })
     return out
 
@@ -421,21 +463,24 @@ def _targets(r: dict[str, Any], per_round: dict[str, list[dict[str, Any]]], plai
 @click.command()
 @click.option("--size-mb", type=click.IntRange(min=8), default=1024, show_default=True,
               help="Size of the checkpointed state (an MLP plus its Adam state).")
-@click.option("--steps", type=click.IntRange(min=5), default=40, show_default=True,
+@click.option("--steps", type=click.IntRange(min=5), default=100, show_default=True,
               help="Training steps in each every-step run.")
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
               help="Rounds in which every system is measured once, in turn.")
+@click.option("--every-step-rounds", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Rounds of the every-step runs (one without checkpoints, then each variant with).")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,
               help="Where checkpoints are written (default: a temporary directory under runs/).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @click.option("--out", type=click.Path(dir_okay=False), default="runs/bench/checkpoint.json",
               show_default=True, help="Where the JSON is also written.")
-def checkpoint(size_mb: int, steps: int, rounds: int, workdir: str | None, as_json: bool, out: str) -> None:
+def checkpoint(size_mb: int, steps: int, rounds: int, every_step_rounds: int, workdir: str | None,
+               as_json: bool, out: str) -> None:
     """Stall, durable time and restores of four checkpointers on one state; every-step cost."""
     os.makedirs("runs", exist_ok=True)
     work = tempfile.mkdtemp(prefix="bench-checkpoint-", dir=workdir or "runs")
     try:
-        result = run(size_mb, steps, rounds, work)
+        result = run(size_mb, steps, rounds, work, every_step_rounds)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     publish(result, out, as_json)

@@ -4,7 +4,9 @@
 process writes it to disk and a peer while training goes on. Two buffers alternate so that a
 save never waits for the disk: while one is being written, the next snapshot goes into the
 other; if a third save comes before the disk is done, it replaces the snapshot still waiting
-(the newest always wins; the skipped step stays in memory only until overwritten).
+(the newest always wins; the skipped step stays in memory only until overwritten). The disk
+tier also takes at most one snapshot per ``persist_interval_s``, so that saving every step
+of a fast model costs one copy per step, not a disk write per step.
 
 With ``overlap=True`` even the copy leaves the training thread: ``save`` returns at once and
 the copy runs in a helper thread while the forward and backward passes read the weights; the
@@ -27,10 +29,17 @@ from typing import Any
 import torch
 
 from unbroken.checkpoint import disk, reshard, restore
-from unbroken.checkpoint.manifest import ShardManifest, layout, shard_dir_name, with_checksums
+from unbroken.checkpoint.manifest import (
+    ShardManifest,
+    TensorEntry,
+    TensorSpec,
+    layout,
+    shard_dir_name,
+    with_checksums,
+)
 from unbroken.checkpoint.peer import PeerClient
 from unbroken.checkpoint.persist import PersistProcess
-from unbroken.checkpoint.snapshot import HostBuffer, Shard, copy_into, flatten, unflatten
+from unbroken.checkpoint.snapshot import HostBuffer, Shard, copy_all, copy_into, flatten, unflatten
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +79,9 @@ class _Slot:
     objects: bytes = b""
 
 
+DEFAULT_PERSIST_INTERVAL_S = 1.0  # see the ``persist_interval_s`` argument
+
+
 class Checkpointer:
     """Tiered asynchronous checkpoints for one shard (one rank of one replica).
 
@@ -84,14 +96,25 @@ class Checkpointer:
         owner: this shard's key at the peer (default: ``r{replica}-w{rank}``).
         overlap: run the snapshot copy in a helper thread (see module doc).
         persist_rate_mb_s: cap on disk write bandwidth, to spare shared storage.
+        persist_interval_s: start writing a snapshot to disk (and to the peer) at most once per
+            this many seconds; snapshots taken in between stay in memory and the newest one
+            goes next. Every ``save`` is still a restorable memory snapshot, and the newest is
+            durable at most about ``persist_interval_s`` plus one write later (:meth:`wait`
+            writes at once). Why a cap: on a small, busy machine the persist process's CPU
+            (checksums, writes, fsyncs, retention) competes with training; saving every step
+            of a fast model would otherwise write to disk back to back. 0 writes as often as
+            the disk keeps up.
     """
 
     def __init__(self, directory: str, keep_last: int = 3, *, replica: int = 0, replicas: int = 1,
                  rank: int = 0, world_size: int = 1, peer: tuple[str, int] | None = None,
                  owner: str | None = None, overlap: bool = False,
-                 persist_rate_mb_s: float | None = None) -> None:
+                 persist_rate_mb_s: float | None = None,
+                 persist_interval_s: float = DEFAULT_PERSIST_INTERVAL_S) -> None:
         if keep_last < 1:
             raise ValueError("keep_last must be at least 1")
+        if not persist_interval_s >= 0:
+            raise ValueError(f"persist_interval_s must be 0 or more seconds, got {persist_interval_s!r}")
         if not (0 <= replica < replicas and 0 <= rank < world_size):
             raise ValueError(f"replica {replica} of {replicas} / rank {rank} of {world_size} is "
                              "out of range")
@@ -102,6 +125,12 @@ class Checkpointer:
         self.peer = peer
         self.owner = owner or shard_dir_name(replica, rank)
         self.rate_bytes_s = persist_rate_mb_s * 1e6 if persist_rate_mb_s else None
+        self.persist_interval_s = persist_interval_s
+        self._last_dispatch = -float("inf")
+        self._timer: threading.Timer | None = None
+        self._urgent = 0  # callers of wait(): persist now, not at the next interval
+        self._layout: tuple[list[TensorSpec], list[TensorEntry]] | None = None
+        self._known: dict[str, TensorSpec] = {}  # specs of the cached layout, by name
         self._cond = threading.Condition()
         self._slots: list[_Slot] = []
         self._outcomes: list[PersistOutcome] = []
@@ -122,10 +151,10 @@ class Checkpointer:
         """
         started = time.perf_counter()
         self.fence()
-        tensors, skeleton = flatten(state)
+        tensors, skeleton = flatten(state, known=self._known)
         objects = pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
-        entries = layout(spec for _, spec in tensors.values())
-        manifest = ShardManifest(step, self.replica, self.replicas, self.rank, self.world_size, entries)
+        manifest = ShardManifest(step, self.replica, self.replicas, self.rank, self.world_size,
+                                 self._entries([spec for _, spec in tensors.values()]))
         with self._cond:
             slot = self._take_slot(manifest.data_len)
         if self._copier is None:
@@ -133,6 +162,14 @@ class Checkpointer:
         else:
             self._copy = self._copier.submit(self._snapshot, slot, manifest, objects, tensors)
         self.last_stall_s = time.perf_counter() - started
+
+    def _entries(self, specs: list[TensorSpec]) -> list[TensorEntry]:
+        """The layout of these tensors: the previous save's list object when nothing changed,
+        so that the buffers' cached views of it are reused."""
+        if self._layout is None or self._layout[0] != specs:
+            self._layout = (specs, layout(specs))
+            self._known = {s.name: s for s in specs}
+        return self._layout[1]
 
     def _take_slot(self, nbytes: int) -> _Slot:
         """A buffer to copy into: never the one being persisted; the oldest snapshot otherwise."""
@@ -170,7 +207,20 @@ class Checkpointer:
         pending = [s for s in self._slots if s.state == "pending"]
         if not pending:
             return
+        wait_s = self._last_dispatch + self.persist_interval_s - time.monotonic()
+        if wait_s > 0 and not self._urgent:
+            if self._timer is None:
+                self._timer = threading.Timer(wait_s, self._on_timer)
+                self._timer.daemon = True
+                self._timer.start()
+            return
         slot = max(pending, key=lambda s: s.step or 0)
+        for older in pending:  # both buffers can wait out an interval; only the newest goes
+            if older is not slot:
+                older.state = "free"
+                self.coalesced += 1
+                self.skipped_steps.append(older.step)
+        self._last_dispatch = time.monotonic()
         if self._proc is None or not self._proc.alive():
             self._proc = PersistProcess(self._on_message)
             for i in range(len(self._slots)):
@@ -183,6 +233,11 @@ class Checkpointer:
             "owner": self.owner,
         })
         slot.state = "inflight"
+
+    def _on_timer(self) -> None:
+        with self._cond:
+            self._timer = None
+            self._dispatch()
 
     def _on_message(self, message: dict[str, Any]) -> None:
         with self._cond:
@@ -229,11 +284,16 @@ class Checkpointer:
         self.fence()
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while any(s.state in ("pending", "inflight") for s in self._slots):
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError("checkpoints still being persisted")
-                self._cond.wait(left)
+            self._urgent += 1
+            try:
+                self._dispatch()
+                while any(s.state in ("pending", "inflight") for s in self._slots):
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise TimeoutError("checkpoints still being persisted")
+                    self._cond.wait(left)
+            finally:
+                self._urgent -= 1
             outcomes, self._outcomes = self._outcomes, []
         return outcomes
 
@@ -249,6 +309,9 @@ class Checkpointer:
             with self._cond:
                 self._closing = True
                 proc, self._proc = self._proc, None
+                if self._timer is not None:
+                    self._timer.cancel()
+                    self._timer = None
             if proc is not None:
                 proc.close()
             if self._copier is not None:
@@ -326,10 +389,15 @@ class Checkpointer:
 
     def _from_memory(self, slot: _Slot, want: dict[str, Any] | None, skipped: list[str]) -> Restored:
         assert slot.manifest is not None
-        tensors = {}
+        tensors, pairs = {}, []
         for e in slot.manifest.tensors:
             src = slot.buffer.view(e)
-            tensors[e.name] = want[e.name][0].copy_(src) if want and e.name in want else src.clone()
+            if want and e.name in want:
+                tensors[e.name] = want[e.name][0]
+                pairs.append((want[e.name][0], src))
+            else:
+                tensors[e.name] = src.clone()
+        copy_all(pairs)
         state = unflatten(pickle.loads(slot.objects), tensors, {e.name: e for e in slot.manifest.tensors})
         return Restored(slot.manifest.step, state, "memory", skipped, slot.manifest.world_size)
 

@@ -86,6 +86,18 @@ def _write_file(path: str, blob: bytes) -> None:
         os.close(fd)
 
 
+_pool: ThreadPoolExecutor | None = None
+
+
+def _checksum_pool() -> ThreadPoolExecutor:
+    """One pool for the life of the process: the persist process writes a shard per snapshot,
+    and starting two threads for each one was CPU taken from training."""
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(2, thread_name_prefix="unbroken-checksum")
+    return _pool
+
+
 def write_shard(root: str, manifest: ShardManifest, objects: bytes, data: memoryview,
                 rate_bytes_s: float | None = None) -> ShardManifest:
     """Write one shard durably and commit it with a rename; returns the manifest with CRCs.
@@ -102,14 +114,14 @@ def write_shard(root: str, manifest: ShardManifest, objects: bytes, data: memory
     os.mkdir(tmp)
     algorithm = manifest.checksum
     try:
-        with ThreadPoolExecutor(2, thread_name_prefix="unbroken-checksum") as pool:
-            pending = checksum.start(data, [(t.begin, t.end) for t in manifest.tensors], pool, algorithm)
-            try:
-                header = safetensors_header(manifest.tensors, {"format": "pt"}, align=directio.ALIGN)
-                directio.write_file(os.path.join(tmp, DATA_FILE), header, data[:manifest.data_len],
-                                    rate_bytes_s=rate_bytes_s)
-            finally:
-                crcs = dict(zip((t.name for t in manifest.tensors), checksum.finish(pending, algorithm)))
+        pending = checksum.start(data, [(t.begin, t.end) for t in manifest.tensors], _checksum_pool(),
+                                 algorithm)
+        try:
+            header = safetensors_header(manifest.tensors, {"format": "pt"}, align=directio.ALIGN)
+            directio.write_file(os.path.join(tmp, DATA_FILE), header, data[:manifest.data_len],
+                                rate_bytes_s=rate_bytes_s)
+        finally:
+            crcs = dict(zip((t.name for t in manifest.tensors), checksum.finish(pending, algorithm)))
         _write_file(os.path.join(tmp, OBJECTS_FILE), objects)
         done = ShardManifest(**{**manifest.__dict__, "tensors": with_checksums(manifest.tensors, crcs),
                                 "objects_len": len(objects),

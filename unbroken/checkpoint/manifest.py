@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from unbroken.checkpoint import checksum
@@ -104,7 +104,15 @@ class ShardManifest:
         return shard_dir_name(self.replica, self.rank)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True)
+        """The manifest as JSON text.
+
+        Built by hand and encoded without indentation so that json's C encoder does it: the
+        trainer sends a manifest to the persist process with every snapshot, and ``asdict`` plus
+        the pure-Python indenting encoder held the GIL for ~14 ms per save of a 117-tensor state.
+        """
+        raw = {k: v for k, v in self.__dict__.items() if k != "tensors"}
+        raw["tensors"] = [_entry_dict(t) for t in self.tensors]
+        return json.dumps(raw, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> ShardManifest:
@@ -194,9 +202,15 @@ def validate(manifest: ShardManifest) -> None:
         offset = t.end
 
 
+def _entry_dict(e: TensorEntry) -> dict[str, Any]:
+    return {"name": e.name, "dtype": e.dtype, "shape": e.shape, "global_shape": e.global_shape,
+            "global_offset": e.global_offset, "begin": e.begin, "end": e.end, "crc32": e.crc32}
+
+
 def with_checksums(entries: list[TensorEntry], crcs: dict[str, int]) -> list[TensorEntry]:
     """Entries with their checksums filled in (computed later, by the persist process)."""
-    return [TensorEntry(**{**asdict(e), "crc32": crcs[e.name]}) for e in entries]
+    return [TensorEntry(e.name, e.dtype, e.shape, e.global_shape, e.global_offset, e.begin, e.end,
+                        crcs[e.name]) for e in entries]
 
 
 def safetensors_header(entries: list[TensorEntry], metadata: dict[str, str] | None = None,

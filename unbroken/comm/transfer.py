@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from unbroken.checkpoint.checksum import update as checksum
+from unbroken.checkpoint.snapshot import copy_tensor
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ def take_snapshot(step: int, state: Any, pool: SnapshotPool) -> Snapshot:
     entries, total = layout(tensors)
     buf = pool.take(total)
     for t, e in zip(tensors, entries):
-        _view(buf, e).copy_(t.detach(), non_blocking=t.is_cuda)
+        copy_tensor(_view(buf, e), t.detach(), non_blocking=t.is_cuda)
     if any(t.is_cuda for t in tensors):
         torch.cuda.synchronize()
     return Snapshot(step, buf, entries, pickle.dumps(skeleton), total)
