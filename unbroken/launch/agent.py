@@ -97,6 +97,7 @@ class Agent:
         self._writer: asyncio.StreamWriter | None = None
         self._job_finished = False
         self._coordinator_lost = False
+        self._rejoining: list[int] | None = None  # replicas named in a re-hello not yet answered
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
 
@@ -170,6 +171,9 @@ class Agent:
     async def _handle(self, msg: dict[str, Any]) -> bool:
         """Acts on one message from the coordinator; False when the agent must stop listening."""
         if msg["op"] == "assign":
+            if self._rejoining is not None:
+                self.events.emit("coordinator_reconnected", running=self._rejoining, assigned=msg["replicas"])
+                self._rejoining = None
             self.num_replicas = int(msg["num_replicas"])
             self.events.emit("replicas_assigned", replicas=msg["replicas"])
             for r in msg["replicas"]:
@@ -202,7 +206,9 @@ class Agent:
         running = sorted(r.replica for r in self.replicas.values() if r.procs)
         self._send({"op": "agent_hello", "node": self.s.node, "slots": self.s.slots, "pid": os.getpid(),
                     "running": running})
-        self.events.emit("coordinator_reconnected", running=running)
+        # Reported when the coordinator answers: a connect can also reach a dying coordinator's
+        # listening socket in the instant before the kernel closes it, and be reset at once.
+        self._rejoining = running
         return reader
 
     def _progress(self, steps: dict[int, int]) -> None:
