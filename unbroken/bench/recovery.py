@@ -145,17 +145,22 @@ def fault_figures(
     )
 
 
+def read_digests(run_dir: Path, replicas: int) -> list[dict[str, Any]]:
+    """What each replica's worker wrote when it finished (replicas that did not, left out)."""
+    paths = (run_dir / f"digest-r{r}.json" for r in range(replicas))
+    return [json.loads(p.read_text()) for p in paths if p.exists()]
+
+
 def digests_identical(run_dir: Path, replicas: int) -> bool:
     """True when every replica finished at the same step with the same state digest."""
-    found = [json.loads(p.read_text()) for p in (run_dir / f"digest-r{r}.json" for r in range(replicas)) if p.exists()]
+    found = read_digests(run_dir, replicas)
     return len(found) == replicas and len({(d["step"], d["digest"]) for d in found}) == 1
 
 
 def serving_figures(run_dir: Path, replicas: int, median_step_s: float) -> dict[str, Any]:
     """What the donor's serving thread spent on the catch-up: wall and CPU seconds, and that CPU
     as a share of one step (the donor's own cost, apart from what the machine's load adds)."""
-    served = [x for r in range(replicas) if (run_dir / f"digest-r{r}.json").exists()
-              for x in json.loads((run_dir / f"digest-r{r}.json").read_text()).get("served", [])]
+    served = [x for d in read_digests(run_dir, replicas) for x in d.get("served", [])]
     if not served:
         return {}
     cpu = sum(x["cpu_s"] for x in served)

@@ -398,12 +398,13 @@ class Launcher:
 
     def _roll_back(self, e: Event, why: str) -> None:
         """Restarts every replica from the newest checkpoint before the anomalous step."""
+        replica = (e.get("culprit") or {}).get("replica")
+        anomaly_step = (e.get("evidence") or {}).get("step")
+
         def ignore(reason: str) -> None:
             self.events.emit("verdict_ignored", verdict_class=e.get("class"), replica=replica, action=ROLLBACK,
                              reason=reason)
 
-        replica = (e.get("culprit") or {}).get("replica")
-        anomaly_step = (e.get("evidence") or {}).get("step")
         if self._rolling_back and any(self.lifecycle.state[r] != State.TRAINING for r in self._rolling_back):
             return ignore("a rollback is under way")
         self._rolling_back = set()

@@ -305,7 +305,7 @@ class Manager:
         if "error" in box:
             raise RuntimeError(f"catch-up from a donor failed: {box['error']}") from box["error"]
         state = box["state"]
-        waited = time.perf_counter() - box["fetched"]  # negative: the exchange waited for the fetch
+        loading = time.perf_counter()
         self._load_state_dict(state["user"])
         self.step = int(state["unbroken"]["step"])
         assert self.step == decision.step, (self.step, decision.step)
@@ -313,7 +313,7 @@ class Manager:
         now = time.perf_counter()
         self.stats["last_recovery_s"] = now - box["start"]
         self.stats["last_fetch_s"] = box["fetched"] - box["start"]
-        self.stats["last_load_s"] = now - box["fetched"] - max(0.0, waited)
+        self.stats["last_load_s"] = now - loading
         log.info("replica %d caught up to step %d: fetch %.3fs, load %.3fs", self.config.replica_id,
                  self.step, self.stats["last_fetch_s"], self.stats["last_load_s"])
 
