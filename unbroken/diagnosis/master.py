@@ -40,7 +40,10 @@ class MasterSettings:
     link_ratio: float = 4.0
     link_quantile: float = 0.25
     link_warmup: int = 15  # a group's first collectives (connection setup, warm caches) are uneven
-    confirm: int = 3  # new collectives a straggler or step-time finding must hold over
+    confirm: int = 3  # new collectives a step-time finding must hold over
+    # A straggler finding must hold longer: a 2-core CI machine once kept one clean replica
+    # 1.4x slower than its own best, and last at every collective, for 13 collectives.
+    straggler_confirm: int = 6
     link_confirm: int = 5  # new collectives a slow-connection finding must hold over
 
 
@@ -354,7 +357,7 @@ class DiagnosisMaster:
         for rank, comp in self.compute.items():
             f = straggler.find_straggler(comp, list(self.last.get(rank, ())), self.best.get(rank, {}),
                                          self.s.straggler_threshold, min_samples=self.s.straggler_window)
-            if count:  # must hold over `confirm` new collectives: one slow burst is not a straggler
+            if count:  # must hold over new collectives: one slow burst is not a straggler
                 key = f.replica if f else None
                 prev_key, n, at = self._straggler_streak.get(rank, (None, 0, -1))
                 if key != prev_key:
@@ -362,7 +365,7 @@ class DiagnosisMaster:
                 elif at != self._arrived:
                     n += 1
                 self._straggler_streak[rank] = (key, n, self._arrived)
-                if f is None or n < self.s.confirm:
+                if f is None or n < self.s.straggler_confirm:
                     continue
             if f is not None:
                 node = self.ranks.get((f.replica, rank), _Rank("", 0)).node or None
@@ -408,7 +411,7 @@ class DiagnosisMaster:
                 # change is a straggler, which the straggler rule names with better evidence.
                 if n < self.s.confirm or rep in stragglers:
                     continue
-                if self._straggler_coming(rep, rank) and self._arrived - first < 2 * self.s.confirm:
+                if self._straggler_coming(rep, rank) and self._arrived - first < self.s.confirm + self.s.straggler_confirm:
                     continue
                 node = self.ranks.get((rep, rank), _Rank("", 0)).node or None
                 out.append(Verdict(Culprit(rep, rank, node), METRIC_ANOMALY, 0.7,
