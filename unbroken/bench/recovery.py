@@ -80,6 +80,7 @@ class FaultFigures:
     donor_slowdown: float | None
     catch_up_step: int | None
     non_donor_slowdown: float | None = None
+    donor_snapshot_s: float | None = None  # the donor's training thread's part of the snapshot
 
     def as_json(self) -> dict[str, Any]:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in dataclasses.asdict(self).items()}
@@ -99,7 +100,8 @@ def fault_figures(
     - donor slowdown: the donor's step time while it served the catch-up, over the median of
       its own ``LOCAL_STEPS`` steps before it; the non-donor slowdown is the same ratio for a
       survivor that served nothing (on one shared machine every survivor pays for the
-      transfer's CPU and memory traffic, whoever serves it).
+      transfer's CPU and memory traffic, whoever serves it). The donor snapshot time is what
+      taking the snapshot cost the donor's training thread (the bulk is copied beside it).
     """
     survivors = {r: rows for r, rows in rows_by_replica.items() if r != victim}
     median = median_step(survivors, before=fault_t)
@@ -112,7 +114,7 @@ def fault_figures(
     caught_up = [r for r in step_rows(victim_rows) if r["t1"] > fault_t and r.get("committed") and victim in r.get("behind", [])]
     catch_up_step = caught_up[0]["step"] if caught_up else None
     rejoin_steps = None
-    donor_slowdown = non_donor_slowdown = None
+    donor_slowdown = non_donor_slowdown = donor_snapshot_s = None
     if readies and catch_up_step is not None:
         first_contributing = catch_up_step + 1
         committed_after_ready = {
@@ -132,6 +134,8 @@ def fault_figures(
             ratio = at[0]["step_s"] / reference
             if at[0].get("donor"):
                 donor_slowdown = max(donor_slowdown or 0.0, ratio)
+                if "snapshot_s" in at[0]:
+                    donor_snapshot_s = max(donor_snapshot_s or 0.0, at[0]["snapshot_s"])
             else:  # the same step of a survivor that served nothing: what the machine, not serving, cost
                 non_donor_slowdown = max(non_donor_slowdown or 0.0, ratio)
     return FaultFigures(
@@ -142,6 +146,7 @@ def fault_figures(
         donor_slowdown=donor_slowdown,
         catch_up_step=catch_up_step,
         non_donor_slowdown=non_donor_slowdown,
+        donor_snapshot_s=donor_snapshot_s,
     )
 
 

@@ -110,7 +110,10 @@ def main() -> None:
                    "step": d.step if d else step, "committed": committed,
                    "exchange_s": manager.stats["last_exchange_s"], "join_wait_s": manager.stats["last_join_wait_s"],
                    "recovery_s": manager.stats["last_recovery_s"],
-                   "fetch_s": manager.stats.get("last_fetch_s", 0.0), "load_s": manager.stats.get("last_load_s", 0.0)}
+                   "fetch_s": manager.stats.get("last_fetch_s", 0.0), "load_s": manager.stats.get("last_load_s", 0.0),
+                   "snapshot_s": manager.stats.get("last_snapshot_s", 0.0),
+                   "snapshot_wait_s": manager.stats.get("last_snapshot_wait_s", 0.0),
+                   "fetch_cpu_s": manager.stats.get("last_fetch_cpu_s", 0.0)}
             step = manager.step
         else:
             flat = torch._utils._flatten_dense_tensors([p.grad for p in params])

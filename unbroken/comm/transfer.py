@@ -1,8 +1,11 @@
-"""Peer-to-peer state transfer for catch-up: snapshot on the training thread, serve in the back.
+"""Peer-to-peer state transfer for catch-up: snapshot at the step boundary, serve in the back.
 
-The donor's training thread only copies its state into a reused host buffer at the step
-boundary (a memcpy); a background thread serves that buffer over TCP in checksummed chunks
-while the donor keeps training. The recovering replica verifies every chunk's CRC-32C and
+At the step boundary the donor's training thread takes its state's structure and small
+tensors and hands the large host tensors to a background thread, which copies them into a
+reused host buffer while the exchange runs (the gradient exchange reads only gradients); the
+training thread waits for that copy only before the optimizer moves the state, by which time
+it is done. Another background thread serves the buffer over TCP in checksummed chunks while
+the donor keeps training. The recovering replica verifies every chunk's CRC-32C and
 rebuilds the nested state dict (tensors plus plain Python objects). The checksum is CRC-32C on
 the CPU's crc32 instruction (the checkpoint tiers' checksum), several times cheaper than zlib's
 CRC-32 for a donor whose cores are also training.
@@ -20,6 +23,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,6 +36,7 @@ log = logging.getLogger(__name__)
 CHUNK = 4 << 20
 SOCKET_BUFFER = 8 << 20
 OWN_STORAGE_BELOW = 1 << 20
+BACKGROUND_COPY_MIN = 1 << 20  # host tensors this large are copied off the training thread
 SERVE_NICE = 19
 ALIGN = 64
 _HDR = struct.Struct("!Q")
@@ -150,16 +155,50 @@ class SnapshotPool:
             self._free.append(buf)
 
 
+class SnapshotCopy:
+    """A snapshot of ``state`` whose large host tensors a background thread is still copying.
+
+    Made on the training thread at the step boundary: the structure (pickled now, with the
+    plain objects such as a data position) and the small and device tensors are taken at
+    once, so they cannot move on. The large host tensors, the bulk of the bytes, are copied
+    beside the gradient exchange, which does not touch them; :meth:`wait` must be called
+    before anything changes the state (the optimizer step). The snapshot reaches ``publish``
+    only when complete, so no peer is ever served a half-copied buffer.
+    """
+
+    def __init__(self, step: int, state: Any, pool: SnapshotPool,
+                 publish: Callable[[Snapshot], None] | None = None) -> None:
+        skeleton, tensors = flatten_state(state)
+        entries, total = layout(tensors)
+        buf = pool.take(total)
+        later: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for t, e in zip(tensors, entries):
+            if t.device.type == "cpu" and e.nbytes >= BACKGROUND_COPY_MIN:
+                later.append((_view(buf, e), t.detach()))
+            else:
+                copy_tensor(_view(buf, e), t.detach(), non_blocking=t.is_cuda)
+        if any(t.is_cuda for t in tensors):
+            torch.cuda.synchronize()
+        self.snapshot = Snapshot(step, buf, entries, pickle.dumps(skeleton), total)
+        self._publish = publish
+        self._thread = threading.Thread(target=self._copy, args=(later,), name="unbroken-snapshot", daemon=True)
+        self._thread.start()
+
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for dst, src in pairs:
+            copy_tensor(dst, src, single_thread=True)  # one core: the other is training
+        if self._publish is not None:
+            self._publish(self.snapshot)
+
+    def wait(self) -> Snapshot:
+        """Blocks until the copy is complete (and published); returns the snapshot."""
+        self._thread.join()
+        return self.snapshot
+
+
 def take_snapshot(step: int, state: Any, pool: SnapshotPool) -> Snapshot:
-    """Copies ``state`` into a pooled host buffer; the only work on the training thread."""
-    skeleton, tensors = flatten_state(state)
-    entries, total = layout(tensors)
-    buf = pool.take(total)
-    for t, e in zip(tensors, entries):
-        copy_tensor(_view(buf, e), t.detach(), non_blocking=t.is_cuda)
-    if any(t.is_cuda for t in tensors):
-        torch.cuda.synchronize()
-    return Snapshot(step, buf, entries, pickle.dumps(skeleton), total)
+    """Copies ``state`` into a pooled host buffer, all of it before returning."""
+    return SnapshotCopy(step, state, pool).wait()
 
 
 class TransferServer:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from unbroken.comm.deadline import LearnedDeadline
 from unbroken.comm.process_group import CrossReplicaGroup, ExchangeFailed
 from unbroken.comm.recorder import FlightRecorder, install_stack_dump
-from unbroken.comm.transfer import TransferServer, fetch_state, flatten_state, layout, take_snapshot
+from unbroken.comm.transfer import SnapshotCopy, TransferServer, fetch_state, flatten_state, layout
 from unbroken.config import ENV_ANOMALY_POLICY, ENV_PREPARE_EARLY, ENV_RECORDER, ReplicaConfig, local_address_towards
 from unbroken.control.client import CoordinatorClient
 from unbroken.control.quorum import QuorumDecision
@@ -79,6 +79,9 @@ class Manager:
                                         "last_exchange_s": 0.0, "last_recovery_s": 0.0, "last_join_wait_s": 0.0}
         self._quorum: Future[dict[str, Any]] | None = None
         self._buffer: torch.Tensor | None = None
+        self._snapshot: SnapshotCopy | None = None  # a donation still being copied
+        self._grad_numel: int | None = None  # see expect_gradients
+        self._early: tuple[int, threading.Thread, dict[str, Any]] | None = None  # epoch, thread, result
         self._last_commit: float | None = None
         self._step_time: float | None = None
         self._fetch: tuple[threading.Thread, dict[str, Any]] | None = None
@@ -130,6 +133,17 @@ class Manager:
             if self.chaos is not None:
                 self.chaos.start_step(self.step)
 
+    def expect_gradients(self, numel: int) -> None:
+        """Announces how many gradient elements (this rank's shards) :meth:`allreduce` averages.
+
+        With it, a replica that is catching up enters its zero-gradient exchange as soon as the
+        quorum answer arrives, not after the forward and backward pass whose gradient it
+        discards, so its peers do not wait for that pass. The unbroken wrappers announce it.
+        """
+        if numel <= 0:
+            raise ValueError(f"expect_gradients() needs a positive element count, got {numel}")
+        self._grad_numel = numel
+
     @property
     def lr_scale(self) -> float:
         """sqrt(contributing / configured replicas) while replicas are missing, else 1."""
@@ -149,6 +163,12 @@ class Manager:
         optimizer step (every rank of this replica group succeeded).
         """
         self.start_step()
+        try:
+            return self._allreduce(grads)
+        finally:
+            self._settle_snapshot()
+
+    def _allreduce(self, grads: list[torch.Tensor]) -> bool:
         failed: int | None = None
         for _ in range(self.max_attempts):
             decision = self._await_quorum(failed)
@@ -212,13 +232,25 @@ class Manager:
         fut, self._quorum = self._quorum, None
         msg = fut.result(timeout=self.quorum_timeout_s)
         d = self._prepare(msg)
-        if any(donor == self.config.replica_id for (_, donor) in d.donors):
-            # The state at the start of this step: taken here, on the training thread,
-            # before the optimizer moves it; served from a background thread.
-            self.transfer.publish(take_snapshot(d.step, self._full_state(), self.transfer.pool))
+        donating = any(donor == self.config.replica_id for (_, donor) in d.donors)
+        if donating and (self._snapshot is None or self._snapshot.snapshot.step != d.step):
+            # The state at the start of this step, before the optimizer moves it: taken here,
+            # its bulk copied beside the exchange (allreduce waits for it before returning),
+            # and served from a background thread.
+            taken = time.perf_counter()
+            self._snapshot = SnapshotCopy(d.step, self._full_state(), self.transfer.pool, self.transfer.publish)
+            self.stats["last_snapshot_s"] = time.perf_counter() - taken
             self.stats["donations"] += 1
         self.decision = d
         return d
+
+    def _settle_snapshot(self) -> None:
+        """Waits until a donated snapshot is fully copied: the caller's optimizer steps next."""
+        if self._snapshot is not None:
+            waited = time.perf_counter()
+            self._snapshot.wait()
+            self._snapshot = None
+            self.stats["last_snapshot_wait_s"] = time.perf_counter() - waited
 
     def _prepare_soon(self, fut: Future[dict[str, Any]]) -> None:
         """Acts on a quorum answer the moment it arrives, while the forward pass still runs.
@@ -251,6 +283,8 @@ class Manager:
             if me in d.behind and self._fetch is None:
                 addrs: dict[str, str] = msg.get("transfer_addrs", {})
                 self._start_fetch(addrs[str(d.donor_of(me))], d.step)
+            if me in d.behind and self._grad_numel is not None and (self._early is None or self._early[0] != d.epoch):
+                self._start_early_exchange(d, self._grad_numel)
         return d
 
     def _full_state(self) -> dict[str, Any]:
@@ -288,8 +322,10 @@ class Manager:
 
         def run() -> None:
             try:
+                cpu = time.thread_time()
                 box["state"] = fetch_state(address, step, into=into)
                 box["fetched"] = time.perf_counter()
+                box["cpu_s"] = time.thread_time() - cpu
             except Exception as e:  # surfaces on the training thread in _finish_recovery
                 box["error"] = e
 
@@ -314,12 +350,16 @@ class Manager:
         self.stats["last_recovery_s"] = now - box["start"]
         self.stats["last_fetch_s"] = box["fetched"] - box["start"]
         self.stats["last_load_s"] = now - loading
+        self.stats["last_fetch_cpu_s"] = box["cpu_s"]
         log.info("replica %d caught up to step %d: fetch %.3fs, load %.3fs", self.config.replica_id,
                  self.step, self.stats["last_fetch_s"], self.stats["last_load_s"])
 
     def _exchange(self, grads: list[torch.Tensor], d: QuorumDecision, zero: bool) -> bool:
         locals_ = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
         n = sum(g.numel() for g in locals_)
+        early, self._early = self._early, None
+        if zero and early is not None and early[0] == d.epoch:
+            return self._finish_early_exchange(locals_, n, early[1], early[2], d)
         buf = self._buffer
         if buf is None or buf.numel() != n + 3:
             buf = self._buffer = torch.empty(n + 3, dtype=torch.float32, device=self.device)
@@ -347,11 +387,18 @@ class Manager:
             log.warning("replica %d step %d: %s", self.config.replica_id, self.step, e)
             self._buffer = None  # the backend may still write into it
             return False
+        return self._apply_exchanged(locals_, buf, seconds, d)
+
+    def _apply_exchanged(self, locals_: list[torch.Tensor], buf: torch.Tensor, seconds: float,
+                         d: QuorumDecision, observe: bool = True) -> bool:
+        """Checks the exchanged totals and writes the average into the gradients."""
+        n = buf.numel() - 3
         contributing, step_sum, skipped = buf[n].item(), buf[n + 1].item(), round(buf[n + 2].item())
         if round(contributing) + skipped != d.contributing or step_sum != float(d.step) * len(d.members):
             log.warning("replica %d: members disagree on the step (%s); redoing it", self.config.replica_id, step_sum)
             return False
-        self.deadline.observe(seconds)
+        if observe:
+            self.deadline.observe(seconds)
         self.stats["last_exchange_s"] = seconds
         self.stats["last_join_wait_s"] = self.group.last_join_wait_s
         if round(contributing) == 0:
@@ -362,6 +409,42 @@ class Manager:
             torch.mul(buf[offset : offset + g.numel()].view_as(g), scale, out=g)
             offset += g.numel()
         return True
+
+    def _start_early_exchange(self, d: QuorumDecision, numel: int) -> None:
+        """Enters a catching-up replica's zero-gradient exchange now, on a background thread.
+
+        Its gradient for this step is thrown away, so there is nothing to wait for: the
+        survivors then find it already in the exchange instead of waiting for a forward and
+        backward pass of a process that has just started (the slowest of the step).
+        """
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            buf = torch.zeros(numel + 3, dtype=torch.float32, device=self.device)
+            buf[numel + 1] = float(d.step)
+            try:
+                box["seconds"] = self.group.allreduce_sum(buf, self.deadline.seconds)
+                box["buf"] = buf
+            except ExchangeFailed as e:
+                box["error"] = e
+
+        thread = threading.Thread(target=run, name="unbroken-catch-up-exchange", daemon=True)
+        thread.start()
+        self._early = (d.epoch, thread, box)
+
+    def _finish_early_exchange(self, locals_: list[torch.Tensor], n: int, thread: threading.Thread,
+                               box: dict[str, Any], d: QuorumDecision) -> bool:
+        thread.join()
+        if "error" in box:
+            log.warning("replica %d step %d: %s", self.config.replica_id, self.step, box["error"])
+            return False
+        if box["buf"].numel() != n + 3:
+            raise RuntimeError(
+                f"expect_gradients() announced {box['buf'].numel() - 3} gradient elements but allreduce() "
+                f"got {n}: announce the same parameters the exchange averages (the unbroken wrappers do)")
+        self._buffer = box["buf"]
+        # Not observed by the deadline: it includes the wait for the peers' forward and backward.
+        return self._apply_exchanged(locals_, box["buf"], box["seconds"], d, observe=False)
 
     def _vote(self, ok: bool) -> bool:
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)

@@ -23,6 +23,11 @@ def trainable_parameters(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.
     return [p for p in params if p.requires_grad]
 
 
+def gradient_numel(params: Iterable[torch.nn.Parameter]) -> int:
+    """Elements :func:`average_gradients` exchanges for ``params`` (local shards of DTensors)."""
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in trainable_parameters(params))
+
+
 def average_gradients(manager: Manager, params: Iterable[torch.nn.Parameter]) -> bool:
     """Averages the gradients of ``params`` across replicas; True when the step may commit.
 
@@ -44,6 +49,9 @@ class Optimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, manager: Manager) -> None:
         self.optimizer = optimizer
         self.manager = manager
+        numel = gradient_numel(p for g in optimizer.param_groups for p in g["params"])
+        if numel:
+            manager.expect_gradients(numel)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -97,6 +105,9 @@ class DataParallel(torch.nn.Module):
         super().__init__()
         self.module = module
         self.manager = manager
+        numel = gradient_numel(module.parameters())
+        if numel:
+            manager.expect_gradients(numel)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.manager.start_step()

@@ -31,6 +31,9 @@ def main() -> None:
     ap.add_argument("--pace-s", type=float, default=0.2,
                     help="Each step lasts at least this long (stands in for real compute), so a restarted "
                          "replica has steps left to join.")
+    ap.add_argument("--restarted-first-step-s", type=float, default=0.0,
+                    help="A restarted process's first step lasts at least this long (a cold start: "
+                         "allocator warm-up, kernel autotuning), which its peers should not wait for.")
     args = ap.parse_args()
 
     holder: dict[str, Any] = {}
@@ -63,6 +66,8 @@ def main() -> None:
     model = fully_shard(net, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     holder.update(model=model, opt=opt)
+    manager.expect_gradients(unbroken.gradient_numel(model.parameters()))
+    first_step_s = args.restarted_first_step_s if cfg.restart_count > 0 else 0.0
 
     run_dir = Path(cfg.run_dir)
     metrics = open(run_dir / f"metrics-r{cfg.replica_id}.jsonl", "a", buffering=1) if cfg.rank == 0 else None
@@ -74,7 +79,8 @@ def main() -> None:
         x = torch.randn(8, 32, generator=g)
         loss = torch.nn.functional.mse_loss(model(x), x.flip(1))
         loss.backward()
-        time.sleep(max(0.0, args.pace_s - (time.perf_counter() - t0)))
+        time.sleep(max(0.0, max(args.pace_s, first_step_s) - (time.perf_counter() - t0)))
+        first_step_s = 0.0
         step = manager.step
         committed = unbroken.average_gradients(manager, model.parameters())
         if committed:

@@ -36,6 +36,7 @@ def test_crash_figures_from_a_clean_rejoin() -> None:
             if row["step"] == 50:
                 row["donor"] = r == 0
                 row["step_s"] = 0.105
+                row["snapshot_s"] = 0.004 if r == 0 else 0.0
         rows[r] = before + stalled + after
     victim = [{"event": "ready", "t": 0.0}] + _steps(2, range(20), 0.0, 0.1)
     victim += [{"event": "ready", "t": 5.25}]
@@ -51,6 +52,7 @@ def test_crash_figures_from_a_clean_rejoin() -> None:
     assert f.rejoin_steps == 2  # step 49 (in flight when ready) and the zero-gradient step 50
     assert f.donor_slowdown == pytest.approx(1.05)
     assert f.non_donor_slowdown == pytest.approx(1.05)  # replica 1 served nothing, paid the same
+    assert f.donor_snapshot_s == pytest.approx(0.004)
 
 
 def test_no_rejoin_is_reported_as_missing_not_zero() -> None:

@@ -86,3 +86,29 @@ def test_missing_step_and_unreachable_donor_are_clear_errors() -> None:
         server.close()
     with pytest.raises(TransferError, match="cannot reach the donor"):
         fetch_state(server.address, 5, timeout_s=1.0)
+
+
+def test_a_snapshot_copied_in_the_background_is_served_only_when_complete() -> None:
+    """The bulk is copied beside the exchange; a peer never sees a half-copied buffer, and the
+    state may move on once wait() returned."""
+    big = torch.randn(1 << 20)  # 4 MB: copied off the calling thread
+    state = {"w": big, "b": torch.randn(3), "data_position": 7}
+    expected = big.clone()
+    server = TransferServer()
+    complete_when_published = []
+
+    def publish(snap: transfer.Snapshot) -> None:
+        complete_when_published.append(torch.equal(transfer._view(snap.buffer, snap.entries[0]), expected))
+        server.publish(snap)
+
+    try:
+        copy = transfer.SnapshotCopy(5, state, server.pool, publish)
+        assert transfer.BACKGROUND_COPY_MIN <= big.numel() * 4
+        copy.wait()
+        big.add_(1.0)  # the optimizer steps
+        state["data_position"] = 8
+        got = fetch_state(server.address, 5)
+    finally:
+        server.close()
+    assert complete_when_published == [True]
+    assert torch.equal(got["w"], expected) and got["data_position"] == 7
