@@ -75,6 +75,9 @@ class DiagnosisMaster:
         self.compute: dict[int, dict[int, deque[float]]] = {}  # rank -> replica -> compute times
         self.best: dict[int, dict[int, float]] = {}
         self.last: dict[int, deque[int]] = {}
+        # rank -> seconds between consecutive collectives' last arrivals: the job's own pace
+        self.cadence: dict[int, deque[float]] = {}
+        self._last_start: dict[int, float] = {}
         self.cells: dict[tuple[int, int], deque[float]] = {}
         self._halves: dict[tuple[Any, ...], tuple[float, float, int]] = {}
         self.detectors: dict[Ident, MetricDetector] = {}
@@ -188,9 +191,16 @@ class DiagnosisMaster:
             self.compute.pop(rank, None)
             self.last.pop(rank, None)
             self.best.pop(rank, None)
+            self.cadence.pop(rank, None)
+            self._last_start.pop(rank, None)
             for ident, det in self.detectors.items():
                 if ident[1] == rank:
                     det.compute.clear()
+        start, prev = max(e for e, _ in got.values()), self._last_start.get(rank)
+        self._last_start[rank] = start
+        if prev is not None:
+            maxlen = self._detector(next(iter(((rep, rank) for rep in got)))).compute.maxlen
+            self.cadence.setdefault(rank, deque(maxlen=maxlen)).append(start - prev)
         comp = self.compute.setdefault(rank, {})
         for rep, (_, c) in got.items():
             self._detector((rep, rank)).compute.append(c)
@@ -399,7 +409,8 @@ class DiagnosisMaster:
                 # degraded one slower at every step (MetricDetector.floor_shift).
                 alone = bool(ratio is not None and ratio >= det.change_ratio and others
                              and max(others) < 1.1 and min(others) > 0.85
-                             and det.floor_shift() >= det.change_floor)
+                             and det.floor_shift() >= det.change_floor
+                             and self._pace_moved(rank, det))
                 key = (rep, rank)
                 # Counted in new collectives: one slow burst re-read at every tick is one burst.
                 _, n, at = self._change_streak.get(key, (0, 0, -1))
@@ -419,6 +430,21 @@ class DiagnosisMaster:
                                     "action": self.policy.get("step_time_change")}))
         return out
 
+
+    def _pace_moved(self, rank: int, det: MetricDetector) -> bool:
+        """Whether the collectives came slower by at least half the replica's extra compute.
+
+        A replica that really got slower delays every collective it is last to enter. Its
+        compute can also grow while its waits shrink by as much, the job as fast as ever: in
+        a clean ring run, members traded the order in which they leave the exchange, and one
+        replica's compute read 1.33x for a dozen collectives.
+        """
+        w = det.change_window
+        xs, cs = list(det.compute), list(self.cadence.get(rank, ()))
+        if len(xs) <= w or len(cs) <= w:
+            return True
+        extra = median(xs[-w:]) - median(xs[:-w])
+        return median(cs[-w:]) - median(cs[:-w]) >= 0.5 * extra
 
     def _straggler_coming(self, replica: int, rank: int) -> bool:
         """Whether the replica's latest compute times are past the straggler threshold.

@@ -287,3 +287,19 @@ def test_a_replica_waiting_for_a_cpu_is_not_a_straggler() -> None:
     _, verdicts = run_steps(m, range(30, 60), {0: 0.1, 1: 0.15, 2: 0.1}, t, queued={1: 0.05}, rq=rq)
     assert verdicts == []
     assert slowdown({0: 0.1, 1: 0.15, 2: 0.1}, steps=30)
+
+
+def test_a_replica_leaving_the_exchange_sooner_is_no_slowdown() -> None:
+    """Its compute (exit to next entry) grows as its exits move earlier, but the collectives
+    come at the same pace: the job is as fast as ever (seen in clean ring runs)."""
+    m = DiagnosisMaster()
+    verdicts = []
+    for seq in range(90):
+        start = seq * 0.11  # every replica enters then (replica 0 a hair later: it is last)
+        for r in range(3):
+            leaves = start + (0.02 if r == 1 and seq >= 40 else 0.05)
+            enter = start + (0.001 if r == 0 else 0.0)
+            rec = [G, seq, "allreduce", 400, int(enter * NS), int(leaves * NS), True, [0, 1, 2], 0, 0]
+            m.ingest((r, 0), f"n{r}", batch(start + 0.05, records=[rec]), start + 0.05)
+        verdicts += m.evaluate(start + 0.05)
+    assert verdicts == []
