@@ -82,6 +82,7 @@ class Manager:
         self._snapshot: SnapshotCopy | None = None  # a donation still being copied
         self._grad_numel: int | None = None  # see expect_gradients
         self._early: tuple[int, threading.Thread, dict[str, Any]] | None = None  # epoch, thread, result
+        self._prepared_for: tuple[int, int] | None = None  # the (epoch, step) a catch-up started for
         self._last_commit: float | None = None
         self._step_time: float | None = None
         self._fetch: tuple[threading.Thread, dict[str, Any]] | None = None
@@ -280,11 +281,16 @@ class Manager:
                     device=self.device,
                     members=list(d.members),
                 )
-            if me in d.behind and self._fetch is None:
-                addrs: dict[str, str] = msg.get("transfer_addrs", {})
-                self._start_fetch(addrs[str(d.donor_of(me))], d.step)
-            if me in d.behind and self._grad_numel is not None and (self._early is None or self._early[0] != d.epoch):
-                self._start_early_exchange(d, self._grad_numel)
+            # Once per decision: the training thread may have finished with them already when the
+            # connection thread's callback gets here, and a second exchange would pair with the
+            # peers' next collective.
+            if me in d.behind and self._prepared_for != (d.epoch, d.step):
+                self._prepared_for = (d.epoch, d.step)
+                if self._fetch is None:
+                    addrs: dict[str, str] = msg.get("transfer_addrs", {})
+                    self._start_fetch(addrs[str(d.donor_of(me))], d.step)
+                if self._grad_numel is not None:
+                    self._start_early_exchange(d, self._grad_numel)
         return d
 
     def _full_state(self) -> dict[str, Any]:
