@@ -199,7 +199,7 @@ class DiagnosisMaster:
         start, prev = max(e for e, _ in got.values()), self._last_start.get(rank)
         self._last_start[rank] = start
         if prev is not None:
-            maxlen = self._detector(next(iter(((rep, rank) for rep in got)))).compute.maxlen
+            maxlen = self._detector((next(iter(got)), rank)).compute.maxlen  # pace and compute align
             self.cadence.setdefault(rank, deque(maxlen=maxlen)).append(start - prev)
         comp = self.compute.setdefault(rank, {})
         for rep, (_, c) in got.items():
