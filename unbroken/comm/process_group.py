@@ -4,12 +4,15 @@ Every quorum epoch gets a fresh ``torch.distributed`` group on a fresh store pre
 waits on its work's future together with an abort flag (set when the coordinator pushes an
 abort) and a deadline; whichever comes first ends the wait. A group whose operation was
 abandoned is never used again and its buffers are never reused (the backend may still write
-into them), and it is kept alive rather than destroyed, because destroying a Gloo group with a
-stuck operation blocks until that operation times out.
+into them), and it is never destroyed, not even when the process exits: destroying a Gloo group
+with a stuck operation blocks until that operation times out, and once the peer of that
+operation has gone, its destructor can throw and abort the process (seen at exit, after the
+job had finished, when the garbage collector reached a Manager).
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import threading
@@ -27,6 +30,11 @@ from unbroken.config import parse_host_port
 # "backend" (default): the backend's all-reduce; "ring": unbroken's CPU-driven ring, slower on
 # CPU but with per-connection timings (the diagnosis can then name a link).
 ENV_EXCHANGE = "UNBROKEN_EXCHANGE"
+
+
+def _keep_forever(pg: Any) -> None:
+    """Leaks one reference to an abandoned group so that its destructor never runs."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
 
 
 class ExchangeFailed(RuntimeError):
@@ -104,12 +112,14 @@ class CrossReplicaGroup:
         if self._pg is not None:
             if hasattr(self._pg, "abort") and not isinstance(self._pg, dist.ProcessGroupGloo):
                 self._pg.abort()  # NCCL: releases the GPU-side operation
+            _keep_forever(self._pg)
             self._abandoned.append(self._pg)
             self._pg = None
         self.epoch = None
 
     def _keep_abandoned(self, pending: Future[Any]) -> None:
         if pending.exception() is None:
+            _keep_forever(pending.result())
             self._abandoned.append(pending.result())
 
     def abort(self, epoch: int) -> None:
