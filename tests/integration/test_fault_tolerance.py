@@ -52,6 +52,9 @@ def test_kill_9_of_a_replica_mid_run(tmp_path: Path, clean_loss: float) -> None:
     quorums = [e for e in job.events("quorum")]
     assert any(q["members"] == [0, 2] for q in quorums), "survivors never trained without the dead replica"
     assert any(q["behind"] == [1] for q in quorums), "the restarted replica never caught up from a donor"
+    # The donor was told before the catch-up step began, so it could snapshot at its start.
+    told = {(e["newcomer"], e["donor"]) for e in job.events("donor_told")}
+    assert any((1, donor) in told for q in quorums if q["behind"] == [1] for (_, donor) in q["donors"]), told
     assert [e["epoch"] for e in quorums] == sorted({e["epoch"] for e in quorums})
     assert abs(tail_loss(run_dir) - clean_loss) < 0.15
 

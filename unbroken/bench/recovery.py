@@ -81,6 +81,9 @@ class FaultFigures:
     catch_up_step: int | None
     non_donor_slowdown: float | None = None
     donor_snapshot_s: float | None = None  # the donor's training thread's part of the snapshot
+    donor_snapshot_early: bool | None = None  # taken at the step's start (the coordinator's hint)
+    fetch_s: float | None = None  # the newcomer's fetch, quorum answer to last byte
+    catch_up_excess_s: float | None = None  # survivors' extra time over the catch-up step and the 2 after
 
     def as_json(self) -> dict[str, Any]:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in dataclasses.asdict(self).items()}
@@ -102,6 +105,9 @@ def fault_figures(
       survivor that served nothing (on one shared machine every survivor pays for the
       transfer's CPU and memory traffic, whoever serves it). The donor snapshot time is what
       taking the snapshot cost the donor's training thread (the bulk is copied beside it).
+    - catch-up excess: each survivor's step time above the median over the catch-up step and
+      the two after it, averaged over survivors: the whole cost of a catch-up on this machine,
+      wherever it lands (a fetch that outlasts the step makes the next step wait for it).
     """
     survivors = {r: rows for r, rows in rows_by_replica.items() if r != victim}
     median = median_step(survivors, before=fault_t)
@@ -114,7 +120,7 @@ def fault_figures(
     caught_up = [r for r in step_rows(victim_rows) if r["t1"] > fault_t and r.get("committed") and victim in r.get("behind", [])]
     catch_up_step = caught_up[0]["step"] if caught_up else None
     rejoin_steps = None
-    donor_slowdown = non_donor_slowdown = donor_snapshot_s = None
+    donor_slowdown = non_donor_slowdown = donor_snapshot_s = donor_snapshot_early = fetch_s = excess = None
     if readies and catch_up_step is not None:
         first_contributing = catch_up_step + 1
         committed_after_ready = {
@@ -122,6 +128,14 @@ def fault_figures(
             if r.get("committed") and r["t1"] > readies[-1] and r["step"] < first_contributing
         }
         rejoin_steps = len(committed_after_ready)
+        fetch_s = caught_up[0].get("fetch_s")
+        excesses = []
+        for rows in survivors.values():
+            by_step = {r["step"]: r["step_s"] for r in step_rows(rows) if r.get("committed")}
+            window = [by_step[s] for s in range(catch_up_step, catch_up_step + 3) if s in by_step]
+            if len(window) == 3:
+                excesses.append(sum(t - median for t in window))
+        excess = statistics.mean(excesses) if excesses else None
         for rows in survivors.values():
             at = [r for r in step_rows(rows) if r["step"] == catch_up_step]
             if not at:
@@ -136,6 +150,8 @@ def fault_figures(
                 donor_slowdown = max(donor_slowdown or 0.0, ratio)
                 if "snapshot_s" in at[0]:
                     donor_snapshot_s = max(donor_snapshot_s or 0.0, at[0]["snapshot_s"])
+                if "snapshot_early" in at[0]:
+                    donor_snapshot_early = bool(at[0]["snapshot_early"])
             else:  # the same step of a survivor that served nothing: what the machine, not serving, cost
                 non_donor_slowdown = max(non_donor_slowdown or 0.0, ratio)
     return FaultFigures(
@@ -147,6 +163,9 @@ def fault_figures(
         catch_up_step=catch_up_step,
         non_donor_slowdown=non_donor_slowdown,
         donor_snapshot_s=donor_snapshot_s,
+        donor_snapshot_early=donor_snapshot_early,
+        fetch_s=fetch_s,
+        catch_up_excess_s=excess,
     )
 
 

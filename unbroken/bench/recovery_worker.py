@@ -113,6 +113,7 @@ def main() -> None:
                    "fetch_s": manager.stats.get("last_fetch_s", 0.0), "load_s": manager.stats.get("last_load_s", 0.0),
                    "snapshot_s": manager.stats.get("last_snapshot_s", 0.0),
                    "snapshot_wait_s": manager.stats.get("last_snapshot_wait_s", 0.0),
+                   "snapshot_early": bool(manager.stats.get("last_snapshot_early", 0.0)),
                    "fetch_cpu_s": manager.stats.get("last_fetch_cpu_s", 0.0)}
             step = manager.step
         else:

@@ -36,6 +36,8 @@ class CoordinatorClient:
         address: ``HOST:PORT`` of the coordinator.
         hello: identity sent on every (re)connection: replica, rank, world_size, transfer_addr...
         on_abort: called from the connection thread with the epoch to abort.
+        on_donate: called from the connection thread when this replica will likely serve a
+            newcomer (its id) at its next step.
         heartbeat_s: heartbeat period.
         reconnect_timeout_s: give up (fail pending requests) after this long without a
             connection; covers a coordinator restart.
@@ -46,6 +48,7 @@ class CoordinatorClient:
         address: str,
         hello: dict[str, Any],
         on_abort: Callable[[int], None] | None = None,
+        on_donate: Callable[[int], None] | None = None,
         heartbeat_s: float = 0.1,
         reconnect_timeout_s: float = 120.0,
         telemetry: Callable[[], dict[str, Any] | None] | None = None,
@@ -53,6 +56,7 @@ class CoordinatorClient:
         self.host, self.port = parse_host_port(address, "coordinator address")
         self.hello = dict(hello)
         self.on_abort = on_abort
+        self.on_donate = on_donate
         self.heartbeat_s = heartbeat_s
         self.reconnect_timeout_s = reconnect_timeout_s
         self.telemetry = telemetry  # flight-recorder batches ride along with the heartbeat
@@ -191,6 +195,8 @@ class CoordinatorClient:
                 entry[1].set_result(msg)
         elif op == "abort" and self.on_abort is not None:
             self.on_abort(int(msg["epoch"]))
+        elif op == "donate" and self.on_donate is not None:
+            self.on_donate(int(msg["to"]))
         elif op == "error":
             log.warning("coordinator: %s", msg.get("message"))
 

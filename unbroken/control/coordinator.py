@@ -125,6 +125,7 @@ class Coordinator:
         self._first_finish: float | None = None
         self._job_finished_sent = False
         self._aborted: dict[int, int] = {}
+        self._hinted: dict[int, int] = {}  # newcomer -> the epoch in which its donor was told
         self._server: asyncio.base_events.Server | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._tcp_store: Any = None
@@ -402,6 +403,23 @@ class Coordinator:
             self.pending[conn.replica] = ranks
         self._deliver(formed)
         self._push_aborts()
+        self._hint_donors()
+
+    def _hint_donors(self) -> None:
+        """Tells each member about to serve a newcomer, once, so it snapshots at its next step start.
+
+        Without the hint a donor learns of its task from the quorum answer, mid-forward, and
+        can snapshot only after its backward pass (the training thread owns the state); the
+        transfer then spans that step and part of the next, which every member waits for.
+        """
+        cur = self.quorum.current
+        for joiner, donor in self.quorum.upcoming_donors().items():
+            if cur is None or self._hinted.get(joiner) == cur.epoch:
+                continue
+            self._hinted[joiner] = cur.epoch
+            self.events.emit("donor_told", newcomer=joiner, donor=donor, epoch=cur.epoch)
+            for conn in self.replicas.get(donor, {}).values():
+                self._send(conn.writer, {"op": "donate", "to": joiner})
 
     def _deliver(self, decisions: list[QuorumDecision]) -> None:
         for d in decisions:

@@ -196,6 +196,23 @@ class QuorumState:
             self.current = dataclasses.replace(cur, step=req.step, behind=(), donors=())
         return self.current
 
+    def upcoming_donors(self) -> dict[int, int]:
+        """Which member will most likely serve each newcomer now waiting to be admitted.
+
+        A newcomer asks while the members are mid-step, so it is admitted at their next step,
+        with donors assigned as :meth:`_form` will assign them. Told in advance, a donor can
+        snapshot its state when that step starts and serve it during the step's compute,
+        instead of after it. Only a forecast: the decision that forms is what counts.
+        """
+        cur = self.current
+        if cur is None or self.broken:
+            return {}
+        newcomers = sorted(r for r in self.waiting if r not in cur.members)
+        ahead = [m for m in cur.members if m in self.alive and m not in self.silent]
+        if not ahead:
+            return {}
+        return {b: ahead[i % len(ahead)] for i, b in enumerate(newcomers)}
+
     def in_flight_members(self) -> tuple[int, ...]:
         """Members of a broken epoch that may still be blocked in its exchange."""
         if self.current is None or not self.broken:

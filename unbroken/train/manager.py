@@ -42,7 +42,9 @@ class Manager:
 
     Args:
         state_dict: returns everything a recovering peer needs (model, optimizer, RNG, data
-            position); called on the training thread at a step boundary.
+            position); called on the training thread at a step boundary. Its tensors of
+            1 MB or more are copied while the step runs, so they must change only in the
+            optimizer step (parameters and optimizer state do).
         load_state_dict: applies a state fetched from a donor.
         config: where this rank sits; read from the environment when omitted.
         device: where gradients live; picks Gloo (CPU) or NCCL (CUDA) for the exchange.
@@ -83,6 +85,7 @@ class Manager:
         self._grad_numel: int | None = None  # see expect_gradients
         self._early: tuple[int, threading.Thread, dict[str, Any]] | None = None  # epoch, thread, result
         self._prepared_for: tuple[int, int] | None = None  # the (epoch, step) a catch-up started for
+        self._donate_next = False  # the coordinator forecast that this replica serves a newcomer next
         self._last_commit: float | None = None
         self._step_time: float | None = None
         self._fetch: tuple[threading.Thread, dict[str, Any]] | None = None
@@ -112,6 +115,7 @@ class Manager:
                 "stack_file": stack_file,
             },
             on_abort=self.group.abort,
+            on_donate=self._donate_soon,
             telemetry=self.recorder.batch if self.recorder is not None else None,
         )
         self.client.wait_connected(float(os.environ.get("UNBROKEN_CONNECT_TIMEOUT", connect_timeout_s)))
@@ -130,6 +134,11 @@ class Manager:
             self._quorum = self.client.request_quorum(self.step, None, self._step_time)
             if self.prepare_early:
                 self._quorum.add_done_callback(self._prepare_soon)
+            if self._donate_next and self._snapshot is None and self._last_commit is not None:
+                # Told that a newcomer will be admitted at this step with this replica as its
+                # donor: snapshot now, so the peer's fetch overlaps this step's compute.
+                self._donate_next = False
+                self._take_snapshot(early=True)
             self._compute_t0 = time.perf_counter()
             if self.chaos is not None:
                 self.chaos.start_step(self.step)
@@ -234,16 +243,30 @@ class Manager:
         msg = fut.result(timeout=self.quorum_timeout_s)
         d = self._prepare(msg)
         donating = any(donor == self.config.replica_id for (_, donor) in d.donors)
-        if donating and (self._snapshot is None or self._snapshot.snapshot.step != d.step):
-            # The state at the start of this step, before the optimizer moves it: taken here,
-            # its bulk copied beside the exchange (allreduce waits for it before returning),
-            # and served from a background thread.
-            taken = time.perf_counter()
-            self._snapshot = SnapshotCopy(d.step, self._full_state(), self.transfer.pool, self.transfer.publish)
-            self.stats["last_snapshot_s"] = time.perf_counter() - taken
+        if donating:
+            if self._snapshot is None or self._snapshot.snapshot.step != d.step:
+                self._take_snapshot(early=False)  # the coordinator's hint did not come in time
             self.stats["donations"] += 1
         self.decision = d
         return d
+
+    def _take_snapshot(self, early: bool) -> None:
+        """Snapshots the state of this step for a peer, before the optimizer moves it.
+
+        Taken on the training thread; the bulk (large host tensors) is copied on a background
+        thread beside the step's compute and exchange, which read those tensors but do not
+        change them, and the snapshot is served once complete. ``allreduce`` waits for the copy
+        before it returns, that is, before the optimizer steps.
+        """
+        taken = time.perf_counter()
+        self._snapshot = SnapshotCopy(self.step, self._full_state(), self.transfer.pool, self.transfer.publish)
+        self.stats["last_snapshot_s"] = time.perf_counter() - taken
+        self.stats["last_snapshot_early"] = float(early)
+
+    def _donate_soon(self, newcomer: int) -> None:
+        """The coordinator's hint (connection thread): snapshot at the next step start."""
+        log.info("replica %d will likely serve replica %d at its next step", self.config.replica_id, newcomer)
+        self._donate_next = True
 
     def _settle_snapshot(self) -> None:
         """Waits until a donated snapshot is fully copied: the caller's optimizer steps next."""

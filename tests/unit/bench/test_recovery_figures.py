@@ -37,10 +37,14 @@ def test_crash_figures_from_a_clean_rejoin() -> None:
                 row["donor"] = r == 0
                 row["step_s"] = 0.105
                 row["snapshot_s"] = 0.004 if r == 0 else 0.0
+                row["snapshot_early"] = r == 0
+            if row["step"] == 51:  # the fetch outlasted step 50: the survivors wait for it in 51
+                row["step_s"] = 0.13
         rows[r] = before + stalled + after
     victim = [{"event": "ready", "t": 0.0}] + _steps(2, range(20), 0.0, 0.1)
     victim += [{"event": "ready", "t": 5.25}]
-    victim += [{"step": 50, "t0": 5.3, "t1": 5.4, "step_s": 0.1, "committed": True, "behind": [2], "donor": False}]
+    victim += [{"step": 50, "t0": 5.3, "t1": 5.4, "step_s": 0.1, "committed": True, "behind": [2], "donor": False,
+                "fetch_s": 0.12}]
     victim += _steps(2, range(51, 60), 5.4, 0.1)
     rows[2] = victim
 
@@ -53,6 +57,8 @@ def test_crash_figures_from_a_clean_rejoin() -> None:
     assert f.donor_slowdown == pytest.approx(1.05)
     assert f.non_donor_slowdown == pytest.approx(1.05)  # replica 1 served nothing, paid the same
     assert f.donor_snapshot_s == pytest.approx(0.004)
+    assert f.donor_snapshot_early is True and f.fetch_s == pytest.approx(0.12)
+    assert f.catch_up_excess_s == pytest.approx(0.005 + 0.03)  # steps 50 and 51 above the median; 52 not
 
 
 def test_no_rejoin_is_reported_as_missing_not_zero() -> None:

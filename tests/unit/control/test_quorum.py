@@ -118,6 +118,34 @@ def test_donors_are_spread_across_up_to_date_members() -> None:
     assert {d.donor_of(2), d.donor_of(3)} == {0, 1}
 
 
+def test_upcoming_donors_forecast_the_donors_of_the_next_decision() -> None:
+    q = started(n=4)
+    for r in (2, 3):
+        q.disconnect(r, 1.0)
+    q.request(QuorumRequest(0, 10, failed_epoch=1), 1.0)
+    q.request(QuorumRequest(1, 10, failed_epoch=1), 1.0)
+    assert q.upcoming_donors() == {}  # nobody is waiting to join
+    q.connect(2)
+    q.request(QuorumRequest(2, 0), 2.0)
+    assert q.upcoming_donors() == {2: 0}
+    q.connect(3)
+    q.request(QuorumRequest(3, 0), 2.0)
+    forecast = q.upcoming_donors()
+    q.request(QuorumRequest(0, 11), 2.5)
+    assert q.upcoming_donors() == forecast  # a member asking is no newcomer
+    _, formed = q.request(QuorumRequest(1, 11), 2.5)
+    assert dict(formed[0].donors) == forecast == {2: 0, 3: 1}
+    assert q.upcoming_donors() == {}
+
+
+def test_no_donor_is_forecast_while_the_epoch_is_broken() -> None:
+    q = started()
+    q.disconnect(2, 1.0)  # the members' exchange fails: the next decision is not yet known
+    q.connect(2)
+    q.request(QuorumRequest(2, 0), 1.5)
+    assert q.upcoming_donors() == {}
+
+
 def test_join_window_for_a_newcomer_counts_from_the_first_member_that_asks() -> None:
     q = started()
     q.connect(3)
