@@ -244,6 +244,7 @@ class Manager:
         d = self._prepare(msg)
         donating = any(donor == self.config.replica_id for (_, donor) in d.donors)
         if donating:
+            self._donate_next = False  # a hint that came too late for this step is spent on it
             if self._snapshot is None or self._snapshot.snapshot.step != d.step:
                 self._take_snapshot(early=False)  # the coordinator's hint did not come in time
             self.stats["donations"] += 1
