@@ -59,7 +59,6 @@ class CrossReplicaGroup:
         self.size = 1
         self._pg: Any = None
         self._pending: Future[Any] | None = None  # the group of this epoch, being built
-        self._abandoned: list[Any] = []
         self._stores: dict[str, dist.TCPStore] = {}
         self._wake: threading.Event | None = None  # the wait in progress, one per operation
         self._aborted_epoch: int | None = None
@@ -113,14 +112,12 @@ class CrossReplicaGroup:
             if hasattr(self._pg, "abort") and not isinstance(self._pg, dist.ProcessGroupGloo):
                 self._pg.abort()  # NCCL: releases the GPU-side operation
             _keep_forever(self._pg)
-            self._abandoned.append(self._pg)
             self._pg = None
         self.epoch = None
 
     def _keep_abandoned(self, pending: Future[Any]) -> None:
         if pending.exception() is None:
             _keep_forever(pending.result())
-            self._abandoned.append(pending.result())
 
     def abort(self, epoch: int) -> None:
         """Called from the coordinator connection's thread: ends a wait on ``epoch`` now."""

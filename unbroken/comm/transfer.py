@@ -4,8 +4,9 @@ At the step boundary the donor's training thread takes its state's structure and
 tensors and hands the large host tensors to a background thread, which copies them into a
 reused host buffer while the step computes and exchanges (the forward and backward pass read
 parameters but do not change them; the exchange touches only gradients); the training thread
-waits for that copy only before the optimizer moves the state, by which time it is done. Another background thread serves the buffer over TCP in checksummed chunks while
-the donor keeps training. The recovering replica verifies every chunk's CRC-32C and
+waits for that copy only before the optimizer moves the state, by which time it is done.
+Another background thread serves the buffer over TCP in checksummed chunks while the donor
+keeps training. The recovering replica verifies every chunk's CRC-32C and
 rebuilds the nested state dict (tensors plus plain Python objects). The checksum is CRC-32C on
 the CPU's crc32 instruction (the checkpoint tiers' checksum), several times cheaper than zlib's
 CRC-32 for a donor whose cores are also training.

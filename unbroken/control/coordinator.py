@@ -412,12 +412,12 @@ class Coordinator:
         can snapshot only after its backward pass (the training thread owns the state); the
         transfer then spans that step and part of the next, which every member waits for.
         """
-        cur = self.quorum.current
+        epoch = self.quorum.epoch  # a forecast exists only while a decision stands
         for joiner, donor in self.quorum.upcoming_donors().items():
-            if cur is None or self._hinted.get(joiner) == cur.epoch:
+            if self._hinted.get(joiner) == epoch:
                 continue
-            self._hinted[joiner] = cur.epoch
-            self.events.emit("donor_told", newcomer=joiner, donor=donor, epoch=cur.epoch)
+            self._hinted[joiner] = epoch
+            self.events.emit("donor_told", newcomer=joiner, donor=donor, epoch=epoch)
             for conn in self.replicas.get(donor, {}).values():
                 self._send(conn.writer, {"op": "donate", "to": joiner})
 

@@ -22,6 +22,17 @@ def started(n: int = 3, min_replicas: int = 1, step: int = 0) -> QuorumState:
     return q
 
 
+def two_left_of_four() -> QuorumState:
+    """Replicas 2 and 3 of four died; 0 and 1 went on alone at step 10."""
+    q = started(n=4)
+    for r in (2, 3):
+        q.disconnect(r, 1.0)
+    q.request(QuorumRequest(0, 10, failed_epoch=1), 1.0)
+    _, formed = q.request(QuorumRequest(1, 10, failed_epoch=1), 1.0)
+    assert formed[0].members == (0, 1)
+    return q
+
+
 def test_first_quorum_waits_for_all_configured_replicas() -> None:
     q = QuorumState(QuorumRules(total_replicas=3))
     for r in range(3):
@@ -103,11 +114,7 @@ def test_newcomer_is_admitted_at_the_next_step_behind_with_a_donor() -> None:
 
 
 def test_donors_are_spread_across_up_to_date_members() -> None:
-    q = started(n=4)
-    for r in (2, 3):
-        q.disconnect(r, 1.0)
-    q.request(QuorumRequest(0, 10, failed_epoch=1), 1.0)
-    q.request(QuorumRequest(1, 10, failed_epoch=1), 1.0)
+    q = two_left_of_four()
     for r in (2, 3):
         q.connect(r)
         q.request(QuorumRequest(r, 0), 2.0)
@@ -119,11 +126,7 @@ def test_donors_are_spread_across_up_to_date_members() -> None:
 
 
 def test_upcoming_donors_forecast_the_donors_of_the_next_decision() -> None:
-    q = started(n=4)
-    for r in (2, 3):
-        q.disconnect(r, 1.0)
-    q.request(QuorumRequest(0, 10, failed_epoch=1), 1.0)
-    q.request(QuorumRequest(1, 10, failed_epoch=1), 1.0)
+    q = two_left_of_four()
     assert q.upcoming_donors() == {}  # nobody is waiting to join
     q.connect(2)
     q.request(QuorumRequest(2, 0), 2.0)
