@@ -259,6 +259,8 @@ class StackDump:
     pending until SIGCONT. A handler the program installed before (Slurm's and Lightning's
     SIGUSR1 handlers) still runs after the dump: taking the signal over would break them. With
     no earlier handler nothing is chained, since the default action of SIGUSR1 ends the process.
+    The handler stays for the life of the process: the diagnosis may still ask a finishing
+    process for its stack, and with SIGUSR1's default action back that would kill it.
     """
 
     def __init__(self, path: str | os.PathLike[str], signum: int = STACK_SIGNAL) -> None:
@@ -270,12 +272,6 @@ class StackDump:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.file: IO[str] = open(self.path, "w")  # noqa: SIM115 - must stay open for the signal handler
         faulthandler.register(signum, file=self.file, all_threads=True, chain=chain)
-
-    def close(self) -> None:
-        """Gives the signal back to the handler it had before (unregister restores it)."""
-        if not self.file.closed:
-            faulthandler.unregister(self.signum)
-            self.file.close()
 
 
 def install_stack_dump(path: str | os.PathLike[str], signum: int = STACK_SIGNAL) -> StackDump:

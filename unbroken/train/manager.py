@@ -270,14 +270,12 @@ class Manager:
 
     def shutdown(self, finished: bool = True) -> None:
         """Leaves the job: as a finished replica (the default), or as a failed one when
-        ``finished`` is False. Gives the stack-dump signal back. Safe to call twice."""
+        ``finished`` is False. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
         self.client.close(finished=finished)
         self.transfer.close()
-        if self._stack_dump is not None:
-            self._stack_dump.close()
         if self._stack_tmp is not None:
             shutil.rmtree(self._stack_tmp, ignore_errors=True)
 

@@ -20,10 +20,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import sys
+from typing import TYPE_CHECKING
+
 import torch
-from torch.distributed.tensor import DTensor
 
 from unbroken.checkpoint.snapshot import Shard
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 StateDictFn = Callable[[], Any]
 LoadStateDictFn = Callable[[Any], None]
@@ -38,8 +43,19 @@ def _map(obj: Any, leaf: Callable[[Any], Any]) -> Any:
     return leaf(obj)
 
 
-def _local(t: DTensor) -> torch.Tensor:
-    return t.to_local()
+def _dtensor() -> type | None:
+    """DTensor's class if anything imported it (no state holds a DTensor otherwise).
+
+    Looked up rather than imported: importing torch.distributed.tensor takes seconds on a busy
+    machine, which a job without DTensors should not pay at every (re)start.
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def _is_dtensor(v: Any) -> bool:
+    cls = _dtensor()
+    return cls is not None and isinstance(v, cls)
 
 
 def _global_offset(t: DTensor) -> tuple[int, ...]:
@@ -53,8 +69,8 @@ def as_shards(state: Any) -> Any:
     checkpoint stores: the local bytes and where they sit in the global tensor)."""
 
     def leaf(v: Any) -> Any:
-        if isinstance(v, DTensor):
-            return Shard(_local(v), tuple(v.shape), _global_offset(v))
+        if _is_dtensor(v):
+            return Shard(v.to_local(), tuple(v.shape), _global_offset(v))
         return v
 
     return _map(state, leaf)
@@ -65,8 +81,8 @@ def as_local(state: Any) -> Any:
     is sent: the same rank of the receiver holds the same piece)."""
 
     def leaf(v: Any) -> Any:
-        if isinstance(v, DTensor):
-            return _local(v)
+        if _is_dtensor(v):
+            return v.to_local()
         if isinstance(v, Shard):
             return v.tensor
         return v
@@ -74,31 +90,37 @@ def as_local(state: Any) -> Any:
     return _map(state, leaf)
 
 
-def like(loaded: Any, template: Any) -> Any:
+def like(loaded: Any, template: Any, strict: bool = True) -> Any:
     """``loaded`` with each local tensor or :class:`Shard` at a place where ``template`` holds a
     DTensor wrapped into a DTensor with the template's mesh, placements and global shape.
 
+    Args:
+        strict: a local piece whose shape is not that of this rank's shard is an error; when
+            False it stays as it is (an optimizer's scalar step count beside its DTensor moments).
+
     Raises:
-        ValueError: a local piece does not have the shape of this rank's shard (the state was
-            saved by a differently sharded job).
+        ValueError: with ``strict``, a local piece does not have the shape of this rank's shard
+            (the state was saved by a differently sharded job).
     """
-    if isinstance(template, DTensor):
+    if _is_dtensor(template):
+        from torch.distributed.tensor import DTensor
+
         local = loaded.tensor if isinstance(loaded, Shard) else loaded
-        if isinstance(local, DTensor):
+        if isinstance(local, DTensor) or not isinstance(local, torch.Tensor):
             return local
-        if not isinstance(local, torch.Tensor):
-            return loaded
         mine = template.to_local()
         if tuple(local.shape) != tuple(mine.shape):
+            if not strict:
+                return loaded
             raise ValueError(f"a loaded shard has shape {tuple(local.shape)} but this rank's shard of the "
                              f"{tuple(template.shape)} tensor has {tuple(mine.shape)}: the state comes from a "
                              "job sharded differently")
         return DTensor.from_local(local.to(device=mine.device), template.device_mesh, template.placements,
                                   run_check=False, shape=template.shape, stride=template.stride())
     if isinstance(loaded, dict) and isinstance(template, dict):
-        return {k: like(v, template[k]) if k in template else v for k, v in loaded.items()}
+        return {k: like(v, template[k], strict) if k in template else v for k, v in loaded.items()}
     if isinstance(loaded, (list, tuple)) and isinstance(template, (list, tuple)) and len(loaded) == len(template):
-        return type(loaded)(like(a, b) for a, b in zip(loaded, template))
+        return type(loaded)(like(a, b, strict) for a, b in zip(loaded, template))
     return loaded
 
 
@@ -115,6 +137,10 @@ class ModelState:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        # Imported now, at setup, not on first use: that is a restarted replica's first step,
+        # which its peers wait for (the import takes seconds on a busy machine).
+        import torch.distributed.checkpoint.state_dict  # noqa: F401
+
         self.model = model
         self.optimizer = getattr(optimizer, "optimizer", optimizer)  # unwraps unbroken.Optimizer
 
@@ -135,23 +161,23 @@ class ModelState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Loads what :meth:`state_dict` returned, from a peer or a checkpoint (local shards
         or :class:`Shard` markers where this rank holds DTensors)."""
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, set_state_dict
 
         if not isinstance(state, dict) or "model" not in state or "optim" not in state:
             raise ValueError("model_state() loads what its state_dict() returned: a dict with 'model' and "
                              f"'optim', got {type(state).__name__} with {sorted(state) if isinstance(state, dict) else ''}")
-        model_sd = like(state["model"], get_model_state_dict(self.model))
+        params = get_model_state_dict(self.model)
+        model_sd = like(state["model"], params)
         if state["optim"] is None or self.optimizer is None:
             set_model_state_dict(self.model, model_sd)
             return
-        # The template's optimizer state is created here if needed (a zero step); what is
-        # loaded then replaces all of it.
-        optim_sd = like(state["optim"], get_optimizer_state_dict(self.model, self.optimizer))
+        # An optimizer's per-parameter state is laid out like its parameter (keyed by the same
+        # name): the parameters are the template, not this optimizer's own state, which a
+        # replica catching up does not have yet.
+        optim = state["optim"]
+        per_param = {name: {k: params[name] for k in st} for name, st in optim.get("state", {}).items()
+                     if name in params and isinstance(st, dict)}
+        optim_sd = like(optim, {"state": per_param}, strict=False)
         set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
 
