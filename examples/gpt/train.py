@@ -43,8 +43,9 @@ def main() -> None:
     # --- unbroken: join the job; register what a recovering peer needs ------------------
     with unbroken.init() as manager:
         optimizer = unbroken.Optimizer(torch.optim.AdamW(model.parameters(), lr=args.lr), manager)
-        state = unbroken.model_state(model, optimizer)
-        manager.register_state_dict_fn("train", state.load_state_dict, state.state_dict)
+        # A plain model's own state dicts; an FSDP2 model registers unbroken.model_state(model, optimizer).
+        manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
+        manager.register_state_dict_fn("optim", optimizer.load_state_dict, optimizer.state_dict)
         manager.register_state_dict_fn("rng", torch.set_rng_state, torch.get_rng_state)
         checkpointer = unbroken.checkpointer_for(manager)  # None unless `unbroken run --checkpoint-dir`
         unbroken.resume(manager, checkpointer)
