@@ -596,9 +596,8 @@ def vote_device(backend: str) -> torch.device:
     NCCL takes only CUDA tensors; Gloo, and a group with a CPU backend beside NCCL
     (``"cpu:gloo,cuda:nccl"``), takes CPU ones, which saves a host-device copy.
     """
-    parts = {p.partition(":")[0]: p.partition(":")[2] for p in backend.lower().split(",")} \
-        if ":" in backend else {"": backend.lower()}
-    if "cpu" in parts or all(b != "nccl" for b in parts.values()):
+    entries = backend.lower().split(",")  # "nccl", or per device: "cpu:gloo,cuda:nccl"
+    if any(e.startswith("cpu:") for e in entries) or all(e.rpartition(":")[2] != "nccl" for e in entries):
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
 
