@@ -138,7 +138,10 @@ class Optimizer(torch.optim.Optimizer):
         """Ends the gradient exchange and, if it succeeded, steps the wrapped optimizer.
 
         Returns what the wrapped optimizer's step returns (the closure's loss, or None); None
-        when the step was not applied (see :attr:`Manager.last_step_committed`).
+        when the step was not applied (see :attr:`Manager.last_step_committed`). The gradients
+        are averaged before the closure runs, so a closure must not compute them again (as
+        LBFGS's does): those would be this replica's alone. Step hooks registered here run
+        whether or not the step is applied; those of the wrapped optimizer only when it is.
         """
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if not self.manager.sync_gradients(gradients(params)):
