@@ -14,6 +14,7 @@ import base64
 import json
 import mmap
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -173,4 +174,7 @@ if __name__ == "__main__":
     # Yield the CPU to training: when both want a core the trainer's threads win, so persisting
     # slows training little; when the trainer is idle the disk still gets full speed.
     os.nice(10)
+    # SIGTERM to the trainer's process group (a preemption) must not cut the flush short: this
+    # process ends when the trainer closes the socket, after the last write.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     serve(socket.socket(fileno=int(sys.argv[1])))
