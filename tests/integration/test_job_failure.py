@@ -75,3 +75,21 @@ def test_sigterm_flushes_the_newest_step_and_the_relaunch_resumes_there(tmp_path
     steps = committed_steps(job, 0, again)
     assert steps[0] == flushed and steps[-1] == 59, steps[:3]
     assert_identical(job.final_states())
+
+
+def test_sigterm_stops_the_ranks_of_a_sharded_replica_at_the_same_step(tmp_path: Path) -> None:
+    # A signal reaches the two ranks of a replica at slightly different points of their step;
+    # if they stopped at different steps, the one going on would wait forever in the replica's
+    # collectives and the flushed step would lack a rank's shard.
+    ckpt = tmp_path / "ckpt"
+    worker = Path(__file__).parent / "workers" / "fsdp_train.py"
+    extra = ["--ranks-per-replica", "2", "--min-replicas", "1", "--checkpoint-dir", str(ckpt), "--term-grace-s", "15"]
+    with Job(tmp_path / "run", replicas=2, steps=500, script=worker, extra=extra, train_args=["--pace-s", "0.1"]) as job:
+        job.wait_for_step(0, 8)
+        os.kill(job.proc.pid, signal.SIGTERM)
+        assert job.wait(40) == 143
+    ended, = job.events("job_terminated")
+    assert ended["killed"] == 0 and all(c == 75 for cs in ended["exit_codes"].values() for c in cs), ended
+    reached = max(committed_steps(job, 0))
+    flushed = complete_steps(str(ckpt))
+    assert flushed and flushed[0] > reached, (flushed, reached)
