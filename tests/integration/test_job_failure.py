@@ -3,6 +3,7 @@ cost the run its checkpoints or send it back to step 0."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -86,10 +87,18 @@ def test_sigterm_stops_the_ranks_of_a_sharded_replica_at_the_same_step(tmp_path:
     extra = ["--ranks-per-replica", "2", "--min-replicas", "1", "--checkpoint-dir", str(ckpt), "--term-grace-s", "15"]
     with Job(tmp_path / "run", replicas=2, steps=500, script=worker, extra=extra, train_args=["--pace-s", "0.1"]) as job:
         job.wait_for_step(0, 8)
+        rank0 = {e["replica"]: e["pid"] for e in job.events("process_started") if e["rank"] == 0}
+        for pid in rank0.values():  # rank 0 first, rank 1 half a step later: maybe in different steps
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        time.sleep(0.05)
         os.kill(job.proc.pid, signal.SIGTERM)
         assert job.wait(40) == 143
     ended, = job.events("job_terminated")
-    assert ended["killed"] == 0 and all(c == 75 for cs in ended["exit_codes"].values() for c in cs), ended
+    # 75: flushed and exited. A rank left behind by its sibling would crash (1) or hang (killed);
+    # -15 is a process restarted just before (the busy machine's hang verdicts) and not yet training.
+    assert ended["killed"] == 0 and {c for cs in ended["exit_codes"].values() for c in cs} <= {75, -15}, ended
+    assert 75 in {c for cs in ended["exit_codes"].values() for c in cs}, ended
     reached = max(committed_steps(job, 0))
     flushed = complete_steps(str(ckpt))
     assert flushed and flushed[0] > reached, (flushed, reached)

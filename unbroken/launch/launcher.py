@@ -11,7 +11,9 @@ The supervisor also listens to the coordinator's events: an eviction of a replic
 processes still run is a hang (the processes are killed and the replica restarted), and a
 ``verdict`` from diagnosis names a culprit to restart or isolate (``on_verdict``). Every worker
 runs in its own session so that the whole tree it spawned can be ended by its process-group id;
-on exit or Ctrl-C nothing this launcher started is left running.
+on exit or Ctrl-C nothing this launcher started is left running. SIGTERM (preemption) is
+forwarded instead: the workers finish their step and flush a checkpoint within
+``--term-grace-s`` (:mod:`unbroken.train.preemption`), and nothing is restarted.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from unbroken.launch.workers import free_port, package_path
 from unbroken.launch.policy import Placement, RestartBook, RestartPolicy, Slot
 from unbroken.launch.verdicts import IGNORE, ISOLATE, ROLLBACK, VERDICT_ACTIONS, verdict_action
 from unbroken.observe.events import Event, EventLog
+from unbroken.train.preemption import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
 
 HANG_ACTIONS = ("restart", "wait")
 EXIT_TERMINATED = 143  # 128 + SIGTERM: stopped by SIGTERM after the workers' flush (or the grace period)
@@ -305,7 +308,15 @@ class Launcher:
                 self.events.emit("replica_finished", replica=r.replica)
                 self._changed.set()
             return
-        if self.lifecycle.state[r.replica] not in RUNNING or self._terminated is not None:
+        if code in (EXIT_PREEMPTED, EXIT_FLUSH_FAILED) and self._terminated is None:
+            # SIGTERM reached this worker before (or without) us, as Slurm signals every process
+            # of a job: its siblings got it too and are flushing their shards of the same step.
+            # Killing them now, as for a crash, would lose that step; give them the grace period.
+            siblings = [p.wait() for p in r.procs if p is not proc and p.returncode is None]
+            if siblings:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.gather(*siblings), self.s.term_grace_s)
+        if self.lifecycle.state[r.replica] not in RUNNING or self._terminated is not None or proc not in r.procs:
             return
         self._failed(r, f"rank {rank} (pid {proc.pid}) exited with code {code}", t_exit,
                      process_exited={"rank": rank, "pid": proc.pid, "exitcode": code})
@@ -618,21 +629,29 @@ class Launcher:
         return 0 if ok else 1
 
     def _on_sigterm(self) -> None:
+        """SIGTERM: forwarded at once to every worker, which finishes its step, flushes a checkpoint
+        and exits (:mod:`unbroken.train.preemption`); :meth:`_drain` waits for them. At once,
+        because the ranks of a replica must see it within a step of each other."""
         if self._terminated is None:
             self._terminated = time.monotonic()
             self.events.emit("sigterm_received", grace_s=self.s.term_grace_s)
+            self._forward_sigterm()
         self._stop.set()
+        self._changed.set()
 
-    async def _drain(self) -> int:
-        """SIGTERM: forwards it to every worker, which finishes its step, flushes a checkpoint and
-        exits (:mod:`unbroken.train.preemption`); what is still running when the grace period
-        (counted from the signal) ends is killed by the cleanup. No replica is restarted."""
-        assert self._terminated is not None
-        procs = [p for r in self.replicas.values() for p in r.procs if p.returncode is None]
-        for p in procs:
+    def _forward_sigterm(self) -> None:
+        for p in (p for r in self.replicas.values() for p in r.procs if p.returncode is None):
             for sig in (signal.SIGCONT, signal.SIGTERM):  # as Slurm does: a stopped worker must run to flush
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(p.pid, sig)
+
+    async def _drain(self) -> int:
+        """Waits for the workers told to stop by :meth:`_on_sigterm`; what is still running when
+        the grace period (counted from the signal) ends is killed by the cleanup. No replica is
+        restarted."""
+        assert self._terminated is not None
+        self._forward_sigterm()  # to any process started since (a restart under way)
+        procs = [p for r in self.replicas.values() for p in r.procs if p.returncode is None]
         left = self._terminated + self.s.term_grace_s - time.monotonic()
         pending: set[Any] = set()
         if procs:
