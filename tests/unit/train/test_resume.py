@@ -44,6 +44,9 @@ class FakeManager:
         self.step = int(state["unbroken"]["step"])
 
 
+REAL_INSTALL = preemption.install
+
+
 @pytest.fixture(autouse=True)
 def no_signal_handler(monkeypatch: pytest.MonkeyPatch) -> None:
     """resume() installs a SIGTERM handler: not in the test runner's process."""
@@ -105,3 +108,17 @@ def test_sigterm_flushes_every_replica_at_the_next_boundary(tmp_path: Path, monk
     assert disk.complete_steps(root) == [7]
     with Checkpointer(root) as fresh:
         assert torch.equal(fresh.load_latest().state["user"]["w"], torch.full((8,), 7.0))
+
+
+def test_the_sigterm_handler_chains_an_earlier_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    monkeypatch.setattr(preemption, "_installed", False)
+    try:
+        assert REAL_INSTALL()
+        os.kill(os.getpid(), signal.SIGTERM)  # the process lives on: the handler only raises a flag
+        assert preemption.requested() and seen == [signal.SIGTERM]
+        assert preemption.should_stop(12, world_size=1)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        monkeypatch.setattr(preemption, "_previous", None)
