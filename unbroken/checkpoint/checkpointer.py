@@ -88,7 +88,8 @@ class Checkpointer:
     Args:
         directory: where checkpoints are written; created if missing; checked writable now,
             before training starts.
-        keep_last: complete checkpoints kept on disk (the newest is never deleted).
+        keep_last: verified checkpoints kept on disk (see :mod:`~unbroken.checkpoint.retention`:
+            only checkpoints read back once count, and the newest verified is never deleted).
         replica, replicas, rank, world_size: this shard's place in the job, recorded so that a
             checkpoint can be loaded at another world size.
         peer: ``(host, port)`` of a :class:`~unbroken.checkpoint.peer.PeerStore` that keeps a
