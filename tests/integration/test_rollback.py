@@ -63,3 +63,37 @@ def test_an_unwritable_checkpoint_directory_fails_before_training(tmp_path: Path
         assert job.wait(30) == 2  # click's usage error
     assert "cannot be created" in (tmp_path / "run-launcher.log").read_text()
     assert not (tmp_path / "run" / "events.jsonl").exists() or not job.events("process_started")
+
+
+def test_a_rollback_target_that_does_not_load_gives_way_to_the_next_older(tmp_path: Path) -> None:
+    # The newest checkpoint before the anomaly (15) is damaged after it was written: the rollback
+    # must take 10, not restart the job from step 0, and must delete nothing before it knows.
+    import os
+    import time
+
+    ckpt = tmp_path / "ckpt"
+    extra = ["--checkpoint-dir", str(ckpt), "--anomaly-policy", "nonfinite_loss=rollback,nonfinite_grad=rollback",
+             "--fault", "nan_loss:replica=1,step=19,poison_grads=true"]
+    with Job(tmp_path / "run", replicas=2, steps=25, extra=extra,
+             train_args=["--pace-s", "0.2", "--checkpoint-every", "5"]) as job:
+        deadline = time.monotonic() + 120
+        while 15 not in complete_steps(str(ckpt)):
+            assert time.monotonic() < deadline and job.proc.poll() is None, "step 15 was never saved"
+            time.sleep(0.02)
+        data = ckpt / "step-00000015" / "r0-w0" / "data.safetensors"
+        with open(data, "r+b") as f:
+            f.seek(-5, os.SEEK_END)
+            byte = f.read(1)
+            f.seek(-5, os.SEEK_END)
+            f.write(bytes([byte[0] ^ 0x40]))
+        damaged_before_verdict = not job.events("rollback")
+        assert job.wait(150) == 0
+    assert damaged_before_verdict, "the verdict came before the damage: the test proved nothing"
+    rollback, = job.events("rollback")
+    assert rollback["step"] == 10 and "step 15" in rollback["skipped"][0], rollback
+    restarted = {e["pid"] for e in job.events("process_started") if e.get("resume_step") == 10}
+    for r in (0, 1):
+        first = [row["step"] for row in job.metrics(r) if row["committed"] and row["pid"] in restarted]
+        assert first and first[0] == 10, (r, first[:3])
+    assert_identical(job.final_states())
+    assert max(complete_steps(str(ckpt))) == 25

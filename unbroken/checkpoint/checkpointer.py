@@ -88,7 +88,8 @@ class Checkpointer:
     Args:
         directory: where checkpoints are written; created if missing; checked writable now,
             before training starts.
-        keep_last: complete checkpoints kept on disk (the newest is never deleted).
+        keep_last: verified checkpoints kept on disk (see :mod:`~unbroken.checkpoint.retention`:
+            only checkpoints read back once count, and the newest verified is never deleted).
         replica, replicas, rank, world_size: this shard's place in the job, recorded so that a
             checkpoint can be loaded at another world size.
         peer: ``(host, port)`` of a :class:`~unbroken.checkpoint.peer.PeerStore` that keeps a
@@ -327,21 +328,27 @@ class Checkpointer:
         self.close()
 
     # ---------------------------------------------------------------- loading
-    def load_latest(self, into: Any = None) -> Restored:
+    def load_latest(self, into: Any = None, at_most: int | None = None) -> Restored:
         """Restore the newest good checkpoint: memory, then peer memory, then disk.
+
+        A candidate that fails to load for any reason (damaged data, a bad manifest, a state
+        that does not fit) is skipped, with the reason in :attr:`Restored.skipped`, and the
+        next older one is tried: one bad checkpoint never hides an intact older one.
 
         Args:
             into: optionally, a state of the same structure whose tensors are filled in place
                 (no allocation; also how a rank of a differently sized job asks for its shards,
                 by holding :class:`Shard` markers with its own offsets).
+            at_most: only consider steps up to this one (a rollback's target, whose fall-back
+                must be older, never a step of the history the rollback undid).
         """
-        return self._restore(None, into)
+        return self._restore(None, into, at_most)
 
     def load(self, step: int, into: Any = None) -> Restored:
         """Restore one particular step (see :meth:`load_latest`)."""
         return self._restore(step, into)
 
-    def _restore(self, step: int | None, into: Any) -> Restored:
+    def _restore(self, step: int | None, into: Any, at_most: int | None = None) -> Restored:
         self.fence()
         want = flatten(into)[0] if into is not None else None
         candidates: list[tuple[int, int, str, Any]] = []
@@ -357,7 +364,8 @@ class Checkpointer:
             except OSError as exc:
                 log.warning("checkpoint: peer %s unreachable (%s)", self.peer, exc)
         candidates += [(s, 2, "disk", None) for s in disk.complete_steps(self.directory)]
-        candidates = sorted((c for c in candidates if step is None or c[0] == step),
+        candidates = sorted((c for c in candidates if (step is None or c[0] == step)
+                             and (at_most is None or c[0] <= at_most)),
                             key=lambda c: (-c[0], c[1]))
         skipped: list[str] = []
         for cstep, _, source, handle in candidates:
@@ -369,11 +377,12 @@ class Checkpointer:
                     return self._from_bytes(handle.manifest, handle.objects,
                                             memoryview(handle.data), want, "peer", skipped)
                 return self._from_disk(cstep, want, skipped)
-            except (disk.CorruptCheckpoint, ValueError, OSError, pickle.UnpicklingError) as exc:
+            except Exception as exc:  # noqa: BLE001 - whatever broke this candidate, try the next
                 reason = f"step {cstep} from {source}: {exc}"
                 log.warning("checkpoint: skipping %s", reason)
                 skipped.append(reason)
-        what = "any checkpoint" if step is None else f"step {step}"
+        what = (f"step {step}" if step is not None else "any checkpoint" if at_most is None
+                else f"any checkpoint up to step {at_most}")
         raise CheckpointError(f"could not restore {what} from {self.directory}"
                               + (f"; tried: {'; '.join(skipped)}" if skipped else "; none found"))
 

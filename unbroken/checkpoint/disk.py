@@ -6,15 +6,21 @@ Layout of a checkpoint directory::
     DIR/step-00000042/r0-w0/data.safetensors   tensor bytes (a valid safetensors file)
     DIR/step-00000042/r0-w0/objects.pkl        the pickled non-tensor skeleton
     DIR/step-00000042/r0-w0/manifest.json      layout, global offsets, CRC32 per tensor
+    DIR/step-00000042/r0-w0/verified           present once every checksum was read back
     DIR/step-00000042/.r0-w0.tmp-...           a shard being written; never read
+    DIR/step-00000042/r0-w0.prev/              the shard a re-save is replacing (see below)
 
 A shard directory appears only by ``rename`` after its files and the directory are fsynced, so a
-reader sees a shard either whole or not at all; a crash leaves only ``.tmp`` debris. This module
-does not import torch: the persist process uses it.
+reader sees a shard either whole or not at all; a crash leaves only ``.tmp`` debris. A shard saved
+again (the same step after a restart) cannot be renamed over the old directory, so the old one
+is first renamed to ``r0-w0.prev``, which readers take as the shard while ``r0-w0`` is absent: a
+crash between the two renames leaves the old shard readable, never no shard. This module does
+not import torch: the persist process uses it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import uuid
@@ -29,6 +35,7 @@ from unbroken.checkpoint.manifest import (
     OBJECTS_FILE,
     ShardManifest,
     TensorEntry,
+    VERIFIED_FILE,
     is_complete,
     parse_shard_dir,
     parse_step_dir,
@@ -128,29 +135,49 @@ def write_shard(root: str, manifest: ShardManifest, objects: bytes, data: memory
                                 "objects_crc32": checksum.update(objects, algorithm=algorithm)})
         _write_file(os.path.join(tmp, MANIFEST_FILE), done.to_json().encode())
         fsync_dir(tmp)
+        prev = final + PREV_SUFFIX
         if os.path.exists(final):  # the same step saved again (e.g. after a restart)
-            old = f"{tmp}.old"
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
+            shutil.rmtree(prev, ignore_errors=True)  # a finished re-save's leftover: ``final`` wins
+            os.rename(final, prev)  # still read as the shard until the next rename commits
+        os.rename(tmp, final)
         fsync_dir(step_dir)
+        shutil.rmtree(prev, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return done
 
 
+PREV_SUFFIX = ".prev"
+
+
 def committed_shards(root: str, step: int) -> dict[tuple[int, int], str]:
-    """(replica, rank) -> directory of every committed shard of a step."""
+    """(replica, rank) -> directory of every committed shard of a step.
+
+    A ``.prev`` directory stands in for its shard while the shard itself is absent: a re-save
+    crashed between moving the old shard aside and committing the new one.
+    """
     step_dir = os.path.join(root, step_dir_name(step))
-    found = {}
-    for name in os.listdir(step_dir) if os.path.isdir(step_dir) else []:
+    try:
+        names = os.listdir(step_dir)
+    except OSError:
+        return {}
+    found, prev = {}, {}
+    for name in names:
         key = parse_shard_dir(name)
         if key is not None:
             found[key] = os.path.join(step_dir, name)
-    return found
+        elif name.endswith(PREV_SUFFIX) and (key := parse_shard_dir(name[:-len(PREV_SUFFIX)])) is not None:
+            prev[key] = os.path.join(step_dir, name)
+    return {**prev, **found}
+
+
+def step_readers(root: str, step: int) -> dict[int, str]:
+    """rank -> the shard directory a restore reads for it (the lowest replica that saved it)."""
+    dirs: dict[int, str] = {}
+    for (_, rank), path in sorted(committed_shards(root, step).items()):
+        dirs.setdefault(rank, path)
+    return dirs
 
 
 def step_world_size(root: str, step: int) -> int | None:
@@ -179,10 +206,10 @@ def complete_steps(root: str) -> list[int]:
     return out
 
 
-def update_latest(root: str, step: int) -> None:
-    """Point ``latest`` at ``step`` atomically, never backwards."""
+def update_latest(root: str, step: int, backwards: bool = False) -> None:
+    """Point ``latest`` at ``step`` atomically; never backwards unless asked (a rollback)."""
     current = read_latest(root)
-    if current is not None and current > step:
+    if current is not None and (current > step and not backwards or current == step):
         return
     tmp = os.path.join(root, f".{LATEST_FILE}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     _write_file(tmp, step_dir_name(step).encode())
@@ -273,3 +300,44 @@ def verify_shard(shard_dir: str) -> ShardManifest:
     finally:
         data.close()
     return manifest
+
+
+def verify_step(root: str, step: int) -> None:
+    """Check that ``step`` loads: complete, every manifest valid, every checksum right.
+
+    Each shard read back in full once gets a ``verified`` marker, so a step is read once, not
+    at every call; a re-saved shard is a new directory without one. Raises CorruptCheckpoint.
+    """
+    readers = step_readers(root, step)
+    if not readers:
+        raise CorruptCheckpoint(f"step {step} has no committed shard in {root}")
+    world = None
+    for rank, path in readers.items():
+        manifest = read_manifest(path)
+        if world is None:
+            world = manifest.world_size
+        if manifest.world_size != world or manifest.rank != rank or manifest.step != step:
+            raise CorruptCheckpoint(f"{path}: manifest says step {manifest.step} rank {manifest.rank} of "
+                                    f"{manifest.world_size}, which does not belong here")
+        if os.path.exists(os.path.join(path, VERIFIED_FILE)):
+            continue
+        verify_shard(path)
+        with contextlib.suppress(OSError):  # no marker only means reading it again next time
+            os.close(os.open(os.path.join(path, VERIFIED_FILE), os.O_WRONLY | os.O_CREAT, 0o644))
+    if world is None or not is_complete({(0, r) for r in readers}, world):
+        raise CorruptCheckpoint(f"step {step} in {root} lacks the shards of some ranks")
+
+
+def newest_verified_step(root: str, at_most: int | None = None) -> tuple[int | None, list[str]]:
+    """The newest complete step (up to ``at_most``) that passes :func:`verify_step`, and why
+    each newer one was passed over."""
+    skipped = []
+    for step in complete_steps(root):
+        if at_most is not None and step > at_most:
+            continue
+        try:
+            verify_step(root, step)
+            return step, skipped
+        except (CorruptCheckpoint, OSError, ValueError) as exc:
+            skipped.append(f"step {step}: {exc}")
+    return None, skipped

@@ -23,6 +23,7 @@ DATA_FILE = "data.safetensors"
 OBJECTS_FILE = "objects.pkl"
 MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "latest"
+VERIFIED_FILE = "verified"  # in a shard directory: its checksums were read back and matched
 
 # torch dtype name -> (safetensors dtype code, bytes per element)
 DTYPES: dict[str, tuple[str, int]] = {
@@ -128,9 +129,9 @@ class ShardManifest:
                 TensorEntry(
                     name=t["name"],
                     dtype=t["dtype"],
-                    shape=tuple(t["shape"]),
-                    global_shape=tuple(t["global_shape"]),
-                    global_offset=tuple(t["global_offset"]),
+                    shape=_ints(t["shape"]),
+                    global_shape=_ints(t["global_shape"]),
+                    global_offset=_ints(t["global_offset"]),
                     begin=int(t["begin"]),
                     end=int(t["end"]),
                     crc32=t.get("crc32"),
@@ -153,6 +154,12 @@ class ShardManifest:
             raise ValueError(f"manifest is missing or mistypes a field ({exc!r})") from exc
         validate(manifest)
         return manifest
+
+
+def _ints(values: Any) -> tuple[int, ...]:
+    if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"a shape or offset is not a list of integers: {values!r}")
+    return tuple(values)
 
 
 def itemsize(dtype: str) -> int:
@@ -187,12 +194,33 @@ def layout(specs: Iterable[TensorSpec]) -> list[TensorEntry]:
     return entries
 
 
+MAX_TENSORS = 1_000_000  # far beyond any real shard; a larger count is a damaged manifest
+MAX_DIMS = 64
+MAX_BYTES = 1 << 50  # 1 PiB per shard: bounds every offset so that nothing overflows
+
+
 def validate(manifest: ShardManifest) -> None:
-    """Check a manifest's internal consistency (contiguous, in bounds, known dtypes)."""
+    """Check a manifest's internal consistency (contiguous, in bounds, known dtypes).
+
+    Everything a reader later computes from a manifest (tensor shapes, byte ranges, the boxes a
+    re-cut reads) is checked here, so a damaged or hostile manifest is a ValueError that the
+    loader turns into "try the older checkpoint", never a crash deeper down (a negative
+    dimension once passed because ``prod((-1, -4))`` is positive).
+    """
     if manifest.step < 0:
         raise ValueError("manifest step is negative")
     if not (0 <= manifest.replica < manifest.replicas and 0 <= manifest.rank < manifest.world_size):
         raise ValueError("manifest replica/rank outside replicas/world_size")
+    if len(manifest.tensors) > MAX_TENSORS:
+        raise ValueError(f"manifest lists {len(manifest.tensors)} tensors (at most {MAX_TENSORS})")
+    if not 0 <= manifest.objects_len <= MAX_BYTES:
+        raise ValueError(f"manifest objects_len {manifest.objects_len} is out of range")
+    names = set()
+    for t in manifest.tensors:
+        _check_entry(t)
+        if t.name in names:
+            raise ValueError(f"{t.name}: listed twice")
+        names.add(t.name)
     offset = 0
     for t in sorted(manifest.tensors, key=lambda t: t.begin):
         if t.begin != offset:
@@ -200,6 +228,30 @@ def validate(manifest: ShardManifest) -> None:
         if t.end - t.begin != math.prod(t.shape) * itemsize(t.dtype):
             raise ValueError(f"{t.name}: byte range does not match shape and dtype")
         offset = t.end
+
+
+def _check_entry(t: TensorEntry) -> None:
+    if not isinstance(t.name, str) or not t.name:
+        raise ValueError(f"tensor name {t.name!r} is not a non-empty string")
+    if not isinstance(t.dtype, str):
+        raise ValueError(f"{t.name}: dtype {t.dtype!r} is not a name")
+    itemsize(t.dtype)
+    dims = (t.shape, t.global_shape, t.global_offset)
+    if not all(isinstance(d, int) and not isinstance(d, bool) for ds in dims for d in ds):
+        raise ValueError(f"{t.name}: shape, global_shape and global_offset must be integers")
+    if not len(t.shape) == len(t.global_shape) == len(t.global_offset) or len(t.shape) > MAX_DIMS:
+        raise ValueError(f"{t.name}: shape, global_shape and global_offset differ in rank "
+                         f"(or exceed {MAX_DIMS} dimensions)")
+    for lo, n, g in zip(t.global_offset, t.shape, t.global_shape):
+        if n < 0 or g < 0 or lo < 0 or lo + n > g:
+            raise ValueError(f"{t.name}: shard {t.shape} at {t.global_offset} does not fit in "
+                             f"global shape {t.global_shape} (negative or out of bounds)")
+    if math.prod(t.global_shape) * itemsize(t.dtype) > MAX_BYTES:
+        raise ValueError(f"{t.name}: global shape {t.global_shape} is implausibly large")
+    if not 0 <= t.begin <= t.end <= MAX_BYTES:
+        raise ValueError(f"{t.name}: byte range [{t.begin}, {t.end}) is out of range")
+    if t.crc32 is not None and not (isinstance(t.crc32, int) and 0 <= t.crc32 < 1 << 32):
+        raise ValueError(f"{t.name}: checksum {t.crc32!r} is not a 32-bit integer")
 
 
 def _entry_dict(e: TensorEntry) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import base64
 import json
 import mmap
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -118,10 +119,17 @@ class PersistProcess:
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "unbroken.checkpoint.persist", str(theirs.fileno())],
-            pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
-        )
+        # Started with SIGTERM blocked (a signal mask survives fork and exec), so that a SIGTERM
+        # to the trainer's process group while this interpreter starts up, before it can ignore
+        # the signal, does not kill the writer of the trainer's last flush.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "unbroken.checkpoint.persist", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
+            )
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         theirs.close()
         self._sock = ours
         self._lock = threading.Lock()
@@ -173,4 +181,8 @@ if __name__ == "__main__":
     # Yield the CPU to training: when both want a core the trainer's threads win, so persisting
     # slows training little; when the trainer is idle the disk still gets full speed.
     os.nice(10)
+    # SIGTERM to the trainer's process group (a preemption) must not cut the flush short: this
+    # process ends when the trainer closes the socket, after the last write.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # blocked by the trainer at the start
     serve(socket.socket(fileno=int(sys.argv[1])))

@@ -68,9 +68,7 @@ class StepShards:
 
 def open_step(root: str, step: int) -> StepShards:
     """Manifests of a step's shards, one per rank, lowest replica first."""
-    dirs: dict[int, str] = {}
-    for (_, rank), path in sorted(disk.committed_shards(root, step).items()):
-        dirs.setdefault(rank, path)
+    dirs = disk.step_readers(root, step)
     if not dirs:
         raise disk.CorruptCheckpoint(f"step {step} has no committed shard in {root}")
     return StepShards(dirs, {rank: disk.read_manifest(path) for rank, path in dirs.items()})

@@ -1,8 +1,16 @@
-"""Which old checkpoints to delete: ``keep_last`` complete ones survive, and nothing newer.
+"""Which old checkpoints to delete: ``keep_last`` verified ones survive, and nothing newer.
 
 The rule is deliberately conservative because deleting the only good checkpoint is the classic
-way to lose a run: only steps strictly older than the oldest kept complete step are removed,
-so the newest complete checkpoint and anything still being written (newer, incomplete) stay.
+way to lose a run:
+
+- only checkpoints whose every checksum was read back and matched count towards ``keep_last``
+  (:func:`unbroken.checkpoint.disk.verify_step`; each step is read once, the first time it
+  counts): with ``keep_last=1``, a newest checkpoint with one flipped byte must not be the
+  reason the intact one before it goes;
+- only steps strictly older than the oldest of the ``keep_last`` newest verified steps are
+  removed, and nothing at all while fewer than ``keep_last`` verified steps exist: the newest
+  verified checkpoint, anything newer (being written, or damaged and kept for inspection) and
+  anything a job resumed from stay.
 """
 
 from __future__ import annotations
@@ -14,46 +22,69 @@ from unbroken.checkpoint import disk
 from unbroken.checkpoint.manifest import step_dir_name
 
 
-def plan(all_steps: list[int], complete: list[int], keep_last: int) -> list[int]:
-    """Steps to delete, given every step directory and the complete ones.
+def plan(all_steps: list[int], verified: list[int], keep_last: int) -> list[int]:
+    """Steps to delete, given every step directory and the verified complete ones.
 
     Args:
         all_steps: every step directory present, complete or not.
-        complete: the steps whose every rank committed its shard.
-        keep_last: how many complete steps to keep (at least 1).
+        verified: complete steps known to load; need only hold the newest ``keep_last`` of them.
+        keep_last: how many verified steps to keep (at least 1).
     """
     if keep_last < 1:
         raise ValueError("keep_last must be at least 1: the newest checkpoint is never deleted")
-    kept = sorted(complete, reverse=True)[:keep_last]
-    if not kept:
+    kept = sorted(verified, reverse=True)[:keep_last]
+    if len(kept) < keep_last:
         return []
     oldest_kept = min(kept)
     return sorted(s for s in all_steps if s < oldest_kept)
 
 
+def newest_verified(root: str, keep_last: int) -> list[int]:
+    """Up to ``keep_last`` of the newest complete steps that verify, newest first."""
+    found: list[int] = []
+    for step in disk.complete_steps(root):
+        try:
+            disk.verify_step(root, step)
+        except (disk.CorruptCheckpoint, OSError, ValueError):
+            continue
+        found.append(step)
+        if len(found) == keep_last:
+            break
+    return found
+
+
 def apply(root: str, keep_last: int) -> list[int]:
     """Delete what :func:`plan` says, oldest first; returns the deleted steps."""
-    doomed = plan(disk.list_steps(root), disk.complete_steps(root), keep_last)
-    for step in doomed:
-        path = os.path.join(root, step_dir_name(step))
-        # Rename first so a crash mid-delete leaves no half-deleted step that looks real.
-        trash = os.path.join(root, f".trash-{step_dir_name(step)}-{os.getpid()}")
-        os.rename(path, trash)
-        shutil.rmtree(trash, ignore_errors=True)
-    return doomed
+    all_steps = disk.list_steps(root)
+    if len(all_steps) <= keep_last:
+        return []  # nothing to delete: spare the reading
+    doomed = plan(all_steps, newest_verified(root, keep_last), keep_last)
+    return [s for s in doomed if _remove(root, s)]
+
+
+def _remove(root: str, step: int) -> bool:
+    """Delete one step directory; False if another process got there first."""
+    # Rename first so a crash mid-delete leaves no half-deleted step that looks real.
+    trash = os.path.join(root, f".trash-{step_dir_name(step)}-{os.getpid()}")
+    try:
+        os.rename(os.path.join(root, step_dir_name(step)), trash)
+    except FileNotFoundError:
+        return False
+    shutil.rmtree(trash, ignore_errors=True)
+    return True
 
 
 def discard_newer(root: str, step: int) -> list[int]:
-    """Delete every checkpoint newer than ``step`` and point ``latest`` at ``step``.
+    """Roll the directory back to ``step``: check that it loads, delete every newer checkpoint
+    and point ``latest`` at ``step``.
 
     After a rollback to ``step`` they belong to an abandoned history (the one the rollback
     undid); left in place, a later resume or rollback could load the damage again, and a
-    replayed step saved by another replica would sit beside its stale shards.
+    replayed step saved by another replica would sit beside its stale shards. The target is
+    verified first (manifests and every checksum): if it does not load, nothing is deleted
+    and CorruptCheckpoint is raised, so the caller can pick an older target.
     """
+    disk.verify_step(root, step)
+    disk.update_latest(root, step, backwards=True)  # first: never left naming a deleted step
     doomed = [s for s in disk.list_steps(root) if s > step]
-    for s in doomed:
-        trash = os.path.join(root, f".trash-{step_dir_name(s)}-{os.getpid()}")
-        os.rename(os.path.join(root, step_dir_name(s)), trash)
-        shutil.rmtree(trash, ignore_errors=True)
-    disk.update_latest(root, step)
-    return sorted(doomed)
+    return sorted(s for s in doomed if _remove(root, s))

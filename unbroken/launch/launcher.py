@@ -11,7 +11,9 @@ The supervisor also listens to the coordinator's events: an eviction of a replic
 processes still run is a hang (the processes are killed and the replica restarted), and a
 ``verdict`` from diagnosis names a culprit to restart or isolate (``on_verdict``). Every worker
 runs in its own session so that the whole tree it spawned can be ended by its process-group id;
-on exit or Ctrl-C nothing this launcher started is left running.
+on exit or Ctrl-C nothing this launcher started is left running. SIGTERM (preemption) is
+forwarded instead: the workers finish their step and flush a checkpoint within
+``--term-grace-s`` (:mod:`unbroken.train.preemption`), and nothing is restarted.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken import config as env
-from unbroken.checkpoint.disk import check_writable, complete_steps
+from unbroken.checkpoint.disk import CorruptCheckpoint, check_writable, newest_verified_step
 from unbroken.checkpoint.retention import discard_newer
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings
 from unbroken.diagnosis.metrics import parse_policy
@@ -37,10 +39,13 @@ from unbroken.launch.chaos import Fault, Schedule, worker_env
 from unbroken.launch.lifecycle import RUNNING, Lifecycle, State
 from unbroken.launch.workers import free_port, package_path
 from unbroken.launch.policy import Placement, RestartBook, RestartPolicy, Slot
-from unbroken.launch.verdicts import IGNORE, ISOLATE, ROLLBACK, VERDICT_ACTIONS, rollback_step, verdict_action
+from unbroken.launch.verdicts import IGNORE, ISOLATE, ROLLBACK, VERDICT_ACTIONS, verdict_action
 from unbroken.observe.events import Event, EventLog
+from unbroken.train.preemption import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
 
 HANG_ACTIONS = ("restart", "wait")
+EXIT_TERMINATED = 143  # 128 + SIGTERM: stopped by SIGTERM after the workers' flush (or the grace period)
+DEFAULT_TERM_GRACE_S = 25.0  # inside Slurm's default KillWait of 30 s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +78,8 @@ class LaunchSettings:
         anomaly_policy: what training-metric anomalies do, over the default policy
             (``"nonfinite_loss=rollback"``; see :func:`unbroken.diagnosis.metrics.parse_policy`),
             for the workers (skipping a step) and the coordinator's verdicts.
+        term_grace_s: on SIGTERM, how long the workers have to finish their step and flush a
+            checkpoint (:mod:`unbroken.train.preemption`) before what is left is killed.
     """
 
     command: tuple[str, ...]
@@ -94,6 +101,7 @@ class LaunchSettings:
     warm_spare: bool = True
     checkpoint_dir: Path | None = None
     anomaly_policy: str = ""
+    term_grace_s: float = DEFAULT_TERM_GRACE_S
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -112,6 +120,8 @@ class LaunchSettings:
             raise ValueError(f"--spares must be >= 0, got {self.spares}")
         if self.on_verdict not in VERDICT_ACTIONS:
             raise ValueError(f"--on-verdict must be one of {', '.join(VERDICT_ACTIONS)}, got {self.on_verdict!r}")
+        if not 0 <= self.term_grace_s < float("inf"):
+            raise ValueError(f"--term-grace-s must be 0 or more seconds, got {self.term_grace_s}")
         if self.on_hang not in HANG_ACTIONS:
             raise ValueError(f"--on-hang must be one of {', '.join(HANG_ACTIONS)}, got {self.on_hang!r}")
         self.schedule.validate(self.replicas, self.ranks_per_replica, coordinator_in_process=self.coordinator is None)
@@ -157,6 +167,9 @@ class Launcher:
         self.exit_code: int | None = None
         self._fired: set[int] = set()
         self._rolling_back: set[int] = set()  # replicas restarted by the last rollback
+        self._choosing_rollback = False  # a rollback's target is being verified
+        self._discard: asyncio.Task[None] | None = None  # the last rollback's discard of newer steps
+        self._terminated: float | None = None  # when SIGTERM came (monotonic)
         self._worker_fault_start: dict[int, float] = {}
         self._stop = asyncio.Event()
         self._changed = asyncio.Event()
@@ -168,8 +181,8 @@ class Launcher:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._stop.set)
+        loop.add_signal_handler(signal.SIGINT, self._stop.set)
+        loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
         try:
             self.address = await self._start_coordinator()
             self.job_start = time.time()
@@ -264,12 +277,8 @@ class Launcher:
         master_port = free_port()
         r.procs = []
         r.step_at_start = self.job_step
-        if r.resume_step is not None and self.s.checkpoint_dir is not None:
-            # Now that the old processes are gone (none can still be persisting a newer step):
-            # the checkpoints after the rollback's target hold the history it undid.
-            discarded = discard_newer(str(self.s.checkpoint_dir), r.resume_step)
-            if discarded:
-                self.events.emit("checkpoints_discarded", steps=discarded, rollback_step=r.resume_step)
+        if r.resume_step is not None and self._discard is not None:
+            await asyncio.shield(self._discard)  # no process of the rollback starts before it
         for rank in range(self.s.ranks_per_replica):
             path = self.run_dir / "logs" / f"replica{r.replica}-rank{rank}.log"
             environ = self._worker_env(r, rank, master_port, slot)
@@ -299,7 +308,15 @@ class Launcher:
                 self.events.emit("replica_finished", replica=r.replica)
                 self._changed.set()
             return
-        if self.lifecycle.state[r.replica] not in RUNNING:
+        if code in (EXIT_PREEMPTED, EXIT_FLUSH_FAILED) and self._terminated is None:
+            # SIGTERM reached this worker before (or without) us, as Slurm signals every process
+            # of a job: its siblings got it too and are flushing their shards of the same step.
+            # Killing them now, as for a crash, would lose that step; give them the grace period.
+            siblings = [p.wait() for p in r.procs if p is not proc and p.returncode is None]
+            if siblings:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.gather(*siblings), self.s.term_grace_s)
+        if self.lifecycle.state[r.replica] not in RUNNING or self._terminated is not None or proc not in r.procs:
             return
         self._failed(r, f"rank {rank} (pid {proc.pid}) exited with code {code}", t_exit,
                      process_exited={"rank": rank, "pid": proc.pid, "exitcode": code})
@@ -397,7 +414,13 @@ class Launcher:
                      time.monotonic(), blame=False)
 
     def _roll_back(self, e: Event, why: str) -> None:
-        """Restarts every replica from the newest checkpoint before the anomalous step."""
+        """Restarts every replica from the newest checkpoint before the anomalous step that loads.
+
+        The target is verified (manifests and every checksum, in a thread: it reads the whole
+        checkpoint) before anything is stopped or deleted; a damaged one gives way to the next
+        older one. The checkpoints newer than the target are deleted once, by
+        :meth:`_discard_after`, when every old process is gone and before any new one starts.
+        """
         replica = (e.get("culprit") or {}).get("replica")
         anomaly_step = (e.get("evidence") or {}).get("step")
 
@@ -405,27 +428,58 @@ class Launcher:
             self.events.emit("verdict_ignored", verdict_class=e.get("class"), replica=replica, action=ROLLBACK,
                              reason=reason)
 
-        if self._rolling_back and any(self.lifecycle.state[r] != State.TRAINING for r in self._rolling_back):
+        if self._choosing_rollback or (self._rolling_back and any(
+                self.lifecycle.state[r] != State.TRAINING for r in self._rolling_back)):
             return ignore("a rollback is under way")
         self._rolling_back = set()
         if self.s.checkpoint_dir is None:
             return ignore("no checkpoint directory to roll back to (unbroken run --checkpoint-dir)")
         if not isinstance(anomaly_step, int):
             return ignore("the verdict names no step")
-        target = rollback_step(anomaly_step, complete_steps(str(self.s.checkpoint_dir)))
+        self._choosing_rollback = True
+        self._tasks.append(asyncio.create_task(self._roll_back_to_verified(e, why, replica, anomaly_step, ignore)))
+
+    async def _roll_back_to_verified(self, e: Event, why: str, replica: Any, anomaly_step: int,
+                                     ignore: Any) -> None:
+        assert self.s.checkpoint_dir is not None
+        root = str(self.s.checkpoint_dir)
+        try:
+            target, skipped = await asyncio.to_thread(newest_verified_step, root, anomaly_step)
+        finally:
+            self._choosing_rollback = False
         if target is None:
-            return ignore(f"no complete checkpoint at or before step {anomaly_step} in {self.s.checkpoint_dir}")
+            return ignore(f"no loadable checkpoint at or before step {anomaly_step} in {root}"
+                          + (f" ({'; '.join(skipped)})" if skipped else ""))
+        if self._stop.is_set():
+            return
         self.events.emit("verdict_acted", verdict_class=e.get("class"), replica=replica, action=ROLLBACK, reason=why)
         self.events.emit("rollback", step=target, anomaly_step=anomaly_step, culprit=replica,
-                         anomaly=(e.get("evidence") or {}).get("anomaly"))
+                         anomaly=(e.get("evidence") or {}).get("anomaly"), skipped=skipped)
+        old: list[asyncio.subprocess.Process] = []
         for r in self.replicas.values():
             if self.lifecycle.state[r.replica] in (State.FINISHED, State.STOPPED, State.ISOLATED):
                 continue
             r.resume_step = target
             self._rolling_back.add(r.replica)
+            old += r.procs
             if self.lifecycle.state[r.replica] in RUNNING and r.procs:
                 self._failed(r, f"rollback to the checkpoint of step {target} ({why})", time.monotonic(),
                              blame=False)
+        self._discard = asyncio.create_task(self._discard_after(old, root, target))
+
+    async def _discard_after(self, old: list[asyncio.subprocess.Process], root: str, target: int) -> None:
+        """Once every old process has ended (none can still be persisting a newer step), deletes
+        the checkpoints after ``target``: they hold the history the rollback undid."""
+        await asyncio.gather(*(p.wait() for p in old))
+        try:
+            discarded = await asyncio.to_thread(discard_newer, root, target)
+        except (CorruptCheckpoint, OSError, ValueError) as exc:
+            # The target broke since it was verified: keep everything; the workers fall back to
+            # the next older checkpoint that loads (resume(): never a newer one).
+            self.events.emit("checkpoints_kept", rollback_step=target, reason=str(exc))
+            return
+        if discarded:
+            self.events.emit("checkpoints_discarded", steps=discarded, rollback_step=target)
 
     # -- the periodic work: steps, chaos, re-admission -----------------------------
 
@@ -565,12 +619,47 @@ class Launcher:
                 await asyncio.wait_for(self._changed.wait(), 0.5)
         if self.exit_code is not None:
             return self.exit_code
+        if self._terminated is not None:
+            return await self._drain()
         if self._stop.is_set():
             self.events.emit("job_interrupted")
             return 130
         ok = State.FINISHED in states.values()
         self.events.emit("job_finished", ok=ok)
         return 0 if ok else 1
+
+    def _on_sigterm(self) -> None:
+        """SIGTERM: forwarded at once to every worker, which finishes its step, flushes a checkpoint
+        and exits (:mod:`unbroken.train.preemption`); :meth:`_drain` waits for them. At once,
+        because the ranks of a replica must see it within a step of each other."""
+        if self._terminated is None:
+            self._terminated = time.monotonic()
+            self.events.emit("sigterm_received", grace_s=self.s.term_grace_s)
+            self._forward_sigterm()
+        self._stop.set()
+        self._changed.set()
+
+    def _forward_sigterm(self) -> None:
+        for p in (p for r in self.replicas.values() for p in r.procs if p.returncode is None):
+            for sig in (signal.SIGCONT, signal.SIGTERM):  # as Slurm does: a stopped worker must run to flush
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.pid, sig)
+
+    async def _drain(self) -> int:
+        """Waits for the workers told to stop by :meth:`_on_sigterm`; what is still running when
+        the grace period (counted from the signal) ends is killed by the cleanup. No replica is
+        restarted."""
+        assert self._terminated is not None
+        self._forward_sigterm()  # to any process started since (a restart under way)
+        procs = [p for r in self.replicas.values() for p in r.procs if p.returncode is None]
+        left = self._terminated + self.s.term_grace_s - time.monotonic()
+        pending: set[Any] = set()
+        if procs:
+            _, pending = await asyncio.wait([asyncio.ensure_future(p.wait()) for p in procs], timeout=max(0.0, left))
+        codes = {r.replica: [p.returncode for p in r.procs] for r in self.replicas.values() if r.procs}
+        self.events.emit("job_terminated", grace_s=self.s.term_grace_s, exit_codes=codes, killed=len(pending),
+                         drain_s=round(time.monotonic() - self._terminated, 3))
+        return EXIT_TERMINATED
 
     @staticmethod
     async def _kill(procs: list[asyncio.subprocess.Process]) -> None:

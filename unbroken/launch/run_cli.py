@@ -10,7 +10,13 @@ from typing import Any
 import click
 
 from unbroken.launch.chaos import Schedule
-from unbroken.launch.launcher import HANG_ACTIONS, VERDICT_ACTIONS, LaunchSettings, run as run_job
+from unbroken.launch.launcher import (
+    DEFAULT_TERM_GRACE_S,
+    HANG_ACTIONS,
+    VERDICT_ACTIONS,
+    LaunchSettings,
+    run as run_job,
+)
 from unbroken.launch.policy import RestartPolicy
 
 
@@ -72,12 +78,16 @@ def supervisor_settings(kw: dict[str, Any]) -> dict[str, Any]:
 @click.option("--coordinator", default=None, help="HOST:PORT of an external coordinator (else one starts here).")
 @click.option("--port", type=int, default=0, help="Port of the in-process coordinator (0: a free one).")
 @click.option("--max-restarts", type=int, default=10, show_default=True, help="Restarts per replica.")
+@click.option("--term-grace-s", type=float, default=DEFAULT_TERM_GRACE_S, show_default=True,
+              help="On SIGTERM (preemption, scancel, eviction): seconds the workers have to finish their step "
+                   "and flush a checkpoint before the rest is killed.")
 @supervisor_options
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 def run(**kw: Any) -> None:
     """Run COMMAND as fault-tolerant replicas: `unbroken run --replicas 3 -- python train.py`.
 
-    Exit codes: 0 done, 1 no replica finished, 93 crash loop, 94 job restart limit, 130 Ctrl-C.
+    Exit codes: 0 done, 1 no replica finished, 93 crash loop, 94 job restart limit, 130 Ctrl-C,
+    143 SIGTERM (the workers were told to flush a checkpoint; run the same command to resume).
     """
     try:
         extra = supervisor_settings(kw)

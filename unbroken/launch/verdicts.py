@@ -11,7 +11,8 @@ Each verdict class has its own remedy, and ``--on-verdict`` caps it (``ignore`` 
   spare is free).
 - ``metric_anomaly``: what the anomaly policy asked for in the verdict's ``evidence.action``:
   ``isolate`` isolates; ``rollback`` restarts every replica from the newest checkpoint saved
-  before the anomalous step (:func:`rollback_step`): by the time a spike is judged its
+  before the anomalous step (:func:`rollback_step`) that loads (the launcher reads every
+  checksum of a candidate before acting, newest first): by the time a spike is judged its
   gradient has been averaged into every replica, so no single replica's state is good;
   ``skip_step`` and ``none`` were already handled inside the worker, so the supervisor does
   nothing.

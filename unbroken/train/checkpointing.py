@@ -3,13 +3,21 @@
 Replicas hold the same state, so one of them saves each checkpoint
 (:attr:`~unbroken.train.manager.Manager.writes_checkpoints`). Where a process starts:
 
-- the step the supervisor rolled the job back to (``UNBROKEN_RESUME_STEP``), exactly that one:
-  every replica must start from the same state, and a newer checkpoint may hold the damage
-  the rollback undoes;
-- else, for the job's first processes, the newest good checkpoint: a relaunched job continues
-  where it stopped;
-- else nothing: a replica restarted while the job runs catches up from a peer, whose state is
-  newer than any checkpoint.
+- the step the supervisor rolled the job back to (``UNBROKEN_RESUME_STEP``): every replica must
+  start from the same state, and a newer checkpoint may hold the damage the rollback undoes. The
+  supervisor checked that it loads; should it fail here all the same, the next older good
+  checkpoint is loaded (never a newer one, never step 0 while an older one loads);
+- else, for every process, first or restarted, the newest good checkpoint. A restarted process
+  does not know whether a live peer is ahead of it: when every replica died at once (a
+  job-wide failure) there is none, and starting at step 0 would throw the run away and then
+  overwrite its checkpoints. So it loads the newest checkpoint, and if a peer is ahead after
+  all, the quorum marks it behind and it catches up from that peer, as any replica behind does
+  (a loaded checkpoint is never newer than a live peer: it was saved by one). The price is one
+  read of the checkpoint per restart, off the survivors' path;
+- else (no checkpoint) step 0, or a peer's state through catch-up.
+
+On SIGTERM, :func:`save_if_due` flushes the state and exits (see
+:mod:`unbroken.train.preemption`).
 
 A loop needs two calls::
 
@@ -25,8 +33,9 @@ from __future__ import annotations
 
 import logging
 
-from unbroken.checkpoint import Checkpointer, Restored
+from unbroken.checkpoint import Checkpointer, CheckpointError, Restored
 from unbroken.checkpoint.disk import complete_steps
+from unbroken.train import preemption
 from unbroken.train.manager import Manager
 
 log = logging.getLogger(__name__)
@@ -49,11 +58,22 @@ def resume(manager: Manager, checkpointer: Checkpointer | None) -> Restored | No
             raise ValueError("the supervisor rolled the job back to step "
                              f"{manager.config.resume_step}, but this loop has no Checkpointer to load it")
         return None
+    preemption.install()
     step = manager.config.resume_step
     if step is not None:
-        restored = checkpointer.load(step)
-    elif manager.config.restart_count == 0 and complete_steps(checkpointer.directory):
-        restored = checkpointer.load_latest()
+        restored = checkpointer.load_latest(at_most=step)
+        if restored.step != step:
+            log.warning("replica %d: the rollback's checkpoint of step %d did not load (%s); resuming from "
+                        "step %d", manager.config.replica_id, step, "; ".join(restored.skipped), restored.step)
+    elif complete_steps(checkpointer.directory):
+        try:
+            restored = checkpointer.load_latest()
+        except CheckpointError as exc:
+            if manager.config.restart_count == 0:
+                raise  # a relaunched job must not silently start over: say what is damaged
+            log.error("replica %d: no checkpoint loads (%s); starting from a peer's state or step 0",
+                      manager.config.replica_id, exc)
+            return None
     else:
         return None
     manager.load_state_dict(restored.state)
@@ -64,8 +84,37 @@ def resume(manager: Manager, checkpointer: Checkpointer | None) -> Restored | No
 
 def save_if_due(manager: Manager, checkpointer: Checkpointer | None, every: int) -> bool:
     """After a committed step: snapshots the state if this replica writes checkpoints and
-    ``every`` steps have passed. The save returns once the state is copied."""
-    if checkpointer is None or every <= 0 or manager.step % every or not manager.writes_checkpoints:
+    ``every`` steps have passed. The save returns once the state is copied.
+
+    After SIGTERM (with a checkpointer, set up by :func:`resume`) this does not return: every
+    replica saves this step, waits until it is on disk and exits with
+    :data:`~unbroken.train.preemption.EXIT_PREEMPTED`.
+    """
+    if checkpointer is None:
+        return False
+    if preemption.requested() and preemption.should_stop(manager.step, manager.config.world_size):
+        flush_and_exit(manager, checkpointer)
+    if every <= 0 or manager.step % every or not manager.writes_checkpoints:
         return False
     checkpointer.save(manager.step, manager.state_dict())
     return True
+
+
+def flush_and_exit(manager: Manager, checkpointer: Checkpointer) -> None:
+    """Saves this step, waits for the disk, ends the process (:mod:`unbroken.train.preemption`)."""
+    c = manager.config
+    log.warning("replica %d rank %d: SIGTERM: saving step %d and exiting", c.replica_id, c.rank, manager.step)
+    code = preemption.EXIT_PREEMPTED
+    try:
+        checkpointer.save(manager.step, manager.state_dict())
+        outcomes = checkpointer.wait()
+        checkpointer.close()
+        for o in outcomes:
+            if not o.ok:
+                log.error("replica %d: the flush of step %d failed: %s", c.replica_id, o.step, o.error)
+        if not any(o.ok and o.step == manager.step for o in outcomes):
+            code = preemption.EXIT_FLUSH_FAILED
+    except Exception:  # noqa: BLE001 - exit anyway: the grace period is running
+        log.exception("replica %d: the flush on SIGTERM failed", c.replica_id)
+        code = preemption.EXIT_FLUSH_FAILED
+    preemption.exit_now(code)

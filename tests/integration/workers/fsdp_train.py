@@ -31,6 +31,8 @@ def main() -> None:
     ap.add_argument("--restarted-first-step-s", type=float, default=0.0,
                     help="A restarted process's first step lasts at least this long (a cold start: "
                          "allocator warm-up, kernel autotuning), which its peers should not wait for.")
+    ap.add_argument("--checkpoint-every", type=int, default=0,
+                    help="Steps between checkpoints when the job has a checkpoint directory (0: only on SIGTERM).")
     args = ap.parse_args()
 
     with unbroken.init() as manager:
@@ -50,6 +52,8 @@ def main() -> None:
 def train(args: argparse.Namespace, manager: unbroken.Manager, model: torch.nn.Module, opt: torch.optim.Optimizer,
           state: unbroken.ModelState) -> None:
     cfg = manager.config
+    checkpointer = unbroken.checkpointer_for(manager)  # None unless `unbroken run --checkpoint-dir`
+    unbroken.resume(manager, checkpointer)
     first_step_s = args.restarted_first_step_s if cfg.restart_count > 0 else 0.0
 
     run_dir = Path(cfg.run_dir)
@@ -69,6 +73,7 @@ def train(args: argparse.Namespace, manager: unbroken.Manager, model: torch.nn.M
         if committed:
             opt.step()
             manager.commit()
+            unbroken.save_if_due(manager, checkpointer, args.checkpoint_every)
         if metrics is not None:
             d = manager.decision
             metrics.write(json.dumps({"step": step if not committed else manager.step - 1, "loss": loss.item(),
