@@ -73,8 +73,12 @@ class Optimizer:
 
     def step(self, closure: Callable[[], float] | None = None) -> bool:
         """Exchanges gradients and applies the step; returns whether it was committed."""
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        if not average_gradients(self.manager, params):
+        grads = []
+        for p in trainable_parameters(p for g in self.optimizer.param_groups for p in g["params"]):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        if not self.manager.sync_gradients(grads):
             return False
         scale = self.manager.lr_scale
         saved = [g["lr"] for g in self.optimizer.param_groups]

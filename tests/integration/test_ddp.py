@@ -1,0 +1,93 @@
+"""``unbroken.DistributedDataParallel`` in real replica processes: equal to plain torch, and
+faults in the middle of the bucketed exchange leave every replica identical."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration.harness import Job, assert_identical
+from tests.integration.workers import ddp_train as w
+
+pytestmark = pytest.mark.integration
+WORKER = Path(w.__file__)
+
+
+def reference(steps: int, replicas: int) -> dict[str, torch.Tensor]:
+    """One process: average both replicas' gradients, clip, step AdamW and the schedule."""
+    net = w.build_model()
+    opt, sched = w.build_optimizer(net)
+    for step in range(steps):
+        grads = []
+        for r in range(replicas):
+            net.zero_grad()
+            x, y = w.batch(step, r)
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            grads.append([p.grad.clone() for p in net.parameters()])
+        for p, *gs in zip(net.parameters(), *grads):
+            p.grad = torch.mul(sum(gs[1:], gs[0]), 1.0 / replicas)
+        norm = torch.nn.utils.clip_grad_norm_(net.parameters(), w.MAX_NORM)
+        assert norm > w.MAX_NORM, "the test must clip"
+        opt.step()
+        sched.step()
+    return net.state_dict()
+
+
+def test_ddp_equals_single_process_reference(tmp_path: Path) -> None:
+    steps = 8
+    run_dir = tmp_path / "run"
+    with Job(run_dir, replicas=2, steps=steps, script=WORKER, train_args=[]) as job:
+        assert job.wait(120) == 0
+        states = job.final_states()
+    assert_identical(states)
+    want = reference(steps, 2)
+    for k, v in want.items():
+        torch.testing.assert_close(states[0]["model"][k], v, rtol=1e-6, atol=1e-6)
+    rows = [json.loads(line) for line in (run_dir / "metrics-r0.jsonl").read_text().splitlines()]
+    assert all(r["committed"] and r["members"] == [0, 1] for r in rows), rows
+
+
+def _fault_run(tmp_path: Path, kind: str, extra: list[str]) -> tuple[Job, dict[int, dict]]:
+    steps, at = 60, 12
+    run_dir = tmp_path / "run"
+    with Job(run_dir, replicas=2, steps=steps, script=WORKER,
+             extra=["--min-replicas", "1", *extra],
+             train_args=["--pace-s", "0.12", "--fault", kind, "--fault-step", str(at)]) as job:
+        marker = run_dir / "fault-r1.json"
+        deadline = time.monotonic() + 90
+        while not marker.exists():
+            assert time.monotonic() < deadline and job.proc.poll() is None, "the fault never fired"
+            time.sleep(0.05)
+        time.sleep(0.1)  # the file is written just before the signal
+        fault = json.loads(marker.read_text())
+        if kind == "stop":
+            job.wait_for_step(0, at + 8, timeout=60)  # the survivor moves on without it
+            os.kill(fault["pid"], signal.SIGCONT)
+        assert job.wait(180) == 0
+        states = job.final_states()
+    assert 0 < fault["buckets_started"], fault
+    return job, states
+
+
+def test_kill_9_inside_the_bucketed_exchange(tmp_path: Path) -> None:
+    job, states = _fault_run(tmp_path, "kill", [])
+    assert set(states) == {0, 1}
+    assert_identical(states)
+    quorums = job.events("quorum")
+    assert any(q["members"] == [0] for q in quorums), "the survivor never trained alone"
+    assert any(q["behind"] == [1] for q in quorums), "the restarted replica never caught up"
+
+
+def test_sigstop_inside_the_bucketed_exchange(tmp_path: Path) -> None:
+    job, states = _fault_run(tmp_path, "stop", ["--on-hang", "wait", "--on-verdict", "ignore"])
+    assert set(states) == {0, 1}, "the resumed replica should rejoin and finish"
+    assert_identical(states)
+    quorums = job.events("quorum")
+    assert any(q["members"] == [0] for q in quorums), "the survivor never trained without the hung replica"
+    assert any(q["behind"] == [1] for q in quorums), "the resumed replica never caught up"
