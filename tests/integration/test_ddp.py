@@ -91,3 +91,38 @@ def test_sigstop_inside_the_bucketed_exchange(tmp_path: Path) -> None:
     quorums = job.events("quorum")
     assert any(q["members"] == [0] for q in quorums), "the survivor never trained without the hung replica"
     assert any(q["behind"] == [1] for q in quorums), "the resumed replica never caught up"
+
+
+def test_hsdp_process_group_equals_single_process_reference(tmp_path: Path) -> None:
+    """FSDP2 over 2 ranks per replica, its all-reduce hook on ``manager.process_group()``."""
+    steps, replicas, ranks = 6, 2, 2
+    run_dir = tmp_path / "run"
+    with Job(run_dir, replicas=replicas, steps=steps, script=WORKER.parent / "hsdp_train.py", train_args=[],
+             extra=["--ranks-per-replica", str(ranks)]) as job:
+        assert job.wait(150) == 0
+    shards = {(r, k): torch.load(run_dir / f"final-r{r}-rank{k}.pt", weights_only=False)
+              for r in range(replicas) for k in range(ranks)}
+    assert all(s["step"] == steps for s in shards.values())
+    for k in range(ranks):  # both replicas hold the same shards
+        for name, v in shards[(0, k)]["model"].items():
+            assert torch.equal(v, shards[(1, k)]["model"][name]), (k, name)
+    net = w.build_model()
+    opt, sched = w.build_optimizer(net)
+    for step in range(steps):
+        replica_means = []
+        for r in range(replicas):
+            per_rank = []
+            for k in range(ranks):
+                net.zero_grad()
+                x, y = w.batch(step, r, k)
+                torch.nn.functional.mse_loss(net(x), y).backward()
+                per_rank.append([p.grad.clone() for p in net.parameters()])
+            replica_means.append([torch.mul(sum(gs[1:], gs[0]), 1.0 / ranks) for gs in zip(*per_rank)])
+        for p, *gs in zip(net.parameters(), *replica_means):
+            p.grad = torch.mul(sum(gs[1:], gs[0]), 1.0 / replicas)
+        assert torch.nn.utils.clip_grad_norm_(net.parameters(), w.MAX_NORM) > w.MAX_NORM
+        opt.step()
+        sched.step()
+    for name, v in net.state_dict().items():
+        got = torch.cat([shards[(0, k)]["model"][name] for k in range(ranks)])
+        torch.testing.assert_close(got, v, rtol=1e-6, atol=1e-6)

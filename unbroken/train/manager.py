@@ -214,12 +214,13 @@ class Manager:
         that outcome, after this replica's ranks agreed on it, without exchanging again;
         otherwise averages ``grads`` now, as :meth:`allreduce`.
         """
-        overlap, self._overlap = self._overlap, None
+        overlap = self._overlap
         if overlap is None or (overlap.decision is None and overlap.outcome is None):
+            self._overlap = None
             return self.allreduce(grads)
         try:
             if overlap.outcome is None:  # process_group(): each sum was waited for in its own call
-                ok = not overlap.failed and overlap.contributing > 0
+                ok = self.wait_buckets() and overlap.contributing > 0  # any left in flight (async_op)
                 if self.config.world_size > 1:
                     ok = self._vote(ok)
                 if not ok:
@@ -227,6 +228,7 @@ class Manager:
                 overlap.outcome = ok
             return overlap.outcome
         finally:
+            self._overlap = None
             self._settle_snapshot()
 
     def process_group(self) -> Any:
@@ -292,7 +294,7 @@ class Manager:
     def wait_buckets(self, last: bool = True) -> bool:
         """Waits for the buckets started so far and checks every member's step and contribution.
 
-        ``last``: the end of the backward pass, the step's exchange is complete; its wait is
+        ``last``: the end of the backward pass, the step's exchange is complete. The wait is
         the part of the exchange that compute did not hide, which the deadline learns from.
         Returns False after any failure; the sums are then not to be used.
         """
@@ -305,6 +307,9 @@ class Manager:
         if o.failed:
             return False
         pending, o.pending = o.pending, []
+        if not pending:  # all waited for already (process_group()): this only closes the record
+            self.group.finish_allreduce_sums([], self.deadline.seconds, last=last)
+            return True
         try:
             seconds = self.group.finish_allreduce_sums(pending, self.deadline.seconds, last=last)
         except ExchangeFailed as e:
@@ -317,10 +322,9 @@ class Manager:
                 o.failed = True
                 return False
             o.contributing = contributing
-        if last:
-            self.deadline.observe(seconds)
-            self.stats["last_exchange_s"] = seconds
-            self.stats["last_join_wait_s"] = self.group.last_join_wait_s
+        self.deadline.observe(seconds)
+        self.stats["last_exchange_s"] = seconds
+        self.stats["last_join_wait_s"] = self.group.last_join_wait_s
         return True
 
     def end_overlap(self, grads: list[torch.Tensor], write_back: Callable[[float], None]) -> bool:
