@@ -47,6 +47,8 @@ class PendingSum:
     def __init__(self, epoch: int | None, future: Any) -> None:
         self.epoch = epoch
         self.future = future  # None when the group has one member: nothing to wait for
+        self.started = time.perf_counter()
+        self.finished: float | None = None  # when the backend completed it (the benchmark's overlap figure)
 
     def done(self) -> bool:
         return self.future is None or self.future.done()
@@ -250,8 +252,14 @@ class CrossReplicaGroup:
             self.abandon()
             self._batch_over(None)
             raise ExchangeFailed(f"exchange failed in epoch {epoch}: {e}") from e
-        fut.add_done_callback(lambda _: wake.set())
-        return PendingSum(epoch, fut)
+        pending = PendingSum(epoch, fut)
+
+        def done(_: Any) -> None:
+            pending.finished = time.perf_counter()
+            wake.set()
+
+        fut.add_done_callback(done)
+        return pending
 
     def finish_allreduce_sums(self, pending: list[PendingSum], deadline_s: float, last: bool = True) -> float:
         """Waits for ``pending`` sums, bounded by the deadline and the coordinator's abort.

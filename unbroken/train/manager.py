@@ -64,6 +64,17 @@ class OverlappedExchange:
     outcome: bool | None = None
 
 
+def busy_seconds(pending: list[PendingSum]) -> float:
+    """How long the backend was exchanging ``pending`` (started in order, run one after another)."""
+    busy, free_at = 0.0, 0.0
+    for p in pending:
+        if p.finished is not None:
+            begin = max(p.started, free_at)
+            busy += max(0.0, p.finished - begin)
+            free_at = max(free_at, p.finished)
+    return busy
+
+
 class Manager:
     """Runs this rank's side of the fault-tolerant step protocol.
 
@@ -325,6 +336,7 @@ class Manager:
         self.deadline.observe(seconds)
         self.stats["last_exchange_s"] = seconds
         self.stats["last_join_wait_s"] = self.group.last_join_wait_s
+        self.stats["last_exchange_busy_s"] = busy_seconds(pending)
         return True
 
     def end_overlap(self, grads: list[torch.Tensor], write_back: Callable[[float], None]) -> bool:
