@@ -126,3 +126,30 @@ def test_hsdp_process_group_equals_single_process_reference(tmp_path: Path) -> N
     for name, v in net.state_dict().items():
         got = torch.cat([shards[(0, k)]["model"][name] for k in range(ranks)])
         torch.testing.assert_close(got, v, rtol=1e-6, atol=1e-6)
+
+
+def test_hsdp_kill_9_inside_the_process_group_all_reduce(tmp_path: Path) -> None:
+    """A rank dies inside FSDP's all-reduce hook: the survivors' step fails cleanly and is redone
+    without it, its replica group restarts and catches up, and every shard ends identical."""
+    steps, at = 90, 8  # the restarted group (4 processes importing torch on 2 cores) must find steps left
+    run_dir = tmp_path / "run"
+    with Job(run_dir, replicas=2, steps=steps, script=WORKER.parent / "hsdp_train.py",
+             train_args=["--pace-s", "0.2", "--fault-step", str(at)],
+             extra=["--ranks-per-replica", "2", "--min-replicas", "1"]) as job:
+        assert job.wait(180) == 0
+    fault = json.loads((run_dir / "fault.json").read_text())
+    assert fault["step"] == at and fault["all_reduces"] >= 1, fault
+    quorums = job.events("quorum")
+    assert any(q["members"] == [0] for q in quorums), "replica 0 never trained alone"
+    assert any(q["behind"] == [1] for q in quorums), "the restarted replica group never caught up"
+    rows = [json.loads(line) for line in (run_dir / "metrics-r0.jsonl").read_text().splitlines()]
+    assert any(r["step"] == at and not r["committed"] for r in rows), "the interrupted step was not failed"
+    for k in range(2):
+        a = torch.load(run_dir / f"final-r0-rank{k}.pt", weights_only=False)
+        b = torch.load(run_dir / f"final-r1-rank{k}.pt", weights_only=False)
+        assert a["step"] == b["step"] == steps
+        for name, v in a["model"].items():
+            assert torch.equal(v, b["model"][name]), (k, name)
+        for i, st in a["optim"].items():
+            for name, v in st.items():
+                assert torch.equal(v, b["optim"][i][name]), (k, i, name)
