@@ -20,15 +20,16 @@ WORKER = Path(w.__file__)
 
 
 def reference(steps: int, replicas: int) -> dict[str, torch.Tensor]:
-    """One process: average both replicas' gradients, clip, step AdamW and the schedule."""
+    """One process: average both replicas' accumulated gradients, clip, step AdamW and the schedule."""
     net = w.build_model()
     opt, sched = w.build_optimizer(net)
     for step in range(steps):
         grads = []
         for r in range(replicas):
             net.zero_grad()
-            x, y = w.batch(step, r)
-            torch.nn.functional.mse_loss(net(x), y).backward()
+            for micro in range(w.MICRO):
+                x, y = w.batch(step, r, micro)
+                torch.nn.functional.mse_loss(net(x), y).backward()
             grads.append([p.grad.clone() for p in net.parameters()])
         for p, *gs in zip(net.parameters(), *grads):
             p.grad = torch.mul(sum(gs[1:], gs[0]), 1.0 / replicas)

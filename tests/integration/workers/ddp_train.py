@@ -2,6 +2,7 @@
 
 AdamW, a ``LambdaLR`` warm-up and ``clip_grad_norm_`` between ``backward()`` and the step: the
 clip sees the cross-replica average because the wrapper averages during the backward pass.
+Each step accumulates ``MICRO`` micro-batches, all but the last under ``no_sync()``.
 Replica R's batch at step S depends only on (S, R), so a test can recompute the whole run in
 one process. Writes ``metrics-r{R}.jsonl`` and ``final-r{R}.pt``.
 
@@ -14,6 +15,7 @@ started. Only the first process of that replica does so (not its restart).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -27,6 +29,7 @@ import unbroken
 
 IN, HIDDEN, OUT = 16, 32, 4
 MAX_NORM = 0.05  # small enough that every step clips
+MICRO = 2
 
 
 def build_model() -> torch.nn.Module:
@@ -95,9 +98,11 @@ def main() -> None:
         t0 = time.perf_counter()
         step = manager.step
         opt.zero_grad()
-        x, y = batch(step, cfg.replica_id)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
+        for micro in range(MICRO):
+            with model.no_sync() if micro < MICRO - 1 else contextlib.nullcontext():
+                x, y = batch(step, cfg.replica_id, micro)
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(net.parameters(), MAX_NORM)
         committed = manager.sync_gradients([p.grad for p in net.parameters()])
         if committed:
