@@ -53,15 +53,18 @@ class OverlappedExchange:
         failed: a sum failed; the rest of the step's buckets are not started.
         contributing: replicas whose gradients the sums hold, once checked.
         outcome: whether the optimizer may step, once decided.
+        waited_s: seconds spent waiting for sums before the end of backward.
     """
 
     decision: QuorumDecision | None
+    step: int = 0
     skip: bool = False
     buffers: list[torch.Tensor] = dataclasses.field(default_factory=list)
     pending: list[PendingSum] = dataclasses.field(default_factory=list)
     failed: bool = False
     contributing: int = 0
     outcome: bool | None = None
+    waited_s: float = 0.0  # in waits during backward (process_group()): not this rank's compute
 
 
 def busy_seconds(pending: list[PendingSum]) -> float:
@@ -226,6 +229,8 @@ class Manager:
         otherwise averages ``grads`` now, as :meth:`allreduce`.
         """
         overlap = self._overlap
+        if overlap is not None and overlap.outcome is None and overlap.step != self.step:
+            overlap = None  # begun in an earlier step that never asked for its outcome
         if overlap is None or (overlap.decision is None and overlap.outcome is None):
             self._overlap = None
             return self.allreduce(grads)
@@ -262,13 +267,13 @@ class Manager:
         the single buffer the catching-up replica sends early; its donor's snapshot is then
         taken there, not in the middle of a backward pass.
         """
-        if self._overlap is not None:
-            return self._overlap
+        if self._overlap is not None and self._overlap.step == self.step:
+            return self._overlap  # the step's later buckets, or its next backward pass
         self.start_step()
         assert self._quorum is not None
         d = self._prepare(self._quorum.result(timeout=self.quorum_timeout_s))
         if d.behind or not self.group.overlaps:
-            self._overlap = OverlappedExchange(None)
+            self._overlap = OverlappedExchange(None, step=self.step)
             return self._overlap
         d = self._await_quorum(None)
         skip = wants_skip(*self._metrics, self.anomaly_policy)
@@ -276,7 +281,7 @@ class Manager:
             if self.recorder is not None:
                 self.recorder.record_step(self.step, *self._metrics, None)
             log.warning("replica %d step %d: %s, sitting this step out", self.config.replica_id, self.step, skip)
-        self._overlap = OverlappedExchange(d, skip=bool(skip))
+        self._overlap = OverlappedExchange(d, step=self.step, skip=bool(skip))
         return self._overlap
 
     def start_bucket(self, buf: torch.Tensor) -> None:
@@ -311,8 +316,8 @@ class Manager:
         """
         o = self._overlap
         assert o is not None and o.decision is not None
-        if last:
-            self.client.compute_s = time.perf_counter() - self._compute_t0
+        if last:  # this rank's own time for the step, without waiting for peers
+            self.client.compute_s = time.perf_counter() - self._compute_t0 - o.waited_s
             if self.chaos is not None:
                 self.chaos.before_exchange(self.step, o.decision.members, 4 * (self._grad_numel or 0))
         if o.failed:
@@ -321,12 +326,15 @@ class Manager:
         if not pending:  # all waited for already (process_group()): this only closes the record
             self.group.finish_allreduce_sums([], self.deadline.seconds, last=last)
             return True
+        waiting = time.perf_counter()
         try:
             seconds = self.group.finish_allreduce_sums(pending, self.deadline.seconds, last=last)
         except ExchangeFailed as e:
             log.warning("replica %d step %d: %s", self.config.replica_id, self.step, e)
             o.failed = True
             return False
+        finally:
+            o.waited_s += time.perf_counter() - waiting
         for buf in o.buffers[len(o.buffers) - len(pending):]:
             contributing = self._check_exchanged(buf, o.decision)
             if contributing is None:
@@ -349,22 +357,25 @@ class Manager:
         up) takes that path directly.
         """
         o = self.begin_overlap()
-        if o.decision is None:
-            o.outcome = self._allreduce(grads)
+        try:
+            if o.decision is None:
+                o.outcome = self._allreduce(grads)
+                return o.outcome
+            ok = self.wait_buckets() and o.contributing > 0
+            if self.config.world_size > 1:
+                ok = self._vote(ok)
+            if ok:
+                write_back(1.0 / o.contributing)
+                o.outcome = True
+                return True
+            if o.contributing == 0 and not o.failed:  # every replica sat this step out: nothing to apply
+                o.outcome = False
+                return False
+            self.stats["exchange_failures"] += 1
+            o.outcome = self._allreduce(grads, failed=o.decision.epoch)
             return o.outcome
-        ok = self.wait_buckets() and o.contributing > 0
-        if self.config.world_size > 1:
-            ok = self._vote(ok)
-        if ok:
-            write_back(1.0 / o.contributing)
-            o.outcome = True
-            return True
-        if o.contributing == 0 and not o.failed:  # every replica sat this step out: nothing to apply
-            o.outcome = False
-            return False
-        self.stats["exchange_failures"] += 1
-        o.outcome = self._allreduce(grads, failed=o.decision.epoch)
-        return o.outcome
+        finally:
+            self._settle_snapshot()  # a donor's copy is complete before any optimizer steps
 
     def _overlap_failed(self, o: OverlappedExchange) -> None:
         """A step exchanged during backward failed: its redo asks for a quorum without that epoch."""

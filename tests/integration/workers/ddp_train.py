@@ -9,7 +9,7 @@ one process. Writes ``metrics-r{R}.jsonl`` and ``final-r{R}.pt``.
 ``--fault kill|stop`` makes replica ``--fault-replica`` kill -9 (or SIGSTOP) itself at step
 ``--fault-step`` from inside its backward pass, once the first bucket's exchange is in flight
 and before the last one starts; it first writes ``fault-r{R}.json`` with how many buckets it had
-started. Only the first process of that replica does so (not its restart).
+started. That happens once per run (not again in the restarted process).
 """
 
 from __future__ import annotations
@@ -77,14 +77,15 @@ def main() -> None:
     opt, sched = build_optimizer(net)
     holder.update(net=net, opt=opt, sched=sched)
 
-    armed = args.fault is not None and cfg.replica_id == args.fault_replica and cfg.restart_count == 0
     run_dir = Path(cfg.run_dir)
+    marker = run_dir / f"fault-r{cfg.replica_id}.json"
+    armed = args.fault is not None and cfg.replica_id == args.fault_replica and not marker.exists()
 
     def fault(_: torch.Tensor) -> None:
         nonlocal armed
         if armed and manager.step == args.fault_step and 0 < model.buckets_started:
             armed = False
-            (run_dir / f"fault-r{cfg.replica_id}.json").write_text(
+            marker.write_text(
                 json.dumps({"buckets_started": model.buckets_started, "step": manager.step, "pid": os.getpid()}))
             os.kill(os.getpid(), signal.SIGKILL if args.fault == "kill" else signal.SIGSTOP)
 

@@ -9,7 +9,7 @@ optimizer and batches this uses (rank K of replica R draws ``batch(step, R, K)``
 
 ``--fault-step S`` makes rank 1 of replica 1 kill -9 itself inside its all-reduce hook at step
 S, after its first cross-replica all-reduce of that step (written to ``fault.json`` first);
-only the first process does so, not its restart.
+once per run (not again in its restart).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def main() -> None:
     model = fully_shard(net, mesh=mesh)
     pg = manager.process_group()
     run_dir = Path(cfg.run_dir)
-    armed = cfg.replica_id == 1 and cfg.rank == 1 and cfg.restart_count == 0 and args.fault_step >= 0
+    armed = cfg.replica_id == 1 and cfg.rank == 1 and args.fault_step >= 0 and not (run_dir / "fault.json").exists()
     calls = {"step": -1, "n": 0}
 
     def all_reduce_hook(t: torch.Tensor) -> None:
