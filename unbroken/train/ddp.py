@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from unbroken.train.manager import METADATA, Manager
+from unbroken.train.manager import Manager
+from unbroken.train.overlap import METADATA
 
 
 def _buckets(params: list[torch.nn.Parameter], cap_bytes: int) -> list[list[int]]:

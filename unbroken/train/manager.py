@@ -9,7 +9,6 @@ in :mod:`unbroken.train.optimizer` does both for you.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import os
@@ -23,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from unbroken.comm.deadline import LearnedDeadline
-from unbroken.comm.process_group import CrossReplicaGroup, ExchangeFailed, PendingSum
+from unbroken.comm.process_group import CrossReplicaGroup, ExchangeFailed
 from unbroken.comm.recorder import FlightRecorder, install_stack_dump
 from unbroken.comm.transfer import SnapshotCopy, TransferServer, fetch_state, flatten_state, layout
 from unbroken.config import ENV_ANOMALY_POLICY, ENV_PREPARE_EARLY, ENV_RECORDER, ReplicaConfig, local_address_towards
@@ -31,51 +30,12 @@ from unbroken.control.client import CoordinatorClient
 from unbroken.control.quorum import QuorumDecision
 from unbroken.diagnosis.metrics import parse_policy, wants_skip
 from unbroken.launch.chaos import WorkerChaos
+from unbroken.train.overlap import METADATA, OverlappedExchange, busy_seconds
 
 log = logging.getLogger(__name__)
 
 StateDictFn = Callable[[], dict[str, Any]]
 LoadStateDictFn = Callable[[dict[str, Any]], None]
-METADATA = 3  # slots every exchanged buffer ends with: contributing, step, skipped
-
-
-@dataclasses.dataclass
-class OverlappedExchange:
-    """This step's gradient exchange while it runs during the backward pass (see
-    :meth:`Manager.begin_overlap`).
-
-    Attributes:
-        decision: the step's quorum; None when the step exchanges after the backward pass
-            instead (a replica catches up this step, or the exchange cannot overlap).
-        skip: this replica sits the step out (non-finite loss under ``skip_step``).
-        buffers: the exchanged buffers, each ending with :data:`METADATA` slots.
-        pending: their sums in flight.
-        failed: a sum failed; the rest of the step's buckets are not started.
-        contributing: replicas whose gradients the sums hold, once checked.
-        outcome: whether the optimizer may step, once decided.
-        waited_s: seconds spent waiting for sums before the end of backward.
-    """
-
-    decision: QuorumDecision | None
-    step: int = 0
-    skip: bool = False
-    buffers: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    pending: list[PendingSum] = dataclasses.field(default_factory=list)
-    failed: bool = False
-    contributing: int = 0
-    outcome: bool | None = None
-    waited_s: float = 0.0  # in waits during backward (process_group()): not this rank's compute
-
-
-def busy_seconds(pending: list[PendingSum]) -> float:
-    """How long the backend was exchanging ``pending`` (started in order, run one after another)."""
-    busy, free_at = 0.0, 0.0
-    for p in pending:
-        if p.finished is not None:
-            begin = max(p.started, free_at)
-            busy += max(0.0, p.finished - begin)
-            free_at = max(free_at, p.finished)
-    return busy
 
 
 class Manager:

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unbroken.train.manager import METADATA, Manager
+from unbroken.train.manager import Manager
+from unbroken.train.overlap import METADATA
 
 
 class ManagedProcessGroup(dist.ProcessGroup):

@@ -6,7 +6,7 @@ import torch
 
 from unbroken.comm.process_group import PendingSum
 from unbroken.train.ddp import _buckets
-from unbroken.train.manager import busy_seconds
+from unbroken.train.overlap import busy_seconds
 
 
 def test_buckets_follow_reverse_parameter_order_up_to_the_cap() -> None:
