@@ -2,12 +2,17 @@
 
 A training loop needs a handful of lines::
 
-    manager = unbroken.init(state_dict=..., load_state_dict=...)
-    optimizer = unbroken.Optimizer(torch.optim.AdamW(model.parameters()), manager)
-    for batch in ...:
-        optimizer.zero_grad(); model(batch).backward(); optimizer.step()
+    with unbroken.init() as manager:
+        optimizer = unbroken.Optimizer(torch.optim.AdamW(model.parameters()), manager)
+        state = unbroken.model_state(model, optimizer)  # what a recovering peer fetches
+        manager.register_state_dict_fn("train", state.load_state_dict, state.state_dict)
+        while manager.step < steps:
+            optimizer.zero_grad(); model(batch).backward(); optimizer.step()
+            if manager.last_step_committed: ...
 
-and is launched with ``unbroken run --replicas N -- python train.py``.
+and is launched with ``unbroken run --replicas N -- python train.py``. ``unbroken.Optimizer`` is
+a ``torch.optim.Optimizer`` (schedulers, hooks and ``state_dict`` work on it) and
+``unbroken.model_state`` handles FSDP2's DTensor state.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["Checkpointer", "DataParallel", "DistributedDataParallel", "Manager", "Optimizer", "__version__", "average_gradients",
-           "checkpointer_for", "gradient_numel", "init", "resume", "save_if_due"]
+__all__ = ["Checkpointer", "DataParallel", "DistributedDataParallel", "Manager", "ModelState", "Optimizer",
+           "__version__", "average_gradients", "checkpointer_for", "gradient_numel", "init", "model_state", "resume",
+           "save_if_due"]
 
 if TYPE_CHECKING:
     from unbroken.train.manager import Manager, init
@@ -25,6 +31,7 @@ if TYPE_CHECKING:
     from unbroken.train.checkpointing import checkpointer_for, resume, save_if_due
     from unbroken.train.ddp import DistributedDataParallel
     from unbroken.train.optimizer import DataParallel, Optimizer, average_gradients, gradient_numel
+    from unbroken.train.state import ModelState, model_state
 
 
 def __getattr__(name: str) -> Any:
@@ -41,6 +48,10 @@ def __getattr__(name: str) -> Any:
         from unbroken.train import optimizer
 
         return getattr(optimizer, name)
+    if name in ("ModelState", "model_state"):
+        from unbroken.train import state
+
+        return getattr(state, name)
     if name in ("checkpointer_for", "resume", "save_if_due"):
         from unbroken.train import checkpointing
 

@@ -31,12 +31,23 @@ ENV_PREPARE_EARLY = "UNBROKEN_PREPARE_EARLY"
 # Actions for training-metric anomalies over the default policy, e.g.
 # "loss_spike=rollback,memory_growth=none" (see unbroken.diagnosis.metrics.parse_policy).
 ENV_ANOMALY_POLICY = "UNBROKEN_ANOMALY_POLICY"
+# The signal that makes a worker write every thread's stack (the hang diagnosis sends it):
+# a name such as "SIGUSR2" or a number; "none" turns the stack dump off. Default SIGUSR1.
+ENV_STACK_SIGNAL = "UNBROKEN_STACK_SIGNAL"
 # The standard torch.distributed variables, scoped to one replica group.
 ENV_RANK = "RANK"
 ENV_WORLD_SIZE = "WORLD_SIZE"
 ENV_LOCAL_RANK = "LOCAL_RANK"
 ENV_MASTER_ADDR = "MASTER_ADDR"
 ENV_MASTER_PORT = "MASTER_PORT"
+# What torchrun also sets, so a script written for torchrun runs under ``unbroken run`` unchanged.
+ENV_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+ENV_GROUP_RANK = "GROUP_RANK"
+ENV_GROUP_WORLD_SIZE = "GROUP_WORLD_SIZE"
+ENV_ROLE_RANK = "ROLE_RANK"
+ENV_ROLE_WORLD_SIZE = "ROLE_WORLD_SIZE"
+ENV_TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+ENV_TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
 
 
 class ConfigError(ValueError):
@@ -49,6 +60,41 @@ def parse_host_port(value: str, what: str = "address") -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"{what} must look like HOST:PORT (e.g. 127.0.0.1:29510), got {value!r}")
     return host, int(port)
+
+
+def is_stack_signal(number: int) -> bool:
+    """Whether ``number`` may be sent to ask for a stack dump: the user signals and the real-time
+    ones, whose default action no program relies on (never one that stops or ends the process)."""
+    import signal
+
+    return number in (signal.SIGUSR1, signal.SIGUSR2) or signal.SIGRTMIN <= number <= signal.SIGRTMAX
+
+
+def stack_signal(env: Mapping[str, str] | None = None) -> int | None:
+    """The signal named by ``UNBROKEN_STACK_SIGNAL`` (default SIGUSR1); None when turned off.
+
+    Configurable because Slurm and Lightning use SIGUSR1 themselves; the handler chains to
+    theirs either way.
+    """
+    import signal
+
+    raw = (os.environ if env is None else env).get(ENV_STACK_SIGNAL, "").strip()
+    if not raw:
+        return int(signal.SIGUSR1)
+    if raw.lower() in ("none", "off", "0"):
+        return None
+    if raw.isdigit():
+        number = int(raw)
+    else:
+        name = raw.upper() if raw.upper().startswith("SIG") else "SIG" + raw.upper()
+        sig = getattr(signal, name, None)
+        if not isinstance(sig, signal.Signals):
+            raise ConfigError(f"{ENV_STACK_SIGNAL} must name a signal (e.g. SIGUSR2) or be 'none', got {raw!r}")
+        number = int(sig)
+    if not is_stack_signal(number):
+        raise ConfigError(f"{ENV_STACK_SIGNAL}={raw!r} cannot carry a stack dump: use SIGUSR1, SIGUSR2, "
+                          "a real-time signal (SIGRTMIN..SIGRTMAX) or 'none'")
+    return number
 
 
 def local_address_towards(host: str) -> str:

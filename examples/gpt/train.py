@@ -39,23 +39,24 @@ def main() -> None:
     cfg = GPTConfig()
     model = GPT(cfg)
     corpus = make_corpus(cfg.vocab_size, seed=1234)
-    inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
-    # --- unbroken: join the job; say what a recovering peer needs -----------------------
-    def state_dict() -> dict:
-        return {"model": model.state_dict(), "optim": inner.state_dict(), "rng": torch.get_rng_state()}
+    # --- unbroken: join the job; register what a recovering peer needs ------------------
+    with unbroken.init() as manager:
+        optimizer = unbroken.Optimizer(torch.optim.AdamW(model.parameters(), lr=args.lr), manager)
+        # A plain model's own state dicts; an FSDP2 model registers unbroken.model_state(model, optimizer).
+        manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
+        manager.register_state_dict_fn("optim", optimizer.load_state_dict, optimizer.state_dict)
+        manager.register_state_dict_fn("rng", torch.set_rng_state, torch.get_rng_state)
+        checkpointer = unbroken.checkpointer_for(manager)  # None unless `unbroken run --checkpoint-dir`
+        unbroken.resume(manager, checkpointer)
+        # --------------------------------------------------------------------------------
+        train(args, model, corpus, cfg, optimizer, manager, checkpointer)
+        if checkpointer is not None:
+            checkpointer.close()  # waits for the last checkpoint to reach the disk
 
-    def load_state_dict(state: dict) -> None:
-        model.load_state_dict(state["model"])
-        inner.load_state_dict(state["optim"])
-        torch.set_rng_state(state["rng"])
 
-    manager = unbroken.init(state_dict=state_dict, load_state_dict=load_state_dict)
-    optimizer = unbroken.Optimizer(inner, manager)
-    checkpointer = unbroken.checkpointer_for(manager)  # None unless `unbroken run --checkpoint-dir`
-    unbroken.resume(manager, checkpointer)
-    # ------------------------------------------------------------------------------------
-
+def train(args: argparse.Namespace, model: GPT, corpus: torch.Tensor, cfg: GPTConfig, optimizer: unbroken.Optimizer,
+          manager: unbroken.Manager, checkpointer: unbroken.Checkpointer | None) -> None:
     cfg_r = manager.config
     run_dir = Path(cfg_r.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -68,9 +69,11 @@ def main() -> None:
         loss.backward()
         step = manager.step
         # unbroken: report the loss before the exchange (a NaN then sits the step out),
-        # average across replicas and commit, then checkpoint when one is due
+        # average across replicas and step if every replica's exchange succeeded, then
+        # checkpoint when one is due
         reported = manager.report_loss(loss.item(), step)
-        committed = optimizer.step()
+        optimizer.step()
+        committed = manager.last_step_committed
         if committed:
             unbroken.save_if_due(manager, checkpointer, args.checkpoint_every)
         if args.pace_s > 0:
@@ -84,11 +87,8 @@ def main() -> None:
             "recovered": cfg_r.replica_id in (d.behind if d else ()), "step_s": time.perf_counter() - t0,
             "pid": os.getpid(),
         }) + "\n")
-    torch.save(state_dict() | {"step": manager.step}, run_dir / f"final-r{cfg_r.replica_id}.pt")
-    if checkpointer is not None:
-        checkpointer.close()  # waits for the last checkpoint to reach the disk
-    manager.shutdown()
-
+    final = {"model": model.state_dict(), "optim": optimizer.state_dict(), "rng": torch.get_rng_state()}
+    torch.save(final | {"step": manager.step}, run_dir / f"final-r{cfg_r.replica_id}.pt")
 
 if __name__ == "__main__":
     main()

@@ -142,7 +142,8 @@ def main() -> None:
         loss.backward()
         t_exchange = time.time()
         if unbroken_loop:
-            committed = optimizer.step()
+            optimizer.step()
+            committed = manager.last_step_committed
             d = manager.decision
             row = {"epoch": d.epoch if d else None, "members": list(d.members) if d else [],
                    "behind": list(d.behind) if d else [], "donor": any(dn == replica for _, dn in (d.donors if d else ())),

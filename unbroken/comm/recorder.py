@@ -251,14 +251,29 @@ def _drain(q: deque[Any], n: int) -> list[Any]:
     return out
 
 
-def install_stack_dump(path: str | os.PathLike[str]) -> IO[str]:
-    """Makes ``SIGUSR1`` write every thread's Python stack to ``path`` (for hang verdicts).
+class StackDump:
+    """Writes every thread's Python stack to ``path`` when the process gets ``signum`` (hang verdicts).
 
     faulthandler writes from the C signal handler, so a rank stuck in a blocking C call (a
     sleep, a collective wait) still answers. A SIGSTOPped process cannot: the signal stays
-    pending until SIGCONT.
+    pending until SIGCONT. A handler the program installed before (Slurm's and Lightning's
+    SIGUSR1 handlers) still runs after the dump: taking the signal over would break them. With
+    no earlier handler nothing is chained, since the default action of SIGUSR1 ends the process.
+    The handler stays for the life of the process: the diagnosis may still ask a finishing
+    process for its stack, and with SIGUSR1's default action back that would kill it.
     """
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    f = open(path, "w")  # noqa: SIM115 - must stay open for the signal handler
-    faulthandler.register(STACK_SIGNAL, file=f, all_threads=True, chain=False)
-    return f
+
+    def __init__(self, path: str | os.PathLike[str], signum: int = STACK_SIGNAL) -> None:
+        self.path = Path(path)
+        self.signum = signum
+        previous = signal.getsignal(signum)
+        # None: a handler installed outside Python, which must keep working too.
+        chain = previous is None or callable(previous)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file: IO[str] = open(self.path, "w")  # noqa: SIM115 - must stay open for the signal handler
+        faulthandler.register(signum, file=self.file, all_threads=True, chain=chain)
+
+
+def install_stack_dump(path: str | os.PathLike[str], signum: int = STACK_SIGNAL) -> StackDump:
+    """Makes ``signum`` write every thread's Python stack to ``path`` (see :class:`StackDump`)."""
+    return StackDump(path, signum)

@@ -274,7 +274,8 @@ class Coordinator:
         if old is not None and old.writer is not writer:
             old.writer.close()
         ranks[conn.rank] = conn
-        self.diagnosis.hello(conn.replica, conn.rank, conn.pid, str(msg.get("stack_file", "")))
+        self.diagnosis.hello(conn.replica, conn.rank, conn.pid, str(msg.get("stack_file", "")),
+                             msg.get("stack_signal"))
         self._send(writer, {"op": "welcome", "store": self._store_for(writer), "epoch": self.quorum.epoch})
         if len(ranks) == conn.world_size:
             self.quorum.connect(conn.replica)

@@ -19,6 +19,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from unbroken.config import is_stack_signal
 from unbroken.diagnosis.master import DiagnosisMaster
 from unbroken.diagnosis.verdict import COMM_HANG, NONCOMM_HANG, Verdict
 from unbroken.observe.events import EventLog
@@ -51,9 +52,13 @@ class DiagnosisService:
         self.master = master or DiagnosisMaster()
         self.latest: deque[dict[str, Any]] = deque(maxlen=20)
         self.ranks: dict[tuple[int, int], tuple[int, str]] = {}
+        self.signals: dict[tuple[int, int], int] = {}
 
-    def hello(self, replica: int, rank: int, pid: int, stack_file: str) -> None:
+    def hello(self, replica: int, rank: int, pid: int, stack_file: str, stack_signal: object = None) -> None:
         self.ranks[(replica, rank)] = (pid, stack_file)
+        # From the network: only a signal that asks for a dump, never one that ends the process.
+        ok = type(stack_signal) is int and is_stack_signal(stack_signal)
+        self.signals[(replica, rank)] = stack_signal if ok else signal.SIGUSR1  # type: ignore[assignment]
 
     def telemetry(self, replica: int, rank: int, node: str, msg: dict[str, Any]) -> None:
         self.master.ingest((replica, rank), node, msg, time.monotonic())
@@ -88,7 +93,7 @@ class DiagnosisService:
             elif state is not None and path:
                 before = _size(path)
                 try:
-                    os.kill(pid, signal.SIGUSR1)
+                    os.kill(pid, self.signals.get((v.culprit.replica, v.culprit.rank or 0), signal.SIGUSR1))
                 except OSError as e:
                     extra["stack_note"] = f"could not signal pid {pid}: {e}"
                 else:

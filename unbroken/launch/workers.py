@@ -65,7 +65,9 @@ def worker_env(*, coordinator: str, replica: int, num_replicas: int, run_dir: Pa
                extra: dict[str, str] | None = None) -> dict[str, str]:
     """What a worker sees: PyTorch's variables inside its replica group, plus unbroken's own.
 
-    A replica group lives on one node, so its rendezvous (MASTER_ADDR) is this node's loopback.
+    A replica group lives on one node, so its rendezvous (MASTER_ADDR) is this node's loopback,
+    and torchrun's view of it is one node (``GROUP_RANK`` 0) of ``world_size`` local ranks, whose
+    restarts are this replica's restarts.
     """
     return {
         **os.environ,
@@ -80,6 +82,13 @@ def worker_env(*, coordinator: str, replica: int, num_replicas: int, run_dir: Pa
         env.ENV_WORLD_SIZE: str(world_size),
         env.ENV_MASTER_ADDR: "127.0.0.1",
         env.ENV_MASTER_PORT: str(master_port),
+        env.ENV_LOCAL_WORLD_SIZE: str(world_size),
+        env.ENV_GROUP_RANK: "0",
+        env.ENV_GROUP_WORLD_SIZE: "1",
+        env.ENV_ROLE_RANK: str(rank),
+        env.ENV_ROLE_WORLD_SIZE: str(world_size),
+        env.ENV_TORCHELASTIC_RESTART_COUNT: str(restarts),
+        env.ENV_TORCHELASTIC_RUN_ID: Path(run_dir).resolve().name,  # one id for the whole job
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads)),
         "PYTHONUNBUFFERED": "1",
         "PYTHONFAULTHANDLER": "1",  # a crashing worker leaves its stack in the log

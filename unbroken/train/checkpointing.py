@@ -17,7 +17,8 @@ A loop needs two calls::
     unbroken.resume(manager, ck)
     while ...:
         ...; optimizer.step()
-        unbroken.save_if_due(manager, ck, every=10)
+        if manager.last_step_committed:
+            unbroken.save_if_due(manager, ck, every=10)
 """
 
 from __future__ import annotations

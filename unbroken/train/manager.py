@@ -1,9 +1,13 @@
 """The replica step protocol: quorum, reconfigure, catch up, exchange, vote, commit.
 
 One :class:`Manager` per rank. A training loop calls :meth:`start_step` when a step begins
-(the quorum request then travels while the forward pass runs) and :meth:`allreduce` after the
-backward pass; it applies the optimizer step only if that returns True. The optimizer wrapper
-in :mod:`unbroken.train.optimizer` does both for you.
+(the quorum request then travels while the forward pass runs) and :meth:`sync_gradients` after
+the backward pass; it applies the optimizer step only if that returns True, then calls
+:meth:`commit`. The optimizer wrapper in :mod:`unbroken.train.optimizer` does all three, and
+:attr:`Manager.last_step_committed` tells the loop whether the step was applied.
+
+What a recovering peer fetches and a checkpoint holds is the dict of every state registered
+with :meth:`Manager.register_state_dict_fn` (see :mod:`unbroken.train.state`).
 """
 
 from __future__ import annotations
@@ -12,10 +16,13 @@ import contextlib
 import logging
 import math
 import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -25,40 +32,56 @@ from unbroken.comm.deadline import LearnedDeadline
 from unbroken.comm.process_group import CrossReplicaGroup, ExchangeFailed
 from unbroken.comm.recorder import FlightRecorder, install_stack_dump
 from unbroken.comm.transfer import SnapshotCopy, TransferServer, fetch_state, flatten_state, layout
-from unbroken.config import ENV_ANOMALY_POLICY, ENV_PREPARE_EARLY, ENV_RECORDER, ReplicaConfig, local_address_towards
+from unbroken.config import (
+    ENV_ANOMALY_POLICY,
+    ENV_PREPARE_EARLY,
+    ENV_RECORDER,
+    ENV_RUN_DIR,
+    ReplicaConfig,
+    local_address_towards,
+    stack_signal,
+)
 from unbroken.control.client import CoordinatorClient
 from unbroken.control.quorum import QuorumDecision
 from unbroken.diagnosis.metrics import parse_policy, wants_skip
 from unbroken.launch.chaos import WorkerChaos
 from unbroken.train.overlap import METADATA, OverlappedExchange, busy_seconds
+from unbroken.train.state import LoadStateDictFn, StateDictFn, as_local, as_shards
 
 log = logging.getLogger(__name__)
 
-StateDictFn = Callable[[], dict[str, Any]]
-LoadStateDictFn = Callable[[dict[str, Any]], None]
+LEGACY_STATE_KEY = "state"  # where init(state_dict=..., load_state_dict=...) registers its pair
 
 
 class Manager:
     """Runs this rank's side of the fault-tolerant step protocol.
 
+    A context manager: ``with unbroken.init() as manager:`` leaves the job cleanly at the end
+    (a finished replica) and, on an exception, as a failed one, whose restart the supervisor
+    decides.
+
     Args:
-        state_dict: returns everything a recovering peer needs (model, optimizer, RNG, data
-            position); called on the training thread at a step boundary. Its tensors of
-            1 MB or more are copied while the step runs, so they must change only in the
-            optimizer step (parameters and optimizer state do).
-        load_state_dict: applies a state fetched from a donor.
+        state_dict, load_state_dict: a convenience for one state, registered under the key
+            ``"state"``; :meth:`register_state_dict_fn` registers any number, at any time.
         config: where this rank sits; read from the environment when omitted.
         device: where gradients live; picks Gloo (CPU) or NCCL (CUDA) for the exchange.
         deadline: how long an exchange may take before a peer is presumed hung.
         max_attempts: exchange attempts per step before the step is given up.
         quorum_timeout_s: how long to wait for a quorum (training waits while fewer than
             ``min_replicas`` are alive).
+
+    Attributes:
+        step: the number of steps this replica has committed (the job's step).
+        last_step_committed: whether the step begun by the last :meth:`start_step` was applied:
+            False from :meth:`start_step` (``optimizer.zero_grad()``) until :meth:`commit`. After
+            ``optimizer.step()`` it says whether the optimizer really stepped; a step that failed
+            (a peer died mid-exchange, every replica sat it out) leaves ``step`` where it was.
     """
 
     def __init__(
         self,
-        state_dict: StateDictFn,
-        load_state_dict: LoadStateDictFn,
+        state_dict: StateDictFn | None = None,
+        load_state_dict: LoadStateDictFn | None = None,
         config: ReplicaConfig | None = None,
         device: torch.device | None = None,
         deadline: LearnedDeadline | None = None,
@@ -66,10 +89,17 @@ class Manager:
         quorum_timeout_s: float = 600.0,
         connect_timeout_s: float = 60.0,
     ) -> None:
+        if (state_dict is None) != (load_state_dict is None):
+            raise ValueError("pass both state_dict and load_state_dict, or neither (and register states "
+                             "with manager.register_state_dict_fn)")
         self.config = config or ReplicaConfig.from_env()
         self.device = device or torch.device("cpu")
-        self._state_dict = state_dict
-        self._load_state_dict = load_state_dict
+        self._state_fns: dict[str, tuple[LoadStateDictFn, StateDictFn]] = {}
+        if state_dict is not None and load_state_dict is not None:
+            self.register_state_dict_fn(LEGACY_STATE_KEY, load_state_dict, state_dict)
+        self.last_step_committed = False
+        self._closed = False
+        self._warned_stateless = False
         self.deadline = deadline or LearnedDeadline()
         self.max_attempts = max_attempts
         self.quorum_timeout_s = quorum_timeout_s
@@ -102,10 +132,12 @@ class Manager:
         self.group.recorder = self.recorder
         self.anomaly_policy = parse_policy(os.environ.get(ENV_ANOMALY_POLICY, ""))
         self._metrics: tuple[float | None, float | None] = (None, None)
-        stack_file = os.path.join(self.config.run_dir, "stacks", f"r{self.config.replica_id}-rank{self.config.rank}.txt")
-        self._stack_file = install_stack_dump(stack_file)
-        if self.config.world_size > 1 and not dist.is_initialized():
+        signum = stack_signal()
+        stack_file, self._stack_tmp = self._stack_dump_path()
+        self._stack_dump = install_stack_dump(stack_file, signum) if signum is not None else None
+        if self.config.world_size > 1 and not dist.is_initialized():  # the script's own group wins
             dist.init_process_group("gloo" if self.device.type == "cpu" else "nccl")
+        self._vote_device = vote_device(dist.get_backend()) if self.config.world_size > 1 else torch.device("cpu")
         self.client = CoordinatorClient(
             self.config.coordinator,
             hello={
@@ -114,7 +146,8 @@ class Manager:
                 "world_size": self.config.world_size,
                 "transfer_addr": self.transfer.address,
                 "node": self.config.node,
-                "stack_file": stack_file,
+                "stack_file": stack_file if signum is not None else "",
+                "stack_signal": signum,
             },
             on_abort=self.group.abort,
             on_donate=self._donate_soon,
@@ -127,12 +160,13 @@ class Manager:
     def start_step(self) -> None:
         """Asks for this step's quorum; the answer travels while the forward pass runs."""
         if self._quorum is None:
+            self.last_step_committed = False
             if self._last_commit is None and self._own_state is None:
                 # A process that has not trained yet is most likely a restarted one about to
                 # catch up: note where its tensors live, here on the training thread, so the
                 # fetch can write the donor's bytes straight into them.
                 with contextlib.suppress(Exception):
-                    self._own_state = self._full_state()
+                    self._own_state = self._local_state()
             self._quorum = self.client.request_quorum(self.step, None, self._step_time)
             if self.prepare_early:
                 self._quorum.add_done_callback(self._prepare_soon)
@@ -376,6 +410,7 @@ class Manager:
 
     def commit(self) -> None:
         """Marks the step applied; the next :meth:`start_step` asks for the next one."""
+        self.last_step_committed = True
         if self.recorder is not None:
             self.recorder.record_step(self.step, *self._metrics, None)
         self._metrics = (None, None)
@@ -388,7 +423,7 @@ class Manager:
         if not self._prewarmed:
             # The state is complete (optimizer state exists) only after the first commit.
             self._prewarmed = True
-            self.transfer.pool.prewarm(layout(flatten_state(self._full_state())[1])[1])
+            self.transfer.pool.prewarm(layout(flatten_state(self._local_state())[1])[1])
 
     def report_loss(self, loss: float, step: int | None = None) -> float:
         """The loss to report for ``step``; passes through injected faults (a NaN on purpose)."""
@@ -396,10 +431,55 @@ class Manager:
         self._metrics = (value, self._metrics[1])
         return value
 
-    def shutdown(self) -> None:
-        """Leaves the job cleanly: the coordinator records a finished replica, not a failure."""
-        self.client.close(finished=True)
+    def shutdown(self, finished: bool = True) -> None:
+        """Leaves the job: as a finished replica (the default), or as a failed one when
+        ``finished`` is False. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self.client.close(finished=finished)
         self.transfer.close()
+        if self._stack_tmp is not None:
+            shutil.rmtree(self._stack_tmp, ignore_errors=True)
+
+    def __enter__(self) -> Manager:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.shutdown(finished=exc_type is None)
+
+    # -- state -----------------------------------------------------------------------------
+
+    def register_state_dict_fn(self, key: str, load_state_dict: LoadStateDictFn, state_dict: StateDictFn) -> None:
+        """Adds ``key`` to the state a recovering peer fetches and a checkpoint holds.
+
+        ``state_dict`` returns the state (nested dicts, lists and tensors; DTensors are sent as
+        local shards), ``load_state_dict`` applies it. Both run on the training thread between
+        steps; tensors of 1 MB or more are copied while a step runs, so they must change only in
+        the optimizer step (parameters and optimizer state do). Register the same keys on every
+        replica, before its first step; :func:`unbroken.model_state` covers a model and its
+        optimizer.
+
+        Raises:
+            ValueError: ``key`` is empty or already registered.
+        """
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"a state key must be a non-empty string, got {key!r}")
+        if key in self._state_fns:
+            raise ValueError(f"a state is already registered under {key!r}: pick another key")
+        if not callable(load_state_dict) or not callable(state_dict):
+            raise TypeError(f"register_state_dict_fn({key!r}, load_state_dict, state_dict) takes two callables")
+        self._state_fns[key] = (load_state_dict, state_dict)
+
+    def _stack_dump_path(self) -> tuple[str, str | None]:
+        """Where this rank's stack dump goes: the run directory, or a private temporary one
+        (removed at shutdown) for a process launched without one, never the working directory."""
+        name = f"r{self.config.replica_id}-rank{self.config.rank}.txt"
+        if os.environ.get(ENV_RUN_DIR) or self.config.run_dir not in (".", ""):
+            return os.path.join(self.config.run_dir, "stacks", name), None
+        tmp = tempfile.mkdtemp(prefix="unbroken-stacks-")
+        return os.path.join(tmp, name), tmp
 
     # -- internals -----------------------------------------------------------------------
 
@@ -427,7 +507,7 @@ class Manager:
         before it returns, that is, before the optimizer steps.
         """
         taken = time.perf_counter()
-        self._snapshot = SnapshotCopy(self.step, self._full_state(), self.transfer.pool, self.transfer.publish)
+        self._snapshot = SnapshotCopy(self.step, self._local_state(), self.transfer.pool, self.transfer.publish)
         self.stats["last_snapshot_s"] = time.perf_counter() - taken
         self.stats["last_snapshot_early"] = float(early)
 
@@ -485,20 +565,42 @@ class Manager:
         return d
 
     def _full_state(self) -> dict[str, Any]:
-        return {"user": self._state_dict(), "unbroken": {"step": self.step}}
+        """Every registered state and the step, tensors as the state functions return them."""
+        if not self._state_fns and not self._warned_stateless:
+            self._warned_stateless = True
+            log.warning("no state is registered (manager.register_state_dict_fn): a replica that catches "
+                        "up or resumes gets only the step number, not the model")
+        user = {key: save() for key, (_, save) in self._state_fns.items()}
+        return {"user": user, "unbroken": {"step": self.step}}
+
+    def _local_state(self) -> dict[str, Any]:
+        """What a peer is sent: :meth:`_full_state` with DTensors as this rank's local shards."""
+        return as_local(self._full_state())
 
     def state_dict(self) -> dict[str, Any]:
-        """This replica's whole state: the user's (model, optimizer, ...) and its step.
+        """This replica's whole state: every registered state and its step.
 
         What a checkpoint must hold for a resumed or rolled-back replica to rejoin at the
-        right step; the same thing a donor sends a recovering peer. Call between steps.
+        right step; the same thing a donor sends a recovering peer. DTensors come as
+        :class:`~unbroken.checkpoint.Shard` markers of this rank's local piece, which the
+        Checkpointer stores with their place in the global tensor. Call between steps.
         """
-        return self._full_state()
+        return as_shards(self._full_state())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Loads what :meth:`state_dict` returned (say, from a checkpoint); call between steps."""
-        self._load_state_dict(state["user"])
+        self._load_user(state["user"])
         self.step = int(state["unbroken"]["step"])
+
+    def _load_user(self, user: dict[str, Any]) -> None:
+        missing = [k for k in self._state_fns if k not in user]
+        unknown = [k for k in user if k not in self._state_fns]
+        if missing or unknown:
+            raise ValueError(f"the loaded state holds {sorted(user)} but this replica registered "
+                             f"{sorted(self._state_fns)}: register the same keys as the replica that saved it"
+                             + (f" (missing: {missing})" if missing else "") + (f" (unknown: {unknown})" if unknown else ""))
+        for key, (load, _) in self._state_fns.items():
+            load(user[key])
 
     @property
     def writes_checkpoints(self) -> bool:
@@ -539,7 +641,7 @@ class Manager:
             raise RuntimeError(f"catch-up from a donor failed: {box['error']}") from box["error"]
         state = box["state"]
         loading = time.perf_counter()
-        self._load_state_dict(state["user"])
+        self._load_user(state["user"])
         self.step = int(state["unbroken"]["step"])
         assert self.step == decision.step, (self.step, decision.step)
         self.stats["recoveries"] += 1
@@ -651,15 +753,42 @@ class Manager:
         return self._apply_exchanged(locals_, box["buf"], box["seconds"], d, observe=False)
 
     def _vote(self, ok: bool) -> bool:
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        """Whether every rank of this replica group exchanged successfully (a MIN all-reduce on
+        the replica's own group, with a tensor on the device its backend carries)."""
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self._vote_device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
 
+def vote_device(backend: str) -> torch.device:
+    """The device of a tensor that the default group's ``backend`` can all-reduce.
+
+    NCCL takes only CUDA tensors; Gloo, and a group with a CPU backend beside NCCL
+    (``"cpu:gloo,cuda:nccl"``), takes CPU ones, which saves a host-device copy.
+    """
+    entries = backend.lower().split(",")  # "nccl", or per device: "cpu:gloo,cuda:nccl"
+    if any(e.startswith("cpu:") for e in entries) or all(e.rpartition(":")[2] != "nccl" for e in entries):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def init(
-    state_dict: StateDictFn,
-    load_state_dict: LoadStateDictFn,
-    **kwargs: Any,
+    state_dict: StateDictFn | None = None,
+    load_state_dict: LoadStateDictFn | None = None,
+    *,
+    config: ReplicaConfig | None = None,
+    device: torch.device | None = None,
+    deadline: LearnedDeadline | None = None,
+    max_attempts: int = 8,
+    quorum_timeout_s: float = 600.0,
+    connect_timeout_s: float = 60.0,
 ) -> Manager:
-    """Joins the fault-tolerant job this process was launched into (see ``unbroken run``)."""
-    return Manager(state_dict, load_state_dict, **kwargs)
+    """Joins the fault-tolerant job this process was launched into (see ``unbroken run``).
+
+    Register what a recovering peer needs with :meth:`Manager.register_state_dict_fn`
+    (``state_dict``/``load_state_dict`` here register one state under ``"state"``). The
+    default process group of the replica's own ranks is created only if the script has not
+    created it. Use as ``with unbroken.init() as manager:`` to leave the job cleanly.
+    """
+    return Manager(state_dict, load_state_dict, config=config, device=device, deadline=deadline,
+                   max_attempts=max_attempts, quorum_timeout_s=quorum_timeout_s, connect_timeout_s=connect_timeout_s)

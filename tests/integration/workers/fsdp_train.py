@@ -2,8 +2,9 @@
 
 Inside a replica, FSDP2 reduce-scatters gradients over the replica's own ranks; across
 replicas, ``unbroken.average_gradients`` exchanges each rank's local shard with the same
-shard of the other replicas. Writes ``metrics-r{R}.jsonl`` (rank 0) and one final state per
-rank, ``final-r{R}-rank{K}.pt``, holding that rank's local shards.
+shard of the other replicas. The state is ``unbroken.model_state``: FSDP2's DTensors, with no
+hand-made shards. Writes ``metrics-r{R}.jsonl`` (rank 0) and one final state per rank,
+``final-r{R}-rank{K}.pt``, holding that rank's local shards.
 """
 
 from __future__ import annotations
@@ -12,17 +13,13 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import unbroken
-
-
-def local(t: Any) -> Any:
-    return t.to_local() if hasattr(t, "to_local") else t
+from unbroken.train.state import as_local
 
 
 def main() -> None:
@@ -36,37 +33,23 @@ def main() -> None:
                          "allocator warm-up, kernel autotuning), which its peers should not wait for.")
     args = ap.parse_args()
 
-    holder: dict[str, Any] = {}
+    with unbroken.init() as manager:
+        cfg = manager.config
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+        mesh = init_device_mesh("cpu", (cfg.world_size,))
+        model = fully_shard(net, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        # DTensor state: sent to a peer as this rank's local shards and wrapped back on load.
+        state = unbroken.model_state(model, opt)
+        manager.register_state_dict_fn("train", state.load_state_dict, state.state_dict)
+        manager.expect_gradients(unbroken.gradient_numel(model.parameters()))
+        train(args, manager, model, opt, state)
 
-    def state_dict() -> dict[str, Any]:
-        model, opt = holder["model"], holder["opt"]
-        return {
-            "model": {k: local(v) for k, v in model.state_dict().items()},
-            "optim": {i: {k: local(v) for k, v in opt.state[p].items()} for i, p in enumerate(model.parameters())},
-        }
 
-    def load_state_dict(state: dict[str, Any]) -> None:
-        model, opt = holder["model"], holder["opt"]
-        with torch.no_grad():
-            for k, v in model.state_dict().items():
-                local(v).copy_(state["model"][k])
-            for i, p in enumerate(model.parameters()):
-                for k, v in state["optim"][i].items():
-                    if k not in opt.state[p]:
-                        opt.state[p][k] = torch.distributed.tensor.DTensor.from_local(
-                            v.clone(), p.device_mesh, p.placements) if hasattr(p, "device_mesh") else v.clone()
-                    else:
-                        local(opt.state[p][k]).copy_(v)
-
-    manager = unbroken.init(state_dict=state_dict, load_state_dict=load_state_dict)
+def train(args: argparse.Namespace, manager: unbroken.Manager, model: torch.nn.Module, opt: torch.optim.Optimizer,
+          state: unbroken.ModelState) -> None:
     cfg = manager.config
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
-    mesh = init_device_mesh("cpu", (cfg.world_size,))
-    model = fully_shard(net, mesh=mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    holder.update(model=model, opt=opt)
-    manager.expect_gradients(unbroken.gradient_numel(model.parameters()))
     first_step_s = args.restarted_first_step_s if cfg.restart_count > 0 else 0.0
 
     run_dir = Path(cfg.run_dir)
@@ -92,8 +75,9 @@ def main() -> None:
                                       "committed": committed, "members": list(d.members) if d else [],
                                       "behind": list(d.behind) if d else [], "step_s": time.perf_counter() - t0,
                                       "t": time.time()}) + "\n")
-    torch.save({"step": manager.step, **state_dict()}, run_dir / f"final-r{cfg.replica_id}-rank{cfg.rank}.pt")
-    manager.shutdown()
+    final = as_local(state.state_dict())  # this rank's local shards, keyed by parameter name
+    torch.save({"step": manager.step, "model": final["model"], "optim": final["optim"]["state"]},
+               run_dir / f"final-r{cfg.replica_id}-rank{cfg.rank}.pt")
 
 
 if __name__ == "__main__":
