@@ -1,7 +1,8 @@
 """Trains a small MLP with ``unbroken.DistributedDataParallel`` the way an LLM loop does.
 
-AdamW, a ``LambdaLR`` warm-up and ``clip_grad_norm_`` between ``backward()`` and the step: the
-clip sees the cross-replica average because the wrapper averages during the backward pass.
+``unbroken.Optimizer`` over AdamW, a ``LambdaLR`` warm-up on it and ``clip_grad_norm_``
+between ``backward()`` and ``optimizer.step()``: the clip sees the cross-replica average
+because the wrapper averages during the backward pass.
 Each step accumulates ``MICRO`` micro-batches, all but the last under ``no_sync()``.
 Replica R's batch at step S depends only on (S, R), so a test can recompute the whole run in
 one process. Writes ``metrics-r{R}.jsonl`` and ``final-r{R}.pt``.
@@ -39,8 +40,11 @@ def build_model() -> torch.nn.Module:
                                torch.nn.Linear(HIDDEN, OUT))
 
 
-def build_optimizer(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+def build_optimizer(model: torch.nn.Module, manager: Any = None) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW with a warm-up; wrapped in ``unbroken.Optimizer`` when a manager is given."""
+    opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    if manager is not None:
+        opt = unbroken.Optimizer(opt, manager)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
 
 
@@ -74,7 +78,7 @@ def main() -> None:
     manager = unbroken.init(state_dict=state_dict, load_state_dict=load_state_dict)
     cfg = manager.config
     net = build_model()
-    opt, sched = build_optimizer(net)
+    opt, sched = build_optimizer(net, manager)
     holder.update(net=net, opt=opt, sched=sched)
 
     run_dir = Path(cfg.run_dir)
@@ -104,12 +108,11 @@ def main() -> None:
                 x, y = batch(step, cfg.replica_id, micro)
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(net.parameters(), MAX_NORM)
-        committed = manager.sync_gradients([p.grad for p in net.parameters()])
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()  # ends the exchange (already done during backward) and commits
+        committed = manager.last_step_committed
         if committed:
-            opt.step()
             sched.step()
-            manager.commit()
         time.sleep(max(0.0, args.pace_s - (time.perf_counter() - t0)))
         d = manager.decision
         metrics.write(json.dumps({"step": step, "loss": loss.item(), "norm": norm.item(), "committed": committed,
