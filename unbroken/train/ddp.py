@@ -45,10 +45,11 @@ class DistributedDataParallel(torch.nn.Module):
     """Averages gradients across replicas during the backward pass, bucket by bucket.
 
     The forward pass starts the step (its quorum request travels while it runs). After
-    ``loss.backward()``, ``.grad`` holds the average; the step's outcome is then
-    ``manager.sync_gradients(...)`` (``unbroken.Optimizer.step`` calls it)::
+    ``loss.backward()``, ``.grad`` holds the average; ``unbroken.Optimizer.step`` then applies
+    the step without exchanging again (it asks ``manager.sync_gradients``)::
 
         model = unbroken.DistributedDataParallel(net, manager)
+        optimizer = unbroken.Optimizer(torch.optim.AdamW(net.parameters()), manager)
         loss = model(x).sum(); loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
