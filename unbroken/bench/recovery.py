@@ -6,7 +6,13 @@ processes on this machine:
 - ``baseline``: a plain ``torch.distributed`` all-reduce, no unbroken (torchrun-style);
 - ``steady``: unbroken's launcher, coordinator and step protocol, no faults;
 - ``crash``: one replica is ``kill -9``-ed mid-run, restarted, and catches up from a donor;
-- ``hang``: one replica is ``SIGSTOP``-ped, routed around, then ``SIGCONT``-ed and rejoins.
+- ``hang``: one replica is ``SIGSTOP``-ped, routed around, then ``SIGCONT``-ed and rejoins;
+- ``ddp``: ``unbroken.DistributedDataParallel`` against ``torch.nn.parallel.DistributedDataParallel``
+  (both Gloo on CPU) on the MLP and on the example GPT: their step-time ratio, and how much of the
+  exchange the backward pass hid (1 - the wait left at the end of backward / the time the
+  backend spent exchanging).
+
+``--api ddp`` runs steady, crash and hang with the DDP wrapper instead of ``unbroken.Optimizer``.
 
 Baseline and steady alternate (``--rounds``) so that a busy machine slows both alike; the
 overhead ratio compares their median step times from the same invocation. The figures are
@@ -36,7 +42,8 @@ from unbroken.observe.events import read_jsonl
 
 Row = dict[str, Any]
 WARMUP_STEPS = 5
-SCENARIOS = ("steady", "crash", "hang")
+SCENARIOS = ("steady", "crash", "hang", "ddp")
+DDP_MODELS = ("mlp", "gpt")
 LOCAL_STEPS = 6
 
 
@@ -204,9 +211,10 @@ class BenchSettings:
     fault_step: int
     hang_s: float
     root: Path
+    api: str = "unbroken"  # the worker mode of steady, crash and hang: "unbroken" or "ddp"
 
-    def worker(self, mode: str, out: Path) -> tuple[str, ...]:
-        return (sys.executable, "-m", "unbroken.bench.recovery_worker", "--mode", mode,
+    def worker(self, mode: str, out: Path, model: str = "mlp") -> tuple[str, ...]:
+        return (sys.executable, "-m", "unbroken.bench.recovery_worker", "--mode", mode, "--model", model,
                 "--params-m", str(self.params_m), "--steps", str(self.steps), "--out", str(out))
 
 
@@ -220,8 +228,8 @@ def _fresh(path: Path) -> Path:
     return path
 
 
-def run_baseline(s: BenchSettings, out: Path) -> dict[int, list[Row]]:
-    """The loop with a plain all-reduce: one rank per replica, started like torchrun would."""
+def run_baseline(s: BenchSettings, out: Path, mode: str = "baseline", model: str = "mlp") -> dict[int, list[Row]]:
+    """The loop with a plain all-reduce (or torch's DDP): one rank per replica, started like torchrun would."""
     import subprocess
 
     port = free_port()
@@ -231,12 +239,12 @@ def run_baseline(s: BenchSettings, out: Path) -> dict[int, list[Row]]:
             env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(s.replicas), "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": str(port), "OMP_NUM_THREADS": _threads(s.replicas)}
             log = open(out / f"baseline-{rank}.log", "wb")  # noqa: SIM115
-            procs.append(subprocess.Popen(s.worker("baseline", out), env=env, stdout=log, stderr=subprocess.STDOUT,
+            procs.append(subprocess.Popen(s.worker(mode, out, model), env=env, stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True))
             log.close()
         for p in procs:
             if p.wait(timeout=600) != 0:
-                raise click.ClickException(f"a baseline worker failed; see {out}/baseline-*.log")
+                raise click.ClickException(f"a {mode} worker failed; see {out}/baseline-*.log")
     finally:
         for p in procs:
             if p.poll() is None:
@@ -268,8 +276,9 @@ async def _inject(launcher: Launcher, out: Path, s: BenchSettings, kind: str, vi
     return None
 
 
-def run_unbroken(s: BenchSettings, out: Path, fault: str | None, victim: int) -> tuple[dict[int, list[Row]], float | None, int]:
-    settings = LaunchSettings(command=s.worker("unbroken", out), replicas=s.replicas, run_dir=out,
+def run_unbroken(s: BenchSettings, out: Path, fault: str | None, victim: int, mode: str | None = None,
+                 model: str = "mlp") -> tuple[dict[int, list[Row]], float | None, int]:
+    settings = LaunchSettings(command=s.worker(mode or s.api, out, model), replicas=s.replicas, run_dir=out,
                               threads_per_rank=int(_threads(s.replicas)))
 
     async def go() -> tuple[int, float | None]:
@@ -327,9 +336,53 @@ def run_all(s: BenchSettings, rounds: int, log: Any, scenarios: tuple[str, ...] 
         if fault == "hang":
             result[fault]["stopped_s"] = s.hang_s
         log(f"  {json.dumps(result[fault])}")
+    if "ddp" in scenarios:
+        result["ddp"] = {}
+        for model in DDP_MODELS:
+            result["ddp"][model] = ddp_figures(s, model, rounds, log, identical)
     result["replicas_identical"] = all(identical.values())
     result["identical_by_run"] = identical
     return result
+
+
+def hidden_share(rows_by_replica: dict[int, list[Row]]) -> dict[str, float]:
+    """How much of the DDP wrapper's exchange the backward pass hid, over the steady steps.
+
+    ``busy_s`` is how long the backend was exchanging a step's buckets; ``exchange_s`` the
+    part still running when backward ended, which the step waited for.
+    """
+    rows = [r for rows in rows_by_replica.values() for r in step_rows(rows)
+            if r.get("committed") and r["step"] >= WARMUP_STEPS and "busy_s" in r]
+    busy = sum(r["busy_s"] for r in rows)
+    exposed = sum(min(r["exchange_s"], r["busy_s"]) for r in rows)
+    if not rows or busy <= 0:
+        return {}
+    return {"exchange_busy_s": round(busy / len(rows), 4), "exchange_exposed_s": round(exposed / len(rows), 4),
+            "exchange_hidden_share": round(1.0 - exposed / busy, 4)}
+
+
+def ddp_figures(s: BenchSettings, model: str, rounds: int, log: Any, identical: dict[str, bool]) -> dict[str, Any]:
+    """unbroken's DDP wrapper against torch's DDP on ``model``, alternating ``rounds`` times."""
+    torch_medians, ours_medians, shares = [], [], []
+    for i in range(rounds):
+        log(f"round {i + 1}/{rounds}: torch DDP ({model})")
+        base = run_baseline(s, _fresh(s.root / f"torch-ddp-{model}-{i}"), mode="torch_ddp", model=model)
+        torch_medians.append(median_step(base))
+        log(f"round {i + 1}/{rounds}: unbroken DistributedDataParallel ({model})")
+        out = _fresh(s.root / f"ddp-{model}-{i}")
+        ours, _, code = run_unbroken(s, out, None, s.replicas - 1, mode="ddp", model=model)
+        if code != 0:
+            raise click.ClickException(f"the DDP run failed (exit {code}); see {out}/logs")
+        ours_medians.append(median_step(ours))
+        shares.append(hidden_share(ours))
+        identical[f"ddp-{model}-{i}"] = digests_identical(out, s.replicas)
+        log(f"  torch DDP {torch_medians[-1]:.4f}s  unbroken DDP {ours_medians[-1]:.4f}s  {shares[-1]}")
+    t, u = statistics.median(torch_medians), statistics.median(ours_medians)
+    hidden = [x["exchange_hidden_share"] for x in shares if x]
+    return {"torch_ddp_step_s": round(t, 4), "unbroken_ddp_step_s": round(u, 4), "overhead_ratio": round(u / t, 4),
+            "exchange_hidden_share": round(statistics.median(hidden), 4) if hidden else None,
+            "rounds": [{"torch_ddp_step_s": round(a, 4), "unbroken_ddp_step_s": round(b, 4), "ratio": round(b / a, 4), **x}
+                       for a, b, x in zip(torch_medians, ours_medians, shares)]}
 
 
 @click.command()
@@ -343,17 +396,21 @@ def run_all(s: BenchSettings, rounds: int, log: Any, scenarios: tuple[str, ...] 
               help="Alternating baseline/steady pairs for the overhead ratio.")
 @click.option("--only", "only", multiple=True, type=click.Choice(SCENARIOS),
               help="Run only these scenarios (repeatable); default all.")
+@click.option("--api", type=click.Choice(["optimizer", "ddp"]), default="optimizer", show_default=True,
+              help="What steady, crash and hang train with: unbroken.Optimizer (averages in step()) or "
+                   "unbroken.DistributedDataParallel (averages during backward).")
 @click.option("--work-dir", type=click.Path(path_type=Path), default=Path("runs/bench/recovery"), show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/bench/recovery.json"), show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 def recovery(params_m: float, replicas: int, steps: int, fault_step: int, hang_s: float, rounds: int,
-             only: tuple[str, ...], work_dir: Path, out: Path, as_json: bool) -> None:
+             only: tuple[str, ...], api: str, work_dir: Path, out: Path, as_json: bool) -> None:
     """Crash and hang recovery, catch-up and no-fault overhead against a plain all-reduce."""
     if params_m <= 0:
         raise click.BadParameter("must be > 0", param_hint="--params-m")
     if fault_step >= steps - 10:
         raise click.BadParameter(f"must leave at least 10 steps after the fault (< {steps - 10})", param_hint="--fault-step")
-    s = BenchSettings(replicas, params_m, steps, fault_step, hang_s, work_dir)
+    s = BenchSettings(replicas, params_m, steps, fault_step, hang_s, work_dir,
+                      api="ddp" if api == "ddp" else "unbroken")
 
     def log(msg: str) -> None:
         click.echo(msg, err=True)
@@ -375,5 +432,8 @@ def recovery(params_m: float, replicas: int, steps: int, fault_step: int, hang_s
         for fault in [f for f in ("crash", "hang") if f in result]:
             for key, value in result[fault].items():
                 table.add_row(f"{fault}.{key}", str(value))
+        for model, figures in result.get("ddp", {}).items():
+            for key in ("torch_ddp_step_s", "unbroken_ddp_step_s", "overhead_ratio", "exchange_hidden_share"):
+                table.add_row(f"ddp.{model}.{key}", str(figures[key]))
         table.add_row("replicas_identical", str(result["replicas_identical"]))
         Console().print(table)

@@ -5,6 +5,10 @@
 ``--mode unbroken`` joins a job started by the launcher; ``--mode baseline`` is the same loop
 with a plain ``torch.distributed`` all-reduce and nothing of unbroken (RANK/WORLD_SIZE/MASTER_*
 from the environment), so the two step times compare the protocol's cost and nothing else.
+``--mode ddp`` is unbroken's ``DistributedDataParallel`` (gradients averaged during backward)
+under the launcher, and ``--mode torch_ddp`` the same loop with
+``torch.nn.parallel.DistributedDataParallel`` on a plain Gloo group, its reference.
+``--model gpt`` trains the example GPT (``examples/gpt``) instead of the MLP.
 Every step appends one JSON line to ``DIR/steps-r{R}.jsonl``; at the end the worker writes a
 digest of its parameters and optimizer state, which is how the benchmark checks that replicas
 are bitwise identical without writing hundreds of megabytes.
@@ -48,6 +52,36 @@ def state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> st
     return h.hexdigest()
 
 
+def build_model(name: str, params_m: float) -> tuple[torch.nn.Module, Any]:
+    """The model and ``loss(model, step, replica, batch_size)`` for it."""
+    if name == "mlp":
+        mlp = build_mlp(params_m)
+        width = mlp[0].in_features
+
+        def mlp_loss(model: torch.nn.Module, step: int, replica: int, batch_size: int) -> torch.Tensor:
+            x, y = batch_for(step, replica, batch_size, width)
+            return torch.nn.functional.mse_loss(model(x), y)
+
+        return mlp, mlp_loss
+    import sys
+
+    gpt_dir = Path(__file__).resolve().parents[2] / "examples" / "gpt"
+    if not (gpt_dir / "model.py").exists():
+        raise SystemExit(f"--model gpt needs the example GPT in {gpt_dir} (a source checkout of unbroken)")
+    sys.path.insert(0, str(gpt_dir))
+    from data import batch, make_corpus  # type: ignore[import-not-found]
+    from model import GPT, GPTConfig  # type: ignore[import-not-found]
+
+    cfg = GPTConfig()
+    corpus = make_corpus(cfg.vocab_size, seed=1234)
+
+    def gpt_loss(model: torch.nn.Module, step: int, replica: int, batch_size: int) -> torch.Tensor:
+        x, y = batch(corpus, step, replica, 8, batch_size, cfg.block_size)
+        return model(x, y)
+
+    return GPT(cfg), gpt_loss
+
+
 def batch_for(step: int, replica: int, batch_size: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch of (step, replica): a restarted replica resumes on exactly the right data."""
     g = torch.Generator().manual_seed(step * 1009 + replica)
@@ -56,7 +90,8 @@ def batch_for(step: int, replica: int, batch_size: int, width: int) -> tuple[tor
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--mode", choices=("unbroken", "baseline"), required=True)
+    ap.add_argument("--mode", choices=("unbroken", "baseline", "ddp", "torch_ddp"), required=True)
+    ap.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
     ap.add_argument("--params-m", type=float, default=25.0)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--batch-size", type=int, default=32)
@@ -64,13 +99,14 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.manual_seed(0)
-    model = build_mlp(args.params_m)
-    width = model[0].in_features
+    model, loss_of = build_model(args.model, args.params_m)
     inner = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     params = [p for p in model.parameters()]
     args.out.mkdir(parents=True, exist_ok=True)
+    unbroken_loop = args.mode in ("unbroken", "ddp")
+    net: torch.nn.Module = model  # what the loop calls: the model or its DDP wrapper
 
-    if args.mode == "unbroken":
+    if unbroken_loop:
         import unbroken
 
         def state_dict() -> dict[str, Any]:
@@ -83,26 +119,29 @@ def main() -> None:
         manager = unbroken.init(state_dict=state_dict, load_state_dict=load_state_dict)
         optimizer: Any = unbroken.Optimizer(inner, manager)
         replica = manager.config.replica_id
+        if args.mode == "ddp":
+            net = unbroken.DistributedDataParallel(model, manager)
     else:
         dist.init_process_group("gloo")
         replica = dist.get_rank()
         world = dist.get_world_size()
+        if args.mode == "torch_ddp":
+            net = torch.nn.parallel.DistributedDataParallel(model)
 
     log = open(args.out / f"steps-r{replica}.jsonl", "a", buffering=1)  # noqa: SIM115
     log.write(json.dumps({"event": "ready", "t": time.time(), "pid": os.getpid()}) + "\n")
     step = 0
     while step < args.steps:
         t0 = time.time()
-        if args.mode == "unbroken":
+        if unbroken_loop:
             optimizer.zero_grad()
             step = manager.step
         else:
             inner.zero_grad()
-        x, y = batch_for(step, replica, args.batch_size, width)
-        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss = loss_of(net, step, replica, args.batch_size)
         loss.backward()
         t_exchange = time.time()
-        if args.mode == "unbroken":
+        if unbroken_loop:
             optimizer.step()
             committed = manager.last_step_committed
             d = manager.decision
@@ -116,7 +155,13 @@ def main() -> None:
                    "snapshot_wait_s": manager.stats.get("last_snapshot_wait_s", 0.0),
                    "snapshot_early": bool(manager.stats.get("last_snapshot_early", 0.0)),
                    "fetch_cpu_s": manager.stats.get("last_fetch_cpu_s", 0.0)}
+            if args.mode == "ddp":  # the exchange ran during backward: how much of it was left to wait for
+                row["busy_s"] = manager.stats.get("last_exchange_busy_s", 0.0)
             step = manager.step
+        elif args.mode == "torch_ddp":
+            inner.step()
+            row = {"step": step, "committed": True}
+            step += 1
         else:
             flat = torch._utils._flatten_dense_tensors([p.grad for p in params])
             dist.all_reduce(flat)
@@ -129,11 +174,11 @@ def main() -> None:
         t1 = time.time()
         log.write(json.dumps({**row, "t0": t0, "t1": t1, "step_s": t1 - t0, "compute_s": t_exchange - t0,
                               "loss": loss.item(), "pid": os.getpid()}) + "\n")
-    served = manager.transfer.served if args.mode == "unbroken" else []
+    served = manager.transfer.served if unbroken_loop else []
     (args.out / f"digest-r{replica}.json").write_text(
         json.dumps({"step": step, "digest": state_digest(model, inner), "served": served})
     )
-    if args.mode == "unbroken":
+    if unbroken_loop:
         manager.shutdown()
     else:
         dist.destroy_process_group()

@@ -41,6 +41,19 @@ class ExchangeFailed(RuntimeError):
     """The exchange of this epoch cannot complete: a peer died, hung, or we were told to abort."""
 
 
+class PendingSum:
+    """A sum started by :meth:`CrossReplicaGroup.start_allreduce_sum`, not yet waited for."""
+
+    def __init__(self, epoch: int | None, future: Any) -> None:
+        self.epoch = epoch
+        self.future = future  # None when the group has one member: nothing to wait for
+        self.started = time.perf_counter()
+        self.finished: float | None = None  # when the backend completed it (the benchmark's overlap figure)
+
+    def done(self) -> bool:
+        return self.future is None or self.future.done()
+
+
 class CrossReplicaGroup:
     """The reconfigurable group among the same rank of every replica in the quorum.
 
@@ -61,6 +74,7 @@ class CrossReplicaGroup:
         self._pending: Future[Any] | None = None  # the group of this epoch, being built
         self._stores: dict[str, dist.TCPStore] = {}
         self._wake: threading.Event | None = None  # the wait in progress, one per operation
+        self._batch: tuple[threading.Event, Any] | None = None  # overlapped sums: their wake, record
         self._aborted_epoch: int | None = None
         self._lock = threading.Lock()
         self._store_lock = threading.Lock()
@@ -84,6 +98,7 @@ class CrossReplicaGroup:
         deadline as the exchange itself.
         """
         self.abandon()
+        self._batch_over(None)  # a batch of overlapped sums left open by the last epoch
         self.members, self.tag = list(members or range(size)), tag
         self.epoch, self.rank, self.size = epoch, rank, size
         if size == 1:
@@ -176,6 +191,135 @@ class CrossReplicaGroup:
         finally:
             if rec is not None and token is not None:
                 rec.end(token, ok)
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether several sums may be in flight at once (the backend's; the ring's may not)."""
+        return self.mode == "backend"
+
+    def start_allreduce_sum(self, tensor: torch.Tensor, deadline_s: float, nbytes_total: int = 0) -> PendingSum:
+        """Starts summing ``tensor`` in place and returns at once; see :meth:`finish_allreduce_sums`.
+
+        Several sums may be in flight (a bucket each, started while the backward pass still
+        computes the next); every member must start them in the same order. The first one of a
+        batch waits, bounded, for this epoch's rendezvous, and opens the flight recorder's
+        record of the batch (``nbytes_total`` bytes). Only the backend's all-reduce overlaps.
+
+        Raises:
+            ExchangeFailed: as :meth:`allreduce_sum`; the batch is then over and the group,
+                with the tensors of every sum already started, abandoned.
+        """
+        if self.size == 1:
+            return PendingSum(self.epoch, None)
+        if not self.overlaps:
+            raise RuntimeError("overlapped sums need the backend's all-reduce, not UNBROKEN_EXCHANGE=ring")
+        if self._pg is None and self._pending is None:
+            self._batch_over(None)
+            raise ExchangeFailed("no group: this epoch was abandoned")
+        epoch = self.epoch
+        with self._lock:
+            aborted = self._aborted_epoch == epoch
+            if not aborted and self._batch is None:
+                self._batch = (threading.Event(), None)
+                self._wake = self._batch[0]
+        if aborted:  # sums of this batch may be in flight: their group goes with them
+            self.abandon()
+            self._batch_over(None)
+            raise ExchangeFailed(f"epoch {epoch} was aborted by the coordinator")
+        assert self._batch is not None
+        wake = self._batch[0]
+        if self._batch[1] is None:
+            rec = self.recorder
+            token = rec.begin(f"{self.tag}/epoch{epoch}", "allreduce", nbytes_total or tensor.numel() * 4,
+                              self.members) if rec else None
+            self._batch = (wake, token)
+            self.last_join_wait_s = 0.0
+        if self._pg is None:
+            start = time.perf_counter()
+            try:
+                self._join_group(wake, max(deadline_s, self.rendezvous_s))
+            except ExchangeFailed:
+                self._batch_over(None)
+                raise
+            self.last_join_wait_s = time.perf_counter() - start
+            with self._lock:
+                self._wake = wake
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        try:
+            fut = self._pg.allreduce([tensor], opts).get_future()
+        except Exception as e:  # a peer's connection closed before this started
+            self.abandon()
+            self._batch_over(None)
+            raise ExchangeFailed(f"exchange failed in epoch {epoch}: {e}") from e
+        pending = PendingSum(epoch, fut)
+
+        def done(_: Any) -> None:
+            pending.finished = time.perf_counter()
+            wake.set()
+
+        fut.add_done_callback(done)
+        return pending
+
+    def finish_allreduce_sums(self, pending: list[PendingSum], deadline_s: float, last: bool = True) -> float:
+        """Waits for ``pending`` sums, bounded by the deadline and the coordinator's abort.
+
+        ``last``: they end the batch (its flight record closes); otherwise more may follow.
+        Returns the seconds waited here (what remained of the exchange once the caller had
+        nothing else to do). The tensors of the batch are undefined after a failure and must
+        not be reused.
+
+        Raises:
+            ExchangeFailed: a peer failed, the deadline passed, or the coordinator aborted.
+        """
+        start = time.perf_counter()
+        if self.size == 1 or not pending:
+            if last:
+                self._batch_over(True)
+            return 0.0
+        epoch = pending[0].epoch
+        batch = self._batch
+        if batch is None or epoch != self.epoch:
+            self._batch_over(None)
+            raise ExchangeFailed(f"epoch {epoch} was abandoned while its sums were in flight")
+        wake = batch[0]
+        end = start + deadline_s
+        ok: bool | None = False
+        try:
+            while True:
+                wake.clear()
+                if all(p.done() for p in pending):
+                    break
+                with self._lock:
+                    aborted = self._aborted_epoch == epoch
+                if aborted:
+                    ok = None
+                    self.abandon()
+                    raise ExchangeFailed(f"epoch {epoch} was aborted by the coordinator")
+                left = end - time.perf_counter()
+                if left <= 0:
+                    self.abandon()
+                    raise ExchangeFailed(f"exchange in epoch {epoch} passed its {deadline_s:.2f}s deadline")
+                wake.wait(left)
+            for p in pending:
+                try:
+                    p.future.wait()
+                except Exception as e:  # the backend's error: a peer's connection closed
+                    ok = None
+                    self.abandon()
+                    raise ExchangeFailed(f"exchange failed in epoch {epoch}: {e}") from e
+            ok = True
+            return time.perf_counter() - start
+        finally:
+            if last or not ok:
+                self._batch_over(ok)
+
+    def _batch_over(self, ok: bool | None) -> None:
+        batch, self._batch = self._batch, None
+        with self._lock:
+            self._wake = None
+        if batch is not None and batch[1] is not None and self.recorder is not None:
+            self.recorder.end(batch[1], ok)
 
     def _start(self, tensor: torch.Tensor, wake: threading.Event) -> Any:
         """Starts the sum; returns a future that ``wake`` is set on when it is done."""

@@ -45,6 +45,7 @@ from unbroken.control.client import CoordinatorClient
 from unbroken.control.quorum import QuorumDecision
 from unbroken.diagnosis.metrics import parse_policy, wants_skip
 from unbroken.launch.chaos import WorkerChaos
+from unbroken.train.overlap import METADATA, OverlappedExchange, busy_seconds
 from unbroken.train.state import LoadStateDictFn, StateDictFn, as_local, as_shards
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ class Manager:
         self._snapshot: SnapshotCopy | None = None  # a donation still being copied
         self._grad_numel: int | None = None  # see expect_gradients
         self._early: tuple[int, threading.Thread, dict[str, Any]] | None = None  # epoch, thread, result
+        self._overlap: OverlappedExchange | None = None  # this step's exchange during backward
         self._prepared_for: tuple[int, int] | None = None  # the (epoch, step) a catch-up started for
         self._donate_next = False  # the coordinator forecast that this replica serves a newcomer next
         self._last_commit: float | None = None
@@ -213,11 +215,172 @@ class Manager:
             self._settle_snapshot()
 
     def sync_gradients(self, grads: list[torch.Tensor]) -> bool:
-        """Ends this step's gradient exchange; True when the optimizer may step."""
-        return self.allreduce(grads)
+        """Ends this step's gradient exchange; True when the optimizer may step.
 
-    def _allreduce(self, grads: list[torch.Tensor]) -> bool:
-        failed: int | None = None
+        When the gradients were already averaged during the backward pass (by
+        :class:`~unbroken.train.ddp.DistributedDataParallel` or :meth:`process_group`), returns
+        that outcome, after this replica's ranks agreed on it, without exchanging again;
+        otherwise averages ``grads`` now, as :meth:`allreduce`.
+        """
+        overlap = self._overlap
+        if overlap is not None and overlap.outcome is None and overlap.step != self.step:
+            overlap = None  # begun in an earlier step that never asked for its outcome
+        if overlap is None or (overlap.decision is None and overlap.outcome is None):
+            self._overlap = None
+            return self.allreduce(grads)
+        try:
+            if overlap.outcome is None:  # process_group(): each sum was waited for in its own call
+                ok = self.wait_buckets() and overlap.contributing > 0  # any left in flight (async_op)
+                if self.config.world_size > 1:
+                    ok = self._vote(ok)
+                if not ok:
+                    self._overlap_failed(overlap)
+                overlap.outcome = ok
+            return overlap.outcome
+        finally:
+            self._overlap = None
+            self._settle_snapshot()
+
+    def process_group(self) -> Any:
+        """A ``torch.distributed`` process group over the replicas, for gradients only.
+
+        ``dist.all_reduce(t, group=pg)`` (``SUM`` or ``AVG`` over the contributing replicas)
+        and FSDP2's ``set_all_reduce_hook`` exchange through this step's fault-tolerant
+        group; :meth:`sync_gradients` then says whether the step may commit. See
+        :mod:`unbroken.train.process_group`.
+        """
+        from unbroken.train.process_group import ManagedProcessGroup
+
+        return ManagedProcessGroup(self)
+
+    def begin_overlap(self) -> OverlappedExchange:
+        """Starts this step's exchange during backward, at its first bucket (idempotent).
+
+        Waits for the quorum (asked for when the step started). When a replica catches up this
+        step, every member exchanges after the backward pass instead (``decision`` None), in
+        the single buffer the catching-up replica sends early; its donor's snapshot is then
+        taken there, not in the middle of a backward pass.
+        """
+        if self._overlap is not None and self._overlap.step == self.step:
+            return self._overlap  # the step's later buckets, or its next backward pass
+        self.start_step()
+        assert self._quorum is not None
+        d = self._prepare(self._quorum.result(timeout=self.quorum_timeout_s))
+        if d.behind or not self.group.overlaps:
+            self._overlap = OverlappedExchange(None, step=self.step)
+            return self._overlap
+        d = self._await_quorum(None)
+        skip = wants_skip(*self._metrics, self.anomaly_policy)
+        if skip:
+            if self.recorder is not None:
+                self.recorder.record_step(self.step, *self._metrics, None)
+            log.warning("replica %d step %d: %s, sitting this step out", self.config.replica_id, self.step, skip)
+        self._overlap = OverlappedExchange(d, step=self.step, skip=bool(skip))
+        return self._overlap
+
+    def start_bucket(self, buf: torch.Tensor) -> None:
+        """Starts summing one bucket: ``buf`` holds its gradients and :data:`METADATA` free slots.
+
+        Every member starts the same buckets in the same order. After a failure nothing more is
+        started; the buffers of the step are then never used again.
+        """
+        o = self.begin_overlap()
+        if o.decision is None or o.failed:
+            return
+        n = buf.numel() - METADATA
+        if o.skip:
+            buf.zero_()
+        buf[n] = 0.0 if o.skip else 1.0
+        buf[n + 1] = float(o.decision.step)
+        buf[n + 2] = 1.0 if o.skip else 0.0
+        total = 4 * (self._grad_numel or 0)
+        try:
+            o.pending.append(self.group.start_allreduce_sum(buf, self.deadline.seconds, total))
+            o.buffers.append(buf)
+        except ExchangeFailed as e:
+            log.warning("replica %d step %d: %s", self.config.replica_id, self.step, e)
+            o.failed = True
+
+    def wait_buckets(self, last: bool = True) -> bool:
+        """Waits for the buckets started so far and checks every member's step and contribution.
+
+        ``last``: the end of the backward pass, the step's exchange is complete. The wait is
+        the part of the exchange that compute did not hide, which the deadline learns from.
+        Returns False after any failure; the sums are then not to be used.
+        """
+        o = self._overlap
+        assert o is not None and o.decision is not None
+        if last:  # this rank's own time for the step, without waiting for peers
+            self.client.compute_s = time.perf_counter() - self._compute_t0 - o.waited_s
+            if self.chaos is not None:
+                self.chaos.before_exchange(self.step, o.decision.members, 4 * (self._grad_numel or 0))
+        if o.failed:
+            return False
+        pending, o.pending = o.pending, []
+        if not pending:  # all waited for already (process_group()): this only closes the record
+            self.group.finish_allreduce_sums([], self.deadline.seconds, last=last)
+            return True
+        waiting = time.perf_counter()
+        try:
+            seconds = self.group.finish_allreduce_sums(pending, self.deadline.seconds, last=last)
+        except ExchangeFailed as e:
+            log.warning("replica %d step %d: %s", self.config.replica_id, self.step, e)
+            o.failed = True
+            return False
+        finally:
+            o.waited_s += time.perf_counter() - waiting
+        for buf in o.buffers[len(o.buffers) - len(pending):]:
+            contributing = self._check_exchanged(buf, o.decision)
+            if contributing is None:
+                o.failed = True
+                return False
+            o.contributing = contributing
+        self.deadline.observe(seconds)
+        self.stats["last_exchange_s"] = seconds
+        self.stats["last_join_wait_s"] = self.group.last_join_wait_s
+        self.stats["last_exchange_busy_s"] = busy_seconds(pending)
+        return True
+
+    def end_overlap(self, grads: list[torch.Tensor], write_back: Callable[[float], None]) -> bool:
+        """Ends a step whose buckets were all started: waits, agrees, then writes or redoes.
+
+        ``write_back(scale)`` writes each bucket's sum times ``scale`` into the gradients; it
+        runs only once every bucket succeeded and every rank of this replica agreed, so that a
+        failed step still holds this replica's own ``grads``, which are then averaged in a new
+        epoch (the synchronous path of :meth:`allreduce`). A deferred step (someone catches
+        up) takes that path directly.
+        """
+        o = self.begin_overlap()
+        try:
+            if o.decision is None:
+                o.outcome = self._allreduce(grads)
+                return o.outcome
+            ok = self.wait_buckets() and o.contributing > 0
+            if self.config.world_size > 1:
+                ok = self._vote(ok)
+            if ok:
+                write_back(1.0 / o.contributing)
+                o.outcome = True
+                return True
+            if o.contributing == 0 and not o.failed:  # every replica sat this step out: nothing to apply
+                o.outcome = False
+                return False
+            self.stats["exchange_failures"] += 1
+            o.outcome = self._allreduce(grads, failed=o.decision.epoch)
+            return o.outcome
+        finally:
+            self._settle_snapshot()  # a donor's copy is complete before any optimizer steps
+
+    def _overlap_failed(self, o: OverlappedExchange) -> None:
+        """A step exchanged during backward failed: its redo asks for a quorum without that epoch."""
+        if o.decision is None or (o.contributing == 0 and not o.failed):
+            return
+        self.stats["exchange_failures"] += 1
+        self._quorum = self.client.request_quorum(self.step, o.decision.epoch, self._step_time)
+        if self.prepare_early:
+            self._quorum.add_done_callback(self._prepare_soon)
+
+    def _allreduce(self, grads: list[torch.Tensor], failed: int | None = None) -> bool:
         for _ in range(self.max_attempts):
             decision = self._await_quorum(failed)
             behind = self.config.replica_id in decision.behind
@@ -525,21 +688,28 @@ class Manager:
             return False
         return self._apply_exchanged(locals_, buf, seconds, d)
 
-    def _apply_exchanged(self, locals_: list[torch.Tensor], buf: torch.Tensor, seconds: float,
-                         d: QuorumDecision, observe: bool = True) -> bool:
-        """Checks the exchanged totals and writes the average into the gradients."""
-        n = buf.numel() - 3
+    def _check_exchanged(self, buf: torch.Tensor, d: QuorumDecision) -> int | None:
+        """The replicas whose gradients the summed ``buf`` holds; None when members disagree."""
+        n = buf.numel() - METADATA
         contributing, step_sum, skipped = buf[n].item(), buf[n + 1].item(), round(buf[n + 2].item())
         if round(contributing) + skipped != d.contributing or step_sum != float(d.step) * len(d.members):
             log.warning("replica %d: members disagree on the step (%s); redoing it", self.config.replica_id, step_sum)
+            return None
+        return round(contributing)
+
+    def _apply_exchanged(self, locals_: list[torch.Tensor], buf: torch.Tensor, seconds: float,
+                         d: QuorumDecision, observe: bool = True) -> bool:
+        """Checks the exchanged totals and writes the average into the gradients."""
+        contributing = self._check_exchanged(buf, d)
+        if contributing is None:
             return False
         if observe:
             self.deadline.observe(seconds)
         self.stats["last_exchange_s"] = seconds
         self.stats["last_join_wait_s"] = self.group.last_join_wait_s
-        if round(contributing) == 0:
+        if contributing == 0:
             return False  # every replica sat this step out: nothing to apply
-        scale = 1.0 / round(contributing)
+        scale = 1.0 / contributing
         offset = 0
         for g in locals_:
             torch.mul(buf[offset : offset + g.numel()].view_as(g), scale, out=g)

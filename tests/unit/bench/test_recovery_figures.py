@@ -91,3 +91,15 @@ def test_serving_figures_sum_what_the_donors_served(tmp_path: Path) -> None:
     got = serving_figures(tmp_path, 3, median_step_s=0.4)
     assert got == {"serve_s": 0.5, "serve_cpu_s": 0.04, "serve_mb": 200.0, "serve_cpu_step_share": 0.1}
     assert serving_figures(tmp_path / "missing", 3, 0.4) == {}
+
+
+def test_hidden_share_is_the_busy_exchange_not_waited_for() -> None:
+    from unbroken.bench.recovery import hidden_share
+
+    # The backend exchanged for 0.04 s a step; 0.01 s of it was left when backward ended.
+    rows = {0: _steps(0, range(10), 0.0, 0.1, busy_s=0.04, exchange_s=0.01),
+            1: _steps(1, range(10), 0.0, 0.1, busy_s=0.04, exchange_s=0.03)}
+    got = hidden_share(rows)
+    assert got["exchange_hidden_share"] == pytest.approx(0.5)
+    assert got["exchange_busy_s"] == pytest.approx(0.04) and got["exchange_exposed_s"] == pytest.approx(0.02)
+    assert hidden_share({0: _steps(0, range(10), 0.0, 0.1)}) == {}  # not a DDP run

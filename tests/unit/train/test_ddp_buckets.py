@@ -1,0 +1,27 @@
+"""The DDP wrapper's pure parts: how parameters fall into buckets, and the exchange's busy time."""
+
+from __future__ import annotations
+
+import torch
+
+from unbroken.comm.process_group import PendingSum
+from unbroken.train.ddp import _buckets
+from unbroken.train.overlap import busy_seconds
+
+
+def test_buckets_follow_reverse_parameter_order_up_to_the_cap() -> None:
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (100, 50, 50, 300, 10)]
+    # 100 floats = 400 bytes per bucket: the last parameter first, as backward produces them.
+    assert _buckets(params, 400) == [[4], [3], [2, 1], [0]]
+    assert _buckets(params, 10**6) == [[4, 3, 2, 1, 0]]
+    assert sorted(i for b in _buckets(params, 1) for i in b) == list(range(5))  # each alone, none lost
+
+
+def test_busy_seconds_counts_overlapping_sums_once() -> None:
+    def sum_(started: float, finished: float | None) -> PendingSum:
+        p = PendingSum(0, None)
+        p.started, p.finished = started, finished
+        return p
+
+    # Two sums queued behind each other, then one after a gap; an unfinished one counts nothing.
+    assert busy_seconds([sum_(0.0, 1.0), sum_(0.5, 1.5), sum_(3.0, 3.25), sum_(4.0, None)]) == 1.75

@@ -1,0 +1,166 @@
+"""``DistributedDataParallel`` over the replicas: gradients averaged during the backward pass.
+
+Like ``torch.nn.parallel.DistributedDataParallel``, parameters are grouped into buckets of about
+``bucket_cap_mb`` in reverse registration order (roughly the order in which the backward pass
+produces their gradients), and a bucket's exchange starts the moment its last gradient is
+accumulated, while the backward pass computes the rest. An end-of-backward callback waits for
+every bucket, so when ``loss.backward()`` returns ``.grad`` holds the cross-replica average and
+``clip_grad_norm_`` sees the norm of the average.
+
+Fault semantics are those of :meth:`Manager.allreduce`: each bucket carries the step's metadata
+(contributing, step, skipped) and is checked; waits are bounded by the learned deadline and the
+coordinator's abort. Buckets are exchanged in copies, and the averages are written into ``.grad``
+only once every bucket succeeded and every rank of this replica agreed; after a failure the
+gradients still hold this replica's own values and the step is redone, in the same call, in a new
+epoch on the synchronous path. A step in which a replica catches up is exchanged on that path too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from unbroken.train.manager import Manager
+from unbroken.train.overlap import METADATA
+
+
+def _buckets(params: list[torch.nn.Parameter], cap_bytes: int) -> list[list[int]]:
+    """Indices of ``params`` per bucket, last parameter first (the order backward reaches them)."""
+    buckets: list[list[int]] = []
+    size = cap_bytes  # forces a new bucket on the first parameter
+    for i in reversed(range(len(params))):
+        nbytes = params[i].numel() * 4  # exchanged in float32
+        if size + nbytes > cap_bytes and (not buckets or buckets[-1]):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += nbytes
+    return buckets
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Averages gradients across replicas during the backward pass, bucket by bucket.
+
+    The forward pass starts the step (its quorum request travels while it runs). After
+    ``loss.backward()``, ``.grad`` holds the average; ``unbroken.Optimizer.step`` then applies
+    the step without exchanging again (it asks ``manager.sync_gradients``)::
+
+        model = unbroken.DistributedDataParallel(net, manager)
+        optimizer = unbroken.Optimizer(torch.optim.AdamW(net.parameters()), manager)
+        loss = model(x).sum(); loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+
+    Args:
+        module: the model; every replica holds the same parameters in the same order.
+        manager: this rank's :class:`Manager`.
+        bucket_cap_mb: the size of a bucket (float32 bytes), as in torch's DDP.
+    """
+
+    def __init__(self, module: torch.nn.Module, manager: Manager, bucket_cap_mb: float = 25.0) -> None:
+        super().__init__()
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        self.module = module
+        self.manager = manager
+        seen: set[int] = set()
+        self._params = [p for p in module.parameters() if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]
+        self._buckets = _buckets(self._params, max(1, int(bucket_cap_mb * 2**20)))
+        self._bucket_of = {i: b for b, idx in enumerate(self._buckets) for i in idx}
+        self._numel = [sum(self._params[i].numel() for i in idx) for idx in self._buckets]
+        self._buffers: list[torch.Tensor | None] = [None] * len(self._buckets)
+        self._sync = True
+        self._wrote = False
+        self._reset()
+        if self._params:
+            manager.expect_gradients(sum(self._numel))
+        for i, p in enumerate(self._params):
+            p.register_post_accumulate_grad_hook(lambda _p, i=i: self._grad_ready(i))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.manager.start_step()
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate local gradients; the next one outside averages them."""
+        before, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = before
+
+    @property
+    def buckets_started(self) -> int:
+        """Buckets whose exchange the current backward pass has started."""
+        return self._next
+
+    # -- during backward -----------------------------------------------------------------
+
+    def _reset(self) -> None:
+        self._ready = [0] * len(self._buckets)
+        self._next = 0
+        self._queued = False
+
+    def _grad_ready(self, i: int) -> None:
+        if not self._sync:
+            return
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        b = self._bucket_of[i]
+        self._ready[b] += 1
+        while self._next < len(self._buckets) and self._ready[self._next] >= len(self._buckets[self._next]):
+            self._start(self._next)
+            self._next += 1
+
+    def _start(self, b: int) -> None:
+        o = self.manager.begin_overlap()
+        if o.decision is None or o.failed:
+            return  # exchanged after backward (a replica catches up), or redone after a failure
+        n = self._numel[b]
+        buf = self._buffers[b]
+        if buf is None:
+            buf = torch.empty(n + METADATA, dtype=torch.float32, device=self._params[self._buckets[b][0]].device)
+        offset = 0
+        for i in self._buckets[b]:
+            p = self._params[i]
+            k = p.numel()
+            if p.grad is None:
+                buf[offset : offset + k].zero_()
+            else:
+                buf[offset : offset + k].copy_(p.grad.reshape(-1))
+            offset += k
+        self._buffers[b] = buf
+        self.manager.start_bucket(buf)
+
+    def _end_backward(self) -> None:
+        """The end of the backward pass: starts the buckets of unused parameters, then waits."""
+        try:
+            while self._next < len(self._buckets):
+                self._start(self._next)
+                self._next += 1
+            for p in self._params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self._wrote = False
+            self.manager.end_overlap([p.grad for p in self._params], self._write_back)  # type: ignore[misc]
+            if not self._wrote:
+                self._buffers = [None] * len(self._buckets)  # the backend may still write into them
+        finally:
+            self._reset()
+
+    def _write_back(self, scale: float) -> None:
+        self._wrote = True
+        for b, idx in enumerate(self._buckets):
+            buf = self._buffers[b]
+            assert buf is not None
+            offset = 0
+            for i in idx:
+                g = self._params[i].grad
+                assert g is not None
+                torch.mul(buf[offset : offset + g.numel()].view_as(g), scale, out=g)
+                offset += g.numel()
