@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import signal
 import sys
@@ -41,6 +42,8 @@ from unbroken.launch.verdicts import IGNORE, ISOLATE, ROLLBACK, VERDICT_ACTIONS,
 from unbroken.observe.events import Event, EventLog
 
 HANG_ACTIONS = ("restart", "wait")
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +166,7 @@ class Launcher:
         self._tasks: list[asyncio.Task[Any]] = []
         self._warm: asyncio.subprocess.Process | None = None
         self._behind_at: dict[int, int] = {}  # replica -> the step it joined behind at
+        self.monitor_errors = 0
 
     # -- running ---------------------------------------------------------------------------
 
@@ -430,12 +434,19 @@ class Launcher:
     # -- the periodic work: steps, chaos, re-admission -----------------------------
 
     async def _monitor(self) -> None:
+        """Tracks progress, fires faults, re-admits nodes. One round that raises is logged and
+        the next one runs: were this task to end, no progress would count and no node return."""
         while not self._stop.is_set():
-            status = self.coordinator.status() if self.coordinator is not None else None
-            if status is not None:
-                self._track_progress(status)
-            await self._fire_due_faults()
-            await self._readmit()
+            try:
+                status = self.coordinator.status() if self.coordinator is not None else None
+                if status is not None:
+                    self._track_progress(status)
+                await self._fire_due_faults()
+                await self._readmit()
+            except Exception:
+                self.monitor_errors += 1
+                log.exception("supervisor monitor round failed (%d so far); the next one runs all the same",
+                              self.monitor_errors)
             await asyncio.sleep(0.05)
 
     def _track_progress(self, status: dict[str, Any]) -> None:
