@@ -33,7 +33,7 @@ from unbroken.checkpoint.disk import check_writable, complete_steps
 from unbroken.checkpoint.retention import discard_newer
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings
 from unbroken.diagnosis.metrics import parse_policy
-from unbroken.launch import injector, workers
+from unbroken.launch import injector, reaper, workers
 from unbroken.launch.chaos import Fault, Schedule, worker_env
 from unbroken.launch.lifecycle import RUNNING, Lifecycle, State
 from unbroken.launch.workers import free_port, package_path
@@ -167,6 +167,7 @@ class Launcher:
         self._warm: asyncio.subprocess.Process | None = None
         self._behind_at: dict[int, int] = {}  # replica -> the step it joined behind at
         self.monitor_errors = 0
+        self._guardian: reaper.Guardian | None = None
 
     # -- running ---------------------------------------------------------------------------
 
@@ -174,6 +175,8 @@ class Launcher:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._stop.set)
+        subreaper = reaper.become_subreaper()
+        self._guardian = reaper.Guardian()
         try:
             self.address = await self._start_coordinator()
             self.job_start = time.time()
@@ -187,6 +190,9 @@ class Launcher:
             return await self._supervise()
         finally:
             await self._cleanup()
+            self._guardian.close()
+            if subreaper:
+                reaper.become_subreaper(False)
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
 
@@ -246,6 +252,8 @@ class Launcher:
             self.s.command[0], "-m", "unbroken.launch.warm", env=env_, stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, start_new_session=True,
             preexec_fn=workers.die_with_parent())
+        if self._guardian is not None:
+            self._guardian.add(self._warm.pid)
 
     async def _take_warm(self, environ: dict[str, str], log: Path) -> asyncio.subprocess.Process | None:
         warm, self._warm = self._warm, None
@@ -289,7 +297,7 @@ class Launcher:
         r.resume_step = None  # later restarts catch up from a peer, which is newer
 
     async def _cold_start(self, environ: dict[str, str], path: Path) -> asyncio.subprocess.Process:
-        return await workers.start_worker(self.s.command, environ, path)
+        return await workers.start_worker(self.s.command, environ, path, self._guardian)
 
     async def _watch(self, r: _Replica, rank: int, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
@@ -537,6 +545,8 @@ class Launcher:
                 *base, "--role", role, env={**os.environ, **extra, **fenv}, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.DEVNULL, start_new_session=True,
                 preexec_fn=workers.die_with_parent()))
+            if self._guardian is not None:
+                self._guardian.add(procs[-1].pid)
         try:
             waits = [asyncio.ensure_future(p.wait()) for p in procs]
             done, _ = await asyncio.wait(waits, timeout=60)
@@ -583,9 +593,8 @@ class Launcher:
         self.events.emit("job_finished", ok=ok)
         return 0 if ok else 1
 
-    @staticmethod
-    async def _kill(procs: list[asyncio.subprocess.Process]) -> None:
-        await workers.kill_groups(procs)
+    async def _kill(self, procs: list[asyncio.subprocess.Process]) -> None:
+        await workers.kill_groups(procs, self._guardian)
 
     async def _end(self, r: _Replica) -> None:
         procs, r.procs = r.procs, []
