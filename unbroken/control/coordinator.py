@@ -156,6 +156,13 @@ class Coordinator:
         return f"{host}:{port}"
 
     async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()  # frees the state directory for the next try
+            raise
+
+    async def _start(self) -> None:
         import torch.distributed as dist
 
         self._tcp_store = dist.TCPStore(

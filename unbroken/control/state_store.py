@@ -186,6 +186,8 @@ class StateStore:
     # -- the end -----------------------------------------------------------------------------
 
     def close(self) -> None:
+        if self._lock_fd is None:
+            return  # closed already
         self.flush()
         self._db.close()
         self._release()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -105,3 +106,13 @@ def test_events_are_bounded_to_the_newest(tmp_path: Path) -> None:
     kept = [e["i"] for e in reopened.events()]
     reopened.close()
     assert 50 <= len(kept) <= 55 and kept == sorted(kept) and kept[-1] == 499
+
+
+def test_a_coordinator_that_fails_to_start_frees_its_state_directory(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        c = coordinator(tmp_path, port=busy.getsockname()[1])
+        with pytest.raises(OSError, match="cannot listen"):
+            asyncio.run(c.start())
+    asyncio.run(coordinator(tmp_path).stop())  # a second try on the same directory may start
