@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import os
 import signal
 import socket
@@ -31,6 +32,8 @@ from unbroken.control import protocol
 from unbroken.launch import reaper, workers
 from unbroken.launch.policy import RestartBook, RestartPolicy
 from unbroken.observe.events import EventLog
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,10 +163,15 @@ class Agent:
 
     async def _listen(self, reader: asyncio.StreamReader) -> None:
         while True:
-            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            # A line over the limit (ValueError from readline) ends the connection: reconnect.
+            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError, ValueError):
                 while line := await reader.readline():
-                    if not await self._handle(protocol.decode(line)):
-                        return
+                    try:
+                        if not await self._handle(protocol.decode(line)):
+                            return
+                    except (ValueError, TypeError, KeyError) as e:
+                        # Skipped: were this task to end, the agent would never hear the coordinator again.
+                        log.warning("malformed message from the coordinator skipped (%s): %r", e, line[:80])
             if self._job_finished:
                 break
             back = await self._reconnect()
@@ -178,6 +186,10 @@ class Agent:
     async def _handle(self, msg: dict[str, Any]) -> bool:
         """Acts on one message from the coordinator; False when the agent must stop listening."""
         if msg["op"] == "assign":
+            ids = msg["replicas"]
+            num_replicas = protocol.count(msg, "num_replicas")
+            if not isinstance(ids, list) or not all(type(r) is int and 0 <= r < num_replicas for r in ids):
+                raise ValueError(f"replicas must be a list of replica ids below {num_replicas}")
             if self._rejoining is not None:
                 self.events.emit("coordinator_reconnected", running=self._rejoining, assigned=msg["replicas"])
                 self._rejoining = None
@@ -206,6 +218,8 @@ class Agent:
         costs the job no process.
         """
         self.events.emit("coordinator_disconnected")
+        if self._writer is not None:
+            self._writer.close()
         try:
             reader, self._writer = await self._connect()
         except ConnectionError:
