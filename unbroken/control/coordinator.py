@@ -517,8 +517,9 @@ class Coordinator:
                 self._tick_once(time.monotonic())
             except Exception:
                 self.tick_errors += 1
-                log.exception("coordinator tick failed (%d so far); the next tick runs all the same",
-                              self.tick_errors)
+                if self.tick_errors & (self.tick_errors - 1) == 0:  # 1st, 2nd, 4th...: not 20 a second
+                    log.exception("coordinator tick failed (%d so far); the next tick runs all the same",
+                                  self.tick_errors)
 
     def _tick_once(self, now: float) -> None:
         for agent in list(self.agents.values()):

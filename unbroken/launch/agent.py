@@ -263,6 +263,9 @@ class Agent:
 
     async def _watch(self, r: _Replica, rank: int, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
+        if code == 0 and self._guardian is not None:
+            # Done: whatever it left running (a persist process finishing its write) is its own.
+            self._guardian.remove(proc.pid)
         if proc not in r.procs:
             return  # a sibling we ended ourselves
         if code == 0:

@@ -301,6 +301,9 @@ class Launcher:
 
     async def _watch(self, r: _Replica, rank: int, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
+        if code == 0 and self._guardian is not None:
+            # Done: whatever it left running (a persist process finishing its write) is its own.
+            self._guardian.remove(proc.pid)
         if proc not in r.procs:
             return  # a sibling we ended ourselves
         t_exit = time.monotonic()
@@ -453,8 +456,9 @@ class Launcher:
                 await self._readmit()
             except Exception:
                 self.monitor_errors += 1
-                log.exception("supervisor monitor round failed (%d so far); the next one runs all the same",
-                              self.monitor_errors)
+                if self.monitor_errors & (self.monitor_errors - 1) == 0:  # 1st, 2nd, 4th...: not a flood
+                    log.exception("supervisor monitor round failed (%d so far); the next one runs all the same",
+                                  self.monitor_errors)
             await asyncio.sleep(0.05)
 
     def _track_progress(self, status: dict[str, Any]) -> None:

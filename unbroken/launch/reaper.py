@@ -16,7 +16,8 @@ Three pieces close that gap:
   file with nothing but the standard library. The supervisor tells it (over a pipe) each worker
   session it starts and ends. When the pipe reaches end-of-file, the supervisor is gone (a
   ``kill -9`` closes its end as surely as a clean exit), and the guardian kills every session it
-  was told about, then exits.
+  was told about, then exits. A worker that exited 0 is forgotten at once: what it left behind
+  (a persist process finishing its last write) is not the guardian's to end.
 
 Why a guardian and not a shim per worker (a process between the supervisor and each worker
 that sets its own parent-death signal and kills the worker's group): a shim changes what every
