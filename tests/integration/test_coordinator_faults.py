@@ -30,7 +30,7 @@ def start_coordinator(tmp_path: Path, replicas: int) -> tuple[subprocess.Popen[b
     with open(log, "wb") as f:
         proc = subprocess.Popen(
             [sys.executable, "-m", "unbroken", "coordinator", "--replicas", str(replicas), "--min-replicas", "2",
-             "--port", "0", "--state-dir", str(tmp_path / "state"), "--heartbeat-timeout", "1.5",
+             "--port", "0", "--state-dir", str(tmp_path / "state"), "--heartbeat-timeout", "3",
              "--startup-window", "60"],
             env=python_env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 60
