@@ -119,10 +119,12 @@ class Agent:
             self._tasks += [asyncio.create_task(self._listen(reader)), asyncio.create_task(self._heartbeat())]
             await self._stop.wait()
         finally:
-            await self._cleanup()
-            self._guardian.close()
-            if subreaper:
-                reaper.become_subreaper(False)
+            try:
+                await self._cleanup()
+            finally:
+                self._guardian.close()
+                if subreaper:
+                    reaper.become_subreaper(False)
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
         if self.error is not None:

@@ -189,10 +189,12 @@ class Launcher:
             self._tasks.append(asyncio.create_task(self._monitor()))
             return await self._supervise()
         finally:
-            await self._cleanup()
-            self._guardian.close()
-            if subreaper:
-                reaper.become_subreaper(False)
+            try:
+                await self._cleanup()
+            finally:
+                self._guardian.close()
+                if subreaper:
+                    reaper.become_subreaper(False)
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
 
