@@ -10,12 +10,12 @@ cross-replica groups of every epoch rendezvous.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import contextlib
 import dataclasses
 import datetime
 import logging
-import sqlite3
 import statistics
 import time
 from collections import deque
@@ -121,6 +121,9 @@ class Coordinator:
         self.events.subscribe(self.store.record_event)
         self.diagnosis = DiagnosisService(self.events, DiagnosisMaster(policy=policy))
         self.tick_errors = 0  # ticks that raised: logged, and the next tick runs all the same
+        # Synced SQLite commits take tens of milliseconds on some disks: a thread of their own.
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="unbroken-state")
+        self._persisting: asyncio.Future[int] | None = None
         first_epoch = self.store.epoch_floor
         self.quorum = QuorumState(
             QuorumRules(
@@ -198,6 +201,10 @@ class Coordinator:
                     conn.writer.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
+        if self._persisting is not None:
+            with contextlib.suppress(Exception):
+                await self._persisting
+        self._writer.shutdown(wait=True)
         self.events.close()
         self.store.close()
         self._tcp_store = None
@@ -550,14 +557,17 @@ class Coordinator:
         self.diagnosis.tick()
 
     def _persist(self) -> None:
-        """Reserves epochs ahead of the ones issued and writes the queued events."""
-        try:
-            self.quorum.epoch_limit = self.store.reserve_epochs(self.quorum.epoch)
-        except sqlite3.Error as e:
-            if self.quorum.epoch >= self.store.epoch_ceiling:
-                log.error("cannot reserve epochs in %s (%s): no new epoch forms until it is writable",
-                          self.store.path, e)
-        self.store.flush()
+        """Has the writer thread reserve epochs ahead of the ones issued and write the queued
+        history; the limit on new epochs rises once the reservation is on disk."""
+        if self._persisting is not None and not self._persisting.done():
+            return
+        self._persisting = asyncio.get_running_loop().run_in_executor(
+            self._writer, self.store.persist, self.quorum.epoch)
+        self._persisting.add_done_callback(self._persisted)
+
+    def _persisted(self, done: asyncio.Future[int]) -> None:
+        if not done.cancelled() and done.exception() is None:
+            self.quorum.epoch_limit = done.result()
 
     @staticmethod
     def _send(writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:

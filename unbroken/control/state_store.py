@@ -19,19 +19,21 @@ Why these settings:
 - One coordinator per state directory, enforced with an exclusive ``flock`` on
   ``coordinator.lock`` (released by the kernel if the holder dies): two coordinators on one
   directory would issue the same epochs to different replicas.
-- Events are kept in memory and written once per coordinator tick, in one transaction; only
-  the newest ``keep_events`` stay (``events.jsonl`` next to it holds the full history).
+- Events and the epochs' history rows are queued and written by a writer thread
+  (:meth:`StateStore.persist`), in one transaction per round: a synced commit can take tens of
+  milliseconds, which the coordinator's event loop must not wait for. Only the newest
+  ``keep_events`` events stay (``events.jsonl`` next to it holds the full history).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import fcntl
 import json
 import logging
 import os
 import sqlite3
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -76,6 +78,13 @@ class StateStore:
         self.epoch_block = epoch_block
         self.write_failures = 0  # history rows (epochs, events) that could not be written
         self._lock_fd = _lock_state_dir(path)
+        # Written by a writer thread (see :meth:`persist`), queued by the event loop: the queue
+        # lock is held only to swap rows in and out, never across a write.
+        self._db_lock = threading.RLock()
+        self._queue_lock = threading.Lock()
+        self._events: list[tuple[float, str, str]] = []
+        self._epochs: list[tuple[int, int, str, str, float]] = []
+        self._since_prune = keep_events  # prune at the first flush: an older run may have left many
         self.path = path / "coordinator.sqlite"
         try:
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
@@ -98,8 +107,6 @@ class StateStore:
             self._release()
             raise ValueError(f"cannot use the coordinator state in {self.path}: {e}; "
                              "is the state directory writable and not full?") from e
-        self._pending: collections.deque[tuple[float, str, str]] = collections.deque(maxlen=keep_events)
-        self._since_prune = keep_events  # prune at the first flush: an older run may have left many
 
     # -- epochs ------------------------------------------------------------------------------
 
@@ -114,74 +121,97 @@ class StateStore:
         Returns the ceiling. Raises ``sqlite3.Error`` if the reservation cannot be written (the
         caller keeps the old ceiling and must not issue past it).
         """
-        if self._ceiling - issued >= self.epoch_block // 2:
-            return self._ceiling
-        ceiling = issued + self.epoch_block
-        self._db.execute("INSERT OR REPLACE INTO meta VALUES ('epoch_ceiling', ?)", (ceiling,))
-        self._ceiling = ceiling
-        return ceiling
+        with self._db_lock:
+            if self._ceiling - issued >= self.epoch_block // 2:
+                return self._ceiling
+            ceiling = issued + self.epoch_block
+            self._db.execute("INSERT OR REPLACE INTO meta VALUES ('epoch_ceiling', ?)", (ceiling,))
+            self._ceiling = ceiling
+            return ceiling
 
     def max_epoch(self) -> int:
         """The highest epoch recorded in the history (issued epochs may be higher; see above)."""
-        return self._max_recorded_epoch()
+        with self._db_lock:
+            self.flush()
+            return self._max_recorded_epoch()
 
     def _max_recorded_epoch(self) -> int:
         row = self._db.execute("SELECT MAX(epoch) FROM epochs").fetchone()
         return int(row[0]) if row and row[0] is not None else 0
 
-    def record_epoch(self, epoch: int, step: int, members: list[int], behind: list[int]) -> bool:
-        """Records an issued epoch in the history; False (logged) if it could not be written."""
-        try:
-            self._db.execute(
-                "INSERT OR REPLACE INTO epochs VALUES (?, ?, ?, ?, ?)",
-                (epoch, step, json.dumps(members), json.dumps(behind), time.time()),
-            )
-            return True
-        except sqlite3.Error as e:
-            self._failed(f"epoch {epoch}", e)
-            return False
+    def record_epoch(self, epoch: int, step: int, members: list[int], behind: list[int]) -> None:
+        """Queues an issued epoch for the history (its number is already safe: see the ceiling)."""
+        with self._queue_lock:
+            self._epochs.append((epoch, step, json.dumps(members), json.dumps(behind), time.time()))
+            del self._epochs[:-self.keep_events]
 
     # -- events ------------------------------------------------------------------------------
 
     def record_event(self, event: dict[str, Any]) -> None:
         """Queues an event for the next :meth:`flush` (the oldest are dropped past ``keep_events``)."""
-        self._pending.append((float(event.get("t", time.time())), str(event.get("kind", "")),
-                              json.dumps(event, default=str)))
+        row = (float(event.get("t", time.time())), str(event.get("kind", "")), json.dumps(event, default=str))
+        with self._queue_lock:
+            self._events.append(row)
+            del self._events[:-self.keep_events]
+
+    def persist(self, issued: int) -> int:
+        """Reserves epochs ahead of ``issued`` and writes what is queued; returns the ceiling.
+
+        Blocks on the disk (each commit is synced: tens of milliseconds on some disks), so the
+        coordinator calls it from a writer thread, never from its event loop. Never raises.
+        """
+        with self._db_lock:
+            try:
+                self.reserve_epochs(issued)
+            except sqlite3.Error as e:
+                self._failed("the epoch reservation", e)
+                if issued >= self._ceiling:
+                    log.error("no epoch above %d may be issued until %s is writable again", issued, self.path)
+            self.flush()
+            return self._ceiling
 
     def flush(self) -> bool:
-        """Writes the queued events in one transaction and prunes the oldest; False if it failed
-        (the events stay queued, the oldest dropped past ``keep_events``, for the next try)."""
-        rows = list(self._pending)
-        prune = self._since_prune + len(rows) >= max(1, self.keep_events // 10)
-        if not rows and not prune:
-            return True
-        try:
-            self._db.execute("BEGIN IMMEDIATE")
+        """Writes the queued rows in one transaction and prunes the oldest events; False if it
+        failed (the rows stay queued, the oldest dropped past ``keep_events``, for the next try)."""
+        with self._db_lock:
+            with self._queue_lock:
+                events, self._events = self._events, []
+                epochs, self._epochs = self._epochs, []
+            prune = self._since_prune + len(events) >= max(1, self.keep_events // 10)
+            if not events and not epochs and not prune:
+                return True
             try:
-                self._db.executemany("INSERT INTO events VALUES (?, ?, ?)", rows)
-                if prune:
-                    self._db.execute(
-                        "DELETE FROM events WHERE rowid <= (SELECT MAX(rowid) FROM events) - ?",
-                        (self.keep_events,),
-                    )
-                self._db.execute("COMMIT")
-            except BaseException:
-                with contextlib.suppress(sqlite3.Error):
-                    self._db.execute("ROLLBACK")
-                raise
-        except sqlite3.Error as e:
-            self._failed(f"{len(rows)} event(s)", e)
-            return False
-        for _ in rows:
-            self._pending.popleft()
-        self._since_prune = 0 if prune else self._since_prune + len(rows)
-        return True
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    self._db.executemany("INSERT OR REPLACE INTO epochs VALUES (?, ?, ?, ?, ?)", epochs)
+                    self._db.executemany("INSERT INTO events VALUES (?, ?, ?)", events)
+                    if prune:
+                        self._db.execute(
+                            "DELETE FROM events WHERE rowid <= (SELECT MAX(rowid) FROM events) - ?",
+                            (self.keep_events,),
+                        )
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    with contextlib.suppress(sqlite3.Error):
+                        self._db.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as e:
+                with self._queue_lock:
+                    self._events = (events + self._events)[-self.keep_events:]
+                    self._epochs = (epochs + self._epochs)[-self.keep_events:]
+                self._failed(f"{len(epochs)} epoch(s) and {len(events)} event(s)", e)
+                return False
+            self._since_prune = 0 if prune else self._since_prune + len(events)
+            return True
 
     def events(self) -> list[dict[str, Any]]:
-        """The events kept, oldest first (queued ones included)."""
-        self.flush()
-        kept = [json.loads(r[0]) for r in self._db.execute("SELECT data FROM events ORDER BY rowid")]
-        return kept + [json.loads(data) for (_, _, data) in self._pending]
+        """The events kept, oldest first."""
+        with self._db_lock:
+            self.flush()
+            rows = list(self._db.execute("SELECT data FROM events ORDER BY rowid"))
+        with self._queue_lock:
+            queued = list(self._events)  # only if the flush failed
+        return [json.loads(r[0]) for r in rows] + [json.loads(data) for (_, _, data) in queued]
 
     # -- the end -----------------------------------------------------------------------------
 
