@@ -4,6 +4,11 @@ One background thread keeps the connection: it reconnects (with bounded backoff)
 coordinator restarts, re-sends a quorum request that was in flight, sends heartbeats, and hands
 pushed aborts to the exchange at once. The training thread only calls :meth:`request_quorum`
 and waits on the future it returns.
+
+Nothing the coordinator sends may end that thread: a malformed line is logged and skipped (a
+request it should have answered stays pending and is re-sent on the next connection); a line
+longer than :data:`~unbroken.control.protocol.MAX_LINE`, or :data:`MAX_BAD_LINES` malformed ones on
+one connection, end the connection, and the thread reconnects.
 """
 
 from __future__ import annotations
@@ -21,8 +26,11 @@ from typing import Any
 
 from unbroken.config import parse_host_port
 from unbroken.control import protocol
+from unbroken.control.quorum import QuorumDecision
 
 log = logging.getLogger(__name__)
+
+MAX_BAD_LINES = 20
 
 
 class CoordinatorUnreachable(ConnectionError):
@@ -149,7 +157,10 @@ class CoordinatorClient:
                 resend = [m for (m, _) in self._pending.values()]
             for m in resend:
                 self._send(m)
-            self._serve(sock)
+            try:
+                self._serve(sock)
+            except Exception:  # a bug here must not leave the replica without its coordinator
+                log.exception("the coordinator connection failed; reconnecting")
             self._sock = None
             self._connected.clear()
             sock.close()
@@ -158,6 +169,7 @@ class CoordinatorClient:
         sel = selectors.DefaultSelector()
         sel.register(sock, selectors.EVENT_READ)
         buf = b""
+        bad = 0
         next_beat = 0.0
         try:
             while not self._closed.is_set():
@@ -176,27 +188,51 @@ class CoordinatorClient:
                 buf += data
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
-                    self._handle(protocol.decode(line))
+                    if not self._handle_line(line):
+                        bad += 1
+                        if bad >= MAX_BAD_LINES:
+                            log.warning("%d malformed lines from the coordinator: reconnecting", bad)
+                            return
+                if len(buf) > protocol.MAX_LINE:
+                    log.warning("a line of more than %d bytes from the coordinator: reconnecting", protocol.MAX_LINE)
+                    return
         except OSError:
             return
         finally:
             sel.close()
 
+    def _handle_line(self, line: bytes) -> bool:
+        """Handles one line; False (logged, skipped) if it is malformed."""
+        try:
+            self._handle(protocol.decode(line))
+        except (ValueError, TypeError, KeyError, OverflowError) as e:
+            log.warning("malformed line from the coordinator skipped (%s): %r", e, line[:80])
+            return False
+        except Exception:
+            log.exception("a message from the coordinator could not be handled; skipped")
+        return True
+
     def _handle(self, msg: dict[str, Any]) -> None:
         op = msg["op"]
         if op == "welcome":
+            if not isinstance(msg.get("store"), str):
+                raise ValueError("a welcome without a store address")
             self.store_address = msg["store"]
             self._connected.set()
         elif op == "quorum":
-            self.store_address = msg.get("store", self.store_address)
+            _check_decision(msg.get("decision"))
+            store = msg.get("store", self.store_address)
+            if not isinstance(store, str):
+                raise ValueError("a store address that is no string")
+            self.store_address = store
             with self._lock:
-                entry = self._pending.pop(int(msg["id"]), None)
+                entry = self._pending.pop(protocol.count(msg, "id"), None)
             if entry is not None:
                 entry[1].set_result(msg)
         elif op == "abort" and self.on_abort is not None:
-            self.on_abort(int(msg["epoch"]))
+            self.on_abort(protocol.count(msg, "epoch"))
         elif op == "donate" and self.on_donate is not None:
-            self.on_donate(int(msg["to"]))
+            self.on_donate(protocol.count(msg, "to"))
         elif op == "error":
             log.warning("coordinator: %s", msg.get("message"))
 
@@ -205,3 +241,14 @@ class CoordinatorClient:
             pending, self._pending = self._pending, {}
         for _, fut in pending.values():
             fut.set_exception(exc)
+
+
+def _check_decision(data: object) -> None:
+    """Raises ValueError unless ``data`` is a quorum decision the training thread can act on."""
+    if not isinstance(data, dict):
+        raise ValueError("a quorum answer without a decision")
+    d = QuorumDecision.from_json(data)
+    ids = [*d.members, *d.behind, *(x for pair in d.donors for x in pair)]
+    if (not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ids)
+            or any(len(pair) != 2 for pair in d.donors) or not set(d.behind) <= set(d.members)):
+        raise ValueError(f"a malformed quorum decision: {data!r:.80}")

@@ -10,6 +10,7 @@ cross-replica groups of every epoch rendezvous.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import contextlib
 import dataclasses
@@ -28,7 +29,7 @@ from unbroken.config import ENV_ANOMALY_POLICY
 from unbroken.diagnosis.master import DiagnosisMaster
 from unbroken.diagnosis.metrics import parse_policy
 from unbroken.diagnosis.service import DiagnosisService
-from unbroken.control.state_store import StateStore
+from unbroken.control.state_store import KEEP_EVENTS, StateStore
 from unbroken.observe.events import EventLog
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,9 @@ class CoordinatorSettings:
             finished, even if a replica is still catching up (with no donor left it never can).
         anomaly_policy: actions for training-metric anomalies over the default, as in
             ``UNBROKEN_ANOMALY_POLICY`` (which is read when this is empty).
+        journal_mode: SQLite journal of the state store: ``delete`` (safe on a shared
+            filesystem), ``truncate``, or ``wal`` (local disks only).
+        keep_events: the newest events the state store keeps.
     """
 
     total_replicas: int
@@ -67,6 +71,12 @@ class CoordinatorSettings:
     startup_window_s: float = 20.0
     finish_grace_s: float = 10.0
     anomaly_policy: str = ""
+    journal_mode: str = "delete"
+    keep_events: int = KEEP_EVENTS
+
+
+# A connection that sends this many malformed messages is not a replica gone astray: it is closed.
+MAX_BAD_MESSAGES = 100
 
 
 @dataclasses.dataclass
@@ -101,12 +111,20 @@ class Coordinator:
 
     def __init__(self, settings: CoordinatorSettings) -> None:
         self.settings = settings
-        self.store = StateStore(settings.state_dir)
-        self.events = EventLog(Path(settings.state_dir) / "events.jsonl", "coordinator")
-        self.events.subscribe(self.store.record_event)
         policy = parse_policy(settings.anomaly_policy or os.environ.get(ENV_ANOMALY_POLICY, ""))
+        self.store = StateStore(settings.state_dir, settings.journal_mode, settings.keep_events)
+        try:
+            self.events = EventLog(Path(settings.state_dir) / "events.jsonl", "coordinator")
+        except BaseException:
+            self.store.close()
+            raise
+        self.events.subscribe(self.store.record_event)
         self.diagnosis = DiagnosisService(self.events, DiagnosisMaster(policy=policy))
-        first_epoch = self.store.max_epoch()
+        self.tick_errors = 0  # ticks that raised: logged, and the next tick runs all the same
+        # Synced SQLite commits take tens of milliseconds on some disks: a thread of their own.
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="unbroken-state")
+        self._persisting: asyncio.Future[int] | None = None
+        first_epoch = self.store.epoch_floor
         self.quorum = QuorumState(
             QuorumRules(
                 total_replicas=settings.total_replicas,
@@ -116,6 +134,7 @@ class Coordinator:
             ),
             first_epoch=first_epoch,
         )
+        self.quorum.epoch_limit = self.store.epoch_ceiling
         self.replicas: dict[int, dict[int, _RankConn]] = {}
         self.pending: dict[int, dict[int, tuple[_RankConn, int, int, int | None]]] = {}
         self.step_times: deque[float] = deque(maxlen=200)
@@ -140,6 +159,13 @@ class Coordinator:
         return f"{host}:{port}"
 
     async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()  # frees the state directory for the next try
+            raise
+
+    async def _start(self) -> None:
         import torch.distributed as dist
 
         self._tcp_store = dist.TCPStore(
@@ -175,6 +201,10 @@ class Coordinator:
                     conn.writer.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
+        if self._persisting is not None:
+            with contextlib.suppress(Exception):
+                await self._persisting
+        self._writer.shutdown(wait=True)
         self.events.close()
         self.store.close()
         self._tcp_store = None
@@ -213,41 +243,29 @@ class Coordinator:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn: _RankConn | None = None
         agent: _AgentConn | None = None
+        bad = 0
         try:
             while True:
                 line = await reader.readline()
                 if not line:
                     break
-                msg = protocol.decode(line)
-                if msg["op"] == "agent_hello":
-                    agent = self._agent_hello(msg, writer)
-                    if agent is None:
+                try:
+                    msg = protocol.decode(line)
+                    kind, conn, agent = self._dispatch(msg, writer, conn, agent)
+                except Exception as e:
+                    # A malformed message is skipped, and the connection keeps serving; only a
+                    # flood of them ends it.
+                    bad += 1
+                    if isinstance(e, (ValueError, TypeError, KeyError, OverflowError)):
+                        log.debug("malformed message skipped: %s", e)
+                    else:
+                        log.exception("a message could not be handled; skipped")
+                    self._send(writer, {"op": "error", "message": f"malformed message skipped: {e}"})
+                    if bad >= MAX_BAD_MESSAGES:
                         break
-                elif msg["op"] == "agent_heartbeat" and agent is not None:
-                    self._agent_heartbeat(agent)
-                elif msg["op"] == "hello":
-                    conn = self._hello(msg, writer)
-                elif msg["op"] == "status":
-                    self._send(writer, {"op": "status", **self.status()})
-                elif msg["op"] == "exited":
-                    self.replica_exited(int(msg["replica"]), msg.get("exitcode"))
-                elif conn is None:
-                    self._send(writer, {"op": "error", "message": "say hello first"})
-                elif msg["op"] == "heartbeat":
-                    conn.last_heartbeat = time.monotonic()
-                    conn.step = int(msg.get("step", conn.step))
-                    conn.compute_s = msg.get("compute_s", conn.compute_s)
-                elif msg["op"] == "telemetry":
-                    conn.last_heartbeat = time.monotonic()
-                    self.diagnosis.telemetry(conn.replica, conn.rank, conn.node, msg)
-                elif msg["op"] == "quorum":
-                    conn.last_heartbeat = time.monotonic()
-                    self._quorum_request(conn, msg)
-                elif msg["op"] == "bye":
-                    conn.finished = True
-                    self.diagnosis.forget(conn.replica)  # its last, half-shipped collective is no hang
-                    self.events.emit("replica_finished", replica=conn.replica, rank=conn.rank)
-                    self._replica_done(conn)
+                    continue
+                if kind == "stop":
+                    break
         except (ConnectionError, ValueError, asyncio.IncompleteReadError) as e:
             log.debug("connection ended: %s", e)
         finally:
@@ -256,6 +274,42 @@ class Coordinator:
                 self._connection_closed(conn)
             if agent is not None:
                 self._agent_gone(agent, "its connection closed (the agent or its node died)")
+
+    def _dispatch(self, msg: dict[str, Any], writer: asyncio.StreamWriter, conn: _RankConn | None,
+                  agent: _AgentConn | None) -> tuple[str, _RankConn | None, _AgentConn | None]:
+        """Acts on one message; raises ValueError (or TypeError, KeyError) on a malformed one."""
+        op = msg["op"]
+        if op == "agent_hello":
+            agent = self._agent_hello(msg, writer)
+            if agent is None:
+                return "stop", conn, agent
+        elif op == "agent_heartbeat" and agent is not None:
+            self._agent_heartbeat(agent)
+        elif op == "hello":
+            conn = self._hello(msg, writer)
+        elif op == "status":
+            self._send(writer, {"op": "status", **self.status()})
+        elif op == "exited":
+            self.replica_exited(protocol.count(msg, "replica"), msg.get("exitcode"))
+        elif conn is None:
+            self._send(writer, {"op": "error", "message": "say hello first"})
+        elif op == "heartbeat":
+            step = protocol.count(msg, "step", conn.step)
+            compute_s = protocol.seconds(msg, "compute_s", conn.compute_s)
+            conn.last_heartbeat = time.monotonic()
+            conn.step, conn.compute_s = step, compute_s
+        elif op == "telemetry":
+            conn.last_heartbeat = time.monotonic()
+            self.diagnosis.telemetry(conn.replica, conn.rank, conn.node, msg)
+        elif op == "quorum":
+            conn.last_heartbeat = time.monotonic()
+            self._quorum_request(conn, msg)
+        elif op == "bye":
+            conn.finished = True
+            self.diagnosis.forget(conn.replica)  # its last, half-shipped collective is no hang
+            self.events.emit("replica_finished", replica=conn.replica, rank=conn.rank)
+            self._replica_done(conn)
+        return op, conn, agent
 
     def _hello(self, msg: dict[str, Any], writer: asyncio.StreamWriter) -> _RankConn:
         conn = _RankConn(
@@ -379,13 +433,16 @@ class Coordinator:
     # -- quorum ----------------------------------------------------------------------------
 
     def _quorum_request(self, conn: _RankConn, msg: dict[str, Any]) -> None:
-        step_time = msg.get("step_time")
-        if step_time:
-            self.step_times.append(float(step_time))
-        conn.step = int(msg["step"])
+        step_time = protocol.seconds(msg, "step_time", None)
+        step = protocol.count(msg, "step")
+        req_id = protocol.count(msg, "id")
         failed = msg.get("failed_epoch")
+        failed = None if failed is None else protocol.count(msg, "failed_epoch")
+        if step_time:
+            self.step_times.append(step_time)
+        conn.step = step
         ranks = self.pending.setdefault(conn.replica, {})
-        ranks[conn.rank] = (conn, int(msg["id"]), conn.step, failed)
+        ranks[conn.rank] = (conn, req_id, conn.step, failed)
         if len(ranks) < conn.world_size:
             return
         del self.pending[conn.replica]
@@ -460,34 +517,58 @@ class Coordinator:
                 self._send(conn.writer, {"op": "abort", "epoch": cur.epoch})
 
     async def _tick(self) -> None:
+        """Evicts the silent, forms epochs on time, persists: one exception must not end it, or
+        a dead replica stays counted as alive and the survivors wait forever."""
         while True:
             await asyncio.sleep(self.TICK_S)
-            now = time.monotonic()
-            for agent in list(self.agents.values()):
-                if now - agent.last_heartbeat > 2 * self.settings.heartbeat_timeout_s:
-                    self._agent_gone(agent, f"no heartbeat for {2 * self.settings.heartbeat_timeout_s:.1f}s")
-            self._check_job_finished()
-            suspects = set()
-            for replica, ranks in list(self.replicas.items()):
-                if any(c.finished for c in ranks.values()):
-                    continue
-                quiet = max((now - c.last_heartbeat for c in ranks.values()), default=0.0)
-                if quiet > self.settings.heartbeat_timeout_s:
-                    self._evict(replica, f"no heartbeat for {self.settings.heartbeat_timeout_s:.1f}s (hung or stopped)")
-                elif quiet > self.settings.suspect_after_s:
-                    suspects.add(replica)
-            if suspects != self.quorum.silent:
-                if suspects - self.quorum.silent:
-                    self.events.emit("replica_silent", replicas=sorted(suspects - self.quorum.silent),
-                                     after_s=self.settings.suspect_after_s)
-                self._deliver(self.quorum.set_silent(suspects, now))
-            if len(self.step_times) >= 5:
-                self.quorum.join_window_s = max(
-                    self.settings.join_window_floor_s, 3.0 * statistics.median(self.step_times)
-                )
-            self._deliver(self.quorum.evaluate(now))
-            self._push_aborts()
-            self.diagnosis.tick()
+            try:
+                self._tick_once(time.monotonic())
+            except Exception:
+                self.tick_errors += 1
+                if self.tick_errors & (self.tick_errors - 1) == 0:  # 1st, 2nd, 4th...: not 20 a second
+                    log.exception("coordinator tick failed (%d so far); the next tick runs all the same",
+                                  self.tick_errors)
+
+    def _tick_once(self, now: float) -> None:
+        for agent in list(self.agents.values()):
+            if now - agent.last_heartbeat > 2 * self.settings.heartbeat_timeout_s:
+                self._agent_gone(agent, f"no heartbeat for {2 * self.settings.heartbeat_timeout_s:.1f}s")
+        self._check_job_finished()
+        suspects = set()
+        for replica, ranks in list(self.replicas.items()):
+            if any(c.finished for c in ranks.values()):
+                continue
+            quiet = max((now - c.last_heartbeat for c in ranks.values()), default=0.0)
+            if quiet > self.settings.heartbeat_timeout_s:
+                self._evict(replica, f"no heartbeat for {self.settings.heartbeat_timeout_s:.1f}s (hung or stopped)")
+            elif quiet > self.settings.suspect_after_s:
+                suspects.add(replica)
+        if suspects != self.quorum.silent:
+            if suspects - self.quorum.silent:
+                self.events.emit("replica_silent", replicas=sorted(suspects - self.quorum.silent),
+                                 after_s=self.settings.suspect_after_s)
+            self._deliver(self.quorum.set_silent(suspects, now))
+        if len(self.step_times) >= 5:
+            self.quorum.join_window_s = max(
+                self.settings.join_window_floor_s, 3.0 * statistics.median(self.step_times)
+            )
+        self._persist()
+        self._deliver(self.quorum.evaluate(now))
+        self._push_aborts()
+        self.diagnosis.tick()
+
+    def _persist(self) -> None:
+        """Has the writer thread reserve epochs ahead of the ones issued and write the queued
+        history; the limit on new epochs rises once the reservation is on disk."""
+        if self._persisting is not None and not self._persisting.done():
+            return
+        self._persisting = asyncio.get_running_loop().run_in_executor(
+            self._writer, self.store.persist, self.quorum.epoch)
+        self._persisting.add_done_callback(self._persisted)
+
+    def _persisted(self, done: asyncio.Future[int]) -> None:
+        if not done.cancelled() and done.exception() is None:
+            self.quorum.epoch_limit = done.result()
 
     @staticmethod
     def _send(writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings
+from unbroken.control.state_store import JOURNAL_MODES
 
 
 async def _serve(settings: CoordinatorSettings) -> None:
@@ -33,9 +34,11 @@ async def _serve(settings: CoordinatorSettings) -> None:
 @click.option("--state-dir", type=click.Path(path_type=Path), default=Path("runs/coordinator"), show_default=True)
 @click.option("--heartbeat-timeout", type=float, default=2.0, show_default=True, help="Seconds of silence before eviction.")
 @click.option("--startup-window", type=float, default=20.0, show_default=True, help="Seconds the first quorum waits for every replica.")
+@click.option("--journal-mode", type=click.Choice(JOURNAL_MODES), default="delete", show_default=True,
+              help="SQLite journal of --state-dir: delete is safe on a shared filesystem; wal only on a local disk.")
 def coordinator(
     replicas: int, min_replicas: int | None, host: str, port: int, state_dir: Path,
-    heartbeat_timeout: float, startup_window: float,
+    heartbeat_timeout: float, startup_window: float, journal_mode: str,
 ) -> None:
     """Serve membership and quorum epochs for a job; state persists in --state-dir."""
     try:
@@ -43,7 +46,7 @@ def coordinator(
             total_replicas=replicas,
             min_replicas=min_replicas if min_replicas is not None else replicas // 2 + 1,
             state_dir=state_dir, host=host, port=port, heartbeat_timeout_s=heartbeat_timeout,
-            startup_window_s=startup_window,
+            startup_window_s=startup_window, journal_mode=journal_mode,
         )
         asyncio.run(_serve(settings))
     except (ValueError, OSError) as e:

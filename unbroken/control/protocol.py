@@ -17,6 +17,7 @@ The agent's connection closing means every replica it ran is gone.
 from __future__ import annotations
 
 import json
+import math
 import socket
 from typing import Any
 
@@ -34,6 +35,24 @@ def decode(line: bytes) -> Message:
     if not isinstance(msg, dict) or "op" not in msg:
         raise ValueError(f"not a protocol message: {line[:80]!r}")
     return msg
+
+
+def count(msg: Message, key: str, default: int | None = None) -> int:
+    """``msg[key]`` as a non-negative integer (a step, an id, an epoch); ValueError otherwise."""
+    value = msg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 62:
+        raise ValueError(f"{key} must be an integer >= 0, got {value!r:.40}")
+    return value
+
+
+def seconds(msg: Message, key: str, default: float | None) -> float | None:
+    """``msg[key]`` as a finite, non-negative duration, or None; ValueError otherwise."""
+    value = msg.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{key} must be a finite number of seconds >= 0, got {value!r:.40}")
+    return float(value)
 
 
 def connected_to_itself(sock: socket.socket) -> bool:

@@ -121,11 +121,16 @@ class QuorumState:
         rules: the settings.
         first_epoch: epochs issued start above this (a restarted coordinator passes the
             highest epoch it had persisted, so epochs keep growing across restarts).
+
+    Attributes:
+        epoch_limit: no epoch above this is formed (None: no limit); the coordinator sets it
+            to what it has durably reserved, so an epoch is never issued before it is safe.
     """
 
     def __init__(self, rules: QuorumRules, first_epoch: int = 0) -> None:
         self.rules = rules
         self.epoch = first_epoch
+        self.epoch_limit: int | None = None
         self.current: QuorumDecision | None = None
         self.alive: set[int] = set()
         self.waiting: dict[int, QuorumRequest] = {}
@@ -225,6 +230,8 @@ class QuorumState:
         """Forms a quorum if the rules allow; called on every event and on a timer."""
         if self.forming_since is None or not self.waiting:
             return []
+        if self.epoch_limit is not None and self.epoch >= self.epoch_limit:
+            return []  # not reserved on disk yet: forming waits for the reservation
         asked = set(self.waiting) & self.alive
         everyone_asked = self.alive - self.silent <= asked
         waited = now - self.forming_since

@@ -1,55 +1,255 @@
-"""The coordinator's durable state: the highest epoch issued and the event history.
+"""The coordinator's durable state: the epochs it may issue and a bounded event history.
 
 SQLite in the state directory, so a restarted coordinator continues with higher epochs (a
-replica can never see an epoch number reused) and the history survives.
+replica can never see an epoch number reused) and the recent history survives.
+
+Why these settings:
+
+- A rollback journal (``journal_mode=DELETE``), not WAL: WAL keeps its index in shared memory
+  (``-shm``), which is unsafe on a network filesystem, and the README's Slurm example puts the
+  state directory on one. WAL is an opt-in for a local disk (``journal_mode="wal"``).
+- ``synchronous=FULL``: a commit is on the disk before the call returns. With ``NORMAL`` a
+  power loss can undo the last commits, and a restarted coordinator would issue an epoch
+  number that replicas have already seen.
+- Epochs are reserved in blocks (``epoch_ceiling``) before they are issued, and a restarted
+  coordinator starts above the reserved ceiling. An epoch issued in the instant before a
+  crash, or while the disk was full and its history row could not be written, is therefore
+  never issued again; and a full disk does not stop the job from forming epochs until a
+  whole block is spent.
+- One coordinator per state directory, enforced with an exclusive ``flock`` on
+  ``coordinator.lock`` (released by the kernel if the holder dies): two coordinators on one
+  directory would issue the same epochs to different replicas.
+- Events and the epochs' history rows are queued and written by a writer thread
+  (:meth:`StateStore.persist`), in one transaction per round: a synced commit can take tens of
+  milliseconds, which the coordinator's event loop must not wait for. Only the newest
+  ``keep_events`` events stay (``events.jsonl`` next to it holds the full history).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import logging
+import os
 import sqlite3
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger(__name__)
+
+JOURNAL_MODES = ("delete", "truncate", "wal")
+EPOCH_BLOCK = 1000
+KEEP_EVENTS = 10_000
+
+
+class StateDirInUse(ValueError):
+    """Another live coordinator holds this state directory."""
+
 
 class StateStore:
-    """Epochs and events of one job, in ``state_dir/coordinator.sqlite``."""
+    """Epochs and events of one job, in ``state_dir/coordinator.sqlite``.
 
-    def __init__(self, state_dir: str | Path) -> None:
+    Args:
+        state_dir: the directory (created if missing).
+        journal_mode: ``delete`` (default), ``truncate`` or ``wal`` (only on a local disk).
+        keep_events: how many of the newest events the database keeps.
+        epoch_block: how many epochs one reservation covers.
+
+    Raises:
+        StateDirInUse: another coordinator runs on ``state_dir``.
+        ValueError: the directory cannot be created or the database opened.
+    """
+
+    def __init__(self, state_dir: str | Path, journal_mode: str = "delete", keep_events: int = KEEP_EVENTS,
+                 epoch_block: int = EPOCH_BLOCK) -> None:
+        if journal_mode.lower() not in JOURNAL_MODES:
+            raise ValueError(f"journal mode must be one of {', '.join(JOURNAL_MODES)}, got {journal_mode!r}")
+        if keep_events < 1 or epoch_block < 2:
+            raise ValueError(f"keep_events must be >= 1 and epoch_block >= 2, got {keep_events}, {epoch_block}")
         path = Path(state_dir)
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ValueError(f"cannot create the coordinator state directory {path}: {e}") from e
+        self.keep_events = keep_events
+        self.epoch_block = epoch_block
+        self.write_failures = 0  # history rows (epochs, events) that could not be written
+        self._lock_fd = _lock_state_dir(path)
+        # Written by a writer thread (see :meth:`persist`), queued by the event loop: the queue
+        # lock is held only to swap rows in and out, never across a write.
+        self._db_lock = threading.RLock()
+        self._queue_lock = threading.Lock()
+        self._events: list[tuple[float, str, str]] = []
+        self._epochs: list[tuple[int, int, str, str, float]] = []
+        self._since_prune = keep_events  # prune at the first flush: an older run may have left many
         self.path = path / "coordinator.sqlite"
-        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute(
-            "CREATE TABLE IF NOT EXISTS epochs (epoch INTEGER PRIMARY KEY, step INTEGER, "
-            "members TEXT, behind TEXT, t REAL)"
-        )
-        self._db.execute("CREATE TABLE IF NOT EXISTS events (t REAL, kind TEXT, data TEXT)")
+        try:
+            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            mode = self._db.execute(f"PRAGMA journal_mode={journal_mode.upper()}").fetchone()[0]
+            if str(mode).lower() != journal_mode.lower():
+                raise sqlite3.OperationalError(f"the database stays in journal mode {mode}")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS epochs (epoch INTEGER PRIMARY KEY, step INTEGER, "
+                "members TEXT, behind TEXT, t REAL)"
+            )
+            self._db.execute("CREATE TABLE IF NOT EXISTS events (t REAL, kind TEXT, data TEXT)")
+            self._db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER)")
+            row = self._db.execute("SELECT value FROM meta WHERE key = 'epoch_ceiling'").fetchone()
+            self._ceiling = int(row[0]) if row else 0
+            # Every epoch a previous coordinator may have issued is at or below this floor.
+            self.epoch_floor = max(self._max_recorded_epoch(), self._ceiling)
+            self.reserve_epochs(self.epoch_floor)
+        except sqlite3.Error as e:
+            self._release()
+            raise ValueError(f"cannot use the coordinator state in {self.path}: {e}; "
+                             "is the state directory writable and not full?") from e
+
+    # -- epochs ------------------------------------------------------------------------------
+
+    @property
+    def epoch_ceiling(self) -> int:
+        """The highest epoch that may be issued: reserved durably before it is handed out."""
+        return self._ceiling
+
+    def reserve_epochs(self, issued: int) -> int:
+        """Makes sure at least half a block of epochs above ``issued`` is reserved on disk.
+
+        Returns the ceiling. Raises ``sqlite3.Error`` if the reservation cannot be written (the
+        caller keeps the old ceiling and must not issue past it).
+        """
+        with self._db_lock:
+            if self._ceiling - issued >= self.epoch_block // 2:
+                return self._ceiling
+            ceiling = issued + self.epoch_block
+            self._db.execute("INSERT OR REPLACE INTO meta VALUES ('epoch_ceiling', ?)", (ceiling,))
+            self._ceiling = ceiling
+            return ceiling
 
     def max_epoch(self) -> int:
+        """The highest epoch recorded in the history (issued epochs may be higher; see above)."""
+        with self._db_lock:
+            self.flush()
+            return self._max_recorded_epoch()
+
+    def _max_recorded_epoch(self) -> int:
         row = self._db.execute("SELECT MAX(epoch) FROM epochs").fetchone()
         return int(row[0]) if row and row[0] is not None else 0
 
     def record_epoch(self, epoch: int, step: int, members: list[int], behind: list[int]) -> None:
-        self._db.execute(
-            "INSERT INTO epochs VALUES (?, ?, ?, ?, ?)",
-            (epoch, step, json.dumps(members), json.dumps(behind), time.time()),
-        )
+        """Queues an issued epoch for the history (its number is already safe: see the ceiling)."""
+        with self._queue_lock:
+            self._epochs.append((epoch, step, json.dumps(members), json.dumps(behind), time.time()))
+            del self._epochs[:-self.keep_events]
+
+    # -- events ------------------------------------------------------------------------------
 
     def record_event(self, event: dict[str, Any]) -> None:
-        self._db.execute(
-            "INSERT INTO events VALUES (?, ?, ?)",
-            (event.get("t", time.time()), event.get("kind", ""), json.dumps(event, default=str)),
-        )
+        """Queues an event for the next :meth:`flush` (the oldest are dropped past ``keep_events``)."""
+        row = (float(event.get("t", time.time())), str(event.get("kind", "")), json.dumps(event, default=str))
+        with self._queue_lock:
+            self._events.append(row)
+            del self._events[:-self.keep_events]
+
+    def persist(self, issued: int) -> int:
+        """Reserves epochs ahead of ``issued`` and writes what is queued; returns the ceiling.
+
+        Blocks on the disk (each commit is synced: tens of milliseconds on some disks), so the
+        coordinator calls it from a writer thread, never from its event loop. Never raises.
+        """
+        with self._db_lock:
+            try:
+                self.reserve_epochs(issued)
+            except sqlite3.Error as e:
+                self._failed("the epoch reservation", e)
+                if issued >= self._ceiling:
+                    log.error("no epoch above %d may be issued until %s is writable again", issued, self.path)
+            self.flush()
+            return self._ceiling
+
+    def flush(self) -> bool:
+        """Writes the queued rows in one transaction and prunes the oldest events; False if it
+        failed (the rows stay queued, the oldest dropped past ``keep_events``, for the next try)."""
+        with self._db_lock:
+            with self._queue_lock:
+                events, self._events = self._events, []
+                epochs, self._epochs = self._epochs, []
+            prune = self._since_prune + len(events) >= max(1, self.keep_events // 10)
+            if not events and not epochs and not prune:
+                return True
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    self._db.executemany("INSERT OR REPLACE INTO epochs VALUES (?, ?, ?, ?, ?)", epochs)
+                    self._db.executemany("INSERT INTO events VALUES (?, ?, ?)", events)
+                    if prune:
+                        self._db.execute(
+                            "DELETE FROM events WHERE rowid <= (SELECT MAX(rowid) FROM events) - ?",
+                            (self.keep_events,),
+                        )
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    with contextlib.suppress(sqlite3.Error):
+                        self._db.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as e:
+                with self._queue_lock:
+                    self._events = (events + self._events)[-self.keep_events:]
+                    self._epochs = (epochs + self._epochs)[-self.keep_events:]
+                self._failed(f"{len(epochs)} epoch(s) and {len(events)} event(s)", e)
+                return False
+            self._since_prune = 0 if prune else self._since_prune + len(events)
+            return True
 
     def events(self) -> list[dict[str, Any]]:
-        return [json.loads(r[0]) for r in self._db.execute("SELECT data FROM events ORDER BY t")]
+        """The events kept, oldest first."""
+        with self._db_lock:
+            self.flush()
+            rows = list(self._db.execute("SELECT data FROM events ORDER BY rowid"))
+        with self._queue_lock:
+            queued = list(self._events)  # only if the flush failed
+        return [json.loads(r[0]) for r in rows] + [json.loads(data) for (_, _, data) in queued]
+
+    # -- the end -----------------------------------------------------------------------------
 
     def close(self) -> None:
+        if self._lock_fd is None:
+            return  # closed already
+        self.flush()
         self._db.close()
+        self._release()
+
+    def _release(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # drops the flock
+            self._lock_fd = None
+
+    def _failed(self, what: str, e: sqlite3.Error) -> None:
+        self.write_failures += 1
+        if self.write_failures & (self.write_failures - 1) == 0:  # 1st, 2nd, 4th...: not a flood
+            log.warning("cannot write %s to %s (%s): %d write(s) failed so far; the job goes on",
+                        what, self.path, e, self.write_failures)
+
+
+def _lock_state_dir(path: Path) -> int:
+    """Takes ``path/coordinator.lock`` exclusively, or says who holds it."""
+    lock = path / "coordinator.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise StateDirInUse(
+            f"another coordinator ({holder}) is running on the state directory {path}: two would issue "
+            "the same epochs; stop it, or give this job its own --state-dir (--run-dir for `unbroken run`)"
+        ) from e
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}\n".encode(), 0)
+    return fd

@@ -6,8 +6,9 @@ with the same backoff and limits as ``unbroken run`` (:class:`~unbroken.launch.p
 and reports every exit at once (``exited``), so the survivors move on without a timeout. Its
 connection is its life: if the agent or its node dies, the coordinator sees the connection
 close, evicts all its replicas and hands them to agents with free slots. So that nothing trains
-on unwatched, every worker is started with the kernel's parent-death signal (see
-:mod:`unbroken.launch.workers`): ``kill -9`` of the agent takes its workers with it. If the
+on unwatched, every worker is started with the kernel's parent-death signal and its session is
+known to the agent's guardian (see :mod:`unbroken.launch.reaper`): ``kill -9`` of the agent
+takes its workers, and whatever they started, with it. If the
 coordinator goes away instead, the agent keeps its workers and waits ``--connect-timeout`` for a
 coordinator restarted at the same address (on the same state directory), which takes it back
 with the replicas it runs.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import os
 import signal
 import socket
@@ -27,9 +29,11 @@ from typing import Any
 
 from unbroken import config as env
 from unbroken.control import protocol
-from unbroken.launch import workers
+from unbroken.launch import reaper, workers
 from unbroken.launch.policy import RestartBook, RestartPolicy
 from unbroken.observe.events import EventLog
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,11 +104,14 @@ class Agent:
         self._rejoining: list[int] | None = None  # replicas named in a re-hello not yet answered
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
+        self._guardian: reaper.Guardian | None = None
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._interrupt)
+        subreaper = reaper.become_subreaper()
+        self._guardian = reaper.Guardian()
         try:
             reader, self._writer = await self._connect()
             self._send({"op": "agent_hello", "node": self.s.node, "slots": self.s.slots, "pid": os.getpid()})
@@ -112,7 +119,12 @@ class Agent:
             self._tasks += [asyncio.create_task(self._listen(reader)), asyncio.create_task(self._heartbeat())]
             await self._stop.wait()
         finally:
-            await self._cleanup()
+            try:
+                await self._cleanup()
+            finally:
+                self._guardian.close()
+                if subreaper:
+                    reaper.become_subreaper(False)
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
         if self.error is not None:
@@ -153,10 +165,15 @@ class Agent:
 
     async def _listen(self, reader: asyncio.StreamReader) -> None:
         while True:
-            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            # A line over the limit (ValueError from readline) ends the connection: reconnect.
+            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError, ValueError):
                 while line := await reader.readline():
-                    if not await self._handle(protocol.decode(line)):
-                        return
+                    try:
+                        if not await self._handle(protocol.decode(line)):
+                            return
+                    except (ValueError, TypeError, KeyError) as e:
+                        # Skipped: were this task to end, the agent would never hear the coordinator again.
+                        log.warning("malformed message from the coordinator skipped (%s): %r", e, line[:80])
             if self._job_finished:
                 break
             back = await self._reconnect()
@@ -171,6 +188,10 @@ class Agent:
     async def _handle(self, msg: dict[str, Any]) -> bool:
         """Acts on one message from the coordinator; False when the agent must stop listening."""
         if msg["op"] == "assign":
+            ids = msg["replicas"]
+            num_replicas = protocol.count(msg, "num_replicas")
+            if not isinstance(ids, list) or not all(type(r) is int and 0 <= r < num_replicas for r in ids):
+                raise ValueError(f"replicas must be a list of replica ids below {num_replicas}")
             if self._rejoining is not None:
                 self.events.emit("coordinator_reconnected", running=self._rejoining, assigned=msg["replicas"])
                 self._rejoining = None
@@ -199,6 +220,8 @@ class Agent:
         costs the job no process.
         """
         self.events.emit("coordinator_disconnected")
+        if self._writer is not None:
+            self._writer.close()
         try:
             reader, self._writer = await self._connect()
         except ConnectionError:
@@ -234,7 +257,7 @@ class Agent:
                 run_dir=self.s.run_dir, restarts=r.restarts, node=self.s.node, rank=rank,
                 world_size=self.s.ranks_per_replica, master_port=master_port, threads=self._threads())
             log = self.s.run_dir / "logs" / f"replica{r.replica}-rank{rank}.log"
-            proc = await workers.start_worker(self.s.command, environ, log)
+            proc = await workers.start_worker(self.s.command, environ, log, self._guardian)
             r.procs.append(proc)
             self.events.emit("process_started", replica=r.replica, rank=rank, pid=proc.pid, restart=r.restarts,
                              node=self.s.node)
@@ -242,6 +265,9 @@ class Agent:
 
     async def _watch(self, r: _Replica, rank: int, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
+        if code == 0 and self._guardian is not None:
+            # Done: whatever it left running (a persist process finishing its write) is its own.
+            self._guardian.remove(proc.pid)
         if proc not in r.procs:
             return  # a sibling we ended ourselves
         if code == 0:
@@ -257,7 +283,7 @@ class Agent:
         self.events.emit("process_exited", replica=r.replica, rank=rank, pid=proc.pid, exitcode=code,
                          action=decision.action, reason=decision.reason)
         procs, r.procs = r.procs, []
-        await workers.kill_groups(procs)
+        await workers.kill_groups(procs, self._guardian)
         if decision.action != "restart":
             # This node cannot end the job (the coordinator's quorum decides whether it goes on).
             r.done = True
@@ -290,7 +316,7 @@ class Agent:
             if r.procs:
                 self.events.emit("replica_stopped", replica=r.replica, reason="the job finished without it")
                 procs, r.procs = r.procs, []
-                await workers.kill_groups(procs)
+                await workers.kill_groups(procs, self._guardian)
         self._maybe_done()
 
     async def _cleanup(self) -> None:
@@ -298,7 +324,7 @@ class Agent:
             t.cancel()
         for r in self.replicas.values():
             procs, r.procs = r.procs, []
-            await workers.kill_groups(procs)
+            await workers.kill_groups(procs, self._guardian)
         if self._writer is not None:
             self._writer.close()
         self.events.emit("agent_stopped", exit_code=self.exit_code)

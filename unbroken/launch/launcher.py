@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import signal
 import sys
@@ -34,7 +35,7 @@ from unbroken.checkpoint.disk import CorruptCheckpoint, check_writable, newest_v
 from unbroken.checkpoint.retention import discard_newer
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings
 from unbroken.diagnosis.metrics import parse_policy
-from unbroken.launch import injector, workers
+from unbroken.launch import injector, reaper, workers
 from unbroken.launch.chaos import Fault, Schedule, worker_env
 from unbroken.launch.lifecycle import RUNNING, Lifecycle, State
 from unbroken.launch.workers import free_port, package_path
@@ -46,6 +47,8 @@ from unbroken.train.preemption import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
 HANG_ACTIONS = ("restart", "wait")
 EXIT_TERMINATED = 143  # 128 + SIGTERM: stopped by SIGTERM after the workers' flush (or the grace period)
 DEFAULT_TERM_GRACE_S = 25.0  # inside Slurm's default KillWait of 30 s
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +179,8 @@ class Launcher:
         self._tasks: list[asyncio.Task[Any]] = []
         self._warm: asyncio.subprocess.Process | None = None
         self._behind_at: dict[int, int] = {}  # replica -> the step it joined behind at
+        self.monitor_errors = 0
+        self._guardian: reaper.Guardian | None = None
 
     # -- running ---------------------------------------------------------------------------
 
@@ -183,6 +188,8 @@ class Launcher:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGINT, self._stop.set)
         loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
+        subreaper = reaper.become_subreaper()
+        self._guardian = reaper.Guardian()
         try:
             self.address = await self._start_coordinator()
             self.job_start = time.time()
@@ -195,7 +202,12 @@ class Launcher:
             self._tasks.append(asyncio.create_task(self._monitor()))
             return await self._supervise()
         finally:
-            await self._cleanup()
+            try:
+                await self._cleanup()
+            finally:
+                self._guardian.close()
+                if subreaper:
+                    reaper.become_subreaper(False)
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
 
@@ -255,6 +267,8 @@ class Launcher:
             self.s.command[0], "-m", "unbroken.launch.warm", env=env_, stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, start_new_session=True,
             preexec_fn=workers.die_with_parent())
+        if self._guardian is not None:
+            self._guardian.add(self._warm.pid)
 
     async def _take_warm(self, environ: dict[str, str], log: Path) -> asyncio.subprocess.Process | None:
         warm, self._warm = self._warm, None
@@ -294,10 +308,13 @@ class Launcher:
         r.resume_step = None  # later restarts catch up from a peer, which is newer
 
     async def _cold_start(self, environ: dict[str, str], path: Path) -> asyncio.subprocess.Process:
-        return await workers.start_worker(self.s.command, environ, path)
+        return await workers.start_worker(self.s.command, environ, path, self._guardian)
 
     async def _watch(self, r: _Replica, rank: int, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
+        if code == 0 and self._guardian is not None:
+            # Done: whatever it left running (a persist process finishing its write) is its own.
+            self._guardian.remove(proc.pid)
         if proc not in r.procs:
             return  # a sibling we ended ourselves
         t_exit = time.monotonic()
@@ -484,12 +501,20 @@ class Launcher:
     # -- the periodic work: steps, chaos, re-admission -----------------------------
 
     async def _monitor(self) -> None:
+        """Tracks progress, fires faults, re-admits nodes. One round that raises is logged and
+        the next one runs: were this task to end, no progress would count and no node return."""
         while not self._stop.is_set():
-            status = self.coordinator.status() if self.coordinator is not None else None
-            if status is not None:
-                self._track_progress(status)
-            await self._fire_due_faults()
-            await self._readmit()
+            try:
+                status = self.coordinator.status() if self.coordinator is not None else None
+                if status is not None:
+                    self._track_progress(status)
+                await self._fire_due_faults()
+                await self._readmit()
+            except Exception:
+                self.monitor_errors += 1
+                if self.monitor_errors & (self.monitor_errors - 1) == 0:  # 1st, 2nd, 4th...: not a flood
+                    log.exception("supervisor monitor round failed (%d so far); the next one runs all the same",
+                                  self.monitor_errors)
             await asyncio.sleep(0.05)
 
     def _track_progress(self, status: dict[str, Any]) -> None:
@@ -580,6 +605,8 @@ class Launcher:
                 *base, "--role", role, env={**os.environ, **extra, **fenv}, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.DEVNULL, start_new_session=True,
                 preexec_fn=workers.die_with_parent()))
+            if self._guardian is not None:
+                self._guardian.add(procs[-1].pid)
         try:
             waits = [asyncio.ensure_future(p.wait()) for p in procs]
             done, _ = await asyncio.wait(waits, timeout=60)
@@ -661,9 +688,8 @@ class Launcher:
                          drain_s=round(time.monotonic() - self._terminated, 3))
         return EXIT_TERMINATED
 
-    @staticmethod
-    async def _kill(procs: list[asyncio.subprocess.Process]) -> None:
-        await workers.kill_groups(procs)
+    async def _kill(self, procs: list[asyncio.subprocess.Process]) -> None:
+        await workers.kill_groups(procs, self._guardian)
 
     async def _end(self, r: _Replica) -> None:
         procs, r.procs = r.procs, []

@@ -2,15 +2,15 @@
 
 Shared by the single-machine supervisor (:mod:`unbroken.launch.launcher`) and the per-node agent
 (:mod:`unbroken.launch.agent`), so both start and end workers the same way. Every worker runs in
-its own session, so the whole tree it spawned ends with one ``killpg``; and on Linux it asks the
-kernel for ``SIGKILL`` when its parent dies, so a supervisor or agent killed with ``kill -9``
-leaves no worker training on without anyone watching it.
+its own session, so the whole tree it spawned can be ended by its session id; on Linux it asks
+the kernel for ``SIGKILL`` when its parent dies, and the supervisor's guardian
+(:mod:`unbroken.launch.reaper`) ends the rest of its tree, so a supervisor or agent killed with
+``kill -9`` leaves nothing training on without anyone watching it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import dataclasses
 import os
@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from unbroken import config as env
+from unbroken.launch import reaper
 
 _PR_SET_PDEATHSIG = 1
 
@@ -96,24 +97,44 @@ def worker_env(*, coordinator: str, replica: int, num_replicas: int, run_dir: Pa
     }
 
 
-async def start_worker(command: tuple[str, ...], environ: dict[str, str], log_path: Path
-                       ) -> asyncio.subprocess.Process:
-    """Starts one worker in its own session, its output appended to ``log_path``."""
+async def start_worker(command: tuple[str, ...], environ: dict[str, str], log_path: Path,
+                       guardian: reaper.Guardian | None = None) -> asyncio.subprocess.Process:
+    """Starts one worker in its own session, its output appended to ``log_path``; the guardian
+    ends that session if this process dies."""
     log = open(log_path, "ab")  # noqa: SIM115
     try:
-        return await asyncio.create_subprocess_exec(
+        proc = await asyncio.create_subprocess_exec(
             *command, env=environ, stdout=log, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
             preexec_fn=die_with_parent())
     except FileNotFoundError as e:
         raise ValueError(f"cannot start the worker command {command[0]!r}: {e.strerror}") from e
     finally:
         log.close()
+    if guardian is not None:
+        guardian.add(proc.pid)
+    return proc
 
 
-async def kill_groups(procs: list[asyncio.subprocess.Process]) -> None:
-    """Ends each worker and anything it spawned, and reaps them."""
-    for p in procs:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGKILL)
+SESSION_END_S = 10.0  # how long ending a worker waits for the last of its session to die
+
+
+async def kill_groups(procs: list[asyncio.subprocess.Process], guardian: reaper.Guardian | None = None) -> None:
+    """Ends each worker and everything in its session, and reaps them.
+
+    Waits (bounded) until the sessions are empty: a replacement started earlier could meet a
+    descendant of the old worker still holding its port or its memory.
+    """
+    sessions = [p.pid for p in procs]
+    reaper.kill_sessions(sessions)
     for p in procs:
         await p.wait()
+    deadline = asyncio.get_running_loop().time() + SESSION_END_S
+    while True:
+        reaper.reap_orphans(sessions)  # descendants we adopted as their parents died
+        if not reaper.kill_sessions(sessions) or asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.01)
+    reaper.reap_orphans(sessions)
+    if guardian is not None:
+        for sid in sessions:
+            guardian.remove(sid)
