@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 from collections.abc import Mapping
 
 ENV_COORDINATOR = "UNBROKEN_COORDINATOR"
@@ -65,8 +66,6 @@ def parse_host_port(value: str, what: str = "address") -> tuple[str, int]:
 def is_stack_signal(number: int) -> bool:
     """Whether ``number`` may be sent to ask for a stack dump: the user signals and the real-time
     ones, whose default action no program relies on (never one that stops or ends the process)."""
-    import signal
-
     return number in (signal.SIGUSR1, signal.SIGUSR2) or signal.SIGRTMIN <= number <= signal.SIGRTMAX
 
 
@@ -76,8 +75,6 @@ def stack_signal(env: Mapping[str, str] | None = None) -> int | None:
     Configurable because Slurm and Lightning use SIGUSR1 themselves; the handler chains to
     theirs either way.
     """
-    import signal
-
     raw = (os.environ if env is None else env).get(ENV_STACK_SIGNAL, "").strip()
     if not raw:
         return int(signal.SIGUSR1)

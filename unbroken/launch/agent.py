@@ -110,21 +110,20 @@ class Agent:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._interrupt)
-        subreaper = reaper.become_subreaper()
-        self._guardian = reaper.Guardian()
         try:
-            reader, self._writer = await self._connect()
-            self._send({"op": "agent_hello", "node": self.s.node, "slots": self.s.slots, "pid": os.getpid()})
-            self.events.emit("agent_started", node=self.s.node, slots=self.s.slots, coordinator=self.s.coordinator)
-            self._tasks += [asyncio.create_task(self._listen(reader)), asyncio.create_task(self._heartbeat())]
-            await self._stop.wait()
+            with reaper.supervising() as self._guardian:
+                try:
+                    reader, self._writer = await self._connect()
+                    self._send({"op": "agent_hello", "node": self.s.node, "slots": self.s.slots,
+                                "pid": os.getpid()})
+                    self.events.emit("agent_started", node=self.s.node, slots=self.s.slots,
+                                     coordinator=self.s.coordinator)
+                    self._tasks += [asyncio.create_task(self._listen(reader)),
+                                    asyncio.create_task(self._heartbeat())]
+                    await self._stop.wait()
+                finally:
+                    await self._cleanup()
         finally:
-            try:
-                await self._cleanup()
-            finally:
-                self._guardian.close()
-                if subreaper:
-                    reaper.become_subreaper(False)
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
         if self.error is not None:

@@ -188,26 +188,22 @@ class Launcher:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGINT, self._stop.set)
         loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
-        subreaper = reaper.become_subreaper()
-        self._guardian = reaper.Guardian()
         try:
-            self.address = await self._start_coordinator()
-            self.job_start = time.time()
-            self.events.emit("job_started", replicas=self.s.replicas, spares=self.s.spares,
-                             schedule=self.s.schedule.to_json(), coordinator=self.address)
-            for r in self.replicas.values():
-                await self._spawn(r)
-            if self._warmable():
-                await self._start_warm()
-            self._tasks.append(asyncio.create_task(self._monitor()))
-            return await self._supervise()
+            with reaper.supervising() as self._guardian:
+                try:
+                    self.address = await self._start_coordinator()
+                    self.job_start = time.time()
+                    self.events.emit("job_started", replicas=self.s.replicas, spares=self.s.spares,
+                                     schedule=self.s.schedule.to_json(), coordinator=self.address)
+                    for r in self.replicas.values():
+                        await self._spawn(r)
+                    if self._warmable():
+                        await self._start_warm()
+                    self._tasks.append(asyncio.create_task(self._monitor()))
+                    return await self._supervise()
+                finally:
+                    await self._cleanup()
         finally:
-            try:
-                await self._cleanup()
-            finally:
-                self._guardian.close()
-                if subreaper:
-                    reaper.become_subreaper(False)
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
 

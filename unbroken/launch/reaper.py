@@ -36,7 +36,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,20 @@ def reap_orphans(sessions: Iterable[int]) -> int:
             with contextlib.suppress(ChildProcessError):
                 reaped += os.waitpid(int(entry), os.WNOHANG)[0] != 0
     return reaped
+
+
+@contextlib.contextmanager
+def supervising() -> Iterator[Guardian]:
+    """For as long as the block runs, this process is a subreaper with a guardian (see the
+    module docstring); both are undone however the block ends."""
+    subreaper = become_subreaper()
+    guardian = Guardian()
+    try:
+        yield guardian
+    finally:
+        guardian.close()
+        if subreaper:
+            become_subreaper(False)
 
 
 class Guardian:

@@ -230,9 +230,7 @@ class Manager:
             return self.allreduce(grads)
         try:
             if overlap.outcome is None:  # process_group(): each sum was waited for in its own call
-                ok = self.wait_buckets() and overlap.contributing > 0  # any left in flight (async_op)
-                if self.config.world_size > 1:
-                    ok = self._vote(ok)
+                ok = self._overlap_agreed(overlap)  # any left in flight (async_op) are waited for here
                 if not ok:
                     self._overlap_failed(overlap)
                 overlap.outcome = ok
@@ -355,10 +353,7 @@ class Manager:
             if o.decision is None:
                 o.outcome = self._allreduce(grads)
                 return o.outcome
-            ok = self.wait_buckets() and o.contributing > 0
-            if self.config.world_size > 1:
-                ok = self._vote(ok)
-            if ok:
+            if self._overlap_agreed(o):
                 write_back(1.0 / o.contributing)
                 o.outcome = True
                 return True
@@ -370,6 +365,11 @@ class Manager:
             return o.outcome
         finally:
             self._settle_snapshot()  # a donor's copy is complete before any optimizer steps
+
+    def _overlap_agreed(self, o: OverlappedExchange) -> bool:
+        """Whether the step exchanged during backward may be applied: every bucket summed and
+        checked, some replica contributed, and every rank of this replica agrees."""
+        return self._vote(self.wait_buckets() and o.contributing > 0)
 
     def _overlap_failed(self, o: OverlappedExchange) -> None:
         """A step exchanged during backward failed: its redo asks for a quorum without that epoch."""
@@ -388,9 +388,7 @@ class Manager:
                 self.chaos.before_exchange(self.step, decision.members, 4 * sum(g.numel() for g in grads), grads)
             if failed is None:  # this rank's own time for the step, without waiting for peers
                 self.client.compute_s = time.perf_counter() - self._compute_t0
-            ok = self._exchange(grads, decision, zero=behind)
-            if self.config.world_size > 1:
-                ok = self._vote(ok)
+            ok = self._vote(self._exchange(grads, decision, zero=behind))
             if ok:
                 if behind:
                     self._finish_recovery(decision)
@@ -755,6 +753,8 @@ class Manager:
     def _vote(self, ok: bool) -> bool:
         """Whether every rank of this replica group exchanged successfully (a MIN all-reduce on
         the replica's own group, with a tensor on the device its backend carries)."""
+        if self.config.world_size == 1:
+            return ok
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self._vote_device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
