@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -18,9 +17,8 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from unbroken.checkpoint import Checkpointer, CheckpointError, PeerStore, Shard, directio, disk
+from tests.shard_writer import write_shard_here
 from unbroken.checkpoint.cli import checkpoint as checkpoint_cli
-from unbroken.checkpoint.manifest import ShardManifest, layout
-from unbroken.checkpoint.snapshot import HostBuffer, copy_into, flatten
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -319,21 +317,6 @@ def test_cli_ls_and_export_join_shards(ckpt_dir: str, tmp_path: Path) -> None:
     assert bad.exit_code == 2 and "step 99" in bad.output
 
 
-def _write_shard_here(root: str, state: dict[str, Any], step: int) -> None:
-    """Commit one shard in this process (the persist process's code, without the process), so
-    that the test can change how files are opened."""
-    tensors, skeleton = flatten(state)
-    manifest = ShardManifest(step, 0, 1, 0, 1, layout([spec for _, spec in tensors.values()]))
-    buf = HostBuffer(manifest.data_len)
-    try:
-        copy_into(buf, manifest.tensors, tensors)
-        disk.check_writable(root)
-        disk.write_shard(root, manifest, pickle.dumps(skeleton), memoryview(buf.map))
-        disk.update_latest(root, step)
-    finally:
-        buf.close()
-
-
 def _bitwise_same(a: dict[str, Any], b: dict[str, Any]) -> None:
     for x, y in ((a["model"]["w"], b["model"]["w"]), (a["model"]["b"], b["model"]["b"]), (a["half"], b["half"])):
         assert x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
@@ -370,7 +353,7 @@ def test_default_path_uses_direct_io_where_the_filesystem_has_it(tmp_path: Path,
     if not _supports_o_direct(tmp_path):
         pytest.skip("this filesystem refuses O_DIRECT")
     root = str(tmp_path / "ckpt")
-    _write_shard_here(root, make_state(3), 3)
+    write_shard_here(root, make_state(3), 3)
     with Checkpointer(root) as fresh:
         restored = fresh.load_latest()
     assert restored.source == "disk"
@@ -394,14 +377,14 @@ def test_filesystem_without_direct_io_falls_back_to_buffered_io(tmp_path: Path, 
 
     monkeypatch.setattr(os, "open", open_without_direct)
     buffered, direct = str(tmp_path / "buffered"), str(tmp_path / "direct")
-    _write_shard_here(buffered, make_state(4), 4)
+    write_shard_here(buffered, make_state(4), 4)
     with Checkpointer(buffered) as fresh:
         restored = fresh.load_latest()
         assert fresh.load_latest().source == "disk"
     assert refused and data_opens == [False, False, False]
     _bitwise_same(restored.state, make_state(4))
     monkeypatch.setattr(os, "open", real_open)
-    _write_shard_here(direct, make_state(4), 4)
+    write_shard_here(direct, make_state(4), 4)
     name = os.path.join("step-00000004", "r0-w0", "data.safetensors")
     with open(os.path.join(buffered, name), "rb") as a, open(os.path.join(direct, name), "rb") as b:
         assert a.read() == b.read()  # the same bytes on disk whichever way they were written

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.shard_writer import write_shard_here
 from unbroken.checkpoint import Checkpointer, CheckpointError, disk, retention
 from unbroken.checkpoint.manifest import MANIFEST_FILE, ShardManifest, TensorSpec, layout
-from unbroken.checkpoint.snapshot import HostBuffer, copy_into, flatten
 
 
 def state(seed: int) -> dict[str, Any]:
@@ -24,18 +23,7 @@ def state(seed: int) -> dict[str, Any]:
 
 def save(root: str, step: int, keep_last: int | None = None) -> None:
     """Commit step ``step`` as the persist process does, retention included."""
-    tensors, skeleton = flatten(state(step))
-    manifest = ShardManifest(step, 0, 1, 0, 1, layout([spec for _, spec in tensors.values()]))
-    buf = HostBuffer(manifest.data_len)
-    try:
-        copy_into(buf, manifest.tensors, tensors)
-        disk.check_writable(root)
-        disk.write_shard(root, manifest, pickle.dumps(skeleton), memoryview(buf.map))
-        disk.update_latest(root, step)
-        if keep_last is not None:
-            retention.apply(root, keep_last)
-    finally:
-        buf.close()
+    write_shard_here(root, state(step), step, keep_last)
 
 
 def shard(root: str, step: int) -> Path:
