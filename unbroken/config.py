@@ -35,6 +35,8 @@ ENV_ANOMALY_POLICY = "UNBROKEN_ANOMALY_POLICY"
 # The signal that makes a worker write every thread's stack (the hang diagnosis sends it):
 # a name such as "SIGUSR2" or a number; "none" turns the stack dump off. Default SIGUSR1.
 ENV_STACK_SIGNAL = "UNBROKEN_STACK_SIGNAL"
+# A file (mode 0600) holding the job's secret key, for unbroken.wire.auth.
+ENV_SECRET_FILE = "UNBROKEN_SECRET_FILE"
 # The standard torch.distributed variables, scoped to one replica group.
 ENV_RANK = "RANK"
 ENV_WORLD_SIZE = "WORLD_SIZE"

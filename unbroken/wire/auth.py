@@ -1,0 +1,283 @@
+"""The job's secret, and mutual authentication of every connection that carries the job.
+
+Threat model: anyone who can reach a port (another user on a shared node, a process of another
+job, a scanner) must not join the job, speak for a replica, read its state or push it
+checkpoints. Every listener runs :func:`server_handshake` before it reads anything else and
+every client runs :func:`client_handshake`: each side proves it holds the job's secret with
+HMAC-SHA256 over fresh nonces from both sides (nothing can be replayed from an earlier
+connection), and both derive one key per direction for this connection. Control messages then
+carry a MAC over an implicit sequence number (:class:`Session`), so none can be forged,
+replayed, reordered or reflected back to its sender.
+
+Bulk tensor streams (catch-up, peer checkpoints) are bound to the authenticated connection and
+checked by CRC-32C rather than MACed byte by byte: an attacker who can inject packets into an
+established TCP connection (on the path) is out of scope, as for torch.distributed's own
+transports (Gloo, NCCL); a private fabric or IPsec/WireGuard covers that case.
+
+The secret lives in a file readable only by its owner (``UNBROKEN_SECRET_FILE``): an environment
+variable holding the key itself would show in ``/proc/PID/environ`` of every child, core dumps
+and job-scheduler logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import os
+import secrets
+import socket
+import stat
+from collections.abc import Mapping
+from pathlib import Path
+
+from unbroken.config import ENV_SECRET_FILE, ConfigError
+
+SECRET_BYTES = 32
+NONCE_BYTES = 16
+TAG_BYTES = 16
+_MAGIC = b"UNBK\x00\x01"  # protocol name and version: a mismatched peer fails at once, clearly
+_PROOF_BYTES = 32
+HANDSHAKE_TIMEOUT_S = 10.0
+
+
+class AuthError(ConnectionError):
+    """The peer does not hold the job's secret, or a message failed its MAC."""
+
+
+class JobSecret:
+    """The per-job key. Its ``repr`` never shows the key (it ends up in logs and tracebacks)."""
+
+    __slots__ = ("_key",)
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) < SECRET_BYTES:
+            raise ConfigError(f"a job secret needs at least {SECRET_BYTES} bytes, got {len(key)}")
+        self._key = bytes(key)
+
+    @property
+    def key(self) -> bytes:
+        return self._key
+
+    def __repr__(self) -> str:
+        return "JobSecret(<redacted>)"
+
+    @classmethod
+    def generate(cls) -> JobSecret:
+        return cls(secrets.token_bytes(SECRET_BYTES))
+
+    def write(self, path: str | os.PathLike[str]) -> Path:
+        """Writes the key as hex to a new file that only its owner can read (never overwrites)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self._key.hex() + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> JobSecret:
+        """Reads a secret file; refuses one that others can read or that another user owns."""
+        path = Path(path)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise ConfigError(f"cannot read the job secret file {path}: {e.strerror}") from e
+        with os.fdopen(fd) as f:
+            st = os.fstat(f.fileno())
+            if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+                raise ConfigError(
+                    f"the job secret file {path} is readable by others (mode "
+                    f"{stat.S_IMODE(st.st_mode):o}): run `chmod 600 {path}`"
+                )
+            if st.st_uid != os.geteuid():
+                raise ConfigError(f"the job secret file {path} belongs to uid {st.st_uid}, not to this user")
+            text = f.read(4 * SECRET_BYTES + 2).strip()
+        try:
+            key = bytes.fromhex(text)
+        except ValueError:
+            raise ConfigError(
+                f"the job secret file {path} must hold {SECRET_BYTES} or more bytes as hex "
+                "(create one with `unbroken secret new PATH`)"
+            ) from None
+        return cls(key)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> JobSecret | None:
+        """The secret named by ``UNBROKEN_SECRET_FILE``, or None when that is unset."""
+        path = (os.environ if env is None else env).get(ENV_SECRET_FILE, "").strip()
+        return cls.load(path) if path else None
+
+    @classmethod
+    def required(cls, env: Mapping[str, str] | None = None) -> JobSecret:
+        """The secret named by ``UNBROKEN_SECRET_FILE``; a clear error when it is unset."""
+        secret = cls.from_env(env)
+        if secret is None:
+            raise ConfigError(
+                f"{ENV_SECRET_FILE} is not set: start the process with `unbroken run` (which makes "
+                "a secret per job), or point it at the job's secret file (`--secret-file`)"
+            )
+        return secret
+
+
+class Session:
+    """One authenticated connection's message keys and sequence numbers.
+
+    A MAC covers the direction's sequence number and the payload; the numbers are implicit
+    (both sides count), so a dropped, replayed or reordered message fails verification. Not
+    thread-safe: one sender and one receiver at a time, as every connection here has.
+    """
+
+    __slots__ = ("_send_key", "_recv_key", "_send_seq", "_recv_seq")
+
+    def __init__(self, send_key: bytes, recv_key: bytes) -> None:
+        self._send_key, self._recv_key = send_key, recv_key
+        self._send_seq = self._recv_seq = 0
+
+    def tag(self, payload: bytes) -> bytes:
+        """The MAC of the next message sent; advances the send sequence."""
+        seq = self._send_seq.to_bytes(8, "big")
+        self._send_seq += 1
+        return hmac.digest(self._send_key, seq + payload, "sha256")[:TAG_BYTES]
+
+    def check(self, payload: bytes, tag: bytes) -> None:
+        """Verifies the MAC of the next message received; AuthError if it does not match."""
+        seq = self._recv_seq.to_bytes(8, "big")
+        self._recv_seq += 1
+        if not hmac.compare_digest(hmac.digest(self._recv_key, seq + payload, "sha256")[:TAG_BYTES], tag):
+            raise AuthError("a message failed its MAC (forged, replayed or altered)")
+
+    def seal_line(self, payload: bytes) -> bytes:
+        """``payload`` (one line of text, no newline) with its MAC appended, and a newline."""
+        return payload + b" " + self.tag(payload).hex().encode() + b"\n"
+
+    def open_line(self, line: bytes) -> bytes:
+        """The payload of a sealed line; AuthError if the MAC is missing or wrong."""
+        payload, sep, tag_hex = line.rstrip(b"\r\n").rpartition(b" ")
+        try:
+            tag = bytes.fromhex(tag_hex.decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            tag = b""
+        if not sep or len(tag) != TAG_BYTES:
+            self._recv_seq += 1  # the stream is out of step either way: every later line fails too
+            raise AuthError("a message arrived without a valid MAC")
+        self.check(payload, tag)
+        return payload
+
+
+def _proof(key: bytes, role: bytes, purpose: str, nonce_s: bytes, nonce_c: bytes) -> bytes:
+    return hmac.digest(key, role + purpose.encode() + b"\x00" + nonce_s + nonce_c, "sha256")
+
+
+def _session(key: bytes, purpose: str, nonce_s: bytes, nonce_c: bytes, *, server: bool) -> Session:
+    base = hmac.digest(key, b"session" + purpose.encode() + b"\x00" + nonce_s + nonce_c, "sha256")
+    c2s = hmac.digest(base, b"client->server", hashlib.sha256)
+    s2c = hmac.digest(base, b"server->client", hashlib.sha256)
+    return Session(send_key=s2c, recv_key=c2s) if server else Session(send_key=c2s, recv_key=s2c)
+
+
+def _recv(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise AuthError("the peer closed the connection during authentication")
+        buf += chunk
+    return bytes(buf)
+
+
+def server_handshake(sock: socket.socket, secret: JobSecret, purpose: str,
+                     timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Session:
+    """Authenticates a freshly accepted connection (and this listener to it); AuthError if not.
+
+    ``purpose`` names the listener ("coordinator", "transfer", ...): a handshake made for one
+    cannot be used against another.
+    """
+    old = sock.gettimeout()
+    sock.settimeout(timeout_s)
+    try:
+        nonce_s = secrets.token_bytes(NONCE_BYTES)
+        sock.sendall(_MAGIC + nonce_s)
+        answer = _recv(sock, NONCE_BYTES + _PROOF_BYTES)
+        nonce_c, proof_c = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
+        if not hmac.compare_digest(proof_c, _proof(secret.key, b"client", purpose, nonce_s, nonce_c)):
+            raise AuthError(f"a client failed to authenticate to the {purpose} listener")
+        sock.sendall(_proof(secret.key, b"server", purpose, nonce_s, nonce_c))
+        return _session(secret.key, purpose, nonce_s, nonce_c, server=True)
+    except TimeoutError as e:
+        raise AuthError(f"a client did not authenticate to the {purpose} listener in {timeout_s} s") from e
+    finally:
+        sock.settimeout(old)
+
+
+def client_handshake(sock: socket.socket, secret: JobSecret, purpose: str,
+                     timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Session:
+    """Authenticates this client to a listener and the listener to it; AuthError if either fails."""
+    old = sock.gettimeout()
+    sock.settimeout(timeout_s)
+    try:
+        hello = _recv(sock, len(_MAGIC) + NONCE_BYTES)
+        if hello[: len(_MAGIC)] != _MAGIC:
+            raise AuthError(f"the {purpose} listener does not speak unbroken's authentication (version mismatch?)")
+        nonce_s, nonce_c = hello[len(_MAGIC):], secrets.token_bytes(NONCE_BYTES)
+        sock.sendall(nonce_c + _proof(secret.key, b"client", purpose, nonce_s, nonce_c))
+        proof_s = _recv(sock, _PROOF_BYTES)
+        if not hmac.compare_digest(proof_s, _proof(secret.key, b"server", purpose, nonce_s, nonce_c)):
+            raise AuthError(f"the {purpose} listener failed to authenticate: it does not hold this job's secret")
+        return _session(secret.key, purpose, nonce_s, nonce_c, server=False)
+    except TimeoutError as e:
+        raise AuthError(f"the {purpose} listener did not authenticate in {timeout_s} s") from e
+    finally:
+        sock.settimeout(old)
+
+
+async def server_handshake_async(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                                 secret: JobSecret, purpose: str,
+                                 timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Session:
+    """:func:`server_handshake` for an asyncio listener."""
+    async def run() -> Session:
+        nonce_s = secrets.token_bytes(NONCE_BYTES)
+        writer.write(_MAGIC + nonce_s)
+        await writer.drain()
+        try:
+            answer = await reader.readexactly(NONCE_BYTES + _PROOF_BYTES)
+        except asyncio.IncompleteReadError as e:
+            raise AuthError("the peer closed the connection during authentication") from e
+        nonce_c, proof_c = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
+        if not hmac.compare_digest(proof_c, _proof(secret.key, b"client", purpose, nonce_s, nonce_c)):
+            raise AuthError(f"a client failed to authenticate to the {purpose} listener")
+        writer.write(_proof(secret.key, b"server", purpose, nonce_s, nonce_c))
+        await writer.drain()
+        return _session(secret.key, purpose, nonce_s, nonce_c, server=True)
+
+    try:
+        return await asyncio.wait_for(run(), timeout_s)
+    except (asyncio.TimeoutError, TimeoutError) as e:
+        raise AuthError(f"a client did not authenticate to the {purpose} listener in {timeout_s} s") from e
+
+
+async def client_handshake_async(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                                 secret: JobSecret, purpose: str,
+                                 timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Session:
+    """:func:`client_handshake` for an asyncio connection."""
+    async def run() -> Session:
+        try:
+            hello = await reader.readexactly(len(_MAGIC) + NONCE_BYTES)
+            if hello[: len(_MAGIC)] != _MAGIC:
+                raise AuthError(f"the {purpose} listener does not speak unbroken's authentication")
+            nonce_s, nonce_c = hello[len(_MAGIC):], secrets.token_bytes(NONCE_BYTES)
+            writer.write(nonce_c + _proof(secret.key, b"client", purpose, nonce_s, nonce_c))
+            await writer.drain()
+            proof_s = await reader.readexactly(_PROOF_BYTES)
+        except asyncio.IncompleteReadError as e:
+            raise AuthError("the peer closed the connection during authentication") from e
+        if not hmac.compare_digest(proof_s, _proof(secret.key, b"server", purpose, nonce_s, nonce_c)):
+            raise AuthError(f"the {purpose} listener failed to authenticate: it does not hold this job's secret")
+        return _session(secret.key, purpose, nonce_s, nonce_c, server=False)
+
+    try:
+        return await asyncio.wait_for(run(), timeout_s)
+    except (asyncio.TimeoutError, TimeoutError) as e:
+        raise AuthError(f"the {purpose} listener did not authenticate in {timeout_s} s") from e
