@@ -17,6 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import LoadPlan
 
 from unbroken.checkpoint import DCPReader, DCPWriter
 from unbroken.checkpoint import dcp_layout
@@ -164,6 +165,12 @@ def test_kill_9_mid_save_never_leaves_latest_on_a_half_checkpoint(tmp_path: Path
     loaded = blank()
     dcp.load(loaded, storage_reader=DCPReader(tmp_path))  # the old step 1, moved aside, loads whole
     assert_same(loaded, state(1))
+
+
+def test_ranks_that_resolved_latest_to_different_steps_refuse_to_load() -> None:
+    plans = [LoadPlan([], storage_data="dcp/step-00000002"), LoadPlan([], storage_data="dcp/step-00000003")]
+    with pytest.raises(RuntimeError, match="latest moved during the load"):
+        DCPReader("dcp").prepare_global_plan(plans)
 
 
 def test_refuses_a_directory_of_unbroken_checkpointer(tmp_path: Path) -> None:

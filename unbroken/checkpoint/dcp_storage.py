@@ -213,7 +213,7 @@ class DCPReader(StorageReader):
         self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = resolve(self.path)
+        self.path = path = resolve(self.path)  # pinned: ``latest`` may move while we load
         file = os.path.join(path, METADATA_FILE)
         with open(file, "rb") as f:
             blob = f.read()
@@ -233,9 +233,15 @@ class DCPReader(StorageReader):
         self.checksums = read_checksums(self.path)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        return replace(plan, storage_data=self.path)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Coordinator: every rank resolved a root to the same step (a save can move ``latest``
+        between two ranks' reads, and mixing two steps' metadata and data is silent damage)."""
+        paths = sorted({str(p.storage_data) for p in plans})
+        if len(paths) > 1:
+            raise RuntimeError(f"ranks are loading different checkpoints {paths} (latest moved during the "
+                               "load): load again, or name the step directory")
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
