@@ -10,6 +10,8 @@ import importlib
 
 import click
 
+from unbroken.extras import MissingExtra
+
 # name -> "module:attribute" of a click command or group.
 COMMANDS: dict[str, str] = {
     "bench": "unbroken.bench.cli:bench",
@@ -45,8 +47,23 @@ class LazyGroup(click.Group):
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         if cmd_name in self._lazy:
             module_name, attr = self._lazy[cmd_name].split(":")
-            return getattr(importlib.import_module(module_name), attr)
+            try:
+                return getattr(importlib.import_module(module_name), attr)
+            except MissingExtra as e:
+                return _unavailable(cmd_name, e)
         return super().get_command(ctx, cmd_name)
+
+
+def _unavailable(name: str, error: MissingExtra) -> click.Command:
+    """Stands in for a subcommand whose optional dependencies are not installed: it is still
+    listed by ``--help``, and running it (``--help`` included) says which extra to install."""
+
+    def fail(**_: object) -> None:
+        raise click.ClickException(str(error))
+
+    return click.Command(name, callback=fail, help=f"(not installed) {error}", params=[
+        click.Argument(["args"], nargs=-1, type=click.UNPROCESSED)],
+        context_settings={"ignore_unknown_options": True, "help_option_names": []})
 
 
 @click.group(cls=LazyGroup, lazy=COMMANDS)

@@ -1,94 +1,13 @@
-"""Trains the small GPT as one replica of a fault-tolerant job.
+"""Trains the example GPT as one replica of a fault-tolerant job:
 
     unbroken run --replicas 3 -- python examples/gpt/train.py --steps 200
 
-The unbroken parts are marked; the rest is an ordinary PyTorch loop.
+The script is ``unbroken/examples/gpt/train.py`` (read it there: its unbroken lines are marked),
+shipped inside the package so that ``unbroken demo`` and the benchmarks also run from an
+installed wheel; this file starts it from a checkout by path, as a torchrun user would.
 """
 
-from __future__ import annotations
-
-import argparse
-import json
-import os
-import sys
-import time
-from pathlib import Path
-
-import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-from data import batch, make_corpus  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
-
-import unbroken  # noqa: E402
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--checkpoint-every", type=int, default=10,
-                    help="Steps between checkpoints, when the job has a checkpoint directory (0: none).")
-    ap.add_argument("--pace-s", type=float, default=0.0,
-                    help="Make each step last at least this long, as a larger model would (tests and demos).")
-    args = ap.parse_args()
-
-    torch.manual_seed(args.seed)  # every replica starts from the same weights
-    cfg = GPTConfig()
-    model = GPT(cfg)
-    corpus = make_corpus(cfg.vocab_size, seed=1234)
-
-    # --- unbroken: join the job; register what a recovering peer needs ------------------
-    with unbroken.init() as manager:
-        optimizer = unbroken.Optimizer(torch.optim.AdamW(model.parameters(), lr=args.lr), manager)
-        # A plain model's own state dicts; an FSDP2 model registers unbroken.model_state(model, optimizer).
-        manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
-        manager.register_state_dict_fn("optim", optimizer.load_state_dict, optimizer.state_dict)
-        manager.register_state_dict_fn("rng", torch.set_rng_state, torch.get_rng_state)
-        checkpointer = unbroken.checkpointer_for(manager)  # None unless `unbroken run --checkpoint-dir`
-        unbroken.resume(manager, checkpointer)
-        # --------------------------------------------------------------------------------
-        train(args, model, corpus, cfg, optimizer, manager, checkpointer)
-        if checkpointer is not None:
-            checkpointer.close()  # waits for the last checkpoint to reach the disk
-
-
-def train(args: argparse.Namespace, model: GPT, corpus: torch.Tensor, cfg: GPTConfig, optimizer: unbroken.Optimizer,
-          manager: unbroken.Manager, checkpointer: unbroken.Checkpointer | None) -> None:
-    cfg_r = manager.config
-    run_dir = Path(cfg_r.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    metrics = open(run_dir / f"metrics-r{cfg_r.replica_id}.jsonl", "a", buffering=1)
-    while manager.step < args.steps:
-        t0 = time.perf_counter()
-        optimizer.zero_grad()  # unbroken: starts the step's quorum
-        x, y = batch(corpus, manager.step, cfg_r.replica_id, cfg_r.num_replicas, args.batch_size, cfg.block_size)
-        loss = model(x, y)
-        loss.backward()
-        step = manager.step
-        # unbroken: report the loss before the exchange (a NaN then sits the step out),
-        # average across replicas and step if every replica's exchange succeeded, then
-        # checkpoint when one is due
-        reported = manager.report_loss(loss.item(), step)
-        optimizer.step()
-        committed = manager.last_step_committed
-        if committed:
-            unbroken.save_if_due(manager, checkpointer, args.checkpoint_every)
-        if args.pace_s > 0:
-            time.sleep(max(0.0, args.pace_s - (time.perf_counter() - t0)))
-        d = manager.decision
-        metrics.write(json.dumps({
-            "t": time.time(), "replica": cfg_r.replica_id, "step": manager.step - 1 if committed else step,
-            "loss": reported,
-            "committed": committed, "epoch": d.epoch if d else None,
-            "members": list(d.members) if d else [], "contributing": manager.contributing,
-            "recovered": cfg_r.replica_id in (d.behind if d else ()), "step_s": time.perf_counter() - t0,
-            "pid": os.getpid(),
-        }) + "\n")
-    final = {"model": model.state_dict(), "optim": optimizer.state_dict(), "rng": torch.get_rng_state()}
-    torch.save(final | {"step": manager.step}, run_dir / f"final-r{cfg_r.replica_id}.pt")
+from unbroken.examples.gpt.train import main
 
 if __name__ == "__main__":
     main()

@@ -12,7 +12,7 @@ The machine is shared and noisy, so nothing is compared across runs: in each of 
 rounds every system and a plain write+fsync of the same bytes are measured in turn (order
 rotated); a system's figure is its median over rounds, and each target ratio is computed per
 round (median, min and max reported). ``every_step_slowdown`` comes from the example's GPT
-(examples/gpt) trained with and without a checkpoint at every step, alternated the same way.
+(unbroken.examples.gpt) trained with and without a checkpoint at every step, alternated the same way.
 """
 
 from __future__ import annotations
@@ -293,25 +293,17 @@ def every_step(steps: int, make: Callable[[], System] | None, trainer: Any) -> t
 
 
 class GptTrainer:
-    """The example's training (examples/gpt): its GPT, AdamW and batches, one replica."""
+    """The example's training (unbroken.examples.gpt): its GPT, AdamW and batches, one replica."""
 
     def __init__(self) -> None:
-        import importlib.util
+        from unbroken.examples.gpt import data, model
 
-        root = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                            "examples", "gpt")
-        mods = {}
-        for name in ("model", "data"):
-            spec = importlib.util.spec_from_file_location(f"_example_gpt_{name}", os.path.join(root, f"{name}.py"))
-            assert spec is not None and spec.loader is not None
-            mods[name] = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(mods[name])
         torch.manual_seed(0)
-        cfg = mods["model"].GPTConfig()
-        self.model = mods["model"].GPT(cfg)
+        cfg = model.GPTConfig()
+        self.model = model.GPT(cfg)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-3)
-        corpus = mods["data"].make_corpus(cfg.vocab_size, seed=1234)
-        self.batches = [mods["data"].batch(corpus, s, 0, 1, 16, cfg.block_size) for s in range(8)]
+        corpus = data.make_corpus(cfg.vocab_size, seed=1234)
+        self.batches = [data.batch(corpus, s, 0, 1, 16, cfg.block_size) for s in range(8)]
         self.i = 0
         self.step(self.forward_backward())
 

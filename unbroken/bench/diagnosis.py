@@ -1,6 +1,6 @@
 """``unbroken bench diagnosis``: does diagnosis name the right culprit and class, and how fast?
 
-Every scenario is a real job: 3 replicas of the example GPT (``examples/gpt/train.py``) under
+Every scenario is a real job: 3 replicas of the example GPT (``unbroken.examples.gpt.train``) under
 ``unbroken run``'s launcher with the coordinator's diagnosis master, one fault each from the
 chaos schedules (``crash``, ``hang``, ``slow_rank``, ``nan_loss``) or the ring transport's link
 faults (``UNBROKEN_LINK_FAULT``, with ``UNBROKEN_EXCHANGE=ring``). The supervisor is told to
@@ -44,7 +44,7 @@ from unbroken.launch.launcher import Launcher, LaunchSettings
 from unbroken.observe.events import read_events, read_jsonl
 
 Row = dict[str, Any]
-TRAIN = Path(__file__).resolve().parents[2] / "examples" / "gpt" / "train.py"
+TRAIN_MODULE = "unbroken.examples.gpt.train"
 REPLICAS = 3
 ONSET = 40  # faults start here: past warm-up and the first straggler window
 CRASH = "crash"  # not a diagnosis class: a crash is seen by the supervisor as a process exit
@@ -227,7 +227,7 @@ async def _watch(launcher: Launcher, sc: Scenario, run_dir: Path, grace_s: float
 
 async def _run(sc: Scenario, run_dir: Path, recorder: bool = True, limit_s: float = 240.0) -> tuple[list[Row], list[Row]]:
     settings = LaunchSettings(
-        command=(sys.executable, str(TRAIN), "--steps", str(sc.steps), "--pace-s", str(sc.pace_s)),
+        command=(sys.executable, "-m", TRAIN_MODULE, "--steps", str(sc.steps), "--pace-s", str(sc.pace_s)),
         replicas=REPLICAS, run_dir=run_dir, schedule=Schedule.build(flags=sc.faults),
         on_verdict="ignore", on_hang="wait", max_restarts=2, warm_spare=False, heartbeat_timeout_s=2.0,
     )

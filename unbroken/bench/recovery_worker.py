@@ -8,7 +8,7 @@ from the environment), so the two step times compare the protocol's cost and not
 ``--mode ddp`` is unbroken's ``DistributedDataParallel`` (gradients averaged during backward)
 under the launcher, and ``--mode torch_ddp`` the same loop with
 ``torch.nn.parallel.DistributedDataParallel`` on a plain Gloo group, its reference.
-``--model gpt`` trains the example GPT (``examples/gpt``) instead of the MLP.
+``--model gpt`` trains the example GPT (``unbroken.examples.gpt``) instead of the MLP.
 Every step appends one JSON line to ``DIR/steps-r{R}.jsonl``; at the end the worker writes a
 digest of its parameters and optimizer state, which is how the benchmark checks that replicas
 are bitwise identical without writing hundreds of megabytes.
@@ -63,14 +63,8 @@ def build_model(name: str, params_m: float) -> tuple[torch.nn.Module, Any]:
             return torch.nn.functional.mse_loss(model(x), y)
 
         return mlp, mlp_loss
-    import sys
-
-    gpt_dir = Path(__file__).resolve().parents[2] / "examples" / "gpt"
-    if not (gpt_dir / "model.py").exists():
-        raise SystemExit(f"--model gpt needs the example GPT in {gpt_dir} (a source checkout of unbroken)")
-    sys.path.insert(0, str(gpt_dir))
-    from data import batch, make_corpus  # type: ignore[import-not-found]
-    from model import GPT, GPTConfig  # type: ignore[import-not-found]
+    from unbroken.examples.gpt.data import batch, make_corpus
+    from unbroken.examples.gpt.model import GPT, GPTConfig
 
     cfg = GPTConfig()
     corpus = make_corpus(cfg.vocab_size, seed=1234)

@@ -1,1 +1,1 @@
-"""diagnosis layer (see DESIGN.md)."""
+"""Communication-driven diagnosis: which rank, node or link is at fault (docs/diagnosis.md)."""

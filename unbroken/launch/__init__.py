@@ -1,1 +1,2 @@
-"""launch layer (see DESIGN.md)."""
+"""The supervisor: ``unbroken run``, ``unbroken agent``, restart and isolation policy, fault
+injection, worker processes, the demo (docs/operations.md)."""

@@ -28,8 +28,8 @@ from unbroken.launch.run_cli import supervisor_options, supervisor_settings
 from unbroken.observe import goodput as gp
 from unbroken.observe.events import read_events, read_jsonl
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gpt"
-TRAIN = EXAMPLE / "train.py"
+# The example ships inside the package, so the demo runs from an installed wheel too.
+TRAIN_MODULE = "unbroken.examples.gpt.train"
 REPLICAS = 3
 DEFAULT_FAULTS = (
     "crash:replica=1,step=50",
@@ -63,9 +63,8 @@ def reference_losses(steps: int, batch_size: int = 16, lr: float = 3e-3) -> list
     """The fault-free run, computed in one process: 3 replicas' gradients averaged, as the job does."""
     import torch
 
-    sys.path.insert(0, str(EXAMPLE))
-    from data import batch, make_corpus  # type: ignore[import-not-found]
-    from model import GPT, GPTConfig  # type: ignore[import-not-found]
+    from unbroken.examples.gpt.data import batch, make_corpus
+    from unbroken.examples.gpt.model import GPT, GPTConfig
 
     torch.set_num_threads(1)  # more threads than free cores makes small kernels crawl
     torch.manual_seed(0)
@@ -179,8 +178,6 @@ def demo(steps: int, run_dir: Path, report: Path | None, no_reference: bool, as_
     Without --fault/--faults-file the default schedule runs: crash of replica 1 at step 50, hang
     of replica 2 at step 130, replica 0 four times slower from step 210 for 20 s.
     """
-    if not TRAIN.exists():
-        raise click.UsageError(f"the example is missing at {TRAIN}: run the demo from a checkout of unbroken")
     if steps < 20:
         raise click.UsageError(f"--steps must be >= 20, got {steps}")
     if not kw["faults"] and not kw["fault_files"]:
@@ -194,7 +191,7 @@ def demo(steps: int, run_dir: Path, report: Path | None, no_reference: bool, as_
         late = [f.label for f in extra["schedule"] if f.step is not None and f.step >= steps]
         if late:
             raise ValueError(f"these faults would fire after the last step ({steps}): {', '.join(late)}")
-        settings = LaunchSettings(command=(sys.executable, str(TRAIN), "--steps", str(steps)), replicas=REPLICAS,
+        settings = LaunchSettings(command=(sys.executable, "-m", TRAIN_MODULE, "--steps", str(steps)), replicas=REPLICAS,
                                   run_dir=run_dir, heartbeat_timeout_s=1.0, **extra)
     except ValueError as e:
         raise click.UsageError(str(e)) from e
@@ -222,7 +219,9 @@ def demo(steps: int, run_dir: Path, report: Path | None, no_reference: bool, as_
     report = report or run_dir / "report.html"
     from unbroken.observe.report import write_report
 
-    write_report(report, run_dir, summary, reference, REPLICAS)
+    left_out = write_report(report, run_dir, summary, reference, REPLICAS)
+    if left_out is not None:
+        console.print(f"report without plots: {left_out}", markup=False, soft_wrap=True)
     summary["report"] = str(report)
     if as_json:
         click.echo(json.dumps(summary))

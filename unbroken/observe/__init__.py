@@ -1,1 +1,1 @@
-"""observe layer (see DESIGN.md)."""
+"""Events, goodput accounting, ``unbroken status`` and the demo's report (docs/operations.md)."""

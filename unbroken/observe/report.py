@@ -1,6 +1,8 @@
 """``report.html``: the loss beside a fault-free run, the replicas' timeline, the goodput breakdown.
 
-One self-contained file (matplotlib images embedded as base64), readable offline.
+One self-contained file (matplotlib images embedded as base64), readable offline. Without
+matplotlib (the ``[report]`` extra) the report has every table and the event log, and says
+which plots it left out and how to get them.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from unbroken.extras import MissingExtra, require
 from unbroken.observe.events import read_events, read_jsonl
 
 STATE_COLOURS = {
@@ -89,10 +92,13 @@ def _goodput_plot(detail: dict[str, Any]) -> str:
 
 
 def write_report(path: Path, run_dir: Path, summary: dict[str, Any], reference: list[float] | None,
-                 replicas: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
+                 replicas: int) -> str | None:
+    """Writes the report; returns why its plots were left out (matplotlib missing), else None."""
+    try:
+        require("matplotlib", "report", "the report's plots").use("Agg")
+        missing = None
+    except MissingExtra as e:
+        missing = str(e)
     events = sorted(read_events(run_dir / "events.jsonl"), key=lambda e: e["t"])
     faults = "".join(
         "<tr>" + "".join(f"<td>{html.escape(str(f.get(c)))}</td>" for c in
@@ -103,6 +109,12 @@ def write_report(path: Path, run_dir: Path, summary: dict[str, Any], reference: 
     interesting = [e for e in events if e["kind"] not in ("replica_finished",)]
     log = "\n".join(html.escape(json.dumps({k: v for k, v in e.items() if k not in ("schedule", "donors")}))
                     for e in interesting)
+
+    def image(draw: Any, *args: Any) -> str:
+        if missing is not None:
+            return f"<p><i>plot left out: {html.escape(missing)}</i></p>"
+        return f'<img src="data:image/png;base64,{draw(*args)}">'
+
     path.write_text(f"""<!doctype html><html><head><meta charset="utf-8"><title>unbroken demo report</title>
 <style>body{{font-family:sans-serif;max-width:60em;margin:auto}}td,th{{padding:2px 8px;border-bottom:1px solid #ddd}}
 pre{{font-size:11px;max-height:30em;overflow:auto;background:#f6f6f6}}</style></head><body>
@@ -110,8 +122,9 @@ pre{{font-size:11px;max-height:30em;overflow:auto;background:#f6f6f6}}</style></
 <p>goodput <b>{summary['goodput']:.1%}</b> over {summary['wall_s']} s, {summary['global_restarts']} global restarts.</p>
 <h2>Faults</h2><table><tr><th>kind</th><th>target</th><th>detected</th><th>attributed</th><th>recovered</th>
 <th>detect s</th><th>detected by</th></tr>{faults}</table>
-<h2>Loss beside a fault-free run</h2><img src="data:image/png;base64,{_loss_plot(run_dir, replicas, reference)}">
-<h2>Timeline of replica states and faults</h2><img src="data:image/png;base64,{_timeline_plot(events, replicas)}">
-<h2>Goodput</h2><img src="data:image/png;base64,{_goodput_plot(summary['goodput_detail'])}">
+<h2>Loss beside a fault-free run</h2>{image(_loss_plot, run_dir, replicas, reference)}
+<h2>Timeline of replica states and faults</h2>{image(_timeline_plot, events, replicas)}
+<h2>Goodput</h2>{image(_goodput_plot, summary['goodput_detail'])}
 <h2>Summary</h2><table>{scalars}</table>
 <h2>Events</h2><pre>{log}</pre></body></html>""")
+    return missing

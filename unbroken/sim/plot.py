@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+from unbroken.extras import require
 
+matplotlib = require("matplotlib", "report", "unbroken simulate --plot")
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
