@@ -31,6 +31,11 @@ class MasterSettings:
     hang_initial_s: float = 10.0
     silent_floor_s: float = 0.6
     silent_factor: float = 5.0
+    # A rank is judged silent only once it has sent this many batches: a starting process
+    # (imports, the first garbage collections, a first allocation of its model) can hold the GIL
+    # for longer than the floor on a busy host, and a verdict then restarts a healthy replica.
+    # A hang that early is still caught by the collective wait (``hang_initial_s``).
+    silent_min_batches: int = 5
     straggler_window: int = 10
     straggler_threshold: float = 0.72
     link_window: int = 16  # transfers per cell: 8 collectives, as each direction carries every other one
@@ -352,7 +357,7 @@ class DiagnosisMaster:
         out = []
         for ident, r in self.ranks.items():
             quiet = now - r.last_seen
-            if quiet < silent_s:
+            if quiet < silent_s or len(r.gaps) < self.s.silent_min_batches:
                 continue
             evidence = {"group": r.latest, "seq": r.entered.get(r.latest, -1), "silent_s": round(quiet, 3),
                         "silent_threshold_s": round(silent_s, 3),

@@ -219,6 +219,17 @@ def test_a_silent_rank_among_talking_ones_is_a_noncomm_hang() -> None:
     assert m.evaluate(130.0) == []  # everyone silent: the job ended, not a hang
 
 
+def test_a_starting_rank_that_pauses_before_its_rhythm_is_known_is_not_a_hang() -> None:
+    """A fresh process can stall its telemetry thread for a second (imports, GC) while starting."""
+    m = DiagnosisMaster()
+    for i in range(20):
+        for r in range(3):
+            if r == 2 and i not in (0, 1):
+                continue  # two batches, then a long pause while it imports
+            m.ingest((r, 0), f"n{r}", batch(100.0 + i * 0.1), 100.0 + i * 0.1)
+    assert m.evaluate(100.0 + 2.0) == []
+
+
 def test_one_replica_slowing_alone_is_a_step_time_anomaly() -> None:
     m = DiagnosisMaster()
     t, _ = run_steps(m, range(40), {0: 0.1, 1: 0.1, 2: 0.1})
