@@ -71,6 +71,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dcp-dir", type=Path, default=None, help="Also save plain DCP checkpoints here (DCPWriter).")
     ap.add_argument("--dcp-every", type=int, default=10)
     ap.add_argument("--init-dcp", type=Path, default=None, help="Start from the model weights of this DCP checkpoint.")
+    ap.add_argument("--save-final", action="store_true", help="Tests: every rank saves its final shards.")
     ap.add_argument("--pace-s", type=float, default=0.0, help="Make each step last at least this long (tests).")
     ap.add_argument("--log-name", default="metrics", help="Per-step records go to {run_dir}/{name}-r{R}.jsonl.")
     ap.add_argument("--plain", action="store_true", help="A plain torch.distributed job (torchrun), no unbroken.")
@@ -163,6 +164,28 @@ def dcp_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -
     return {"model": model_sd, "optim": optim_sd}
 
 
+def save_dcp(model: torch.nn.Module, optimizer: torch.optim.Optimizer, root: Path, step: int) -> None:
+    """A plain DCP checkpoint of this replica (a collective of its ranks) through unbroken's writer:
+    checksummed files, an atomic rename into ``root/step-N``."""
+    import torch.distributed.checkpoint as dcp
+
+    from unbroken.checkpoint import DCPWriter
+
+    state = dcp_state(model, optimizer if optimizer.state else None)
+    dcp.save(state, storage_writer=DCPWriter(root, step=step))
+
+
+def local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's shards: ``{"model": {name: tensor}, "optim": {name: {key: tensor}}}``."""
+
+    def local(t: Any) -> Any:
+        return (t.to_local() if hasattr(t, "to_local") else t).detach().cpu().clone()
+
+    return {"model": {n: local(p) for n, p in model.named_parameters()},
+            "optim": {n: {k: local(v) for k, v in optimizer.state.get(p, {}).items()}
+                      for n, p in model.named_parameters()}}
+
+
 def load_initial_weights(model: torch.nn.Module, path: Path) -> None:
     """Loads the ``model`` entry of a DCP checkpoint (plain DCP or unbroken's DCPWriter)."""
     import torch.distributed.checkpoint as dcp
@@ -252,6 +275,8 @@ def train_unbroken(args: argparse.Namespace) -> None:
         unbroken.resume(manager, checkpointer)
         if args.init_dcp is not None and manager.step == 0:
             load_initial_weights(model, args.init_dcp)
+            if args.dcp_dir is not None and c.replica_id == 0:  # a record of where training started
+                save_dcp(model, optimizer, args.dcp_dir, 0)
         # ------------------------------------------------------------------------------------
         records = Records(run_dir, args.log_name, c.replica_id, c.rank)
         while manager.step < args.steps:
@@ -272,11 +297,7 @@ def train_unbroken(args: argparse.Namespace) -> None:
                 batches.commit(plan)
                 unbroken.save_if_due(manager, checkpointer, args.checkpoint_every)
                 if args.dcp_dir is not None and manager.step % args.dcp_every == 0 and manager.writes_checkpoints:
-                    import torch.distributed.checkpoint as dcp
-
-                    from unbroken.checkpoint import DCPWriter
-
-                    dcp.save(dcp_state(model, optimizer), storage_writer=DCPWriter(args.dcp_dir, step=manager.step))
+                    save_dcp(model, optimizer, args.dcp_dir, manager.step)
             time.sleep(max(0.0, args.pace_s - (time.time() - t0)))
             t1 = time.time()
             d = manager.decision
@@ -296,7 +317,12 @@ def train_unbroken(args: argparse.Namespace) -> None:
             })
         if checkpointer is not None:
             checkpointer.close()
+        if args.save_final:
+            torch.save({"step": manager.step, **local_state(model, optimizer)},
+                       run_dir / f"final-r{c.replica_id}-rank{c.rank}.pt")
         records.finish(manager.step, state_digest(model, optimizer), manager.transfer.served if c.rank == 0 else [])
+        dist.barrier()  # no rank tears its groups down while a sibling still uses them
+    dist.destroy_process_group()
 
 
 def train_plain(args: argparse.Namespace) -> None:
