@@ -71,6 +71,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dcp-dir", type=Path, default=None, help="Also save plain DCP checkpoints here (DCPWriter).")
     ap.add_argument("--dcp-every", type=int, default=10)
     ap.add_argument("--init-dcp", type=Path, default=None, help="Start from the model weights of this DCP checkpoint.")
+    ap.add_argument("--deadline-floor-s", type=float, default=1.5,
+                    help="The least time an all-reduce may take before its peer is presumed hung.")
     ap.add_argument("--save-final", action="store_true", help="Tests: every rank saves its final shards.")
     ap.add_argument("--pace-s", type=float, default=0.0, help="Make each step last at least this long (tests).")
     ap.add_argument("--log-name", default="metrics", help="Per-step records go to {run_dir}/{name}-r{R}.jsonl.")
@@ -233,6 +235,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def train_unbroken(args: argparse.Namespace) -> None:
     import unbroken
+    from unbroken.comm.deadline import LearnedDeadline
     from unbroken.train.data import ReplicaBatches
 
     device = pick_device(args.device)
@@ -240,7 +243,11 @@ def train_unbroken(args: argparse.Namespace) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # --- unbroken: join the job (it creates the replica's own process group) ----------------
-    with unbroken.init(device=device) as manager:
+    # The hook waits for each FSDP unit's all-reduce on its own, and most of those waits are
+    # short (the peers compute the same units at the same time), so the deadline learned from
+    # them sits at its floor; a new epoch's first all-reduce on a busy machine takes longer.
+    deadline = LearnedDeadline(floor_s=args.deadline_floor_s)
+    with unbroken.init(device=device, deadline=deadline) as manager:
         c = manager.config
         if not dist.is_initialized():  # a 1-rank replica: FSDP2 still wants a group
             dist.init_process_group("gloo" if device.type == "cpu" else "nccl", store=dist.HashStore(), rank=0,
