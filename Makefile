@@ -15,7 +15,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e '.[dev,plan,sim,report]'
+	$(PY) -m pip install -q -e '.[dev,plan,sim,report,examples]'
 	touch $(STAMP)
 
 demo: install

@@ -116,6 +116,9 @@ class Manager:
         self._grad_numel: int | None = None  # see expect_gradients
         self._early: tuple[int, threading.Thread, dict[str, Any]] | None = None  # epoch, thread, result
         self._overlap: OverlappedExchange | None = None  # this step's exchange during backward
+        # Whether a failed exchange goes back to the loop instead of being redone in place with
+        # the same gradients (see wait_quorum): set when the batches depend on the quorum.
+        self.redo_failed_steps = False
         self._prepared_for: tuple[int, int] | None = None  # the (epoch, step) a catch-up started for
         self._donate_next = False  # the coordinator forecast that this replica serves a newcomer next
         self._last_commit: float | None = None
@@ -178,6 +181,25 @@ class Manager:
             self._compute_t0 = time.perf_counter()
             if self.chaos is not None:
                 self.chaos.start_step(self.step)
+
+    def wait_quorum(self) -> QuorumDecision:
+        """This step's quorum decision: who trains it and who catches up; waits for it.
+
+        For a loop whose batches depend on who contributes (:mod:`unbroken.train.data`): call
+        it after :meth:`start_step`, before the forward pass. The exchange of the step then
+        runs under this decision. With :attr:`redo_failed_steps` set, an exchange that fails
+        is not redone in place with the same gradients: the step is reported as not committed
+        (:meth:`sync_gradients` returns False) and the loop's next attempt gets the new
+        decision here, and batches planned for it.
+        """
+        o = self._overlap
+        if o is not None and o.step == self.step and o.decision is not None:
+            return o.decision
+        self.start_step()
+        if self._quorum is None:  # already taken by this step's exchange
+            assert self.decision is not None
+            return self.decision
+        return self._prepare(self._quorum.result(timeout=self.quorum_timeout_s))
 
     def expect_gradients(self, numel: int) -> None:
         """Announces how many gradient elements (this rank's shards) :meth:`allreduce` averages.
@@ -360,6 +382,10 @@ class Manager:
             if o.contributing == 0 and not o.failed:  # every replica sat this step out: nothing to apply
                 o.outcome = False
                 return False
+            if self.redo_failed_steps:
+                self._overlap_failed(o)
+                o.outcome = False
+                return False
             self.stats["exchange_failures"] += 1
             o.outcome = self._allreduce(grads, failed=o.decision.epoch)
             return o.outcome
@@ -395,6 +421,11 @@ class Manager:
                 return True
             failed = decision.epoch
             self.stats["exchange_failures"] += 1
+            if self.redo_failed_steps:  # the loop redoes the step with batches for the next quorum
+                self._quorum = self.client.request_quorum(self.step, failed, self._step_time)
+                if self.prepare_early:
+                    self._quorum.add_done_callback(self._prepare_soon)
+                return False
         log.error("step %d: no exchange succeeded in %d attempts; skipping it", self.step, self.max_attempts)
         return False
 

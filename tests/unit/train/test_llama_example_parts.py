@@ -1,0 +1,42 @@
+"""The pure parts of the Llama example: its schedule and its generated data (no transformers needed)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from unbroken.examples.llama.data import MarkovTokens
+from unbroken.examples.llama.train import warmup_cosine
+
+
+def test_warmup_then_cosine_to_the_floor() -> None:
+    f = warmup_cosine(warmup=4, total=14, floor=0.1)
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == pytest.approx(1.0)
+    assert f(9) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 2)))
+    assert f(14) == pytest.approx(0.1) and f(100) == pytest.approx(0.1)
+
+
+def test_a_sample_id_alone_fixes_its_tokens() -> None:
+    a, b = MarkovTokens(64, 16, corpus_tokens=4096), MarkovTokens(64, 16, corpus_tokens=4096)
+    assert torch.equal(a.batch([3, 7, 10**9]), b.batch([3, 7, 10**9]))
+    assert a.batch([0, 1]).shape == (2, 16)
+    assert not torch.equal(a.sample(0), a.sample(1))
+    assert int(a.corpus.max()) < 64
+
+
+def test_the_data_follows_a_sparse_chain() -> None:
+    data = MarkovTokens(64, 16, corpus_tokens=1 << 14)
+    c = data.corpus.reshape(256, -1)  # independent chains
+    successors = {int(x): set() for x in range(64)}
+    for row in c:
+        for x, y in zip(row[:-1].tolist(), row[1:].tolist()):
+            successors[x].add(y)
+    assert max(len(s) for s in successors.values()) <= 4  # learnable: the loss can fall towards ln(4)
+
+
+def test_bad_sizes_are_refused() -> None:
+    with pytest.raises(ValueError, match="seq_len"):
+        MarkovTokens(64, 1)
