@@ -29,6 +29,7 @@ ALLOWED: frozenset[tuple[str, str]] = frozenset({
     ("builtins", "frozenset"),
     ("builtins", "complex"),
     ("builtins", "slice"),
+    ("_codecs", "encode"),  # how pickle protocols 0-2 spell bytes (a pure function, as in torch's list)
     ("collections", "OrderedDict"),
     ("torch", "Size"),
     ("torch", "device"),
@@ -45,6 +46,8 @@ class UnsafeObjectError(pickle.UnpicklingError):
 
 class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        if module == "__builtin__":  # protocols 0-2 name builtins as Python 2 did
+            module = "builtins"
         if (module, name) in ALLOWED:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
