@@ -35,7 +35,6 @@ import socket
 import struct
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -63,6 +62,7 @@ MAX_ENTRIES = 1 << 20
 MAX_DIMS = 64
 MAX_WAIT_S = 600.0  # the longest a request may ask the donor to wait for its snapshot
 IO_TIMEOUT_S = 60.0  # any single read or write of a connection, once the snapshot is there
+MAX_SERVED_RECORDS = 256
 MAX_CONNECTIONS = 8  # served at once; more are closed at once (a catch-up needs one per rank)
 
 
@@ -247,7 +247,7 @@ class TransferServer:
         self.address = "%s:%d" % self._sock.getsockname()[:2]
         self._closed = False
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self.served: deque[dict[str, float]] = deque(maxlen=256)
+        self.served: list[dict[str, float]] = []  # the latest transfers (bounded), for the benchmark
         self.refused = 0  # connections that failed authentication or sent a bad request
         threading.Thread(target=self._accept, name="unbroken-transfer", daemon=True).start()
 
@@ -336,6 +336,7 @@ class TransferServer:
                 snap.readers -= 1
         self.served.append({"step": step, "bytes": snap.total, "s": time.perf_counter() - start,
                             "cpu_s": time.thread_time() - cpu_start})
+        del self.served[:-MAX_SERVED_RECORDS]
 
 
 def _parse_request(payload: bytes) -> tuple[int, float]:
