@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from unbroken.checkpoint import Checkpointer, CheckpointError, PeerStore, Shard, directio, disk
 from tests.shard_writer import write_shard_here
 from unbroken.checkpoint.cli import checkpoint as checkpoint_cli
+from unbroken.wire.auth import JobSecret
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -240,8 +241,17 @@ def test_unusable_directory_fails_before_training(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def peer_process() -> Iterator[tuple[str, int]]:
-    proc = subprocess.Popen([sys.executable, "-m", "unbroken.checkpoint.peer"], stdout=subprocess.PIPE,
+def secret(tmp_path: Path) -> tuple[JobSecret, Path]:
+    path = tmp_path / "secret"
+    key = JobSecret.generate()
+    key.write(path)
+    return key, path
+
+
+@pytest.fixture
+def peer_process(secret: tuple[JobSecret, Path]) -> Iterator[tuple[str, int]]:
+    proc = subprocess.Popen([sys.executable, "-m", "unbroken", "checkpoint", "serve-peer", "--secret-file",
+                             str(secret[1])], stdout=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
     try:
         port = int(proc.stdout.readline())  # type: ignore[union-attr]
@@ -251,15 +261,16 @@ def peer_process() -> Iterator[tuple[str, int]]:
         proc.wait()
 
 
-def test_peer_copy_survives_loss_of_memory_and_disk(ckpt_dir: str, peer_process: tuple[str, int]) -> None:
-    with Checkpointer(ckpt_dir, peer=peer_process) as ck:
+def test_peer_copy_survives_loss_of_memory_and_disk(ckpt_dir: str, peer_process: tuple[str, int],
+                                                    secret: tuple[JobSecret, Path]) -> None:
+    with Checkpointer(ckpt_dir, peer=peer_process, secret=secret[0]) as ck:
         ck.save(5, make_state(5))
         outcome, = ck.wait()
         assert outcome.ok and outcome.peer_error is None
     for step_dir in os.listdir(ckpt_dir):  # the node's disk is gone too
         if step_dir.startswith("step-"):
             os.rename(os.path.join(ckpt_dir, step_dir), os.path.join(ckpt_dir, "." + step_dir))
-    with Checkpointer(ckpt_dir, peer=peer_process) as fresh:
+    with Checkpointer(ckpt_dir, peer=peer_process, secret=secret[0]) as fresh:
         restored = fresh.load_latest()
     assert restored.source == "peer" and restored.step == 5
     assert_same(restored.state, make_state(5))
@@ -268,7 +279,7 @@ def test_peer_copy_survives_loss_of_memory_and_disk(ckpt_dir: str, peer_process:
 def test_peer_store_keeps_previous_copy_when_a_put_breaks() -> None:
     import socket
 
-    store = PeerStore().start()
+    store = PeerStore(JobSecret.generate()).start()
     try:
         with socket.create_connection(store.address) as s:
             s.sendall(b"\x05\x00\x00\x00\x00\x00\x00\x00{\"op\"")  # dies mid-header

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import base64
 import logging
-import pickle
 import threading
 import time
 from collections import deque
@@ -40,6 +39,8 @@ from unbroken.checkpoint.manifest import (
 from unbroken.checkpoint.peer import PeerClient
 from unbroken.checkpoint.persist import PersistProcess
 from unbroken.checkpoint.snapshot import HostBuffer, Shard, copy_all, copy_into, flatten, unflatten
+from unbroken.wire import objects as wire_objects
+from unbroken.wire.auth import JobSecret
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class Checkpointer:
             checkpoint can be loaded at another world size.
         peer: ``(host, port)`` of a :class:`~unbroken.checkpoint.peer.PeerStore` that keeps a
             copy of each committed snapshot in its memory.
+        secret: the job's secret, which a peer store demands (required with ``peer``).
         owner: this shard's key at the peer (default: ``r{replica}-w{rank}``).
         overlap: run the snapshot copy in a helper thread (see module doc).
         persist_rate_mb_s: cap on disk write bandwidth, to spare shared storage.
@@ -109,7 +111,7 @@ class Checkpointer:
 
     def __init__(self, directory: str, keep_last: int = 3, *, replica: int = 0, replicas: int = 1,
                  rank: int = 0, world_size: int = 1, peer: tuple[str, int] | None = None,
-                 owner: str | None = None, overlap: bool = False,
+                 secret: JobSecret | None = None, owner: str | None = None, overlap: bool = False,
                  persist_rate_mb_s: float | None = None,
                  persist_interval_s: float = DEFAULT_PERSIST_INTERVAL_S) -> None:
         if keep_last < 1:
@@ -119,11 +121,15 @@ class Checkpointer:
         if not (0 <= replica < replicas and 0 <= rank < world_size):
             raise ValueError(f"replica {replica} of {replicas} / rank {rank} of {world_size} is "
                              "out of range")
+        if peer is not None and not isinstance(secret, JobSecret):
+            raise ValueError("a peer tier needs the job's secret: pass secret=JobSecret.required() "
+                             "(or the Manager's .secret)")
         disk.check_writable(directory)
         self.directory = directory
         self.keep_last = keep_last
         self.replica, self.replicas, self.rank, self.world_size = replica, replicas, rank, world_size
         self.peer = peer
+        self._secret = secret
         self.owner = owner or shard_dir_name(replica, rank)
         self.rate_bytes_s = persist_rate_mb_s * 1e6 if persist_rate_mb_s else None
         self.persist_interval_s = persist_interval_s
@@ -145,7 +151,16 @@ class Checkpointer:
 
     # ----------------------------------------------------------------- saving
     def save(self, step: int, state: Any) -> None:
-        """Snapshot ``state`` (a nested dict/list of tensors and picklable objects) as ``step``.
+        """Snapshot ``state`` (a nested dict/list of tensors and plain objects) as ``step``.
+
+        The non-tensor objects are loaded back through the allow-list of
+        :mod:`unbroken.wire.objects` (containers, numbers, strings, bytes, None, OrderedDict,
+        torch.Size, dtypes, devices): a checkpoint, or a peer's copy of one, can never run code
+        when loaded.
+
+        Raises:
+            ValueError: the state holds an object that would not load back (checked here, at
+                once, not at the restore that would have needed it).
 
         Returns once the state is copied (or, with ``overlap``, once the copy is started).
         Persist failures never raise here: they are reported by :meth:`wait`.
@@ -153,7 +168,11 @@ class Checkpointer:
         started = time.perf_counter()
         self.fence()
         tensors, skeleton = flatten(state, known=self._known)
-        objects = pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
+        objects = wire_objects.dumps(skeleton)
+        try:
+            wire_objects.loads(objects)  # tens of microseconds for an optimizer's hyperparameters
+        except wire_objects.UnsafeObjectError as e:
+            raise ValueError(f"this state cannot be checkpointed: {e}") from None
         manifest = ShardManifest(step, self.replica, self.replicas, self.rank, self.world_size,
                                  self._entries([spec for _, spec in tensors.values()]))
         with self._cond:
@@ -231,6 +250,8 @@ class Checkpointer:
             "slot": self._slots.index(slot), "root": self.directory, "keep_last": self.keep_last,
             "manifest": slot.manifest.to_json(), "objects": base64.b64encode(slot.objects).decode(),
             "rate_bytes_s": self.rate_bytes_s, "peer": list(self.peer) if self.peer else None,
+            # The key crosses only the private socket pair to this process's own child.
+            "peer_key": self._secret.key.hex() if self.peer and self._secret else None,
             "owner": self.owner,
         })
         slot.state = "inflight"
@@ -358,7 +379,8 @@ class Checkpointer:
                     candidates.append((s.manifest.step, 0, "memory", s))
         if self.peer is not None:
             try:
-                copy = PeerClient(*self.peer).get(self.owner)
+                assert self._secret is not None
+                copy = PeerClient(*self.peer, self._secret).get(self.owner)
                 if copy is not None and self._fits(copy.manifest, want):
                     candidates.append((copy.manifest.step, 1, "peer", copy))
             except OSError as exc:
@@ -407,7 +429,7 @@ class Checkpointer:
             else:
                 tensors[e.name] = src.clone()
         copy_all(pairs)
-        state = unflatten(pickle.loads(slot.objects), tensors, {e.name: e for e in slot.manifest.tensors})
+        state = unflatten(wire_objects.loads(slot.objects), tensors, {e.name: e for e in slot.manifest.tensors})
         return Restored(slot.manifest.step, state, "memory", skipped, slot.manifest.world_size)
 
     def _from_bytes(self, manifest: ShardManifest, objects: bytes, data: memoryview,
@@ -418,13 +440,13 @@ class Checkpointer:
                 else torch.empty(0, dtype=torch.uint8)
             src = src.view(getattr(torch, e.dtype)).view(e.shape)
             tensors[e.name] = want[e.name][0].copy_(src) if want and e.name in want else src.clone()
-        state = unflatten(pickle.loads(objects), tensors, {e.name: e for e in manifest.tensors})
+        state = unflatten(wire_objects.loads(objects), tensors, {e.name: e for e in manifest.tensors})
         return Restored(manifest.step, state, source, skipped, manifest.world_size)
 
     def _from_disk(self, step: int, want: dict[str, Any] | None, skipped: list[str]) -> Restored:
         shards = restore.open_step(self.directory, step)
         source_rank = reshard.objects_source_rank(self.rank, shards.world_size)
-        skeleton = pickle.loads(shards.objects(source_rank))
+        skeleton = wire_objects.loads(shards.objects(source_rank))
         if want is None:
             if shards.world_size != self.world_size:
                 raise ValueError(f"saved by {shards.world_size} ranks, loading at {self.world_size}: "

@@ -104,8 +104,21 @@ def export(directory: str, step: int | None, out: str) -> None:
 
 @checkpoint.command("serve-peer")
 @click.option("--port", type=int, default=0, help="TCP port on 127.0.0.1 (0: any free port).")
-def serve_peer(port: int) -> None:
+@click.option("--secret-file", type=click.Path(dir_okay=False), default=None,
+              help="The job's secret file (default: $UNBROKEN_SECRET_FILE); only its holders may push or fetch.")
+@click.option("--max-gb", type=float, default=64.0, show_default=True,
+              help="The most memory the copies held (and arriving) may take.")
+def serve_peer(port: int, secret_file: str | None, max_gb: float) -> None:
     """Keep peers' snapshots in this process's memory (prints the port, serves until killed)."""
-    from unbroken.checkpoint.peer import main
+    from unbroken.checkpoint.peer import serve
+    from unbroken.wire.auth import JobSecret
 
-    main([str(port)])
+    if not max_gb > 0:
+        raise click.BadParameter(f"must be more than 0, got {max_gb}", param_hint="--max-gb")
+    from unbroken.config import ConfigError
+
+    try:
+        secret = JobSecret.load(secret_file) if secret_file else JobSecret.required()
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    serve(secret, port, int(max_gb * (1 << 30)))

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from unbroken.checkpoint import disk, retention
 from unbroken.checkpoint.manifest import ShardManifest, is_complete
+from unbroken.wire.framing import FrameError, recv_exact
 
 _MAX_FDS = 4
 
@@ -39,23 +40,15 @@ def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = N
     sock.sendall(payload)
 
 
-def _recv_exact(sock: socket.socket, n: int, into: bytearray) -> bool:
-    while len(into) < n:
-        chunk = sock.recv(n - len(into))
-        if not chunk:
-            return False
-        into += chunk
-    return True
-
-
 def recv(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
     """Receive one message and any descriptors; None when the other side has gone."""
     data, fds, _, _ = socket.recv_fds(sock, 8, _MAX_FDS)
-    head = bytearray(data)
-    if not head or not _recv_exact(sock, 8, head):
+    if not data:
         return None
-    body = bytearray()
-    if not _recv_exact(sock, int.from_bytes(head, "little"), body):
+    try:
+        head = bytes(data) + bytes(recv_exact(sock, 8 - len(data)))
+        body = recv_exact(sock, int.from_bytes(head, "little"))
+    except FrameError:
         return None
     return json.loads(body), list(fds)
 
@@ -81,13 +74,15 @@ def _persist(job: dict[str, Any], buffers: dict[int, mmap.mmap]) -> dict[str, An
         return reply
     if job.get("peer"):
         from unbroken.checkpoint.peer import PeerClient
+        from unbroken.wire.auth import JobSecret
 
         try:
             host, port = job["peer"]
-            PeerClient(host, port).put(job["owner"], done, objects,
-                                       memoryview(buffers[job["slot"]])[:done.data_len])
+            secret = JobSecret(bytes.fromhex(job["peer_key"]))
+            PeerClient(host, port, secret).put(job["owner"], done, objects,
+                                               memoryview(buffers[job["slot"]])[:done.data_len])
             reply["peer_s"] = time.monotonic() - started - reply["durable_s"]
-        except OSError as exc:
+        except (OSError, ValueError, TypeError) as exc:
             reply["peer_error"] = f"peer copy failed: {exc}"
     return reply
 

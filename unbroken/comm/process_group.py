@@ -8,6 +8,13 @@ into them), and it is never destroyed, not even when the process exits: destroyi
 with a stuck operation blocks until that operation times out, and once the peer of that
 operation has gone, its destructor can throw and abort the process (seen at exit, after the
 job had finished, when the garbage collector reached a Manager).
+
+The groups rendezvous on the job's authenticated store (:mod:`unbroken.comm.store`), so nobody
+without the job's secret can read or write their keys. Gloo's own pair connections, which
+carry the all-reduce, cannot be authenticated by us (nor are NCCL's): on a single-machine job
+(a loopback store) they bind loopback only; across machines they use Gloo's default interface
+(``GLOO_SOCKET_IFNAME`` picks another), and the network between the nodes must be trusted, as
+for any torch.distributed job.
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ import torch.distributed as dist
 
 from unbroken.comm.recorder import FlightRecorder
 from unbroken.comm.ring import ring_allreduce_sum
+from unbroken.comm.store import AuthenticatedStore
 from unbroken.config import parse_host_port
+from unbroken.wire.auth import JobSecret
 
 # "backend" (default): the backend's all-reduce; "ring": unbroken's CPU-driven ring, slower on
 # CPU but with per-connection timings (the diagnosis can then name a link).
@@ -58,13 +67,17 @@ class CrossReplicaGroup:
     """The reconfigurable group among the same rank of every replica in the quorum.
 
     Args:
+        secret: the job's secret, which the store of the groups' rendezvous demands.
         timeout_s: the backend's own timeout; only bounds how long an abandoned operation
             lingers, since waits are bounded by the learned deadline.
         rendezvous_s: the longest wait for the members of a new epoch to build its group; a
             crash or hang during it is normally cut short sooner by the coordinator's abort.
     """
 
-    def __init__(self, timeout_s: float = 60.0, rendezvous_s: float = 10.0) -> None:
+    def __init__(self, secret: JobSecret, timeout_s: float = 60.0, rendezvous_s: float = 10.0) -> None:
+        if not isinstance(secret, JobSecret):
+            raise TypeError(f"CrossReplicaGroup needs the job's JobSecret, got {type(secret).__name__}")
+        self._secret = secret
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.rendezvous_s = rendezvous_s
         self.epoch: int | None = None
@@ -72,7 +85,7 @@ class CrossReplicaGroup:
         self.size = 1
         self._pg: Any = None
         self._pending: Future[Any] | None = None  # the group of this epoch, being built
-        self._stores: dict[str, dist.TCPStore] = {}
+        self._stores: dict[str, AuthenticatedStore] = {}
         self._wake: threading.Event | None = None  # the wait in progress, one per operation
         self._batch: tuple[threading.Event, Any] | None = None  # overlapped sums: their wake, record
         self._aborted_epoch: int | None = None
@@ -111,7 +124,7 @@ class CrossReplicaGroup:
                 if device.type == "cuda":
                     pending.set_result(dist.ProcessGroupNCCL(prefix, rank, size, dist.ProcessGroupNCCL.Options()))
                 else:
-                    pending.set_result(dist.ProcessGroupGloo(prefix, rank, size, self.timeout))
+                    pending.set_result(dist.ProcessGroupGloo(prefix, rank, size, self._gloo_options(store_address)))
             except BaseException as e:  # noqa: BLE001 - handed to the waiting exchange
                 pending.set_exception(e)
 
@@ -358,17 +371,33 @@ class CrossReplicaGroup:
                 self.abandon()
                 raise ExchangeFailed(f"epoch {epoch} was aborted by the coordinator")
 
-    def _store(self, address: str) -> dist.TCPStore:
-        with self._store_lock:
-            return self._store_locked(address)
+    def _gloo_options(self, store_address: str) -> Any:
+        """Gloo's options: its pairs listen on loopback when the job is on one machine (the store,
+        hosted by the coordinator, is on loopback), never on every interface of the host."""
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = self.timeout
+        host = parse_host_port(store_address, "store address")[0]
+        if _is_loopback(host) and not os.environ.get("GLOO_SOCKET_IFNAME"):
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        else:
+            options._devices = [dist.ProcessGroupGloo.create_default_device()]
+        return options
 
-    def _store_locked(self, address: str) -> dist.TCPStore:
-        if address not in self._stores:
-            host, port = parse_host_port(address, "store address")
-            self._stores[address] = dist.TCPStore(
-                host, port, None, False, timeout=datetime.timedelta(seconds=30)
-            )
-        return self._stores[address]
+    def _store(self, address: str) -> AuthenticatedStore:
+        with self._store_lock:
+            if address not in self._stores:
+                self._stores[address] = AuthenticatedStore(address, self._secret,
+                                                           timeout=datetime.timedelta(seconds=30))
+            return self._stores[address]
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 class _RingRun:

@@ -10,16 +10,27 @@ keeps training. The recovering replica verifies every chunk's CRC-32C and
 rebuilds the nested state dict (tensors plus plain Python objects). The checksum is CRC-32C on
 the CPU's crc32 instruction (the checkpoint tiers' checksum), several times cheaper than zlib's
 CRC-32 for a donor whose cores are also training.
+
+Trust: anyone who can reach the port could otherwise download the model and optimizer, or pose
+as a donor. Both sides prove they hold the job's secret (:func:`~unbroken.wire.auth.server_handshake`,
+purpose ``"transfer"``) before anything else; the request and the header are MACed; the bulk
+bytes are bound to that connection and CRC-checked (an on-path attacker injecting packets into
+an established connection is out of scope, as for Gloo). The header is bounded and validated
+(its layout must be the one :func:`layout` computes), and the non-tensor objects load through
+the allow-list unpickler of :mod:`unbroken.wire.objects`: even a donor holding the key cannot
+make a replica run code. Every connection has a timeout, and the number being served at once
+is bounded, so silent clients cannot pin the donor's threads.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
-import pickle
 import socket
 import struct
 import threading
@@ -31,6 +42,9 @@ import torch
 
 from unbroken.checkpoint.checksum import update as checksum
 from unbroken.checkpoint.snapshot import copy_tensor
+from unbroken.wire import objects
+from unbroken.wire.auth import AuthError, JobSecret, client_handshake, server_handshake
+from unbroken.wire.framing import FrameError, recv_exact_into, recv_sealed, send_sealed
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +54,16 @@ OWN_STORAGE_BELOW = 1 << 20
 BACKGROUND_COPY_MIN = 1 << 20  # host tensors this large are copied off the training thread
 SERVE_NICE = 19
 ALIGN = 64
-_HDR = struct.Struct("!Q")
 _CRC = struct.Struct("!I")
+PURPOSE = "transfer"
+MAX_REQUEST = 1024
+MAX_HEADER = 256 << 20  # entries and the skeleton of a state with a million tensors fit
+MAX_ENTRIES = 1 << 20
+MAX_DIMS = 64
+MAX_WAIT_S = 600.0  # the longest a request may ask the donor to wait for its snapshot
+IO_TIMEOUT_S = 60.0  # any single read or write of a connection, once the snapshot is there
+MAX_SERVED_RECORDS = 256
+MAX_CONNECTIONS = 8  # served at once; more are closed at once (a catch-up needs one per rank)
 
 
 class TransferError(RuntimeError):
@@ -88,7 +110,14 @@ def flatten_state(state: Any) -> tuple[Any, list[torch.Tensor]]:
 
 
 def unflatten_state(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
-    return _map_tensors(skeleton, lambda o: tensors[o.index] if isinstance(o, _TensorRef) else o)
+    def leaf(o: Any) -> Any:
+        if not isinstance(o, _TensorRef):
+            return o
+        if type(o.index) is not int or not 0 <= o.index < len(tensors):
+            raise TransferError(f"the state refers to tensor {o.index!r} of {len(tensors)}")
+        return tensors[o.index]
+
+    return _map_tensors(skeleton, leaf)
 
 
 def layout(tensors: list[torch.Tensor]) -> tuple[list[TensorEntry], int]:
@@ -180,7 +209,7 @@ class SnapshotCopy:
                 copy_tensor(_view(buf, e), t.detach(), non_blocking=t.is_cuda)
         if any(t.is_cuda for t in tensors):
             torch.cuda.synchronize()
-        self.snapshot = Snapshot(step, buf, entries, pickle.dumps(skeleton), total)
+        self.snapshot = Snapshot(step, buf, entries, objects.dumps(skeleton), total)
         self._publish = publish
         self._thread = threading.Thread(target=self._copy, args=(later,), name="unbroken-snapshot", daemon=True)
         self._thread.start()
@@ -203,17 +232,23 @@ def take_snapshot(step: int, state: Any, pool: SnapshotPool) -> Snapshot:
 
 
 class TransferServer:
-    """Serves published snapshots to recovering peers, from background threads."""
+    """Serves published snapshots to recovering peers that hold the job's ``secret``, from
+    background threads."""
 
-    def __init__(self, host: str = "127.0.0.1", keep: int = 2) -> None:
+    def __init__(self, secret: JobSecret, host: str = "127.0.0.1", keep: int = 2) -> None:
+        if not isinstance(secret, JobSecret):
+            raise TypeError(f"TransferServer needs the job's JobSecret, got {type(secret).__name__}")
         self.pool = SnapshotPool()
+        self._secret = secret
         self._snapshots: dict[int, Snapshot] = {}
         self._keep = keep
         self._cond = threading.Condition()
         self._sock = socket.create_server((host, 0))
         self.address = "%s:%d" % self._sock.getsockname()[:2]
         self._closed = False
-        self.served: list[dict[str, float]] = []
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.served: list[dict[str, float]] = []  # the latest transfers (bounded), for the benchmark
+        self.refused = 0  # connections that failed authentication or sent a bad request
         threading.Thread(target=self._accept, name="unbroken-transfer", daemon=True).start()
 
     def publish(self, snapshot: Snapshot) -> None:
@@ -227,7 +262,9 @@ class TransferServer:
             self._cond.notify_all()
 
     def close(self) -> None:
-        self._closed = True
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()  # requests waiting for a snapshot are answered now
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept thread; close alone does not
         self._sock.close()
@@ -238,8 +275,17 @@ class TransferServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            if not self._slots.acquire(blocking=False):
+                conn.close()  # as many transfers as a catch-up needs are running already
+                continue
+            try:
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+                threading.Thread(target=self._serve, args=(conn,), name="unbroken-transfer-serve",
+                                 daemon=True).start()
+            except BaseException:
+                conn.close()
+                self._slots.release()
+                raise
 
     def _serve(self, conn: socket.socket) -> None:
         # Serving must not slow the donor's own training: where CPUs are scarce, this thread
@@ -247,50 +293,124 @@ class TransferServer:
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SERVE_NICE)
         start, cpu_start = time.perf_counter(), time.thread_time()
-        with conn:
-            try:
-                req = json.loads(conn.makefile("rb").readline())
-                step, wait_s = int(req["step"]), float(req.get("wait_s", 60.0))
-                with self._cond:
-                    if not self._cond.wait_for(lambda: step in self._snapshots, timeout=wait_s):
-                        conn.sendall(_HDR.pack(0))
-                        return
-                    snap = self._snapshots[step]
-                    snap.readers += 1
+        try:
+            with conn:
+                conn.settimeout(IO_TIMEOUT_S)
                 try:
-                    header = json.dumps({
-                        "step": snap.step, "total": snap.total, "chunk": CHUNK,
-                        "entries": [dataclasses.asdict(e) for e in snap.entries],
-                        "skeleton": snap.skeleton.hex(),
-                    }).encode()
-                    conn.sendall(_HDR.pack(len(header)) + header)
-                    view = memoryview(snap.buffer.numpy())[: snap.total]
-                    for off in range(0, snap.total, CHUNK):
-                        chunk = view[off : off + CHUNK]
-                        conn.sendall(chunk)
-                        conn.sendall(_CRC.pack(checksum(chunk)))
-                finally:
-                    with self._cond:
-                        snap.readers -= 1
-                self.served.append({"step": step, "bytes": snap.total, "s": time.perf_counter() - start,
-                                    "cpu_s": time.thread_time() - cpu_start})
-            except (OSError, ValueError, KeyError) as e:
-                log.warning("state transfer to a peer failed: %s", e)
+                    session = server_handshake(conn, self._secret, PURPOSE)
+                    step, wait_s = _parse_request(recv_sealed(conn, session, MAX_REQUEST))
+                except (AuthError, FrameError, ValueError, OSError) as e:
+                    self.refused += 1
+                    log.warning("refused a state transfer request: %s", e)
+                    return
+                try:
+                    self._send(conn, session, step, wait_s, start, cpu_start)
+                except OSError as e:
+                    log.warning("state transfer to a peer failed: %s", e)
+        finally:
+            self._slots.release()
+
+    def _send(self, conn: socket.socket, session: Any, step: int, wait_s: float,
+              start: float, cpu_start: float) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: step in self._snapshots or self._closed, timeout=wait_s) \
+                    or step not in self._snapshots:
+                send_sealed(conn, session, json.dumps({"ok": False}).encode())
+                return
+            snap = self._snapshots[step]
+            snap.readers += 1
+        try:
+            header = json.dumps({
+                "ok": True, "step": snap.step, "total": snap.total, "chunk": CHUNK,
+                "entries": [[e.dtype, list(e.shape), e.offset, e.nbytes] for e in snap.entries],
+                "skeleton": base64.b64encode(snap.skeleton).decode(),
+            }).encode()
+            send_sealed(conn, session, header)
+            view = memoryview(snap.buffer.numpy())[: snap.total]
+            for off in range(0, snap.total, CHUNK):
+                chunk = view[off : off + CHUNK]
+                conn.sendall(chunk)
+                conn.sendall(_CRC.pack(checksum(chunk)))
+        finally:
+            with self._cond:
+                snap.readers -= 1
+        self.served.append({"step": step, "bytes": snap.total, "s": time.perf_counter() - start,
+                            "cpu_s": time.thread_time() - cpu_start})
+        del self.served[:-MAX_SERVED_RECORDS]
+
+
+def _parse_request(payload: bytes) -> tuple[int, float]:
+    """The step asked for and how long to wait for its snapshot; ValueError if malformed."""
+    req = json.loads(payload)
+    if not isinstance(req, dict) or type(req.get("step")) is not int or req["step"] < 0:
+        raise ValueError(f"a transfer request needs a step (an integer >= 0), got {payload[:100]!r}")
+    wait_s = req.get("wait_s", 60.0)
+    if type(wait_s) not in (int, float) or not math.isfinite(wait_s) or wait_s < 0:
+        raise ValueError(f"a transfer request's wait_s must be a finite number >= 0, got {wait_s!r}")
+    return req["step"], min(float(wait_s), MAX_WAIT_S)
+
+
+def _dtype(name: Any) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise TransferError(f"the donor named an unknown dtype {name!r}")
+    return dtype
+
+
+def parse_header(header: Any, step: int) -> tuple[int, int, list[TensorEntry], Any]:
+    """``(total, chunk, entries, skeleton)`` of a donor's header, each checked.
+
+    The layout must be exactly the one :func:`layout` computes for those tensors: every byte
+    the receiver writes then lies inside the buffer it allocated or a tensor of the same size.
+
+    Raises:
+        TransferError: a field is missing, of the wrong type, out of range or inconsistent.
+    """
+    try:
+        if not isinstance(header, dict) or header.get("step") != step:
+            got = header.get("step") if isinstance(header, dict) else header
+            raise TransferError(f"the donor answered for step {got!r}, not {step}")
+        total, chunk, raw = header["total"], header["chunk"], header["entries"]
+        if type(total) is not int or type(chunk) is not int or not 1 <= chunk <= 1 << 30:
+            raise TransferError(f"the donor sent a bad total {total!r} or chunk size {chunk!r}")
+        if not isinstance(raw, list) or len(raw) > MAX_ENTRIES:
+            raise TransferError(f"the donor sent {len(raw) if isinstance(raw, list) else raw!r} entries")
+        entries, offset = [], 0
+        for item in raw:
+            dtype, shape, off, nbytes = item
+            if not isinstance(shape, list) or len(shape) > MAX_DIMS or \
+                    any(type(d) is not int or d < 0 for d in shape):
+                raise TransferError(f"the donor sent a bad tensor shape {shape!r}")
+            size = math.prod(shape) * _dtype(dtype).itemsize
+            if off != offset or nbytes != size:
+                raise TransferError(f"the donor's layout is inconsistent at byte {off!r} ({nbytes!r} bytes)")
+            entries.append(TensorEntry(dtype, tuple(shape), off, nbytes))
+            offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        if total != offset:
+            raise TransferError(f"the donor announced {total} bytes for a layout of {offset}")
+        skeleton = objects.loads(base64.b64decode(header["skeleton"], validate=True))
+        unflatten_state(skeleton, [torch.empty(0)] * len(entries))  # every reference in range
+    except TransferError:
+        raise
+    except objects.UnsafeObjectError as e:
+        raise TransferError(f"the donor's state was refused: {e}") from e
+    except (KeyError, TypeError, ValueError, RecursionError) as e:
+        raise TransferError(f"the donor sent a malformed header: {type(e).__name__}: {e}") from e
+    return total, chunk, entries, skeleton
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise TransferError("the donor closed the connection mid-transfer")
-        got += n
+    try:
+        recv_exact_into(sock, view)
+    except FrameError as e:
+        raise TransferError(f"the donor closed the connection mid-transfer: {e}") from e
 
 
-def fetch_state(address: str, step: int, timeout_s: float = 120.0, into: Any = None) -> Any:
+def fetch_state(address: str, step: int, secret: JobSecret, timeout_s: float = 120.0, into: Any = None) -> Any:
     """Fetches the state of ``step`` from the donor at ``address`` and verifies every chunk.
 
     Args:
+        secret: the job's secret: the donor must prove it holds it, and so must we.
         into: the receiver's own state, nested like the donor's. A tensor of it at the same
             place, with the same dtype and shape, receives its bytes directly: no fresh
             memory to fault in and nothing to copy when the state is then loaded (loading a
@@ -298,19 +418,31 @@ def fetch_state(address: str, step: int, timeout_s: float = 120.0, into: Any = N
             which is harmless for a replica that is behind: its own state is being replaced.
 
     Raises:
-        TransferError: the donor is unreachable, has no snapshot of ``step`` within
-            ``timeout_s``, went away mid-transfer, or a chunk arrived corrupt.
+        TransferError: the donor is unreachable, does not hold the job's secret, has no
+            snapshot of ``step`` within ``timeout_s``, went away mid-transfer, sent a header
+            that does not hold together or objects outside the allow-list, or a chunk arrived
+            corrupt.
     """
     host, _, port = address.rpartition(":")
     try:
         # The donor may wait up to timeout_s for the snapshot before it answers; allow for it.
         sock = socket.create_connection((host, int(port)), timeout=timeout_s + 5.0)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
-    except OSError as e:
+    except (OSError, ValueError) as e:
         raise TransferError(f"cannot reach the donor at {address}: {e}") from e
     try:
         with sock:
-            return _receive(sock, address, step, timeout_s, into)
+            session = client_handshake(sock, secret, PURPOSE)
+            send_sealed(sock, session, json.dumps({"step": step, "wait_s": timeout_s}).encode())
+            header = json.loads(recv_sealed(sock, session, MAX_HEADER))
+            sock.settimeout(min(timeout_s + 5.0, IO_TIMEOUT_S))
+            if isinstance(header, dict) and header.get("ok") is False:
+                raise TransferError(f"the donor at {address} has no snapshot of step {step}")
+            return _receive(sock, address, parse_header(header, step), into)
+    except AuthError as e:
+        raise TransferError(f"the donor at {address} failed authentication: {e}") from e
+    except ValueError as e:  # a header that is not JSON
+        raise TransferError(f"the donor at {address} sent a malformed header: {e}") from e
     except OSError as e:  # a reset or a timeout mid-transfer
         raise TransferError(f"the transfer from the donor at {address} failed: {e}") from e
 
@@ -358,19 +490,9 @@ def _segments(entries: list[TensorEntry], targets: list[torch.Tensor | None], bu
     return out
 
 
-def _receive(sock: socket.socket, address: str, step: int, timeout_s: float, into: Any) -> Any:
-    sock.sendall(json.dumps({"step": step, "wait_s": timeout_s}).encode() + b"\n")
-    hdr = bytearray(_HDR.size)
-    _recv_exact(sock, memoryview(hdr))
-    (n,) = _HDR.unpack(hdr)
-    if n == 0:
-        raise TransferError(f"the donor at {address} has no snapshot of step {step}")
-    raw = bytearray(n)
-    _recv_exact(sock, memoryview(raw))
-    header = json.loads(raw)
-    total, chunk_size = int(header["total"]), int(header["chunk"])
-    entries = [TensorEntry(e["dtype"], tuple(e["shape"]), e["offset"], e["nbytes"]) for e in header["entries"]]
-    skeleton = pickle.loads(bytes.fromhex(header["skeleton"]))
+def _receive(sock: socket.socket, address: str, parsed: tuple[int, int, list[TensorEntry], Any],
+             into: Any) -> Any:
+    total, chunk_size, entries, skeleton = parsed
     targets = receive_targets(skeleton, entries, into) if into is not None else [None] * len(entries)
     # Pages of this buffer that only targeted tensors cover are never touched, so never faulted in.
     buf = torch.empty(max(total, 1), dtype=torch.uint8)

@@ -14,7 +14,6 @@ import concurrent.futures
 import os
 import contextlib
 import dataclasses
-import datetime
 import logging
 import statistics
 import time
@@ -166,17 +165,13 @@ class Coordinator:
             raise
 
     async def _start(self) -> None:
-        import torch.distributed as dist
+        from unbroken.wire.auth import JobSecret
+        from unbroken.wire.store import StoreServer
 
-        self._tcp_store = dist.TCPStore(
-            self.settings.host,
-            0,
-            None,
-            True,
-            timeout=datetime.timedelta(seconds=60),
-            wait_for_workers=False,
-        )
-        self.store_address = f"{self.settings.host}:{self._tcp_store.port}"
+        # The groups' rendezvous store: authenticated, and bound to the coordinator's host only.
+        secret = getattr(self, "secret", None) or JobSecret.required()
+        self._tcp_store = StoreServer(self.settings.host, secret)
+        self.store_address = self._tcp_store.address
         try:
             self._server = await asyncio.start_server(
                 self._serve, self.settings.host, self.settings.port, limit=protocol.MAX_LINE
@@ -207,6 +202,8 @@ class Coordinator:
         self._writer.shutdown(wait=True)
         self.events.close()
         self.store.close()
+        if self._tcp_store is not None:
+            self._tcp_store.close()
         self._tcp_store = None
 
     # -- called by the supervisor in the same process --------------------------------------

@@ -32,6 +32,7 @@ from unbroken.comm.deadline import LearnedDeadline
 from unbroken.comm.process_group import CrossReplicaGroup, ExchangeFailed
 from unbroken.comm.recorder import FlightRecorder, install_stack_dump
 from unbroken.comm.transfer import SnapshotCopy, TransferServer, fetch_state, flatten_state, layout
+from unbroken.wire.auth import JobSecret
 from unbroken.config import (
     ENV_ANOMALY_POLICY,
     ENV_PREPARE_EARLY,
@@ -105,9 +106,11 @@ class Manager:
         self.quorum_timeout_s = quorum_timeout_s
         self.step = 0
         self.decision: QuorumDecision | None = None
-        self.group = CrossReplicaGroup()
+        self.secret = JobSecret.required()  # the job's key: the store, the donors and peers demand it
+        self.group = CrossReplicaGroup(self.secret)
         # Peers on other nodes fetch from here: listen on the address that reaches the coordinator.
-        self.transfer = TransferServer(host=local_address_towards(self.config.coordinator.rpartition(":")[0]))
+        self.transfer = TransferServer(self.secret,
+                                       host=local_address_towards(self.config.coordinator.rpartition(":")[0]))
         self.stats: dict[str, float] = {"exchange_failures": 0, "recoveries": 0, "donations": 0,
                                         "last_exchange_s": 0.0, "last_recovery_s": 0.0, "last_join_wait_s": 0.0}
         self._quorum: Future[dict[str, Any]] | None = None
@@ -651,7 +654,7 @@ class Manager:
         def run() -> None:
             try:
                 cpu = time.thread_time()
-                box["state"] = fetch_state(address, step, into=into)
+                box["state"] = fetch_state(address, step, self.secret, into=into)
                 box["fetched"] = time.perf_counter()
                 box["cpu_s"] = time.thread_time() - cpu
             except Exception as e:  # surfaces on the training thread in _finish_recovery

@@ -10,6 +10,8 @@ from __future__ import annotations
 import socket
 import struct
 
+from unbroken.wire.auth import TAG_BYTES, Session
+
 _LEN = struct.Struct("!Q")
 
 
@@ -45,3 +47,18 @@ def recv_frame(sock: socket.socket, max_bytes: int) -> bytearray:
     if n > max_bytes:
         raise FrameError(f"the peer announced a {n}-byte frame; at most {max_bytes} are accepted")
     return recv_exact(sock, n)
+
+
+def send_sealed(sock: socket.socket, session: Session, payload: bytes) -> None:
+    """Sends ``payload`` as one frame with the session's MAC of it appended."""
+    send_frame(sock, payload + session.tag(payload))
+
+
+def recv_sealed(sock: socket.socket, session: Session, max_bytes: int) -> bytes:
+    """Reads one frame sent by :func:`send_sealed` and checks its MAC; AuthError if it fails."""
+    frame = recv_frame(sock, max_bytes + TAG_BYTES)
+    if len(frame) < TAG_BYTES:
+        session.check(b"", b"")  # advances the sequence and raises, as any bad MAC does
+    payload, tag = bytes(frame[:-TAG_BYTES]), bytes(frame[-TAG_BYTES:])
+    session.check(payload, tag)
+    return payload

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import fully_shard
 
 import unbroken
 from unbroken.comm.transfer import SnapshotCopy, TransferServer, fetch_state
+from unbroken.wire.auth import JobSecret
 from unbroken.train.state import as_local, as_shards
 
 
@@ -62,10 +63,11 @@ def main() -> None:
     checked = []
 
     # A peer: the state as local shards, over the real transfer, into a fresh copy.
-    server = TransferServer()
+    secret = JobSecret.generate()
+    server = TransferServer(secret)
     try:
         SnapshotCopy(7, as_local({"train": original.state_dict()}), server.pool, server.publish).wait()
-        fetched = fetch_state(server.address, 7)
+        fetched = fetch_state(server.address, 7, secret)
     finally:
         server.close()
     peer_model, peer_opt = build(1, mesh)

@@ -9,16 +9,19 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from unbroken.comm.process_group import CrossReplicaGroup, ExchangeFailed
+from unbroken.wire.auth import JobSecret
+from unbroken.wire.store import StoreServer
+
+SECRET = JobSecret.generate()
 
 
-def _pair(epoch: int) -> tuple[CrossReplicaGroup, CrossReplicaGroup, dist.TCPStore]:
-    server = dist.TCPStore("127.0.0.1", 0, None, True)
-    groups = (CrossReplicaGroup(timeout_s=5.0), CrossReplicaGroup(timeout_s=5.0))
+def _pair(epoch: int) -> tuple[CrossReplicaGroup, CrossReplicaGroup, StoreServer]:
+    server = StoreServer("127.0.0.1", SECRET)
+    groups = (CrossReplicaGroup(SECRET, timeout_s=5.0), CrossReplicaGroup(SECRET, timeout_s=5.0))
     for rank, g in enumerate(groups):
-        g.configure(f"127.0.0.1:{server.port}", epoch, rank, 2, tag="test", device=torch.device("cpu"))
+        g.configure(server.address, epoch, rank, 2, tag="test", device=torch.device("cpu"))
     return groups[0], groups[1], server
 
 

@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import itertools
+import json
+import os
+import pickle
+import socket
 import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
 from unbroken.comm import transfer
 from unbroken.comm.transfer import TransferError, TransferServer, fetch_state, take_snapshot
+from unbroken.wire.auth import JobSecret, server_handshake
+from unbroken.wire.framing import recv_sealed, send_sealed
+
+SECRET = JobSecret.generate()
 
 
 def _state() -> dict:
@@ -19,13 +33,13 @@ def _state() -> dict:
 
 
 def test_fetched_state_is_bitwise_the_snapshot_even_when_the_donor_moves_on() -> None:
-    server = TransferServer()
+    server = TransferServer(SECRET)
     try:
         state = _state()
         server.publish(take_snapshot(5, state, server.pool))
         expected = {k: v.clone() for k, v in state["model"].items()}
         state["model"]["w"].add_(1.0)  # the donor trains on after its snapshot
-        got = fetch_state(server.address, 5)
+        got = fetch_state(server.address, 5, SECRET)
     finally:
         server.close()
     assert all(torch.equal(got["model"][k], v) for k, v in expected.items())
@@ -38,14 +52,14 @@ def test_received_into_the_receivers_own_tensors_where_they_fit(monkeypatch: pyt
     """A behind replica's tensors take the donor's bytes in place (nothing to fault in or copy
     on load); a tensor that does not fit, or that the receiver lacks, arrives in new memory."""
     monkeypatch.setattr(transfer, "CHUNK", chunk)  # small chunks: pieces cross chunk boundaries
-    server = TransferServer()
+    server = TransferServer(SECRET)
     try:
         donor = _state()
         donor["optim"]["momentum"] = torch.randn(300, 5)
         server.publish(take_snapshot(5, donor, server.pool))
         mine = {"model": {"w": torch.zeros(700, 700), "b": torch.zeros(6)}, "optim": {"step": 0}}
         w, b = mine["model"]["w"], mine["model"]["b"]
-        got = fetch_state(server.address, 5, into=mine)
+        got = fetch_state(server.address, 5, SECRET, into=mine)
     finally:
         server.close()
     assert got["model"]["w"] is w and torch.equal(w, donor["model"]["w"])
@@ -57,7 +71,7 @@ def test_received_into_the_receivers_own_tensors_where_they_fit(monkeypatch: pyt
 
 def test_a_corrupted_chunk_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(transfer, "CHUNK", 1 << 18)  # several chunks, so the damaged one is named
-    server = TransferServer()
+    server = TransferServer(SECRET)
     try:
         server.publish(take_snapshot(5, _state(), server.pool))
         real = transfer.checksum
@@ -71,21 +85,21 @@ def test_a_corrupted_chunk_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
 
         monkeypatch.setattr(transfer, "checksum", flaky)
         with pytest.raises(TransferError, match=f"checksum mismatch in the chunk at byte {1 << 18} "):
-            fetch_state(server.address, 5)
+            fetch_state(server.address, 5, SECRET)
     finally:
         server.close()
 
 
 def test_missing_step_and_unreachable_donor_are_clear_errors() -> None:
-    server = TransferServer()
+    server = TransferServer(SECRET)
     try:
         server.publish(take_snapshot(5, _state(), server.pool))
         with pytest.raises(TransferError, match="no snapshot of step 6"):
-            fetch_state(server.address, 6, timeout_s=0.2)
+            fetch_state(server.address, 6, SECRET, timeout_s=0.2)
     finally:
         server.close()
     with pytest.raises(TransferError, match="cannot reach the donor"):
-        fetch_state(server.address, 5, timeout_s=1.0)
+        fetch_state(server.address, 5, SECRET, timeout_s=1.0)
 
 
 def test_a_snapshot_copied_in_the_background_is_served_only_when_complete() -> None:
@@ -94,7 +108,7 @@ def test_a_snapshot_copied_in_the_background_is_served_only_when_complete() -> N
     big = torch.randn(1 << 20)  # 4 MB: copied off the calling thread
     state = {"w": big, "b": torch.randn(3), "data_position": 7}
     expected = big.clone()
-    server = TransferServer()
+    server = TransferServer(SECRET)
     complete_when_published = []
 
     def publish(snap: transfer.Snapshot) -> None:
@@ -107,8 +121,138 @@ def test_a_snapshot_copied_in_the_background_is_served_only_when_complete() -> N
         copy.wait()
         big.add_(1.0)  # the optimizer steps
         state["data_position"] = 8
-        got = fetch_state(server.address, 5)
+        got = fetch_state(server.address, 5, SECRET)
     finally:
         server.close()
     assert complete_when_published == [True]
     assert torch.equal(got["w"], expected) and got["data_position"] == 7
+
+
+class _RunsCode:
+    """What a malicious donor pickles: loading it would run a shell command."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Callable[..., int], tuple[str]]:
+        return os.system, (f"touch {self.marker}",)
+
+
+def _fake_donor(secret: JobSecret, header: Callable[[], dict]) -> tuple[socket.socket, str]:
+    """A donor that holds the key but lies: it answers one request with ``header()``."""
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = srv.accept()
+        with conn, contextlib.suppress(OSError):  # AuthError included: the fetch's side is the test
+            session = server_handshake(conn, secret, transfer.PURPOSE)
+            recv_sealed(conn, session, 1024)
+            send_sealed(conn, session, json.dumps(header()).encode())
+            time.sleep(0.5)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv, "127.0.0.1:%d" % srv.getsockname()[1]
+
+
+def test_a_donor_that_sends_code_to_run_is_refused_and_nothing_runs(tmp_path: Path) -> None:
+    """Even a donor holding the key cannot make a replica run code: the objects of a state load
+    through an allow-list (on main, pickle.loads ran os.system in the receiving replica)."""
+    marker = tmp_path / "ran"
+    srv, address = _fake_donor(SECRET, lambda: {
+        "ok": True, "step": 3, "total": 0, "chunk": 4096, "entries": [],
+        "skeleton": base64.b64encode(pickle.dumps({"model": _RunsCode(marker)})).decode()})
+    with srv, pytest.raises(TransferError, match=r"refusing to load the global (posix|os)\.system"):
+        fetch_state(address, 3, SECRET, timeout_s=5.0)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("entries,total", [
+    ([["float32", [4], 0, 16]], 8),  # fewer bytes announced than the layout holds
+    ([["float32", [4], 64, 16]], 128),  # a tensor placed beyond where the layout puts it
+    ([["float32", [-4], 0, -16]], 0),  # a negative shape
+    ([["os.system", [4], 0, 16]], 64),  # not a dtype
+])
+def test_a_header_whose_layout_does_not_hold_together_is_refused(entries: list, total: int) -> None:
+    srv, address = _fake_donor(SECRET, lambda: {
+        "ok": True, "step": 3, "total": total, "chunk": 4096, "entries": entries,
+        "skeleton": base64.b64encode(pickle.dumps({"w": transfer._TensorRef(0)})).decode()})
+    with srv, pytest.raises(TransferError, match="donor"):
+        fetch_state(address, 3, SECRET, timeout_s=5.0)
+
+
+def test_a_donor_without_the_key_is_refused_before_anything_is_read() -> None:
+    other = JobSecret.generate()
+    srv, address = _fake_donor(other, lambda: {"ok": False})
+    with srv, pytest.raises(TransferError, match="failed authentication"):
+        fetch_state(address, 3, SECRET, timeout_s=5.0)
+
+
+def _quick_handshake(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transfer, "server_handshake",
+                        lambda sock, secret, purpose: server_handshake(sock, secret, purpose, timeout_s=0.5))
+
+
+def test_nobody_without_the_key_downloads_a_donors_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    _quick_handshake(monkeypatch)
+    server = TransferServer(SECRET)
+    try:
+        server.publish(take_snapshot(5, _state(), server.pool))
+        with pytest.raises(TransferError, match="failed authentication"):
+            fetch_state(server.address, 5, JobSecret.generate(), timeout_s=5.0)
+        # A client that speaks the old, unauthenticated request gets no state either.
+        host, port = server.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5.0) as sock:
+            sock.sendall(json.dumps({"step": 5, "wait_s": 1.0}).encode() + b"\n")
+            got = b""
+            while chunk := sock.recv(1 << 16):
+                got += chunk
+        assert len(got) < 64  # the handshake's greeting, then the donor hung up
+        assert torch.equal(fetch_state(server.address, 5, SECRET)["rng"], _state()["rng"])
+    finally:
+        server.close()
+
+
+def test_silent_clients_neither_hold_a_serving_thread_nor_block_a_real_fetch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Connected-but-silent clients are dropped after the handshake's timeout, and beyond the
+    bound on concurrent connections they are closed at once."""
+    monkeypatch.setattr(transfer, "MAX_CONNECTIONS", 2)
+    _quick_handshake(monkeypatch)
+    server = TransferServer(SECRET)
+    host, port = server.address.rsplit(":", 1)
+    silent = [socket.create_connection((host, int(port)), timeout=5.0) for _ in range(4)]
+    try:
+        server.publish(take_snapshot(5, _state(), server.pool))
+        for s in silent:  # each is closed: at once (over the bound) or after the handshake timeout
+            while s.recv(1 << 16):
+                pass
+        assert torch.equal(fetch_state(server.address, 5, SECRET)["rng"], _state()["rng"])
+        assert server.refused >= 2
+    finally:
+        for s in silent:
+            s.close()
+        server.close()
+
+
+def test_optimizer_scheduler_and_module_state_round_trip_through_the_allow_list() -> None:
+    """What torch's own state_dicts hold (OrderedDict with _metadata, tuples of betas, None
+    lambdas, torch.Size, dtypes) passes the restricted loader unchanged."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    sched.step()
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict(),
+             "extra": {"size": torch.Size([2, 3]), "dtype": torch.bfloat16, "set": {1, 2}, "none": None}}
+    server = TransferServer(SECRET)
+    try:
+        server.publish(take_snapshot(5, state, server.pool))
+        got = fetch_state(server.address, 5, SECRET)
+    finally:
+        server.close()
+    assert isinstance(state["model"], OrderedDict)
+    assert got["optim"]["param_groups"] == state["optim"]["param_groups"]
+    assert got["sched"] == state["sched"] and got["extra"] == state["extra"]
+    model.load_state_dict(got["model"])
+    opt.load_state_dict(got["optim"])
+    sched.load_state_dict(got["sched"])
