@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "checkpoint": "unbroken.checkpoint.cli:checkpoint",
     "status": "unbroken.observe.status:status",
     "agent": "unbroken.launch.agent_cli:agent",
+    "secret": "unbroken.control.secret_file:secret",
 }
 
 # name -> "module:attribute" of the `unbroken bench NAME` scenarios.
