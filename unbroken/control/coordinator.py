@@ -179,7 +179,7 @@ class Coordinator:
         self._job_finished_sent = False
         self._aborted: dict[int, int] = {}
         self._hinted: dict[int, int] = {}  # newcomer -> the epoch in which its donor was told
-        self.connections = 0  # served now
+        self._open: set[asyncio.StreamWriter] = set()  # every connection served now
         self.auth_failures = 0  # connections dropped for failing the handshake or a MAC
         self._server: asyncio.base_events.Server | None = None
         self._tick_task: asyncio.Task[None] | None = None
@@ -232,9 +232,8 @@ class Coordinator:
                 await self._tick_task
         if self._server:
             self._server.close()
-            for ranks in self.replicas.values():
-                for conn in ranks.values():
-                    conn.link.close()
+            for writer in list(self._open):
+                writer.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
         if self._persisting is not None:
@@ -278,11 +277,11 @@ class Coordinator:
     # -- connections -----------------------------------------------------------------------
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.connections >= self.settings.max_connections:
+        if len(self._open) >= self.settings.max_connections:
             writer.close()
             self._dropped(f"over {self.settings.max_connections} connections", auth=False)
             return
-        self.connections += 1
+        self._open.add(writer)
         conn: _RankConn | None = None
         agent: _AgentConn | None = None
         try:
@@ -300,7 +299,7 @@ class Coordinator:
         except (ConnectionError, asyncio.IncompleteReadError) as e:
             log.debug("connection ended: %s", e)
         finally:
-            self.connections -= 1
+            self._open.discard(writer)
             writer.close()
             if conn is not None:
                 self._connection_closed(conn)
@@ -370,13 +369,16 @@ class Coordinator:
             link.send({"op": "status", **self.status()})
         elif op in ("agent_hello", "hello"):
             if conn is not None or agent is not None:
-                raise Refused("a connection speaks for one replica rank or agent: it said hello already")
-            if op == "agent_hello":
-                agent = self._agent_hello(msg, link)
-                if agent is None:
-                    return "stop", conn, agent
-            else:
-                conn = self._hello(msg, link)
+                raise ValueError("a connection speaks for one replica rank or agent: it said hello already")
+            try:
+                if op == "agent_hello":
+                    agent = self._agent_hello(msg, link)
+                    if agent is None:
+                        return "stop", conn, agent
+                else:
+                    conn = self._hello(msg, link)
+            except (ValueError, TypeError) as e:  # who it is cannot be malformed and skipped
+                raise Refused(f"a malformed {op}: {e}") from e
         elif agent is not None:
             if op == "agent_heartbeat":
                 self._agent_heartbeat(agent)
