@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, str] = {
     "checkpoint": "unbroken.bench.checkpoint:checkpoint",
     "recovery": "unbroken.bench.recovery:recovery",
     "diagnosis": "unbroken.bench.diagnosis:diagnosis",
+    "auth": "unbroken.bench.auth:auth",
 }
 
 

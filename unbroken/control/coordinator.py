@@ -181,6 +181,7 @@ class Coordinator:
         self._hinted: dict[int, int] = {}  # newcomer -> the epoch in which its donor was told
         self._open: set[asyncio.StreamWriter] = set()  # every connection served now
         self.auth_failures = 0  # connections dropped for failing the handshake or a MAC
+        self.lines_in = self.lines_out = 0  # over closed connections (what `unbroken bench auth` counts)
         self._server: asyncio.base_events.Server | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._tcp_store: Any = None
@@ -296,6 +297,8 @@ class Coordinator:
                 await self._converse(link, who)
             finally:
                 conn, agent = who
+                self.lines_in += link.received
+                self.lines_out += link.sent
         except (ConnectionError, asyncio.IncompleteReadError) as e:
             log.debug("connection ended: %s", e)
         finally:

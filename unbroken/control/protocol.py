@@ -64,10 +64,11 @@ class Link:
     sequence numbers make it the one writer of its stream (asyncio: one thread).
     """
 
-    __slots__ = ("reader", "writer", "session")
+    __slots__ = ("reader", "writer", "session", "sent", "received")
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, session: Session) -> None:
         self.reader, self.writer, self.session = reader, writer, session
+        self.sent = self.received = 0  # lines, for `unbroken bench auth`
 
     async def readline(self) -> bytes | None:
         """The next raw line, None at the end; ConnectionError on a line over :data:`MAX_LINE`."""
@@ -79,11 +80,13 @@ class Link:
 
     def decode(self, line: bytes) -> Message:
         """:func:`decode` with this connection's session (AuthError: drop the connection)."""
+        self.received += 1
         return decode(line, self.session)
 
     def send(self, msg: Message) -> None:
         if not self.writer.is_closing():
             self.writer.write(encode(msg, self.session))
+            self.sent += 1
 
     def close(self) -> None:
         self.writer.close()
