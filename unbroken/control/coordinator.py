@@ -116,6 +116,7 @@ class _RankConn:
     step: int = 0
     finished: bool = False
     compute_s: float | None = None  # the rank's own compute time last step, from heartbeats
+    epoch: int | None = None  # the last epoch this connection was answered with
 
 
 @dataclasses.dataclass
@@ -589,7 +590,9 @@ class Coordinator:
         if failed is not None and failed > self.quorum.epoch:
             raise ValueError(f"failed_epoch {failed} was never formed (the newest is {self.quorum.epoch})")
         cur = self.quorum.current
-        member = cur is not None and conn.replica in cur.members
+        # This very connection trains in the current epoch (a restarted process of a member
+        # of it is a newcomer: it asks for the step of its checkpoint, and catches up).
+        member = cur is not None and conn.epoch == cur.epoch and conn.replica in cur.members
         if cur is not None and member and step < cur.step:
             self._evict(conn.replica, f"rank {conn.rank} asked for step {step}, below step {cur.step} that its "
                                       f"epoch {cur.epoch} trains")
@@ -652,6 +655,7 @@ class Coordinator:
     ) -> None:
         for ranks in waiting.values():
             for rank, (conn, req_id, _, _) in ranks.items():
+                conn.epoch = d.epoch
                 addrs = {
                     str(m): self.replicas[m][rank].transfer_addr
                     for m in d.members
