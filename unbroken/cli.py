@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "checkpoint": "unbroken.checkpoint.cli:checkpoint",
     "status": "unbroken.observe.status:status",
     "agent": "unbroken.launch.agent_cli:agent",
+    "secret": "unbroken.control.secret_file:secret",
 }
 
 # name -> "module:attribute" of the `unbroken bench NAME` scenarios.
@@ -31,6 +32,7 @@ BENCHMARKS: dict[str, str] = {
     "checkpoint": "unbroken.bench.checkpoint:checkpoint",
     "recovery": "unbroken.bench.recovery:recovery",
     "diagnosis": "unbroken.bench.diagnosis:diagnosis",
+    "auth": "unbroken.bench.auth:auth",
 }
 
 

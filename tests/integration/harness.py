@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from unbroken.config import ENV_SECRET_FILE
 from unbroken.observe.events import read_jsonl
+from unbroken.wire.auth import JobSecret
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "gpt" / "train.py"
@@ -99,8 +104,27 @@ def assert_identical(states: dict[int, dict[str, Any]]) -> None:
                 assert torch.equal(v, s["optim"]["state"][pid][k]), f"replica {r} optimizer {pid}.{k} differs"
 
 
+_SECRET_FILE: Path | None = None
+
+
+def job_secret_file() -> Path:
+    """One job secret (a 0600 file in a private temporary directory) for the processes tests
+    start by hand: coordinators, agents and bare workers find it in UNBROKEN_SECRET_FILE."""
+    global _SECRET_FILE
+    if _SECRET_FILE is None:
+        tmp = tempfile.mkdtemp(prefix="unbroken-test-secret-")
+        atexit.register(shutil.rmtree, tmp, True)
+        _SECRET_FILE = JobSecret.generate().write(Path(tmp) / "secret")
+    return _SECRET_FILE
+
+
+def job_secret() -> JobSecret:
+    return JobSecret.load(job_secret_file())
+
+
 def python_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
+            ENV_SECRET_FILE: str(job_secret_file())}
 
 
 class Processes:

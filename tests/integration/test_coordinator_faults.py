@@ -7,9 +7,7 @@ replica that went silent and answer the survivors.
 
 from __future__ import annotations
 
-import json
 import resource
-import socket
 import subprocess
 import sys
 import threading
@@ -18,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import python_env
+from tests.integration.harness import job_secret, python_env
 from unbroken.control import protocol
 from unbroken.control.client import CoordinatorClient
 
@@ -47,22 +45,28 @@ def start_coordinator(tmp_path: Path, replicas: int) -> tuple[subprocess.Popen[b
 def test_a_silent_replica_is_evicted_and_survivors_answered_while_event_writes_fail(tmp_path: Path) -> None:
     coordinator, address = start_coordinator(tmp_path, replicas=3)
     host, port = address.rsplit(":", 1)
-    clients = [CoordinatorClient(address, {"replica": r, "rank": 0, "world_size": 1, "transfer_addr": ""},
+    secret = job_secret()
+    clients = [CoordinatorClient(address, secret, {"replica": r, "rank": 0, "world_size": 1, "transfer_addr": ""},
                                  heartbeat_s=0.1) for r in (0, 1)]
-    silent = socket.create_connection((host, int(port)), timeout=30)
+    silent, session = protocol.connect(host, int(port), secret, timeout=30)
+    silent_lock = threading.Lock()  # one sealed line at a time: the MACs count in wire order
     stop_beating = threading.Event()
+
+    def send(msg: dict[str, object]) -> None:
+        with silent_lock:
+            silent.sendall(protocol.encode(msg, session))
 
     def beat() -> None:
         while not stop_beating.wait(0.1):
-            silent.sendall(protocol.encode({"op": "heartbeat", "step": 0}))
+            send({"op": "heartbeat", "step": 0})
 
     beating = threading.Thread(target=beat, daemon=True)
     try:
         for c in clients:
             c.wait_connected(30)
-        silent.sendall(protocol.encode({"op": "hello", "replica": 2, "rank": 0, "world_size": 1, "pid": 0}))
+        send({"op": "hello", "replica": 2, "rank": 0, "world_size": 1})
         beating.start()
-        silent.sendall(protocol.encode({"op": "quorum", "id": 1, "step": 0}))
+        send({"op": "quorum", "id": 1, "step": 0})
         first = [f.result(timeout=30)["decision"] for f in [c.request_quorum(0) for c in clients]]
         assert first[0]["members"] == [0, 1, 2]
         stop_beating.set()
@@ -84,9 +88,7 @@ def test_a_silent_replica_is_evicted_and_survivors_answered_while_event_writes_f
             pass
         assert events.stat().st_size == size, "event writes were meant to fail"
         # And the coordinator still serves.
-        with socket.create_connection((host, int(port)), timeout=10) as s:
-            s.sendall(protocol.encode({"op": "status"}))
-            status = json.loads(s.makefile("rb").readline())
+        status = protocol.request(host, int(port), secret, {"op": "status"}, timeout=10)
         assert sorted(status["replicas"]) == ["0", "1"]
         assert all(v["alive"] for v in status["replicas"].values())
     finally:

@@ -9,13 +9,16 @@ Nothing the coordinator sends may end that thread: a malformed line is logged an
 request it should have answered stays pending and is re-sent on the next connection); a line
 longer than :data:`~unbroken.control.protocol.MAX_LINE`, or :data:`MAX_BAD_LINES` malformed ones on
 one connection, end the connection, and the thread reconnects.
+
+Every connection is authenticated both ways (the job's secret, :mod:`unbroken.wire.auth`) and
+every line MACed: a listener that does not hold the secret is no coordinator, and a line that
+fails its MAC ends the connection (the thread reconnects).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import os
 import selectors
 import socket
 import threading
@@ -27,6 +30,7 @@ from typing import Any
 from unbroken.config import parse_host_port
 from unbroken.control import protocol
 from unbroken.control.quorum import QuorumDecision
+from unbroken.wire.auth import AuthError, JobSecret, Session
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +46,7 @@ class CoordinatorClient:
 
     Args:
         address: ``HOST:PORT`` of the coordinator.
+        secret: the job's secret (:meth:`JobSecret.required` reads the one a worker was started with).
         hello: identity sent on every (re)connection: replica, rank, world_size, transfer_addr...
         on_abort: called from the connection thread with the epoch to abort.
         on_donate: called from the connection thread when this replica will likely serve a
@@ -54,6 +59,7 @@ class CoordinatorClient:
     def __init__(
         self,
         address: str,
+        secret: JobSecret,
         hello: dict[str, Any],
         on_abort: Callable[[int], None] | None = None,
         on_donate: Callable[[int], None] | None = None,
@@ -61,7 +67,10 @@ class CoordinatorClient:
         reconnect_timeout_s: float = 120.0,
         telemetry: Callable[[], dict[str, Any] | None] | None = None,
     ) -> None:
+        if not isinstance(secret, JobSecret):
+            raise TypeError("CoordinatorClient needs the job's JobSecret (there is no unauthenticated mode)")
         self.host, self.port = parse_host_port(address, "coordinator address")
+        self.secret = secret
         self.hello = dict(hello)
         self.on_abort = on_abort
         self.on_donate = on_donate
@@ -75,6 +84,7 @@ class CoordinatorClient:
         self._pending: dict[int, tuple[dict[str, Any], Future[dict[str, Any]]]] = {}
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
+        self._session: Session | None = None  # the MAC state of self._sock, replaced with it
         self._connected = threading.Event()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="unbroken-coordinator", daemon=True)
@@ -113,38 +123,37 @@ class CoordinatorClient:
     # -- connection thread ---------------------------------------------------------------
 
     def _send(self, msg: dict[str, Any]) -> None:
-        sock = self._sock
-        if sock is None:
-            return  # re-sent on reconnect
         try:
-            with self._lock:
-                sock.sendall(protocol.encode(msg))
+            with self._lock:  # one sealed line at a time: their MACs count in wire order
+                sock, session = self._sock, self._session
+                if sock is None or session is None:
+                    return  # re-sent on reconnect
+                sock.sendall(protocol.encode(msg, session))
         except OSError:
             pass  # the connection thread notices and reconnects
 
-    def _connect(self) -> socket.socket | None:
+    def _connect(self) -> tuple[socket.socket, Session] | None:
         deadline = time.monotonic() + self.reconnect_timeout_s
         delay = 0.05
         while not self._closed.is_set() and time.monotonic() < deadline:
             try:
-                sock = socket.create_connection((self.host, self.port), timeout=2.0)
-                if protocol.connected_to_itself(sock):
-                    sock.close()
-                    raise ConnectionRefusedError("no coordinator yet (connected to itself)")
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock, session = protocol.connect(self.host, self.port, self.secret, timeout=5.0)
                 sock.settimeout(None)
-                hello = {"op": "hello", "pid": os.getpid(), "step": self.step, **self.hello}
-                sock.sendall(protocol.encode(hello))
-                return sock
+                hello = {"op": "hello", "step": self.step, **self.hello}
+                sock.sendall(protocol.encode(hello, session))
+                return sock, session
+            except AuthError as e:
+                log.warning("the coordinator at %s:%d did not authenticate (%s); retrying", self.host, self.port, e)
             except OSError:
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                pass
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
         return None
 
     def _run(self) -> None:
         while not self._closed.is_set():
-            sock = self._connect()
-            if sock is None:
+            connected = self._connect()
+            if connected is None:
                 self._fail_pending(
                     CoordinatorUnreachable(
                         f"lost the coordinator at {self.host}:{self.port} for "
@@ -152,20 +161,25 @@ class CoordinatorClient:
                     )
                 )
                 return
-            self._sock = sock
+            sock, session = connected
             with self._lock:
+                self._sock, self._session = sock, session
                 resend = [m for (m, _) in self._pending.values()]
             for m in resend:
                 self._send(m)
             try:
-                self._serve(sock)
+                self._serve(sock, session)
             except Exception:  # a bug here must not leave the replica without its coordinator
                 log.exception("the coordinator connection failed; reconnecting")
-            self._sock = None
+            with self._lock:
+                self._sock = self._session = None
+            welcomed = self._connected.is_set()
             self._connected.clear()
             sock.close()
+            if not welcomed and not self._closed.is_set():
+                time.sleep(0.2)  # refused (this rank's old connection still lives): not a busy loop
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, sock: socket.socket, session: Session) -> None:
         sel = selectors.DefaultSelector()
         sel.register(sock, selectors.EVENT_READ)
         buf = b""
@@ -188,7 +202,12 @@ class CoordinatorClient:
                 buf += data
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
-                    if not self._handle_line(line):
+                    try:
+                        ok = self._handle_line(line, session)
+                    except AuthError as e:
+                        log.warning("a line from the coordinator failed its MAC (%s): reconnecting", e)
+                        return
+                    if not ok:
                         bad += 1
                         if bad >= MAX_BAD_LINES:
                             log.warning("%d malformed lines from the coordinator: reconnecting", bad)
@@ -201,10 +220,12 @@ class CoordinatorClient:
         finally:
             sel.close()
 
-    def _handle_line(self, line: bytes) -> bool:
-        """Handles one line; False (logged, skipped) if it is malformed."""
+    def _handle_line(self, line: bytes, session: Session) -> bool:
+        """Handles one line; False (logged, skipped) if it is malformed; AuthError if forged."""
         try:
-            self._handle(protocol.decode(line))
+            self._handle(protocol.decode(line, session))
+        except AuthError:
+            raise
         except (ValueError, TypeError, KeyError, OverflowError) as e:
             log.warning("malformed line from the coordinator skipped (%s): %r", e, line[:80])
             return False

@@ -5,6 +5,15 @@ TCP connection open (see :mod:`unbroken.control.protocol`); a closed connection 
 exit reported by the supervisor evicts the replica at once, a silent one is evicted when its
 heartbeats stop. The coordinator also hosts the ``torch.distributed`` TCPStore on which the
 cross-replica groups of every epoch rendezvous.
+
+Threat model: anyone who can reach the port. Nothing is read from a connection before it proves
+it holds the job's secret (:mod:`unbroken.wire.auth`), and every line after that carries a MAC;
+a peer that fails either is dropped, logged, and changes nothing. Beyond the key, nothing a
+member says is trusted further than it must be: fields are validated (ids below the job's
+counts, bounded times, steps that do not go back), a connection speaks only for the replica and
+rank it said hello as, a live replica's slot cannot be taken over, no PID or path is taken
+from the network (a hung rank's stack comes from its owner, see :mod:`unbroken.diagnosis.stacks`),
+and connections, their buffers and every map are bounded.
 """
 
 from __future__ import annotations
@@ -29,7 +38,9 @@ from unbroken.diagnosis.master import DiagnosisMaster
 from unbroken.diagnosis.metrics import parse_policy
 from unbroken.diagnosis.service import DiagnosisService
 from unbroken.control.state_store import KEEP_EVENTS, StateStore
+from unbroken.diagnosis.service import StackSource
 from unbroken.observe.events import EventLog
+from unbroken.wire.auth import AuthError, JobSecret, server_handshake_async
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +68,11 @@ class CoordinatorSettings:
         journal_mode: SQLite journal of the state store: ``delete`` (safe on a shared
             filesystem), ``truncate``, or ``wal`` (local disks only).
         keep_events: the newest events the state store keeps.
+        max_connections: connections served at once (replicas' ranks, agents, status
+            clients); more are closed at once.
+        hello_timeout_s: an authenticated connection that has not said who it is (``hello``,
+            ``agent_hello``) or asked for ``status`` within this is closed.
+        max_world_size: the most ranks a replica may announce.
     """
 
     total_replicas: int
@@ -72,10 +88,19 @@ class CoordinatorSettings:
     anomaly_policy: str = ""
     journal_mode: str = "delete"
     keep_events: int = KEEP_EVENTS
+    max_connections: int = 1024
+    hello_timeout_s: float = 10.0
+    max_world_size: int = 4096
 
 
 # A connection that sends this many malformed messages is not a replica gone astray: it is closed.
 MAX_BAD_MESSAGES = 100
+JOIN_WINDOW_MAX_S = 300.0  # learned from step times; never longer, whatever replicas report
+MAX_SLOTS = 1024  # replicas one agent may offer to run
+
+
+class Refused(Exception):
+    """A request that ends its connection (a takeover of a live slot, a second identity)."""
 
 
 @dataclasses.dataclass
@@ -83,14 +108,14 @@ class _RankConn:
     replica: int
     rank: int
     world_size: int
-    writer: asyncio.StreamWriter
+    link: protocol.Link
     transfer_addr: str
-    pid: int
     node: str
     last_heartbeat: float
     step: int = 0
     finished: bool = False
     compute_s: float | None = None  # the rank's own compute time last step, from heartbeats
+    epoch: int | None = None  # the last epoch this connection was answered with
 
 
 @dataclasses.dataclass
@@ -98,18 +123,28 @@ class _AgentConn:
     """A node agent's connection: while it is open, the agent runs its replicas."""
 
     node: str
-    writer: asyncio.StreamWriter
-    pid: int
+    link: protocol.Link
     last_heartbeat: float
 
 
 class Coordinator:
-    """One job's coordinator. Use ``await start()``, then ``address``; ``await stop()``."""
+    """One job's coordinator. Use ``await start()``, then ``address``; ``await stop()``.
+
+    Args:
+        settings: how it runs.
+        secret: the job's secret; every connection must prove it holds it.
+        stacks: how to get a hung rank's stack from its owner (``unbroken run`` passes its
+            own); None asks the node agent that runs the replica.
+    """
 
     TICK_S = 0.05
 
-    def __init__(self, settings: CoordinatorSettings) -> None:
+    def __init__(self, settings: CoordinatorSettings, secret: JobSecret,
+                 stacks: StackSource | None = None) -> None:
+        if not isinstance(secret, JobSecret):
+            raise TypeError("the coordinator needs the job's JobSecret (there is no unauthenticated mode)")
         self.settings = settings
+        self.secret = secret
         policy = parse_policy(settings.anomaly_policy or os.environ.get(ENV_ANOMALY_POLICY, ""))
         self.store = StateStore(settings.state_dir, settings.journal_mode, settings.keep_events)
         try:
@@ -118,7 +153,7 @@ class Coordinator:
             self.store.close()
             raise
         self.events.subscribe(self.store.record_event)
-        self.diagnosis = DiagnosisService(self.events, DiagnosisMaster(policy=policy))
+        self.diagnosis = DiagnosisService(self.events, DiagnosisMaster(policy=policy), stacks or self._agent_stack)
         self.tick_errors = 0  # ticks that raised: logged, and the next tick runs all the same
         # Synced SQLite commits take tens of milliseconds on some disks: a thread of their own.
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="unbroken-state")
@@ -144,6 +179,9 @@ class Coordinator:
         self._job_finished_sent = False
         self._aborted: dict[int, int] = {}
         self._hinted: dict[int, int] = {}  # newcomer -> the epoch in which its donor was told
+        self._open: set[asyncio.StreamWriter] = set()  # every connection served now
+        self.auth_failures = 0  # connections dropped for failing the handshake or a MAC
+        self.lines_in = self.lines_out = 0  # over closed connections (what `unbroken bench auth` counts)
         self._server: asyncio.base_events.Server | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._tcp_store: Any = None
@@ -165,12 +203,10 @@ class Coordinator:
             raise
 
     async def _start(self) -> None:
-        from unbroken.wire.auth import JobSecret
         from unbroken.wire.store import StoreServer
 
         # The groups' rendezvous store: authenticated, and bound to the coordinator's host only.
-        secret = getattr(self, "secret", None) or JobSecret.required()
-        self._tcp_store = StoreServer(self.settings.host, secret)
+        self._tcp_store = StoreServer(self.settings.host, self.secret)
         self.store_address = self._tcp_store.address
         try:
             self._server = await asyncio.start_server(
@@ -191,9 +227,8 @@ class Coordinator:
                 await self._tick_task
         if self._server:
             self._server.close()
-            for ranks in self.replicas.values():
-                for conn in ranks.values():
-                    conn.writer.close()
+            for writer in list(self._open):
+                writer.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
         if self._persisting is not None:
@@ -232,69 +267,134 @@ class Coordinator:
                 for r, ranks in sorted(self.replicas.items())
             },
             "median_step_s": statistics.median(self.step_times) if self.step_times else None,
+            "auth_failures": self.auth_failures,
             "verdicts": self.diagnosis.status(),
         }
 
     # -- connections -----------------------------------------------------------------------
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._open) >= self.settings.max_connections:
+            writer.close()
+            self._dropped(f"over {self.settings.max_connections} connections", auth=False)
+            return
+        self._open.add(writer)
         conn: _RankConn | None = None
         agent: _AgentConn | None = None
-        bad = 0
         try:
-            while True:
-                line = await reader.readline()
-                if not line:
-                    break
-                try:
-                    msg = protocol.decode(line)
-                    kind, conn, agent = self._dispatch(msg, writer, conn, agent)
-                except Exception as e:
-                    # A malformed message is skipped, and the connection keeps serving; only a
-                    # flood of them ends it.
-                    bad += 1
-                    if isinstance(e, (ValueError, TypeError, KeyError, OverflowError)):
-                        log.debug("malformed message skipped: %s", e)
-                    else:
-                        log.exception("a message could not be handled; skipped")
-                    self._send(writer, {"op": "error", "message": f"malformed message skipped: {e}"})
-                    if bad >= MAX_BAD_MESSAGES:
-                        break
-                    continue
-                if kind == "stop":
-                    break
-        except (ConnectionError, ValueError, asyncio.IncompleteReadError) as e:
+            try:
+                session = await server_handshake_async(reader, writer, self.secret, protocol.PURPOSE)
+            except (AuthError, OSError) as e:
+                self._dropped(str(e))
+                return
+            link = protocol.Link(reader, writer, session)
+            who: list[Any] = [None, None]
+            try:
+                await self._converse(link, who)
+            finally:
+                conn, agent = who
+                self.lines_in += link.received
+                self.lines_out += link.sent
+        except (ConnectionError, asyncio.IncompleteReadError) as e:
             log.debug("connection ended: %s", e)
         finally:
+            self._open.discard(writer)
             writer.close()
             if conn is not None:
                 self._connection_closed(conn)
             if agent is not None:
                 self._agent_gone(agent, "its connection closed (the agent or its node died)")
 
-    def _dispatch(self, msg: dict[str, Any], writer: asyncio.StreamWriter, conn: _RankConn | None,
+    async def _converse(self, link: protocol.Link, who: list[Any]) -> None:
+        """Serves one authenticated connection until it ends; ``who`` holds the rank connection
+        and the agent it spoke as (kept up to date, so a connection error still cleans up)."""
+        bad = 0
+        while True:
+            conn, agent = who
+            anonymous = conn is None and agent is None
+            try:
+                line = await asyncio.wait_for(link.readline(),
+                                              self.settings.hello_timeout_s if anonymous else None)
+            except (asyncio.TimeoutError, TimeoutError):
+                log.info("closed a connection that said no hello within %.0fs", self.settings.hello_timeout_s)
+                return
+            if line is None:
+                return
+            error: Exception
+            try:
+                msg = link.decode(line)
+            except AuthError as e:
+                self._dropped(f"{e} (from {f'replica {conn.replica} rank {conn.rank}' if conn else 'a client'})")
+                return
+            except ValueError as e:
+                error = e
+            else:
+                try:
+                    kind, who[0], who[1] = self._dispatch(msg, link, conn, agent)
+                    if kind == "stop":
+                        return
+                    continue
+                except Refused as e:
+                    link.send({"op": "error", "message": str(e)})
+                    log.warning("refused: %s", e)
+                    return
+                except Exception as e:
+                    error = e
+            # A malformed message is skipped, and the connection keeps serving; only a flood of
+            # them ends it.
+            bad += 1
+            if isinstance(error, (ValueError, TypeError, KeyError, OverflowError)):
+                log.debug("malformed message skipped: %s", error)
+            else:
+                log.error("a message could not be handled; skipped", exc_info=error)
+            link.send({"op": "error", "message": f"malformed message skipped: {error}"[:500]})
+            if bad >= MAX_BAD_MESSAGES:
+                return
+
+    def _dropped(self, reason: str, auth: bool = True) -> None:
+        """Logs a refused connection: the first, then at powers of two (a flood is no log flood)."""
+        if auth:
+            self.auth_failures += 1
+        n = self.auth_failures if auth else 1
+        if n & (n - 1) == 0:
+            log.warning("dropped a connection to the coordinator (%d so far): %s", n, reason)
+
+    def _dispatch(self, msg: dict[str, Any], link: protocol.Link, conn: _RankConn | None,
                   agent: _AgentConn | None) -> tuple[str, _RankConn | None, _AgentConn | None]:
-        """Acts on one message; raises ValueError (or TypeError, KeyError) on a malformed one."""
+        """Acts on one message; raises ValueError (or TypeError, KeyError) on a malformed one,
+        Refused when the connection must end."""
         op = msg["op"]
-        if op == "agent_hello":
-            agent = self._agent_hello(msg, writer)
-            if agent is None:
-                return "stop", conn, agent
-        elif op == "agent_heartbeat" and agent is not None:
-            self._agent_heartbeat(agent)
-        elif op == "hello":
-            conn = self._hello(msg, writer)
-        elif op == "status":
-            self._send(writer, {"op": "status", **self.status()})
-        elif op == "exited":
-            self.replica_exited(protocol.count(msg, "replica"), msg.get("exitcode"))
+        if op == "status":
+            link.send({"op": "status", **self.status()})
+        elif op in ("agent_hello", "hello"):
+            if conn is not None or agent is not None:
+                raise ValueError("a connection speaks for one replica rank or agent: it said hello already")
+            try:
+                if op == "agent_hello":
+                    agent = self._agent_hello(msg, link)
+                    if agent is None:
+                        return "stop", conn, agent
+                else:
+                    conn = self._hello(msg, link)
+            except (ValueError, TypeError) as e:  # who it is cannot be malformed and skipped
+                raise Refused(f"a malformed {op}: {e}") from e
+        elif agent is not None:
+            if op == "agent_heartbeat":
+                self._agent_heartbeat(agent)
+            elif op == "exited":
+                replica = protocol.count(msg, "replica")
+                if self.assignment.owner.get(replica) != agent.node:
+                    raise ValueError(f"replica {replica} does not run on node {agent.node}: not its exit to report")
+                self.replica_exited(replica, _exitcode(msg))
+            elif op == "stack":
+                self._agent_stack_report(agent, msg)
         elif conn is None:
-            self._send(writer, {"op": "error", "message": "say hello first"})
+            link.send({"op": "error", "message": "say hello first"})
         elif op == "heartbeat":
             step = protocol.count(msg, "step", conn.step)
             compute_s = protocol.seconds(msg, "compute_s", conn.compute_s)
             conn.last_heartbeat = time.monotonic()
-            conn.step, conn.compute_s = step, compute_s
+            conn.step, conn.compute_s = max(conn.step, step), compute_s
         elif op == "telemetry":
             conn.last_heartbeat = time.monotonic()
             self.diagnosis.telemetry(conn.replica, conn.rank, conn.node, msg)
@@ -302,37 +402,48 @@ class Coordinator:
             conn.last_heartbeat = time.monotonic()
             self._quorum_request(conn, msg)
         elif op == "bye":
-            conn.finished = True
-            self.diagnosis.forget(conn.replica)  # its last, half-shipped collective is no hang
-            self.events.emit("replica_finished", replica=conn.replica, rank=conn.rank)
-            self._replica_done(conn)
+            if not conn.finished:
+                conn.finished = True
+                self.diagnosis.forget(conn.replica)  # its last, half-shipped collective is no hang
+                self.events.emit("replica_finished", replica=conn.replica, rank=conn.rank)
+                self._replica_done(conn)
+        elif op == "exited":
+            replica = protocol.count(msg, "replica")
+            if replica != conn.replica:
+                raise ValueError(f"replica {conn.replica} may report only its own exit, not replica {replica}'s")
+            self.replica_exited(replica, _exitcode(msg))
         return op, conn, agent
 
-    def _hello(self, msg: dict[str, Any], writer: asyncio.StreamWriter) -> _RankConn:
+    def _hello(self, msg: dict[str, Any], link: protocol.Link) -> _RankConn:
+        replica = protocol.count(msg, "replica")
+        if replica >= self.settings.total_replicas:
+            raise Refused(f"replica {replica} is not one of this job's {self.settings.total_replicas} replicas")
+        world_size = protocol.count(msg, "world_size")
+        if not 1 <= world_size <= self.settings.max_world_size:
+            raise Refused(f"world_size must be 1 to {self.settings.max_world_size}, got {world_size}")
+        rank = protocol.count(msg, "rank")
+        if rank >= world_size:
+            raise Refused(f"rank {rank} is not below world_size {world_size}")
+        ranks = self.replicas.get(replica, {})
+        if any(c.world_size != world_size for c in ranks.values()):
+            raise Refused(f"replica {replica} has ranks of world_size "
+                          f"{next(iter(ranks.values())).world_size}, not {world_size}")
+        if rank in ranks:
+            # Refused while the old connection lives: it ends when its process dies, or when it
+            # is evicted for silence; the client then reconnects and is served.
+            raise Refused(f"replica {replica} rank {rank} is already connected: refused until that "
+                          "connection is gone")
         conn = _RankConn(
-            replica=int(msg["replica"]),
-            rank=int(msg["rank"]),
-            world_size=int(msg["world_size"]),
-            writer=writer,
-            transfer_addr=str(msg.get("transfer_addr", "")),
-            pid=int(msg.get("pid", 0)),
-            node=str(msg.get("node", "")),
-            last_heartbeat=time.monotonic(),
-            step=int(msg.get("step", 0)),
+            replica=replica, rank=rank, world_size=world_size, link=link,
+            transfer_addr=protocol.text(msg, "transfer_addr"), node=protocol.text(msg, "node"),
+            last_heartbeat=time.monotonic(), step=protocol.count(msg, "step", 0),
         )
-        ranks = self.replicas.setdefault(conn.replica, {})
-        old = ranks.get(conn.rank)
-        if old is not None and old.writer is not writer:
-            old.writer.close()
-        ranks[conn.rank] = conn
-        self.diagnosis.hello(conn.replica, conn.rank, conn.pid, str(msg.get("stack_file", "")),
-                             msg.get("stack_signal"))
-        self._send(writer, {"op": "welcome", "store": self._store_for(writer), "epoch": self.quorum.epoch})
+        ranks = self.replicas.setdefault(replica, {})
+        ranks[rank] = conn
+        link.send({"op": "welcome", "store": self._store_for(link), "epoch": self.quorum.epoch})
         if len(ranks) == conn.world_size:
             self.quorum.connect(conn.replica)
-            self.events.emit(
-                "replica_connected", replica=conn.replica, node=conn.node, pid=conn.pid, step=conn.step
-            )
+            self.events.emit("replica_connected", replica=conn.replica, node=conn.node, step=conn.step)
         return conn
 
     def _connection_closed(self, conn: _RankConn) -> None:
@@ -350,7 +461,7 @@ class Coordinator:
 
     def _evict(self, replica: int, reason: str) -> None:
         for conn in list(self.replicas.pop(replica, {}).values()):
-            conn.writer.close()
+            conn.link.close()
         self.pending.pop(replica, None)
         was_member = self.quorum.current is not None and replica in self.quorum.current.members
         self.diagnosis.forget(replica)
@@ -360,34 +471,60 @@ class Coordinator:
 
     # -- node agents -----------------------------------------------------------------------
 
-    def _agent_hello(self, msg: dict[str, Any], writer: asyncio.StreamWriter) -> _AgentConn | None:
-        node = str(msg.get("node", ""))
+    def _agent_hello(self, msg: dict[str, Any], link: protocol.Link) -> _AgentConn | None:
+        node = protocol.text(msg, "node")
+        slots = protocol.count(msg, "slots", 1)
+        running = msg.get("running", [])
+        if not node or not 1 <= slots <= MAX_SLOTS or not isinstance(running, list) or len(running) > MAX_SLOTS:
+            raise Refused(f"an agent_hello needs a node name, 1 to {MAX_SLOTS} slots and a list of running replicas")
         try:
             busy = {r for r, conns in self.replicas.items() if conns}
-            replicas = self.assignment.join(node, int(msg.get("slots", 1)),
-                                            running=[int(r) for r in msg.get("running", [])], busy=busy)
+            replicas = self.assignment.join(node, slots, running=[protocol.count({"r": r}, "r") for r in running],
+                                            busy=busy)
         except ValueError as e:
-            self._send(writer, {"op": "error", "message": str(e)})
+            link.send({"op": "error", "message": str(e)})
             return None
-        agent = _AgentConn(node=node, writer=writer, pid=int(msg.get("pid", 0)), last_heartbeat=time.monotonic())
+        agent = _AgentConn(node=node, link=link, last_heartbeat=time.monotonic())
         self.agents[node] = agent
-        self.events.emit("agent_joined", node=node, slots=self.assignment.slots[node], replicas=replicas,
-                         pid=agent.pid)
-        self._send(writer, {"op": "assign", "replicas": replicas, "num_replicas": self.settings.total_replicas})
+        self.events.emit("agent_joined", node=node, slots=self.assignment.slots[node], replicas=replicas)
+        link.send({"op": "assign", "replicas": replicas, "num_replicas": self.settings.total_replicas})
         return agent
 
     def _agent_heartbeat(self, agent: _AgentConn) -> None:
         agent.last_heartbeat = time.monotonic()
         steps = {str(r): max((c.step for c in self.replicas[r].values()), default=0)
                  for r in self.assignment.replicas_of(agent.node) if r in self.replicas}
-        self._send(agent.writer, {"op": "agent_status", "steps": steps})
+        agent.link.send({"op": "agent_status", "steps": steps})
+
+    async def _agent_stack(self, replica: int, rank: int) -> dict[str, Any]:
+        """A hung rank's stack when no supervisor runs here: its node agent is asked to dump it.
+
+        The agent signals its own child and reads the file it computes from its own run
+        directory; its answer lands in this log as a ``stack`` event.
+        """
+        node = self.assignment.owner.get(replica)
+        agent = self.agents.get(node) if node is not None else None
+        if agent is None:
+            return {"stack_note": "no supervisor or agent runs this replica: no stack"}
+        agent.link.send({"op": "dump_stack", "replica": replica, "rank": rank})
+        return {"stack_note": f"asked the agent on node {node} for the stack (a `stack` event follows)"}
+
+    def _agent_stack_report(self, agent: _AgentConn, msg: dict[str, Any]) -> None:
+        replica, rank = protocol.count(msg, "replica"), protocol.count(msg, "rank")
+        if self.assignment.owner.get(replica) != agent.node:
+            raise ValueError(f"replica {replica} does not run on node {agent.node}")
+        stack = msg.get("stack")
+        self.events.emit("stack", replica=replica, rank=rank, node=agent.node,
+                         process_state=protocol.text(msg, "process_state", 4),
+                         stack=stack[-8000:] if isinstance(stack, str) else None,
+                         stack_note=protocol.text(msg, "stack_note", 500))
 
     def _agent_gone(self, agent: _AgentConn, reason: str) -> None:
         """All of the agent's replicas are gone with it: evict them now, move them to spare slots."""
         if self.agents.get(agent.node) is not agent:
             return
         del self.agents[agent.node]
-        agent.writer.close()
+        agent.link.close()
         lost, moves = self.assignment.leave(agent.node, done=self.finished)
         self.events.emit("agent_lost", node=agent.node, replicas=lost, reason=reason)
         for r in lost:
@@ -396,8 +533,8 @@ class Coordinator:
         for node, replicas in moves.items():
             for r in replicas:
                 self.events.emit("replica_reassigned", replica=r, from_node=agent.node, to_node=node)
-            self._send(self.agents[node].writer, {"op": "assign", "replicas": replicas,
-                                                  "num_replicas": self.settings.total_replicas})
+            self.agents[node].link.send({"op": "assign", "replicas": replicas,
+                                         "num_replicas": self.settings.total_replicas})
         self._check_job_finished()
 
     def _replica_done(self, conn: _RankConn) -> None:
@@ -418,23 +555,45 @@ class Coordinator:
         self._job_finished_sent = True
         self.events.emit("job_finished", finished=sorted(self.finished))
         for agent in self.agents.values():
-            self._send(agent.writer, {"op": "job_finished"})
+            agent.link.send({"op": "job_finished"})
 
-    def _store_for(self, writer: asyncio.StreamWriter) -> str:
+    def _store_for(self, link: protocol.Link) -> str:
         """The TCPStore's address as seen by this client (a wildcard bind is no address to dial)."""
         if self.settings.host not in ("0.0.0.0", "::", ""):
             return self.store_address
-        host = writer.get_extra_info("sockname")[0]
+        host = link.writer.get_extra_info("sockname")[0]
         return f"{host}:{self.store_address.rpartition(':')[2]}"
 
     # -- quorum ----------------------------------------------------------------------------
 
     def _quorum_request(self, conn: _RankConn, msg: dict[str, Any]) -> None:
+        """Validates a rank's quorum request, and forms or answers what it can.
+
+        A member may not ask for a step below the one its epoch trains (steps it has committed):
+        that is a replica whose state went back, and it is treated as the failure it is (evicted:
+        it rejoins as a newcomer and catches up), not as a reason to re-form every member's
+        epoch. A failure report counts only from a member of the current epoch about that epoch:
+        anything else would let one replica abort exchanges it is not part of.
+        """
         step_time = protocol.seconds(msg, "step_time", None)
         step = protocol.count(msg, "step")
         req_id = protocol.count(msg, "id")
         failed = msg.get("failed_epoch")
         failed = None if failed is None else protocol.count(msg, "failed_epoch")
+        if conn.finished:
+            raise ValueError("a replica that said bye asks for no quorum")
+        if failed is not None and failed > self.quorum.epoch:
+            raise ValueError(f"failed_epoch {failed} was never formed (the newest is {self.quorum.epoch})")
+        cur = self.quorum.current
+        # This very connection trains in the current epoch (a restarted process of a member
+        # of it is a newcomer: it asks for the step of its checkpoint, and catches up).
+        member = cur is not None and conn.epoch == cur.epoch and conn.replica in cur.members
+        if cur is not None and member and step < cur.step:
+            self._evict(conn.replica, f"rank {conn.rank} asked for step {step}, below step {cur.step} that its "
+                                      f"epoch {cur.epoch} trains")
+            return
+        if failed is not None and not (member and cur is not None and failed == cur.epoch):
+            failed = None  # not this replica's exchange to fail, or a stale report
         if step_time:
             self.step_times.append(step_time)
         conn.step = step
@@ -474,7 +633,7 @@ class Coordinator:
             self._hinted[joiner] = epoch
             self.events.emit("donor_told", newcomer=joiner, donor=donor, epoch=epoch)
             for conn in self.replicas.get(donor, {}).values():
-                self._send(conn.writer, {"op": "donate", "to": joiner})
+                conn.link.send({"op": "donate", "to": joiner})
 
     def _deliver(self, decisions: list[QuorumDecision]) -> None:
         for d in decisions:
@@ -491,16 +650,14 @@ class Coordinator:
     ) -> None:
         for ranks in waiting.values():
             for rank, (conn, req_id, _, _) in ranks.items():
+                conn.epoch = d.epoch
                 addrs = {
                     str(m): self.replicas[m][rank].transfer_addr
                     for m in d.members
                     if m in self.replicas and rank in self.replicas[m]
                 }
-                self._send(
-                    conn.writer,
-                    {"op": "quorum", "id": req_id, "decision": d.to_json(), "transfer_addrs": addrs,
-                     "store": self._store_for(conn.writer)},
-                )
+                conn.link.send({"op": "quorum", "id": req_id, "decision": d.to_json(), "transfer_addrs": addrs,
+                                "store": self._store_for(conn.link)})
 
     def _push_aborts(self) -> None:
         cur = self.quorum.current
@@ -511,7 +668,7 @@ class Coordinator:
                 continue
             self._aborted[replica] = cur.epoch
             for conn in self.replicas.get(replica, {}).values():
-                self._send(conn.writer, {"op": "abort", "epoch": cur.epoch})
+                conn.link.send({"op": "abort", "epoch": cur.epoch})
 
     async def _tick(self) -> None:
         """Evicts the silent, forms epochs on time, persists: one exception must not end it, or
@@ -546,9 +703,8 @@ class Coordinator:
                                  after_s=self.settings.suspect_after_s)
             self._deliver(self.quorum.set_silent(suspects, now))
         if len(self.step_times) >= 5:
-            self.quorum.join_window_s = max(
-                self.settings.join_window_floor_s, 3.0 * statistics.median(self.step_times)
-            )
+            self.quorum.join_window_s = min(JOIN_WINDOW_MAX_S, max(
+                self.settings.join_window_floor_s, 3.0 * statistics.median(self.step_times)))
         self._persist()
         self._deliver(self.quorum.evaluate(now))
         self._push_aborts()
@@ -567,7 +723,9 @@ class Coordinator:
         if not done.cancelled() and done.exception() is None:
             self.quorum.epoch_limit = done.result()
 
-    @staticmethod
-    def _send(writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
-        if not writer.is_closing():
-            writer.write(protocol.encode(msg))
+
+def _exitcode(msg: dict[str, Any]) -> int | None:
+    code = msg.get("exitcode")
+    if code is not None and (type(code) is not int or not -256 <= code <= 255):
+        raise ValueError(f"exitcode must be an integer from -256 to 255, got {code!r:.40}")
+    return code

@@ -1,4 +1,10 @@
-"""``unbroken coordinator``: run the coordinator on its own (multi-node jobs, or a restart)."""
+"""``unbroken coordinator``: run the coordinator on its own (multi-node jobs, or a restart).
+
+It needs the job's secret: ``--secret-file``, or the ``secret`` file of ``--state-dir`` (made
+there on first start and kept, so a coordinator restarted on the same directory takes back the
+agents and workers that still run with it). Agents on other nodes get it with their own
+``--secret-file``.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +15,17 @@ from pathlib import Path
 
 import click
 
+from unbroken.control import secret_file as secrets
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings
 from unbroken.control.state_store import JOURNAL_MODES
+from unbroken.wire.auth import JobSecret
 
 
-async def _serve(settings: CoordinatorSettings) -> None:
-    coordinator = Coordinator(settings)
+async def _serve(settings: CoordinatorSettings, secret: JobSecret, secret_path: Path) -> None:
+    coordinator = Coordinator(settings, secret)
     await coordinator.start()
     click.echo(f"coordinator listening on {coordinator.address}", err=True)
+    click.echo(f"job secret: {secret_path} (agents and workers on other nodes need it: --secret-file)", err=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -36,9 +45,12 @@ async def _serve(settings: CoordinatorSettings) -> None:
 @click.option("--startup-window", type=float, default=20.0, show_default=True, help="Seconds the first quorum waits for every replica.")
 @click.option("--journal-mode", type=click.Choice(JOURNAL_MODES), default="delete", show_default=True,
               help="SQLite journal of --state-dir: delete is safe on a shared filesystem; wal only on a local disk.")
+@click.option("--secret-file", type=click.Path(path_type=Path), default=None,
+              help="The job's secret (0600; `unbroken secret new PATH`) [default: $UNBROKEN_SECRET_FILE, else "
+                   "--state-dir/secret, made if missing].")
 def coordinator(
     replicas: int, min_replicas: int | None, host: str, port: int, state_dir: Path,
-    heartbeat_timeout: float, startup_window: float, journal_mode: str,
+    heartbeat_timeout: float, startup_window: float, journal_mode: str, secret_file: Path | None,
 ) -> None:
     """Serve membership and quorum epochs for a job; state persists in --state-dir."""
     try:
@@ -48,6 +60,8 @@ def coordinator(
             state_dir=state_dir, host=host, port=port, heartbeat_timeout_s=heartbeat_timeout,
             startup_window_s=startup_window, journal_mode=journal_mode,
         )
-        asyncio.run(_serve(settings))
+        found = secrets.given(secret_file)
+        secret, path = found if found is not None else secrets.kept(state_dir)
+        asyncio.run(_serve(settings, secret, path))
     except (ValueError, OSError) as e:
         raise click.UsageError(str(e)) from e

@@ -1,40 +1,139 @@
-"""The coordinator's wire format: one JSON object per line over a persistent TCP connection.
+"""The coordinator's wire format: one MACed JSON object per line over a persistent TCP connection.
 
 A persistent connection is the point: when a replica process dies, the kernel closes its socket
 and the coordinator learns it within milliseconds, with no heartbeat timeout; and the
 coordinator can push an abort to a replica blocked in an exchange.
+
+Every connection starts with the mutual handshake of :mod:`unbroken.wire.auth` (purpose
+:data:`PURPOSE`): nobody without the job's secret gets a line read, and each line then carries a
+MAC over a per-direction sequence number (:func:`encode` / :func:`decode` are the only way to
+write or read one), so a line cannot be forged, replayed, reordered or reflected. Threat model:
+anyone who can reach the port; on-path injection into an established TCP connection is out of
+scope, as for Gloo and NCCL.
 
 Client -> coordinator ops: ``hello``, ``heartbeat``, ``quorum``, ``bye``, ``exited``.
 Coordinator -> client ops: ``welcome``, ``quorum`` (the answer, same ``id``), ``abort``,
 ``error``.
 
 Node agents (``unbroken agent``) keep a connection of their own: agent -> coordinator
-``agent_hello`` (node, slots, pid), ``agent_heartbeat``, ``exited``; coordinator -> agent
-``assign`` (replica ids to start), ``agent_status`` (their steps), ``job_finished``, ``error``.
-The agent's connection closing means every replica it ran is gone.
+``agent_hello`` (node, slots), ``agent_heartbeat``, ``exited``, ``stack``; coordinator -> agent
+``assign`` (replica ids to start), ``agent_status`` (their steps), ``dump_stack``,
+``job_finished``, ``error``. The agent's connection closing means every replica it ran is gone.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import socket
 from typing import Any
 
+from unbroken.wire.auth import JobSecret, Session, client_handshake, client_handshake_async
+
 Message = dict[str, Any]
 
 MAX_LINE = 1 << 20
+PURPOSE = "coordinator"  # binds the handshake to this listener: no other's can be replayed here
+MAX_SECONDS = 86400.0  # no duration the job reports (a step, a compute time) is longer than a day
 
 
-def encode(msg: Message) -> bytes:
-    return json.dumps(msg, separators=(",", ":")).encode() + b"\n"
+def encode(msg: Message, session: Session) -> bytes:
+    """One line: the message as JSON, sealed with the connection's next MAC."""
+    return session.seal_line(json.dumps(msg, separators=(",", ":")).encode())
 
 
-def decode(line: bytes) -> Message:
-    msg = json.loads(line)
-    if not isinstance(msg, dict) or "op" not in msg:
+def decode(line: bytes, session: Session) -> Message:
+    """The message of one sealed line.
+
+    Raises:
+        AuthError: the MAC is missing or wrong: the connection must be dropped (its sequence
+            is out of step, and the peer is not who it claims).
+        ValueError: an authentic line that is no protocol message (a peer's bug): skip it.
+    """
+    msg = json.loads(session.open_line(line))
+    if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
         raise ValueError(f"not a protocol message: {line[:80]!r}")
     return msg
+
+
+class Link:
+    """One authenticated asyncio connection: every line in or out of it passes here, sealed.
+
+    The coordinator keeps one per connection, the agent one to the coordinator; the MAC's
+    sequence numbers make it the one writer of its stream (asyncio: one thread).
+    """
+
+    __slots__ = ("reader", "writer", "session", "sent", "received")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, session: Session) -> None:
+        self.reader, self.writer, self.session = reader, writer, session
+        self.sent = self.received = 0  # lines, for `unbroken bench auth`
+
+    async def readline(self) -> bytes | None:
+        """The next raw line, None at the end; ConnectionError on a line over :data:`MAX_LINE`."""
+        try:
+            line = await self.reader.readline()
+        except ValueError as e:  # asyncio's limit: the line is unbounded, the stream unusable
+            raise ConnectionError(f"a line of more than {MAX_LINE} bytes") from e
+        return line or None
+
+    def decode(self, line: bytes) -> Message:
+        """:func:`decode` with this connection's session (AuthError: drop the connection)."""
+        self.received += 1
+        return decode(line, self.session)
+
+    def send(self, msg: Message) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(encode(msg, self.session))
+            self.sent += 1
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def connect(host: str, port: int, secret: JobSecret, timeout: float) -> tuple[socket.socket, Session]:
+    """A blocking, authenticated connection to the coordinator (closed again on any failure)."""
+    sock = socket.create_connection((host, port), timeout=timeout)
+    try:
+        if connected_to_itself(sock):
+            raise ConnectionRefusedError("no coordinator yet (connected to itself)")
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        session = client_handshake(sock, secret, PURPOSE, timeout_s=timeout)
+    except BaseException:
+        sock.close()
+        raise
+    return sock, session
+
+
+async def connect_async(host: str, port: int, secret: JobSecret, timeout: float = 10.0
+                        ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Session]:
+    """An asyncio, authenticated connection to the coordinator (closed again on any failure)."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=MAX_LINE), timeout)
+    try:
+        if connected_to_itself(writer.get_extra_info("socket")):
+            raise ConnectionRefusedError("no coordinator yet (connected to itself)")
+        session = await client_handshake_async(reader, writer, secret, PURPOSE, timeout_s=timeout)
+    except BaseException:
+        writer.close()
+        raise
+    return reader, writer, session
+
+
+def request(host: str, port: int, secret: JobSecret, msg: Message, timeout: float = 2.0) -> Message:
+    """One request, one answer on a fresh connection (``unbroken status``)."""
+    sock, session = connect(host, port, secret, timeout)
+    with sock:
+        sock.sendall(encode(msg, session))
+        buf = b""
+        while b"\n" not in buf:
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                raise ConnectionError(f"the coordinator at {host}:{port} closed the connection")
+            buf += chunk
+            if len(buf) > MAX_LINE:
+                raise ConnectionError(f"an answer longer than {MAX_LINE} bytes from {host}:{port}")
+    return decode(buf.split(b"\n", 1)[0], session)
 
 
 def count(msg: Message, key: str, default: int | None = None) -> int:
@@ -46,13 +145,25 @@ def count(msg: Message, key: str, default: int | None = None) -> int:
 
 
 def seconds(msg: Message, key: str, default: float | None) -> float | None:
-    """``msg[key]`` as a finite, non-negative duration, or None; ValueError otherwise."""
+    """``msg[key]`` as a duration of 0 to :data:`MAX_SECONDS`, or None; ValueError otherwise.
+
+    Bounded, not merely finite: a step time of 1e308 would stretch the join window forever.
+    """
     value = msg.get(key, default)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{key} must be a finite number of seconds >= 0, got {value!r:.40}")
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or not 0 <= value <= MAX_SECONDS):
+        raise ValueError(f"{key} must be a number of seconds from 0 to {MAX_SECONDS:g}, got {value!r:.40}")
     return float(value)
+
+
+def text(msg: Message, key: str, max_len: int = 256) -> str:
+    """``msg[key]`` as a string of at most ``max_len`` characters ("" when absent); ValueError otherwise."""
+    value = msg.get(key, "")
+    if not isinstance(value, str) or len(value) > max_len:
+        raise ValueError(f"{key} must be a string of at most {max_len} characters, got {value!r:.40}")
+    return value
 
 
 def connected_to_itself(sock: socket.socket) -> bool:

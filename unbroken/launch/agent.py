@@ -12,6 +12,16 @@ takes its workers, and whatever they started, with it. If the
 coordinator goes away instead, the agent keeps its workers and waits ``--connect-timeout`` for a
 coordinator restarted at the same address (on the same state directory), which takes it back
 with the replicas it runs.
+
+The link is authenticated both ways with the job's secret (``--secret-file``, the file
+``unbroken coordinator`` keeps in its state directory) and every line is MACed
+(:mod:`unbroken.control.protocol`): nobody else can assign it replicas or end the job, and a
+line that fails its MAC ends the connection (the agent reconnects). The workers get the
+secret's path. A hung rank's stack is dumped here on the coordinator's request, from the
+agent's own child, by the PID it started and the path it computes from its own run directory
+(:mod:`unbroken.diagnosis.stacks`). SIGTERM (preemption) is forwarded to the workers as
+``unbroken run`` does: they finish their step and flush a checkpoint within ``--term-grace-s``;
+SIGINT ends them at once.
 """
 
 from __future__ import annotations
@@ -29,9 +39,12 @@ from typing import Any
 
 from unbroken import config as env
 from unbroken.control import protocol
+from unbroken.diagnosis import stacks
 from unbroken.launch import reaper, workers
 from unbroken.launch.policy import RestartBook, RestartPolicy
 from unbroken.observe.events import EventLog
+from unbroken.train.preemption import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
+from unbroken.wire.auth import AuthError, JobSecret
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +63,9 @@ class AgentSettings:
         policy: restart backoff and limits.
         connect_timeout_s: how long to wait for the coordinator to answer.
         finish_grace_s: once the job is finished, how long a replica still catching up may run.
+        secret_file: the job's secret, as the coordinator has it.
+        term_grace_s: on SIGTERM, how long the workers have to finish their step and flush a
+            checkpoint before what is left is killed.
     """
 
     command: tuple[str, ...]
@@ -63,8 +79,12 @@ class AgentSettings:
     connect_timeout_s: float = 30.0
     heartbeat_s: float = 0.5
     finish_grace_s: float = 10.0
+    secret_file: Path | None = None
+    term_grace_s: float = 25.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.term_grace_s < float("inf"):
+            raise ValueError(f"--term-grace-s must be 0 or more seconds, got {self.term_grace_s}")
         if not self.command:
             raise ValueError("no worker command: put it after `--`, e.g. "
                              "`unbroken agent --coordinator HOST:PORT -- python train.py`")
@@ -77,6 +97,9 @@ class AgentSettings:
             raise ValueError(f"--ranks-per-replica must be >= 1, got {self.ranks_per_replica}")
         if self.connect_timeout_s <= 0:
             raise ValueError(f"--connect-timeout must be > 0, got {self.connect_timeout_s}")
+        if self.secret_file is None:
+            raise ValueError(f"the agent needs the job's secret: --secret-file PATH (or {env.ENV_SECRET_FILE}), "
+                             "a copy of the `secret` file in the coordinator's --state-dir")
 
 
 @dataclasses.dataclass
@@ -89,6 +112,8 @@ class Agent:
 
     def __init__(self, settings: AgentSettings) -> None:
         self.s = settings
+        assert settings.secret_file is not None
+        self.secret = JobSecret.load(settings.secret_file)
         settings.run_dir.mkdir(parents=True, exist_ok=True)
         (settings.run_dir / "logs").mkdir(exist_ok=True)
         self.events = EventLog(settings.run_dir / f"events-{settings.node}.jsonl", f"agent:{settings.node}")
@@ -98,7 +123,8 @@ class Agent:
         self.num_replicas = 0
         self.error: str | None = None
         self.exit_code = 1
-        self._writer: asyncio.StreamWriter | None = None
+        self._link: protocol.Link | None = None
+        self._terminated: float | None = None  # when SIGTERM came (monotonic)
         self._job_finished = False
         self._coordinator_lost = False
         self._rejoining: list[int] | None = None  # replicas named in a re-hello not yet answered
@@ -108,19 +134,20 @@ class Agent:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._interrupt)
+        loop.add_signal_handler(signal.SIGINT, self._interrupt)
+        loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
         try:
             with reaper.supervising() as self._guardian:
                 try:
-                    reader, self._writer = await self._connect()
-                    self._send({"op": "agent_hello", "node": self.s.node, "slots": self.s.slots,
-                                "pid": os.getpid()})
+                    self._link = await self._connect()
+                    self._send({"op": "agent_hello", "node": self.s.node, "slots": self.s.slots})
                     self.events.emit("agent_started", node=self.s.node, slots=self.s.slots,
                                      coordinator=self.s.coordinator)
-                    self._tasks += [asyncio.create_task(self._listen(reader)),
+                    self._tasks += [asyncio.create_task(self._listen()),
                                     asyncio.create_task(self._heartbeat())]
                     await self._stop.wait()
+                    if self._terminated is not None:
+                        await self._drain()
                 finally:
                     await self._cleanup()
         finally:
@@ -135,50 +162,81 @@ class Agent:
         self.exit_code = 130
         self._stop.set()
 
-    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    def _on_sigterm(self) -> None:
+        """SIGTERM (preemption): forwarded at once to every worker, which finishes its step, flushes
+        a checkpoint and exits; :meth:`_drain` waits for them, and nothing is restarted."""
+        if self._terminated is None:
+            self._terminated = time.monotonic()
+            self.events.emit("sigterm_received", grace_s=self.s.term_grace_s)
+            workers.forward_sigterm([p for r in self.replicas.values() for p in r.procs])
+        self.exit_code = 143
+        self._stop.set()
+
+    async def _drain(self) -> None:
+        """Waits (up to the grace period from the signal) for the workers told to stop."""
+        assert self._terminated is not None
+        procs = [p for r in self.replicas.values() for p in r.procs if p.returncode is None]
+        workers.forward_sigterm(procs)  # to any process started since
+        left = self._terminated + self.s.term_grace_s - time.monotonic()
+        pending: set[Any] = set()
+        if procs:
+            _, pending = await asyncio.wait([asyncio.ensure_future(p.wait()) for p in procs], timeout=max(0.0, left))
+        self.events.emit("agent_terminated", grace_s=self.s.term_grace_s, killed=len(pending),
+                         exit_codes={r.replica: [p.returncode for p in r.procs] for r in self.replicas.values()
+                                     if r.procs},
+                         drain_s=round(time.monotonic() - self._terminated, 3))
+
+    async def _connect(self) -> protocol.Link:
         host, port = env.parse_host_port(self.s.coordinator, "--coordinator")
         deadline = time.monotonic() + self.s.connect_timeout_s
         while True:
             try:
-                reader, writer = await asyncio.open_connection(host, port, limit=protocol.MAX_LINE)
-                if protocol.connected_to_itself(writer.get_extra_info("socket")):
-                    writer.close()
-                    raise ConnectionRefusedError("no coordinator yet (connected to itself)")
-                return reader, writer
-            except OSError as e:
+                reader, writer, session = await protocol.connect_async(host, port, self.secret)
+                return protocol.Link(reader, writer, session)
+            except (OSError, asyncio.TimeoutError) as e:
+                if isinstance(e, AuthError):
+                    log.warning("the coordinator at %s did not authenticate: %s", self.s.coordinator, e)
                 if time.monotonic() > deadline:
+                    why = str(e) if isinstance(e, AuthError) else (getattr(e, "strerror", None) or repr(e))
                     raise ConnectionError(
                         f"no coordinator answered at {self.s.coordinator} within {self.s.connect_timeout_s:g}s "
-                        f"({e.strerror or e}): start `unbroken coordinator` there first, or fix --coordinator"
+                        f"({why}): start `unbroken coordinator` there first, or fix --coordinator"
+                        + (" or --secret-file (it must be the coordinator's)" if isinstance(e, AuthError) else "")
                     ) from e
                 await asyncio.sleep(0.2)
 
     def _send(self, msg: dict[str, Any]) -> None:
-        if self._writer is not None and not self._writer.is_closing():
-            self._writer.write(protocol.encode(msg))
+        if self._link is not None:
+            self._link.send(msg)
 
     async def _heartbeat(self) -> None:
         while True:
             self._send({"op": "agent_heartbeat"})
             await asyncio.sleep(self.s.heartbeat_s)
 
-    async def _listen(self, reader: asyncio.StreamReader) -> None:
+    async def _listen(self) -> None:
         while True:
-            # A line over the limit (ValueError from readline) ends the connection: reconnect.
-            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError, ValueError):
-                while line := await reader.readline():
+            # A line over the limit or one that fails its MAC (AuthError, a ConnectionError) ends
+            # the connection: reconnect.
+            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+                link = self._link
+                assert link is not None
+                while line := await link.readline():
                     try:
-                        if not await self._handle(protocol.decode(line)):
+                        msg = link.decode(line)
+                    except ValueError as e:
+                        # Skipped: were this task to end, the agent would never hear the coordinator again.
+                        log.warning("malformed message from the coordinator skipped (%s): %r", e, line[:80])
+                        continue
+                    try:
+                        if not await self._handle(msg):
                             return
                     except (ValueError, TypeError, KeyError) as e:
-                        # Skipped: were this task to end, the agent would never hear the coordinator again.
                         log.warning("malformed message from the coordinator skipped (%s): %r", e, line[:80])
             if self._job_finished:
                 break
-            back = await self._reconnect()
-            if back is None:
+            if not await self._reconnect():
                 break
-            reader = back
         # The coordinator is gone for good: no more restarts; the workers notice too and end.
         self._coordinator_lost = True
         self.events.emit("coordinator_lost")
@@ -200,6 +258,9 @@ class Agent:
                 await self._spawn(self.replicas.setdefault(int(r), _Replica(int(r))))  # running ones stay
         elif msg["op"] == "agent_status":
             self._progress({int(r): int(s) for r, s in msg["steps"].items()})
+        elif msg["op"] == "dump_stack":
+            replica, rank = protocol.count(msg, "replica"), protocol.count(msg, "rank")
+            self._tasks.append(asyncio.create_task(self._dump_stack(replica, rank)))
         elif msg["op"] == "job_finished":
             self._job_finished = True
             self.events.emit("job_finished")
@@ -211,7 +272,23 @@ class Agent:
             return False
         return True
 
-    async def _reconnect(self) -> asyncio.StreamReader | None:
+    async def _dump_stack(self, replica: int, rank: int) -> None:
+        """The coordinator's request for a hung rank's stack: dumped from our own child, if it is one."""
+        r = self.replicas.get(replica)
+        if r is None or rank >= len(r.procs):
+            extra: dict[str, Any] = {"stack_note": f"replica {replica} rank {rank} is not running on this node"}
+        else:
+            try:
+                extra = await stacks.dump(r.procs[rank].pid, stacks.stack_path(self.s.run_dir, replica, rank),
+                                          env.stack_signal())
+            except env.ConfigError as e:
+                extra = {"stack_note": str(e)}
+        self.events.emit("stack", replica=replica, rank=rank, **extra)
+        self._send({"op": "stack", "replica": replica, "rank": rank,
+                    "process_state": extra.get("process_state") or "", "stack": extra.get("stack"),
+                    "stack_note": extra.get("stack_note", "")[:500]})
+
+    async def _reconnect(self) -> bool:
         """Waits up to ``connect_timeout_s`` for a coordinator at the same address (restarted on
         its state directory) and rejoins it with the replicas this agent runs; None if none came.
 
@@ -219,19 +296,19 @@ class Agent:
         costs the job no process.
         """
         self.events.emit("coordinator_disconnected")
-        if self._writer is not None:
-            self._writer.close()
+        if self._link is not None:
+            self._link.close()
+            self._link = None
         try:
-            reader, self._writer = await self._connect()
+            self._link = await self._connect()
         except ConnectionError:
-            return None
+            return False
         running = sorted(r.replica for r in self.replicas.values() if r.procs)
-        self._send({"op": "agent_hello", "node": self.s.node, "slots": self.s.slots, "pid": os.getpid(),
-                    "running": running})
+        self._send({"op": "agent_hello", "node": self.s.node, "slots": self.s.slots, "running": running})
         # Reported when the coordinator answers: a connect can also reach a dying coordinator's
         # listening socket in the instant before the kernel closes it, and be reset at once.
         self._rejoining = running
-        return reader
+        return True
 
     def _progress(self, steps: dict[int, int]) -> None:
         if max(steps.values(), default=0) > max(self.steps.values(), default=0):
@@ -254,7 +331,8 @@ class Agent:
             environ = workers.worker_env(
                 coordinator=self.s.coordinator, replica=r.replica, num_replicas=self.num_replicas,
                 run_dir=self.s.run_dir, restarts=r.restarts, node=self.s.node, rank=rank,
-                world_size=self.s.ranks_per_replica, master_port=master_port, threads=self._threads())
+                world_size=self.s.ranks_per_replica, master_port=master_port, threads=self._threads(),
+                secret_file=self.s.secret_file)
             log = self.s.run_dir / "logs" / f"replica{r.replica}-rank{rank}.log"
             proc = await workers.start_worker(self.s.command, environ, log, self._guardian)
             r.procs.append(proc)
@@ -267,8 +345,17 @@ class Agent:
         if code == 0 and self._guardian is not None:
             # Done: whatever it left running (a persist process finishing its write) is its own.
             self._guardian.remove(proc.pid)
-        if proc not in r.procs:
-            return  # a sibling we ended ourselves
+        if proc not in r.procs or self._terminated is not None:
+            return  # a sibling we ended ourselves, or a worker stopping on SIGTERM (see _drain)
+        if code in (EXIT_PREEMPTED, EXIT_FLUSH_FAILED):
+            # SIGTERM reached this worker before (or without) us, as Slurm signals every process:
+            # its siblings are flushing their shards of the same step; give them the grace period.
+            siblings = [p.wait() for p in r.procs if p is not proc and p.returncode is None]
+            if siblings:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.gather(*siblings), self.s.term_grace_s)
+            if proc not in r.procs or self._terminated is not None:
+                return
         if code == 0:
             if all(p.returncode == 0 for p in r.procs):
                 r.procs, r.done = [], True
@@ -324,8 +411,8 @@ class Agent:
         for r in self.replicas.values():
             procs, r.procs = r.procs, []
             await workers.kill_groups(procs, self._guardian)
-        if self._writer is not None:
-            self._writer.close()
+        if self._link is not None:
+            self._link.close()
         self.events.emit("agent_stopped", exit_code=self.exit_code)
         self.events.close()
 

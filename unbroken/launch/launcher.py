@@ -14,6 +14,12 @@ runs in its own session so that the whole tree it spawned can be ended by its pr
 on exit or Ctrl-C nothing this launcher started is left running. SIGTERM (preemption) is
 forwarded instead: the workers finish their step and flush a checkpoint within
 ``--term-grace-s`` (:mod:`unbroken.train.preemption`), and nothing is restarted.
+
+The job's secret (:mod:`unbroken.control.secret_file`) is made here, fresh for every launch,
+unless ``--secret-file`` names one; the workers get its path. Everything this process listens
+on is bound to loopback (the coordinator, and the TCPStore it hosts): a single-machine job is
+reachable from no other machine. A hung rank's stack is fetched here, from the process this
+supervisor started (:mod:`unbroken.diagnosis.stacks`), never from a PID a connection named.
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ from typing import Any
 from unbroken import config as env
 from unbroken.checkpoint.disk import CorruptCheckpoint, check_writable, newest_verified_step
 from unbroken.checkpoint.retention import discard_newer
+from unbroken.control import secret_file
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings
+from unbroken.diagnosis import stacks
 from unbroken.diagnosis.metrics import parse_policy
 from unbroken.launch import injector, reaper, workers
 from unbroken.launch.chaos import Fault, Schedule, worker_env
@@ -83,6 +91,8 @@ class LaunchSettings:
             for the workers (skipping a step) and the coordinator's verdicts.
         term_grace_s: on SIGTERM, how long the workers have to finish their step and flush a
             checkpoint (:mod:`unbroken.train.preemption`) before what is left is killed.
+        secret_file: the job's secret; None makes a fresh one in ``run_dir`` (required with an
+            external ``coordinator``: the one it was started with).
     """
 
     command: tuple[str, ...]
@@ -105,6 +115,7 @@ class LaunchSettings:
     checkpoint_dir: Path | None = None
     anomaly_policy: str = ""
     term_grace_s: float = DEFAULT_TERM_GRACE_S
+    secret_file: Path | None = None
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -117,6 +128,9 @@ class LaunchSettings:
             raise ValueError(f"--min-replicas must be between 1 and --replicas ({self.replicas}), got {self.min_replicas}")
         if self.coordinator is not None:
             env.parse_host_port(self.coordinator, "--coordinator")
+            if self.secret_file is None and not os.environ.get(env.ENV_SECRET_FILE):
+                raise ValueError(f"--coordinator needs the job's secret: --secret-file PATH (or {env.ENV_SECRET_FILE}), "
+                                 "the file `unbroken coordinator` wrote into its --state-dir")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.spares < 0:
@@ -156,6 +170,12 @@ class Launcher:
         self.run_dir = settings.run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
+        if settings.secret_file is not None or settings.coordinator is not None:
+            found = secret_file.given(settings.secret_file)
+            assert found is not None  # LaunchSettings checked it
+            self.secret, self.secret_file = found
+        else:
+            self.secret, self.secret_file = secret_file.fresh(self.run_dir)
         self.events = EventLog(self.run_dir / "events.jsonl", "launcher")
         self.coordinator: Coordinator | None = None
         self.address = ""
@@ -214,7 +234,7 @@ class Launcher:
     async def _start_coordinator(self) -> str:
         if self.s.coordinator is not None:
             return self.s.coordinator
-        self.coordinator = Coordinator(self._coordinator_settings(self.s.port))
+        self.coordinator = Coordinator(self._coordinator_settings(self.s.port), self.secret, self._stack_of)
         self.coordinator.events.subscribe(self._on_coordinator_event)
         await self.coordinator.start()
         return self.coordinator.address
@@ -222,8 +242,20 @@ class Launcher:
     def _coordinator_settings(self, port: int) -> CoordinatorSettings:
         return CoordinatorSettings(
             total_replicas=self.s.replicas, min_replicas=self.s.quorum_min, state_dir=self.run_dir,
-            port=port, heartbeat_timeout_s=self.s.heartbeat_timeout_s, anomaly_policy=self.s.anomaly_policy,
+            host="127.0.0.1", port=port, heartbeat_timeout_s=self.s.heartbeat_timeout_s,
+            anomaly_policy=self.s.anomaly_policy,
         )
+
+    async def _stack_of(self, replica: int, rank: int) -> dict[str, Any]:
+        """A hung rank's stack, from the process this supervisor started for it."""
+        r = self.replicas.get(replica)
+        if r is None or rank >= len(r.procs):
+            return {"stack_note": f"replica {replica} rank {rank} is not running here"}
+        try:
+            signum = env.stack_signal()
+        except env.ConfigError as e:
+            return {"stack_note": str(e)}
+        return await stacks.dump(r.procs[rank].pid, stacks.stack_path(self.run_dir, replica, rank), signum)
 
     def _move(self, replica: int, state: State, reason: str) -> None:
         t = self.lifecycle.try_move(replica, state, reason, time.time())
@@ -247,7 +279,7 @@ class Launcher:
         return workers.worker_env(coordinator=self.address, replica=r.replica, num_replicas=self.s.replicas,
                                   run_dir=self.run_dir, restarts=r.restarts, node=slot.node, rank=rank,
                                   world_size=self.s.ranks_per_replica, master_port=master_port,
-                                  threads=self._threads(), extra=extra)
+                                  threads=self._threads(), secret_file=self.secret_file, extra=extra)
 
     def _warmable(self) -> bool:
         """``python script.py`` or ``python -m module``, one rank per replica: a warm worker can run it."""
@@ -572,7 +604,7 @@ class Launcher:
         await self.coordinator.stop()
         self.coordinator = None
         await asyncio.sleep(f.duration_s or 1.0)
-        coordinator = Coordinator(self._coordinator_settings(port))
+        coordinator = Coordinator(self._coordinator_settings(port), self.secret, self._stack_of)
         coordinator.events.subscribe(self._on_coordinator_event)
         await coordinator.start()
         self.coordinator = coordinator
@@ -663,10 +695,7 @@ class Launcher:
         self._changed.set()
 
     def _forward_sigterm(self) -> None:
-        for p in (p for r in self.replicas.values() for p in r.procs if p.returncode is None):
-            for sig in (signal.SIGCONT, signal.SIGTERM):  # as Slurm does: a stopped worker must run to flush
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(p.pid, sig)
+        workers.forward_sigterm([p for r in self.replicas.values() for p in r.procs])
 
     async def _drain(self) -> int:
         """Waits for the workers told to stop by :meth:`_on_sigterm`; what is still running when

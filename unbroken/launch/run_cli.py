@@ -77,6 +77,9 @@ def supervisor_settings(kw: dict[str, Any]) -> dict[str, Any]:
 @click.option("--run-dir", type=click.Path(path_type=Path), default=Path("runs/latest"), show_default=True)
 @click.option("--coordinator", default=None, help="HOST:PORT of an external coordinator (else one starts here).")
 @click.option("--port", type=int, default=0, help="Port of the in-process coordinator (0: a free one).")
+@click.option("--secret-file", type=click.Path(path_type=Path), default=None,
+              help="The job's secret (0600; `unbroken secret new PATH`) [default: a fresh one in --run-dir; "
+                   "with --coordinator, the one it was started with].")
 @click.option("--max-restarts", type=int, default=10, show_default=True, help="Restarts per replica.")
 @click.option("--term-grace-s", type=float, default=DEFAULT_TERM_GRACE_S, show_default=True,
               help="On SIGTERM (preemption, scancel, eviction): seconds the workers have to finish their step "

@@ -62,9 +62,12 @@ def free_port() -> int:
 
 
 def worker_env(*, coordinator: str, replica: int, num_replicas: int, run_dir: Path, restarts: int, node: str,
-               rank: int, world_size: int, master_port: int, threads: int,
+               rank: int, world_size: int, master_port: int, threads: int, secret_file: Path,
                extra: dict[str, str] | None = None) -> dict[str, str]:
     """What a worker sees: PyTorch's variables inside its replica group, plus unbroken's own.
+
+    The job's secret travels as the path of its 0600 file (``UNBROKEN_SECRET_FILE``), never as
+    the key itself: an environment shows in ``/proc/PID/environ``, core dumps and scheduler logs.
 
     A replica group lives on one node, so its rendezvous (MASTER_ADDR) is this node's loopback,
     and torchrun's view of it is one node (``GROUP_RANK`` 0) of ``world_size`` local ranks, whose
@@ -73,6 +76,7 @@ def worker_env(*, coordinator: str, replica: int, num_replicas: int, run_dir: Pa
     return {
         **os.environ,
         env.ENV_COORDINATOR: coordinator,
+        env.ENV_SECRET_FILE: str(Path(secret_file).resolve()),
         env.ENV_REPLICA_ID: str(replica),
         env.ENV_NUM_REPLICAS: str(num_replicas),
         env.ENV_RUN_DIR: str(run_dir),
@@ -113,6 +117,19 @@ async def start_worker(command: tuple[str, ...], environ: dict[str, str], log_pa
     if guardian is not None:
         guardian.add(proc.pid)
     return proc
+
+
+def forward_sigterm(procs: list[asyncio.subprocess.Process]) -> None:
+    """SIGCONT then SIGTERM to each worker's process group, as Slurm does: a stopped worker must
+    run to flush its checkpoint (:mod:`unbroken.train.preemption`)."""
+    for p in procs:
+        if p.returncode is not None:
+            continue
+        for sig in (signal.SIGCONT, signal.SIGTERM):
+            try:
+                os.killpg(p.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 SESSION_END_S = 10.0  # how long ending a worker waits for the last of its session to die

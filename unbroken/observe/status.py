@@ -2,13 +2,13 @@
 
 The coordinator answers the ``status`` op (membership, epoch, each replica's step and compute
 time); the run directory's ``events.jsonl`` adds each replica's lifecycle state and its last
-event. Either alone works; both give the full table.
+event. Either alone works; both give the full table. Asking the coordinator takes the job's
+secret (``--secret-file``, or the ``secret`` file of the run directory).
 """
 
 from __future__ import annotations
 
 import json
-import socket
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -21,23 +21,17 @@ from rich.table import Table
 
 from unbroken.config import ConfigError, parse_host_port
 from unbroken.control import protocol
+from unbroken.control import secret_file as secrets
 from unbroken.observe.events import read_events
+from unbroken.wire.auth import JobSecret
 
 QUIET_EVENTS = frozenset({"replica_finished"})
 
 
-def fetch_status(address: str, timeout: float = 2.0) -> dict[str, Any]:
-    """Asks the coordinator at ``address`` for its status (one request, one answer)."""
+def fetch_status(address: str, secret: JobSecret, timeout: float = 2.0) -> dict[str, Any]:
+    """Asks the coordinator at ``address`` for its status (one authenticated request, one answer)."""
     host, port = parse_host_port(address, "--coordinator")
-    with socket.create_connection((host, port), timeout=timeout) as s:
-        s.sendall(protocol.encode({"op": "status"}))
-        buf = b""
-        while b"\n" not in buf:
-            chunk = s.recv(1 << 16)
-            if not chunk:
-                raise ConnectionError(f"the coordinator at {address} closed the connection")
-            buf += chunk
-    return protocol.decode(buf.split(b"\n", 1)[0])
+    return protocol.request(host, port, secret, {"op": "status"}, timeout)
 
 
 def status_rows(status: dict[str, Any] | None, events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -98,7 +92,10 @@ def render(rows: list[dict[str, Any]], status: dict[str, Any] | None, error: str
 @click.option("--watch/--once", default=True, show_default=True, help="Refresh live until Ctrl-C, or print once.")
 @click.option("--interval", type=float, default=1.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the rows once as JSON.")
-def status(coordinator: str | None, run_dir: Path, watch: bool, interval: float, as_json: bool) -> None:
+@click.option("--secret-file", type=click.Path(path_type=Path), default=None,
+              help="The job's secret [default: $UNBROKEN_SECRET_FILE, else --run-dir/secret].")
+def status(coordinator: str | None, run_dir: Path, watch: bool, interval: float, as_json: bool,
+           secret_file: Path | None) -> None:
     """Show a running job: replicas, state, epoch, step, step time, last event."""
     if coordinator is not None:
         try:
@@ -107,14 +104,24 @@ def status(coordinator: str | None, run_dir: Path, watch: bool, interval: float,
             raise click.UsageError(str(e)) from e
     elif not (run_dir / "events.jsonl").exists():
         raise click.UsageError(f"no events in {run_dir}: pass --run-dir of a job, or --coordinator HOST:PORT")
+    secret: JobSecret | None = None
+    no_secret = ""
+    try:
+        secret = secrets.for_client(secret_file, run_dir)
+    except ConfigError as e:
+        if coordinator is not None or secret_file is not None:
+            raise click.UsageError(str(e)) from e
+        no_secret = str(e)  # the events still make a table; the coordinator is not asked
 
     def snapshot() -> tuple[list[dict[str, Any]], dict[str, Any] | None, str | None]:
         events = list(read_events(run_dir / "events.jsonl"))
         address = coordinator or coordinator_from_events(events)
         st, error = None, None
-        if address:
+        if address and secret is None:
+            error = no_secret
+        elif address and secret is not None:
             try:
-                st = fetch_status(address)
+                st = fetch_status(address, secret)
             except OSError as e:
                 error = f"coordinator {address} unreachable ({e})"
         return status_rows(st, events), st, error

@@ -46,7 +46,8 @@ def checkpointer_for(manager: Manager, keep_last: int = 3, **kwargs: object) -> 
     c = manager.config
     if not c.checkpoint_dir:
         return None
-    kwargs.setdefault("secret", manager.secret)  # for a peer tier, which demands the job's key
+    if kwargs.get("peer"):
+        kwargs.setdefault("secret", manager.secret)  # a peer tier demands the job's key
     return Checkpointer(c.checkpoint_dir, keep_last, replica=c.replica_id,
                         replicas=max(c.num_replicas, c.replica_id + 1), rank=c.rank,
                         world_size=c.world_size, **kwargs)  # type: ignore[arg-type]

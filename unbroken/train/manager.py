@@ -32,7 +32,6 @@ from unbroken.comm.deadline import LearnedDeadline
 from unbroken.comm.process_group import CrossReplicaGroup, ExchangeFailed
 from unbroken.comm.recorder import FlightRecorder, install_stack_dump
 from unbroken.comm.transfer import SnapshotCopy, TransferServer, fetch_state, flatten_state, layout
-from unbroken.wire.auth import JobSecret
 from unbroken.config import (
     ENV_ANOMALY_POLICY,
     ENV_PREPARE_EARLY,
@@ -45,9 +44,11 @@ from unbroken.config import (
 from unbroken.control.client import CoordinatorClient
 from unbroken.control.quorum import QuorumDecision
 from unbroken.diagnosis.metrics import parse_policy, wants_skip
+from unbroken.diagnosis.stacks import stack_path
 from unbroken.launch.chaos import WorkerChaos
 from unbroken.train.overlap import METADATA, OverlappedExchange, busy_seconds
 from unbroken.train.state import LoadStateDictFn, StateDictFn, as_local, as_shards
+from unbroken.wire.auth import JobSecret
 
 log = logging.getLogger(__name__)
 
@@ -144,16 +145,17 @@ class Manager:
         if self.config.world_size > 1 and not dist.is_initialized():  # the script's own group wins
             dist.init_process_group("gloo" if self.device.type == "cpu" else "nccl")
         self._vote_device = vote_device(dist.get_backend()) if self.config.world_size > 1 else torch.device("cpu")
+        # No PID, stack file or signal in the hello: the process that started this rank
+        # signals it and reads the stack file at the same path (unbroken.diagnosis.stacks).
         self.client = CoordinatorClient(
             self.config.coordinator,
+            self.secret,
             hello={
                 "replica": self.config.replica_id,
                 "rank": self.config.rank,
                 "world_size": self.config.world_size,
                 "transfer_addr": self.transfer.address,
                 "node": self.config.node,
-                "stack_file": stack_file if signum is not None else "",
-                "stack_signal": signum,
             },
             on_abort=self.group.abort,
             on_donate=self._donate_soon,
@@ -507,11 +509,10 @@ class Manager:
     def _stack_dump_path(self) -> tuple[str, str | None]:
         """Where this rank's stack dump goes: the run directory, or a private temporary one
         (removed at shutdown) for a process launched without one, never the working directory."""
-        name = f"r{self.config.replica_id}-rank{self.config.rank}.txt"
         if os.environ.get(ENV_RUN_DIR) or self.config.run_dir not in (".", ""):
-            return os.path.join(self.config.run_dir, "stacks", name), None
+            return stack_path(self.config.run_dir, self.config.replica_id, self.config.rank), None
         tmp = tempfile.mkdtemp(prefix="unbroken-stacks-")
-        return os.path.join(tmp, name), tmp
+        return os.path.join(tmp, os.path.basename(stack_path(tmp, self.config.replica_id, self.config.rank))), tmp
 
     # -- internals -----------------------------------------------------------------------
 

@@ -106,8 +106,7 @@ def test_gloo_rendezvous_through_the_store_and_binds_loopback(server: StoreServe
 
 
 async def _coordinator_store(state_dir: Path) -> tuple[str, str | None, str | None]:
-    c = Coordinator(CoordinatorSettings(total_replicas=1, state_dir=state_dir))
-    c.secret = SECRET  # type: ignore[attr-defined]
+    c = Coordinator(CoordinatorSettings(total_replicas=1, state_dir=state_dir), SECRET)
     await c.start()
     try:
         host, port = c.store_address.rsplit(":", 1)

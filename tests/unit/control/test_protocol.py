@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from unbroken.control.protocol import connected_to_itself, decode, encode
+from unbroken.wire.auth import AuthError, JobSecret, Session
 
 
 def test_a_socket_connected_to_its_own_port_is_recognised() -> None:
@@ -18,5 +21,33 @@ def test_a_socket_connected_to_its_own_port_is_recognised() -> None:
         assert not connected_to_itself(c)
 
 
-def test_messages_round_trip() -> None:
-    assert decode(encode({"op": "hello", "step": 3})) == {"op": "hello", "step": 3}
+def _pair() -> tuple[Session, Session]:
+    a, b = b"a" * 32, b"b" * 32
+    return Session(send_key=a, recv_key=b), Session(send_key=b, recv_key=a)
+
+
+def test_messages_round_trip_sealed() -> None:
+    sender, receiver = _pair()
+    line = encode({"op": "hello", "step": 3}, sender)
+    assert decode(line, receiver) == {"op": "hello", "step": 3}
+
+
+def test_a_line_without_its_mac_or_replayed_is_refused() -> None:
+    sender, receiver = _pair()
+    line = encode({"op": "bye"}, sender)
+    with pytest.raises(AuthError):
+        decode(b'{"op":"bye"}\n', receiver)
+    sender, receiver = _pair()
+    line = encode({"op": "bye"}, sender)
+    assert decode(line, receiver) == {"op": "bye"}
+    with pytest.raises(AuthError):
+        decode(line, receiver)  # the same line again
+    forged = line.replace(b"bye", b"bad")
+    with pytest.raises(AuthError):
+        decode(forged, _pair()[1])
+
+
+def test_an_authentic_line_that_is_no_message_is_a_value_error() -> None:
+    sender, receiver = _pair()
+    with pytest.raises(ValueError):
+        decode(sender.seal_line(b"[1, 2]"), receiver)

@@ -16,10 +16,12 @@ from tests.integration.harness import python_env
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings
 from unbroken.control.quorum import QuorumRequest
 from unbroken.control.state_store import StateStore
+from unbroken.wire.auth import JobSecret
 
 
 def coordinator(state_dir: Path, **kw: object) -> Coordinator:
-    return Coordinator(CoordinatorSettings(total_replicas=1, state_dir=state_dir, **kw))  # type: ignore[arg-type]
+    return Coordinator(CoordinatorSettings(total_replicas=1, state_dir=state_dir, **kw),  # type: ignore[arg-type]
+                       JobSecret.generate())
 
 
 def test_the_database_uses_a_rollback_journal_unless_wal_is_asked_for(tmp_path: Path) -> None:
@@ -58,7 +60,8 @@ CRASH_AFTER_ISSUING = """
 import os, sys, time
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings
 from unbroken.control.quorum import QuorumRequest
-c = Coordinator(CoordinatorSettings(total_replicas=1, state_dir=sys.argv[1]))
+from unbroken.wire.auth import JobSecret
+c = Coordinator(CoordinatorSettings(total_replicas=1, state_dir=sys.argv[1]), JobSecret.generate())
 _, formed = c.quorum.request(QuorumRequest(replica=0, step=0), time.monotonic())
 print(formed[0].epoch, flush=True)  # handed out...
 os._exit(9)  # ...and the coordinator dies before its history row is written

@@ -8,6 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from unbroken.cli import main
+from unbroken.wire.auth import JobSecret
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -30,8 +31,17 @@ def test_an_unreachable_coordinator_is_named(tmp_path: Path) -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    secret = JobSecret.generate().write(tmp_path / "secret")
     result = CliRunner().invoke(main, ["agent", "--coordinator", f"127.0.0.1:{port}", "--connect-timeout", "0.3",
-                                       "--run-dir", str(tmp_path), "--", "python", "t.py"])
+                                       "--run-dir", str(tmp_path), "--secret-file", str(secret), "--", "python", "t.py"])
     assert result.exit_code == 2, result.output
     assert f"no coordinator answered at 127.0.0.1:{port}" in result.output
     assert "start `unbroken coordinator`" in result.output
+
+
+def test_without_the_jobs_secret_the_agent_says_where_to_find_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("UNBROKEN_SECRET_FILE", raising=False)
+    result = CliRunner().invoke(main, ["agent", "--coordinator", "127.0.0.1:29510", "--run-dir", str(tmp_path),
+                                       "--", "python", "t.py"])
+    assert result.exit_code == 2, result.output
+    assert "--secret-file" in result.output and "--state-dir" in result.output

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 from pathlib import Path
 
-from unbroken.control import protocol
+from tests.live_coordinator import connect
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings
 from unbroken.launch.launcher import Launcher, LaunchSettings
 
@@ -14,24 +14,23 @@ from unbroken.launch.launcher import Launcher, LaunchSettings
 async def _scenario(run_dir: Path) -> tuple[int, bool]:
     launcher = Launcher(LaunchSettings(command=("true",), replicas=1, ranks_per_replica=2, run_dir=run_dir,
                                        warm_spare=False))
-    coordinator = Coordinator(CoordinatorSettings(total_replicas=1, state_dir=run_dir))
+    coordinator = Coordinator(CoordinatorSettings(total_replicas=1, state_dir=run_dir), launcher.secret)
     await coordinator.start()
     launcher.coordinator = coordinator
     monitor = asyncio.create_task(launcher._monitor())
-    host, port = coordinator.address.rsplit(":", 1)
     writers = []
     try:
         for rank in (0, 1):
-            _, w = await asyncio.open_connection(host, int(port))
-            w.write(protocol.encode({"op": "hello", "replica": 0, "rank": rank, "world_size": 2}))
+            w = await connect(coordinator, launcher.secret)
+            w.send({"op": "hello", "replica": 0, "rank": rank, "world_size": 2})
             writers.append(w)
         # Two malformed heartbeats: before, the coordinator kept them, and its status raised in
         # the monitor (comparing "slow" with [1]), which ended the task for good.
-        writers[0].write(protocol.encode({"op": "heartbeat", "step": 3, "compute_s": "slow"}))
-        writers[1].write(protocol.encode({"op": "heartbeat", "step": 3, "compute_s": [1]}))
+        writers[0].send({"op": "heartbeat", "step": 3, "compute_s": "slow"})
+        writers[1].send({"op": "heartbeat", "step": 3, "compute_s": [1]})
         await asyncio.sleep(0.3)
         for w in writers:
-            w.write(protocol.encode({"op": "heartbeat", "step": 7, "compute_s": 0.25}))
+            w.send({"op": "heartbeat", "step": 7, "compute_s": 0.25})
         for _ in range(100):  # the monitor still tracks progress
             if launcher.job_step == 7:
                 break

@@ -136,18 +136,3 @@ def test_the_stack_dump_never_lands_in_the_working_directory(monkeypatch: pytest
     Path(tmp).rmdir()
     m.config = ReplicaConfig(coordinator="127.0.0.1:1", replica_id=2, num_replicas=3, run_dir=str(tmp_path / "run"))
     assert m._stack_dump_path() == (str(tmp_path / "run" / "stacks" / "r2-rank0.txt"), None)
-
-
-def test_the_diagnosis_sends_the_ranks_own_stack_signal_and_never_a_fatal_one(tmp_path: Path) -> None:
-    import signal
-
-    from unbroken.diagnosis.service import DiagnosisService
-    from unbroken.observe.events import EventLog
-
-    service = DiagnosisService(EventLog(tmp_path / "events.jsonl", "coordinator"))
-    service.hello(0, 0, 100, "a.txt", int(signal.SIGUSR2))
-    service.hello(1, 0, 101, "b.txt", int(signal.SIGKILL))  # from the network: never trusted
-    service.hello(2, 0, 102, "c.txt", "15")
-    service.hello(3, 0, 103, "d.txt")  # an older worker that does not say
-    assert service.signals == {(0, 0): signal.SIGUSR2, (1, 0): signal.SIGUSR1, (2, 0): signal.SIGUSR1,
-                               (3, 0): signal.SIGUSR1}
