@@ -36,6 +36,12 @@ class MasterSettings:
     # for longer than the floor on a busy host, and a verdict then restarts a healthy replica.
     # A hang that early is still caught by the collective wait (``hang_initial_s``).
     silent_min_batches: int = 5
+    # A rank is blamed for holding a collective up from outside it (noncomm_hang) only once it
+    # has completed this many collectives since it connected. A restarted replica catches up in
+    # one exchange and then runs its first trained step cold (allocations, a compile, a CUDA
+    # context): blaming it restarts it into the same cold start, a loop that never ends. The
+    # survivors do not wait for it meanwhile: the exchange deadline routes around it.
+    warmup_collectives: int = 2
     straggler_window: int = 10
     straggler_threshold: float = 0.72
     link_window: int = 16  # transfers per cell: 8 collectives, as each direction carries every other one
@@ -63,6 +69,7 @@ class _Rank:
     open: tuple[str, int, float] | None = None  # group, seq, enter (coordinator clock)
     failed: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)  # group -> seq, enter
     latest: str = ""
+    completed: int = 0  # collectives completed since this rank connected
     open_recvs: list[tuple[str, int, int, int, float]] = dataclasses.field(default_factory=list)
     flags: list[Any] = dataclasses.field(default_factory=list)
 
@@ -124,6 +131,7 @@ class DiagnosisMaster:
             enter, exit_ = enter_ns / 1e9 + to_c, exit_ns / 1e9 + to_c
             r.latest = group
             if ok:
+                r.completed += 1
                 self.waits.append(exit_ - enter)
                 exits = r.exits.setdefault(group, {})
                 prev = exits.get(seq - 1)
@@ -305,9 +313,16 @@ class DiagnosisMaster:
             if len(views) < len(members):
                 continue  # a member left the job: its peers' failed waits are explained
             f = hang.classify_hang(group, views, self.hang_s, silent_s)
-            if f is not None:
+            if f is not None and not self._warming_up(f):
                 out.append(Verdict(f.culprit, f.kind, f.confidence, f.evidence))
         return out
+
+    def _warming_up(self, f: hang.HangFinding) -> bool:
+        """Whether ``f`` blames a rank still in its first steps (see ``warmup_collectives``)."""
+        if f.kind != NONCOMM_HANG:
+            return False
+        r = self.ranks.get((f.culprit.replica, f.culprit.rank))
+        return r is not None and r.completed < self.s.warmup_collectives
 
     def _stalled(self, now: float) -> list[Verdict]:
         """Members abandoned the same collective at a deadline: a communication hang.

@@ -207,6 +207,32 @@ def test_collective_failed_everywhere_without_a_deadline_is_no_comm_hang() -> No
     assert stalled_collective({0: False, 1: False, 2: False}) == []
 
 
+def test_a_restarted_rank_in_its_cold_first_step_is_not_blamed_until_it_has_warmed_up() -> None:
+    """A restarted replica catches up in one exchange, then its first trained step runs cold."""
+    m = DiagnosisMaster()
+    t, _ = run_steps(m, range(20), {0: 0.1, 1: 0.1, 2: 0.1})
+    m.forget(2)  # replica 2 died and was restarted: a new process
+    g2 = "rank0/epoch2"
+
+    def cold_step(done: float, seq: int) -> list:
+        """Replicas 0 and 1 wait at ``seq`` of epoch 2 while replica 2 computes its first step."""
+        open_ = [g2, seq, "allreduce", 400, int(done * NS), [0, 1, 2]]
+        for r in (0, 1):
+            m.ingest((r, 0), f"n{r}", batch(done + 3.0, open_=open_), done + 3.0)
+        m.ingest((2, 0), "n2", batch(done + 3.0), done + 3.0)  # alive, computing: telemetry flows
+        return m.evaluate(done + 3.0)
+
+    catch_up = [[g2, 0, "allreduce", 400, int(t * NS), int((t + 0.01) * NS), True, [0, 1, 2], 0, 0]]
+    for r in (0, 1, 2):
+        m.ingest((r, 0), f"n{r}", batch(t + 0.01, records=catch_up), t + 0.01)
+    assert cold_step(t + 0.01, 1) == []  # its one collective so far was the catch-up
+    second = [[g2, 1, "allreduce", 400, int((t + 3.1) * NS), int((t + 3.2) * NS), True, [0, 1, 2], 0, 0]]
+    for r in (0, 1, 2):
+        m.ingest((r, 0), f"n{r}", batch(t + 3.2, records=second), t + 3.2)
+    vs = cold_step(t + 3.2, 2)  # warmed up: holding the others up now is a hang
+    assert [(v.kind, v.culprit.replica) for v in vs] == [("noncomm_hang", 2)]
+
+
 def test_a_silent_rank_among_talking_ones_is_a_noncomm_hang() -> None:
     m = DiagnosisMaster()
     for i in range(20):
