@@ -46,9 +46,11 @@ from unbroken.control.quorum import QuorumDecision
 from unbroken.diagnosis.metrics import parse_policy, wants_skip
 from unbroken.diagnosis.stacks import stack_path
 from unbroken.launch.chaos import WorkerChaos
+from unbroken.train.replica_group import init_replica_group
 from unbroken.train.overlap import METADATA, OverlappedExchange, busy_seconds
 from unbroken.train.state import LoadStateDictFn, StateDictFn, as_local, as_shards
 from unbroken.wire.auth import JobSecret
+from unbroken.wire.store import StoreServer
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +144,10 @@ class Manager:
         signum = stack_signal()
         stack_file, self._stack_tmp = self._stack_dump_path()
         self._stack_dump = install_stack_dump(stack_file, signum) if signum is not None else None
+        self._replica_store: StoreServer | None = None
         if self.config.world_size > 1 and not dist.is_initialized():  # the script's own group wins
-            dist.init_process_group("gloo" if self.device.type == "cpu" else "nccl")
+            backend = "gloo" if self.device.type == "cpu" else "nccl"
+            self._replica_store = init_replica_group(self.config, self.secret, backend)
         self._vote_device = vote_device(dist.get_backend()) if self.config.world_size > 1 else torch.device("cpu")
         # No PID, stack file or signal in the hello: the process that started this rank
         # signals it and reads the stack file at the same path (unbroken.diagnosis.stacks).
@@ -473,6 +477,8 @@ class Manager:
         self._closed = True
         self.client.close(finished=finished)
         self.transfer.close()
+        if self._replica_store is not None:
+            self._replica_store.close()
         if self._stack_tmp is not None:
             shutil.rmtree(self._stack_tmp, ignore_errors=True)
 

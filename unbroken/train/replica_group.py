@@ -1,0 +1,58 @@
+"""The default process group of a replica's own ranks, on the job's authenticated store.
+
+``init_process_group("gloo")`` with torchrun's variables makes rank 0 host a ``TCPStore`` that
+listens on every interface with no authentication: anyone who reaches its port can write the
+rendezvous keys of the replica's group. When unbroken creates the group (the script has not),
+rank 0 hosts unbroken's :class:`~unbroken.wire.store.StoreServer` instead, bound to
+``MASTER_ADDR`` only (the launcher sets loopback: a replica group lives on one node) at
+``MASTER_PORT``, and every rank rendezvouses through it with the job's secret.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from collections.abc import Mapping
+
+import torch.distributed as dist
+
+from unbroken.comm.store import AuthenticatedStore, StoreError
+from unbroken.config import ENV_MASTER_ADDR, ENV_MASTER_PORT, ConfigError, ReplicaConfig, parse_host_port
+from unbroken.wire.auth import JobSecret
+from unbroken.wire.store import StoreServer
+
+
+def replica_store(config: ReplicaConfig, secret: JobSecret, timeout_s: float = 60.0,
+                  env: Mapping[str, str] | None = None) -> tuple[AuthenticatedStore, StoreServer | None]:
+    """This rank's store for its replica group, and the server when this rank hosts it (rank 0).
+
+    The other ranks wait, up to ``timeout_s``, for rank 0 to listen: ranks start in any order.
+    """
+    env = os.environ if env is None else env
+    if ENV_MASTER_ADDR not in env or ENV_MASTER_PORT not in env:
+        raise ConfigError(f"{ENV_MASTER_ADDR} and {ENV_MASTER_PORT} must be set for a replica of "
+                          f"{config.world_size} ranks (`unbroken run` and `unbroken agent` set them)")
+    address = f"{env[ENV_MASTER_ADDR]}:{env[ENV_MASTER_PORT]}"
+    host, port = parse_host_port(address, f"{ENV_MASTER_ADDR}:{ENV_MASTER_PORT}")
+    server = StoreServer(host, secret, port=port) if config.rank == 0 else None
+    store = AuthenticatedStore(address, secret, timeout=datetime.timedelta(seconds=timeout_s),
+                               connect_timeout_s=5.0)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            store.check([])  # reachable and authenticated
+            return store, server
+        except StoreError:
+            if time.monotonic() > deadline:
+                if server is not None:
+                    server.close()
+                raise
+            time.sleep(0.05)
+
+
+def init_replica_group(config: ReplicaConfig, secret: JobSecret, backend: str) -> StoreServer | None:
+    """``init_process_group`` over :func:`replica_store`; returns the server rank 0 hosts."""
+    store, server = replica_store(config, secret)
+    dist.init_process_group(backend, store=store, rank=config.rank, world_size=config.world_size)
+    return server
