@@ -31,6 +31,7 @@ import torch.distributed as dist
 from unbroken.comm.deadline import LearnedDeadline
 from unbroken.comm.process_group import CrossReplicaGroup, ExchangeFailed
 from unbroken.comm.recorder import FlightRecorder, install_stack_dump
+from unbroken.comm.store import AuthenticatedStore
 from unbroken.comm.transfer import SnapshotCopy, TransferServer, fetch_state, flatten_state, layout
 from unbroken.config import (
     ENV_ANOMALY_POLICY,
@@ -144,7 +145,7 @@ class Manager:
         signum = stack_signal()
         stack_file, self._stack_tmp = self._stack_dump_path()
         self._stack_dump = install_stack_dump(stack_file, signum) if signum is not None else None
-        self._replica_store: StoreServer | None = None
+        self._replica_store: tuple[AuthenticatedStore, StoreServer | None] | None = None
         if self.config.world_size > 1 and not dist.is_initialized():  # the script's own group wins
             backend = "gloo" if self.device.type == "cpu" else "nccl"
             self._replica_store = init_replica_group(self.config, self.secret, backend)
@@ -477,8 +478,8 @@ class Manager:
         self._closed = True
         self.client.close(finished=finished)
         self.transfer.close()
-        if self._replica_store is not None:
-            self._replica_store.close()
+        if self._replica_store is not None and self._replica_store[1] is not None:
+            self._replica_store[1].close()
         if self._stack_tmp is not None:
             shutil.rmtree(self._stack_tmp, ignore_errors=True)
 

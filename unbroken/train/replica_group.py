@@ -51,8 +51,11 @@ def replica_store(config: ReplicaConfig, secret: JobSecret, timeout_s: float = 6
             time.sleep(0.05)
 
 
-def init_replica_group(config: ReplicaConfig, secret: JobSecret, backend: str) -> StoreServer | None:
-    """``init_process_group`` over :func:`replica_store`; returns the server rank 0 hosts."""
+def init_replica_group(config: ReplicaConfig, secret: JobSecret,
+                       backend: str) -> tuple[AuthenticatedStore, StoreServer | None]:
+    """``init_process_group`` over :func:`replica_store`; returns the store and the server rank 0
+    hosts. The caller must keep the store: torch holds only its C++ half, and once the Python
+    object is collected every later call on the group's store fails ("Not implemented")."""
     store, server = replica_store(config, secret)
     dist.init_process_group(backend, store=store, rank=config.rank, world_size=config.world_size)
-    return server
+    return store, server
