@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 # then already satisfied, so pip never pulls a CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install demo test clean
+.PHONY: install demo test scenarios clean
 
 install: $(STAMP)
 
@@ -23,6 +23,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# The long end-to-end scenarios the suite leaves out (about 5 minutes on 2 cores).
+scenarios: install
+	$(PY) -m pytest -q -p no:cacheprovider -m scenario
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -132,6 +132,7 @@ def test_hsdp_process_group_equals_single_process_reference(tmp_path: Path) -> N
         torch.testing.assert_close(got, v, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.scenario
 def test_hsdp_kill_9_inside_the_process_group_all_reduce(tmp_path: Path) -> None:
     """A rank dies inside FSDP's all-reduce hook: the survivors' step fails cleanly and is redone
     without it, its replica group restarts and catches up, and every shard ends identical."""

@@ -80,6 +80,7 @@ def test_sigstop_hang_is_routed_around_then_rejoins(tmp_path: Path, clean_loss: 
     assert abs(tail_loss(run_dir) - clean_loss) < 0.15
 
 
+@pytest.mark.scenario
 def test_coordinator_restart_mid_run(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -100,6 +101,7 @@ def test_coordinator_restart_mid_run(tmp_path: Path) -> None:
     assert epochs == sorted(epochs) and epochs[-1] > epochs[0], "epochs must keep growing across the restart"
 
 
+@pytest.mark.scenario
 def test_late_joiner_catches_up_and_becomes_a_member(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -5,7 +5,7 @@ ways between unbroken and plain ``torch.distributed.checkpoint``.
 
 Each job starts 4 processes that import torch and transformers (about 30 s on a busy 2-core
 machine), so the suite runs one job; SIGSTOP, a coordinator restart and the loss against a
-fault-free run are in ``UNBROKEN_HEAVY_TESTS=1`` tests below and in
+fault-free run are in scenario tests below (``make scenarios``) and in
 ``unbroken bench recovery --model llama``.
 
 Loss tolerance (heavy tests): under ``constant_global_batch`` a run with faults trains the same
@@ -35,8 +35,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:torch.
 SCRIPT = ROOT / "examples" / "llama" / "train.py"
 SMALL = ["--samples-per-replica", "4", "--seq-len", "64"]
 CALM = ["--ranks-per-replica", "2", "--min-replicas", "1", "--on-verdict", "ignore"]
-heavy = pytest.mark.skipif(os.environ.get("UNBROKEN_HEAVY_TESTS") != "1",
-                           reason="minutes on 2 cores: set UNBROKEN_HEAVY_TESTS=1 (also covered by the recovery bench)")
+heavy = pytest.mark.scenario  # minutes on 2 cores: `make scenarios` runs them
 
 
 def llama_shapes(size: LlamaSize) -> dict[str, tuple[int, ...]]:
@@ -89,6 +88,7 @@ def assert_replicas_identical(run_dir: Path, steps: int) -> None:
     assert a[0]["digest"] != a[1]["digest"], "the ranks should hold different shards"
 
 
+@pytest.mark.scenario
 def test_llama_kill_9_of_one_rank_and_dcp_both_ways(tmp_path: Path) -> None:
     steps = 40
     initial = plain_dcp_checkpoint(tmp_path / "plain")

@@ -43,6 +43,7 @@ def test_nan_gradients_roll_the_whole_job_back_to_the_last_good_checkpoint(tmp_p
     assert all(torch.isfinite(t).all() for t in restored.state["user"]["model"].values())
 
 
+@pytest.mark.scenario
 def test_a_relaunched_job_resumes_from_its_newest_checkpoint(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     args = PACE + ["--checkpoint-every", "5"]
