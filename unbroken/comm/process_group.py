@@ -100,7 +100,13 @@ class CrossReplicaGroup:
             raise ValueError(f"{ENV_EXCHANGE} must be 'backend' or 'ring', got {self.mode!r}")
 
     def configure(
-        self, store_address: str, epoch: int, rank: int, size: int, tag: str, device: torch.device,
+        self,
+        store_address: str,
+        epoch: int,
+        rank: int,
+        size: int,
+        tag: str,
+        device: torch.device,
         members: list[int] | None = None,
     ) -> None:
         """Joins the group of ``epoch``; every member calls this with the same epoch and tag.
@@ -243,8 +249,11 @@ class CrossReplicaGroup:
         wake = self._batch[0]
         if self._batch[1] is None:
             rec = self.recorder
-            token = rec.begin(f"{self.tag}/epoch{epoch}", "allreduce", nbytes_total or tensor.numel() * 4,
-                              self.members) if rec else None
+            token = (
+                rec.begin(f"{self.tag}/epoch{epoch}", "allreduce", nbytes_total or tensor.numel() * 4, self.members)
+                if rec
+                else None
+            )
             self._batch = (wake, token)
             self.last_join_wait_s = 0.0
         if self._pg is None:
@@ -354,8 +363,9 @@ class CrossReplicaGroup:
             with self._lock:
                 self._wake = None
             self.abandon()
-            raise ExchangeFailed(f"epoch {epoch}: the group's rendezvous did not complete in {timeout_s:.1f}s"
-                                 " or was aborted")
+            raise ExchangeFailed(
+                f"epoch {epoch}: the group's rendezvous did not complete in {timeout_s:.1f}s" " or was aborted"
+            )
         self._pending = None
         try:
             self._pg = pending.result()
@@ -386,8 +396,9 @@ class CrossReplicaGroup:
     def _store(self, address: str) -> AuthenticatedStore:
         with self._store_lock:
             if address not in self._stores:
-                self._stores[address] = AuthenticatedStore(address, self._secret,
-                                                           timeout=datetime.timedelta(seconds=30))
+                self._stores[address] = AuthenticatedStore(
+                    address, self._secret, timeout=datetime.timedelta(seconds=30)
+                )
             return self._stores[address]
 
 
@@ -407,8 +418,15 @@ class _RingRun:
     thread with the group's own timeout; a stuck ring is abandoned like a stuck backend op.
     """
 
-    def __init__(self, pg: Any, tensor: torch.Tensor, rank: int, size: int,
-                 recorder: FlightRecorder | None, wake: threading.Event) -> None:
+    def __init__(
+        self,
+        pg: Any,
+        tensor: torch.Tensor,
+        rank: int,
+        size: int,
+        recorder: FlightRecorder | None,
+        wake: threading.Event,
+    ) -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
         seq = recorder.open[1] if recorder is not None and recorder.open else 0

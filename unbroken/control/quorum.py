@@ -162,9 +162,7 @@ class QuorumState:
         self.silent = set(replicas)
         return self.evaluate(now)
 
-    def request(
-        self, req: QuorumRequest, now: float
-    ) -> tuple[QuorumDecision | None, list[QuorumDecision]]:
+    def request(self, req: QuorumRequest, now: float) -> tuple[QuorumDecision | None, list[QuorumDecision]]:
         """Handles a replica's quorum request.
 
         Returns:

@@ -154,7 +154,7 @@ class Optimizer(torch.optim.Optimizer):
         try:
             loss = self.optimizer.step(closure)
         finally:
-            for g, lr in zip(self.optimizer.param_groups, saved):
+            for g, lr in zip(self.optimizer.param_groups, saved, strict=False):
                 g["lr"] = lr
         self.manager.commit()
         return loss

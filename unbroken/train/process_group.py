@@ -109,7 +109,7 @@ class _Exchange(_Done):
         if contributing == 0:
             return True  # every replica sat the step out: sync_gradients says so
         scale = 1.0 / contributing if self._avg else 1.0
-        for t, buf in zip(self._tensors, self._bufs):
+        for t, buf in zip(self._tensors, self._bufs, strict=False):
             t.copy_((buf[: t.numel()] * scale).view_as(t))
         return True
 

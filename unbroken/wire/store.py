@@ -151,8 +151,10 @@ class StoreServer:
         if op == "get":
             key = _key(req.get("key"))
             with self._cond:
-                if not self._cond.wait_for(lambda: key in self._data or self._closed, _timeout(req)) \
-                        or key not in self._data:
+                if (
+                    not self._cond.wait_for(lambda: key in self._data or self._closed, _timeout(req))
+                    or key not in self._data
+                ):
                     return {"timeout": True}
                 return {"value": base64.b64encode(self._data[key]).decode()}
         if op == "add":
@@ -179,8 +181,7 @@ class StoreServer:
         if op == "wait":
             keys = _keys(req.get("keys"))
             with self._cond:
-                ok = self._cond.wait_for(lambda: all(k in self._data for k in keys) or self._closed,
-                                         _timeout(req))
+                ok = self._cond.wait_for(lambda: all(k in self._data for k in keys) or self._closed, _timeout(req))
                 return {"timeout": not (ok and all(k in self._data for k in keys))}
         if op == "check":
             keys = _keys(req.get("keys"))

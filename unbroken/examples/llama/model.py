@@ -35,11 +35,13 @@ def _transformers() -> Any:
     return transformers
 
 
-def build_model(size: LlamaSize = LlamaSize(), seed: int = 0) -> torch.nn.Module:
+def build_model(size: LlamaSize | None = None, seed: int = 0) -> torch.nn.Module:
     """The model with weights drawn from ``seed`` (every replica draws the same ones)."""
+    size = LlamaSize() if size is None else size
     t = _transformers()
-    config = t.LlamaConfig(**dataclasses.asdict(size), tie_word_embeddings=False, attn_implementation="sdpa",
-                           use_cache=False)
+    config = t.LlamaConfig(
+        **dataclasses.asdict(size), tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False
+    )
     torch.manual_seed(seed)
     return t.LlamaForCausalLM(config)
 
