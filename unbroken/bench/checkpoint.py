@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import click
@@ -277,7 +278,7 @@ def measure_round(system: System, trainer: Trainer, step: int) -> dict[str, Any]
     return out
 
 
-def every_step(steps: int, make: Callable[[], System] | None, trainer: Any) -> tuple[float, int]:
+def every_step(steps: int, make: Callable[[], Unbroken] | None, trainer: Any) -> tuple[float, int]:
     """Seconds for ``steps`` training steps, checkpointing every step if ``make`` is given;
     also how many snapshots were replaced by a newer one before reaching the disk."""
     system = make() if make else None
@@ -426,7 +427,7 @@ def every_step_runs(steps: int, rounds: int, workdir: str) -> dict[str, Any]:
             base.append(plain_s)
         for name, options in variants.items():
             shutil.rmtree(root, ignore_errors=True)
-            ck_s, n = every_step(steps, lambda options=options: Unbroken(root, overlap=True, **options), trainer)
+            ck_s, n = every_step(steps, partial(Unbroken, root, overlap=True, **options), trainer)
             if r:
                 ckpt[name].append(ck_s)
                 skipped[name].append(n)

@@ -357,15 +357,15 @@ def run_unbroken(
     # The Llama's figures are about the injected fault: on a shared 2-core machine the diagnosis
     # otherwise acts on healthy replicas (silence while 6 processes import transformers, the
     # memory growth of the first steps) in the middle of the measurement.
-    verdicts = {"on_verdict": "ignore"} if model == "llama" else {}
     settings = LaunchSettings(
         command=s.worker(mode or s.api, out, model),
         replicas=s.replicas,
         run_dir=out,
         ranks_per_replica=ranks,
         threads_per_rank=int(_threads(s.replicas * ranks)),
-        **verdicts,
     )
+    if model == "llama":
+        settings = dataclasses.replace(settings, on_verdict="ignore")
 
     async def go() -> tuple[int, float | None]:
         launcher = Launcher(settings)

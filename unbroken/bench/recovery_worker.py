@@ -56,7 +56,9 @@ def build_model(name: str, params_m: float) -> tuple[torch.nn.Module, Any]:
     """The model and ``loss(model, step, replica, batch_size)`` for it."""
     if name == "mlp":
         mlp = build_mlp(params_m)
-        width = mlp[0].in_features
+        first = mlp[0]
+        assert isinstance(first, torch.nn.Linear)  # build_mlp starts with one
+        width = first.in_features
 
         def mlp_loss(model: torch.nn.Module, step: int, replica: int, batch_size: int) -> torch.Tensor:
             x, y = batch_for(step, replica, batch_size, width)
@@ -169,6 +171,7 @@ def main() -> None:
             flat.div_(world)
             averaged = torch._utils._unflatten_dense_tensors(flat, [p.grad for p in params])
             for p, g in zip(params, averaged, strict=False):
+                assert p.grad is not None  # flattened above
                 p.grad.copy_(g)
             inner.step()
             row = {"step": step, "committed": True}

@@ -95,7 +95,7 @@ def export(directory: str, step: int | None, out: str) -> None:
     elif step not in complete:
         raise click.UsageError(f"step {step} is not a complete checkpoint in {directory}")
     shards = restore.open_step(directory, step)
-    want = {}
+    want: dict[str, tuple[torch.Tensor, TensorSpec]] = {}
     for m in shards.manifests.values():
         for e in m.tensors:
             spec = TensorSpec(e.name, e.dtype, e.global_shape, e.global_shape, (0,) * len(e.global_shape))

@@ -172,13 +172,15 @@ class DCPWriter(StorageWriter, BlockingAsyncStager):
         offset = f.tell()
         out = _CrcFile(f)
         data = planner.resolve_data(item)
-        if item.type == WriteItemType.BYTE_IO:
+        if item.type == WriteItemType.BYTE_IO and isinstance(data, io.BytesIO):
             out.write(data.getbuffer())
-        else:
+        elif item.type != WriteItemType.BYTE_IO and isinstance(data, torch.Tensor):
             tensor = data.detach().cpu()
             if tensor.untyped_storage().size() != tensor.numel() * tensor.element_size():
                 tensor = tensor.clone()  # a view: torch.save would write its whole storage
-            torch.save(tensor, out)
+            torch.save(tensor, out)  # type: ignore[arg-type]  # torch.save needs only write and flush
+        else:
+            raise TypeError(f"the save planner resolved a {item.type.name} item to a {type(data).__name__}")
         length = f.tell() - offset
         return WriteResult(
             index=item.index, size_in_bytes=length, storage_data=_Written(_StorageInfo(name, offset, length), out.crc)
@@ -187,7 +189,8 @@ class DCPWriter(StorageWriter, BlockingAsyncStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: writes ``.metadata`` and the checksums, then commits by rename."""
         metadata.version = CURRENT_DCP_VERSION
-        metadata.storage_data, items = {}, {}
+        metadata.storage_data = {}
+        items: dict[str, list[list[int]]] = {}
         for rank_results in results:
             for wr in rank_results:
                 written: _Written = wr.storage_data
@@ -245,9 +248,10 @@ class DCPReader(StorageReader):
         if sums is not None:  # checked before unpickling: a damaged pickle can do anything
             check(file, "the metadata", blob, sums["metadata"], sums["algorithm"])
         metadata: Metadata = pickle.loads(blob)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        meta: StorageMeta | None = getattr(metadata, "storage_meta", None)
+        if meta is None:
+            meta = metadata.storage_meta = StorageMeta()
+        meta.load_id = self.load_id
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

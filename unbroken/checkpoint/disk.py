@@ -345,7 +345,7 @@ def verify_step(root: str, step: int) -> None:
 def newest_verified_step(root: str, at_most: int | None = None) -> tuple[int | None, list[str]]:
     """The newest complete step (up to ``at_most``) that passes :func:`verify_step`, and why
     each newer one was passed over."""
-    skipped = []
+    skipped: list[str] = []
     for step in complete_steps(root):
         if at_most is not None and step > at_most:
             continue

@@ -89,6 +89,14 @@ def _owner(value: Any) -> str:
     return value
 
 
+def _manifest(header: dict[str, Any]) -> ShardManifest:
+    """The manifest a header carries, as JSON text."""
+    text = header.get("manifest")
+    if not isinstance(text, str):
+        raise ValueError(f"the header's manifest is not JSON text: {type(text).__name__}")
+    return ShardManifest.from_json(text)
+
+
 def _sizes(header: dict[str, Any], manifest: ShardManifest, max_data: int) -> tuple[int, int]:
     """The announced byte counts, which must be the manifest's and within the bounds."""
     objects_len, data_len = header.get("objects_len"), header.get("data_len")
@@ -158,7 +166,7 @@ class _Handler(socketserver.BaseRequestHandler):
         server = self.server
         try:
             owner = _owner(header.get("owner"))
-            manifest = ShardManifest.from_json(header.get("manifest"))
+            manifest = _manifest(header)
             objects_len, data_len = _sizes(header, manifest, server.max_bytes)
         except (ValueError, TypeError) as e:
             return f"refused: {e}"
@@ -321,7 +329,7 @@ class PeerClient:
             if not isinstance(header, dict) or not header.get("ok"):
                 return None
             try:
-                manifest = ShardManifest.from_json(header.get("manifest"))
+                manifest = _manifest(header)
                 objects_len, data_len = _sizes(header, manifest, max_bytes)
             except (ValueError, TypeError) as e:
                 raise PeerError(f"the peer store at {self.address[0]}:{self.address[1]} sent a bad copy: {e}") from e

@@ -20,27 +20,32 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)  # how the caller finds a piece again
 
 
 @dataclass(frozen=True)
-class Piece:
+class Piece(Generic[K]):
     """A saved piece of a global tensor: where it is found, and its box."""
 
-    key: Hashable
+    key: K
     offset: tuple[int, ...]
     shape: tuple[int, ...]
 
 
 @dataclass(frozen=True)
-class Copy:
+class Copy(Generic[K]):
     """Copy ``piece[src]`` into ``request[dst]`` (slices in each one's local coordinates)."""
 
-    key: Hashable
+    key: K
     src: tuple[slice, ...]
     dst: tuple[slice, ...]
 
 
-def plan(pieces: list[Piece], offset: tuple[int, ...], shape: tuple[int, ...], name: str = "tensor") -> list[Copy]:
+def plan(
+    pieces: list[Piece[K]], offset: tuple[int, ...], shape: tuple[int, ...], name: str = "tensor"
+) -> list[Copy[K]]:
     """The copies that assemble the box ``offset``/``shape`` from saved pieces.
 
     Raises:
@@ -48,7 +53,8 @@ def plan(pieces: list[Piece], offset: tuple[int, ...], shape: tuple[int, ...], n
             which means the checkpoint is missing a rank's shard.
     """
     seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
-    copies, covered = [], 0
+    copies: list[Copy[K]] = []
+    covered = 0
     for p in pieces:
         if len(p.offset) != len(offset):
             raise ValueError(f"{name}: saved with {len(p.offset)} dims, requested with {len(offset)}")

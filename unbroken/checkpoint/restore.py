@@ -96,7 +96,7 @@ def _assemble(
         name,
     )
     for c in plan:
-        rank, e = pieces[c.key]  # type: ignore[index]
+        rank, e = pieces[c.key]
         piece = torch.empty(e.shape, dtype=getattr(torch, e.dtype))
         files[rank].read_many([(e, piece.data_ptr() if piece.numel() else None)], pool)
         dest[c.dst].copy_(piece[c.src].to(dest.dtype))

@@ -267,9 +267,12 @@ class CrossReplicaGroup:
             with self._lock:
                 self._wake = wake
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
+        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # torch's stub: RedOpType converts to ReduceOp
         try:
-            fut = self._pg.allreduce([tensor], opts).get_future()
+            pg = self._pg
+            if pg is None:  # the coordinator's thread abandoned the group since the join
+                raise ExchangeFailed(f"the group of epoch {epoch} was abandoned")
+            fut = pg.allreduce([tensor], opts).get_future()
         except Exception as e:  # a peer's connection closed before this started
             self.abandon()
             self._batch_over(None)
@@ -348,7 +351,7 @@ class CrossReplicaGroup:
         if self.mode == "ring":
             return _RingRun(self._pg, tensor, self.rank, self.size, self.recorder, wake)
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
+        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # torch's stub: RedOpType converts to ReduceOp
         fut = self._pg.allreduce([tensor], opts).get_future()
         fut.add_done_callback(lambda _: wake.set())
         return fut
@@ -384,7 +387,7 @@ class CrossReplicaGroup:
     def _gloo_options(self, store_address: str) -> Any:
         """Gloo's options: its pairs listen on loopback when the job is on one machine (the store,
         hosted by the coordinator, is on loopback), never on every interface of the host."""
-        options = dist.ProcessGroupGloo._Options()
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stub lacks _Options
         options._timeout = self.timeout
         host = parse_host_port(store_address, "store address")[0]
         if _is_loopback(host) and not os.environ.get("GLOO_SOCKET_IFNAME"):

@@ -255,7 +255,7 @@ def _rss_bytes() -> float | None:
 
 def _drain(q: deque[Any], n: int) -> list[Any]:
     """Takes up to ``n`` entries; entries are complete when appended, so they are not copied."""
-    out = []
+    out: list[Any] = []
     while q and len(out) < n:
         out.append(q.popleft())
     return out

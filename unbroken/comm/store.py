@@ -99,7 +99,7 @@ class AuthenticatedStore(dist.Store):
     # -- the connection pool ------------------------------------------------------------------
 
     def _timeout_s(self) -> float:
-        return self.timeout.total_seconds()
+        return self.timeout.total_seconds()  # type: ignore[attr-defined]  # torch's stub lacks Store.timeout
 
     def _call(self, request: dict[str, Any]) -> dict[str, Any]:
         sock, session = self._take()

@@ -334,7 +334,7 @@ class TransferServer:
                 }
             ).encode()
             send_sealed(conn, session, header)
-            view = memoryview(snap.buffer.numpy())[: snap.total]
+            view = memoryview(snap.buffer.numpy())[: snap.total]  # type: ignore[arg-type]  # numpy types __buffer__ from 3.12 only
             for off in range(0, snap.total, CHUNK):
                 chunk = view[off : off + CHUNK]
                 conn.sendall(chunk)
@@ -494,7 +494,7 @@ def _segments(
 ) -> list[tuple[int, memoryview]]:
     """The stream cut into (start, destination) pieces: a target tensor's own bytes, or the
     receive buffer for everything else (padding, tensors with no target)."""
-    whole = memoryview(buf.numpy())
+    whole = memoryview(buf.numpy())  # type: ignore[arg-type]  # numpy types __buffer__ from 3.12 only
     out: list[tuple[int, memoryview]] = []
     pos = 0
     for e, t in sorted(zip(entries, targets, strict=False), key=lambda p: p[0].offset):
@@ -502,7 +502,8 @@ def _segments(
             continue
         if e.offset > pos:
             out.append((pos, whole[pos : e.offset]))
-        out.append((e.offset, memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())))
+        flat = t.detach().reshape(-1).view(torch.uint8).numpy()
+        out.append((e.offset, memoryview(flat)))  # type: ignore[arg-type]  # numpy types __buffer__ from 3.12 only
         pos = e.offset + e.nbytes
     if pos < total:
         out.append((pos, whole[pos:total]))

@@ -82,7 +82,7 @@ class StateStore:
         self.keep_events = keep_events
         self.epoch_block = epoch_block
         self.write_failures = 0  # history rows (epochs, events) that could not be written
-        self._lock_fd = _lock_state_dir(path)
+        self._lock_fd: int | None = _lock_state_dir(path)
         # Written by a writer thread (see :meth:`persist`), queued by the event loop: the queue
         # lock is held only to swap rows in and out, never across a write.
         self._db_lock = threading.RLock()

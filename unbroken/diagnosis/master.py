@@ -339,7 +339,7 @@ class DiagnosisMaster:
 
     def _warming_up(self, f: hang.HangFinding) -> bool:
         """Whether ``f`` blames a rank still in its first steps (see ``warmup_collectives``)."""
-        if f.kind != NONCOMM_HANG:
+        if f.kind != NONCOMM_HANG or f.culprit.rank is None:
             return False
         r = self.ranks.get((f.culprit.replica, f.culprit.rank))
         return r is not None and r.completed < self.s.warmup_collectives
@@ -484,7 +484,7 @@ class DiagnosisMaster:
                 # A change shared by every replica is the machine, not a replica; so is one replica
                 # slowing while another speeds up (processes trading places on shared cores). A big
                 # change is a straggler, which the straggler rule names with better evidence.
-                if n < self.s.confirm or rep in stragglers:
+                if n < self.s.confirm or rep in stragglers or ratio is None:
                     continue
                 if (
                     self._straggler_coming(rep, rank)

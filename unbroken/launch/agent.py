@@ -116,8 +116,9 @@ class Agent:
 
     def __init__(self, settings: AgentSettings) -> None:
         self.s = settings
-        assert settings.secret_file is not None
-        self.secret = JobSecret.load(settings.secret_file)
+        assert settings.secret_file is not None  # AgentSettings refuses none
+        self.secret_file = settings.secret_file
+        self.secret = JobSecret.load(self.secret_file)
         settings.run_dir.mkdir(parents=True, exist_ok=True)
         (settings.run_dir / "logs").mkdir(exist_ok=True)
         self.events = EventLog(settings.run_dir / f"events-{settings.node}.jsonl", f"agent:{settings.node}")
@@ -354,7 +355,7 @@ class Agent:
                 world_size=self.s.ranks_per_replica,
                 master_port=master_port,
                 threads=self._threads(),
-                secret_file=self.s.secret_file,
+                secret_file=self.secret_file,
             )
             log = self.s.run_dir / "logs" / f"replica{r.replica}-rank{rank}.log"
             proc = await workers.start_worker(self.s.command, environ, log, self._guardian)

@@ -40,7 +40,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -249,7 +249,7 @@ class Schedule:
 
     faults: tuple[Fault, ...] = ()
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[Fault]:
         return iter(self.faults)
 
     def __len__(self) -> int:

@@ -64,7 +64,7 @@ def _stat(pid: str) -> tuple[str, int, int] | None:
 def session_members(sessions: Iterable[int]) -> list[int]:
     """Live (not zombie) processes in any of ``sessions``."""
     wanted = set(sessions)
-    out = []
+    out: list[int] = []
     if not wanted:
         return out
     for entry in os.listdir("/proc"):

@@ -56,7 +56,7 @@ def checkpointer_for(manager: Manager, keep_last: int = 3, **kwargs: object) -> 
         rank=c.rank,
         world_size=c.world_size,
         **kwargs,
-    )  # type: ignore[arg-type]
+    )
 
 
 def resume(manager: Manager, checkpointer: Checkpointer | None) -> Restored | None:

@@ -67,7 +67,11 @@ class DistributedDataParallel(torch.nn.Module):
         self.module = module
         self.manager = manager
         seen: set[int] = set()
-        self._params = [p for p in module.parameters() if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]
+        self._params: list[torch.nn.Parameter] = []
+        for p in module.parameters():
+            if p.requires_grad and id(p) not in seen:  # a shared parameter is exchanged once
+                seen.add(id(p))
+                self._params.append(p)
         self._buckets = _buckets(self._params, max(1, int(bucket_cap_mb * 2**20)))
         self._bucket_of = {i: b for b, idx in enumerate(self._buckets) for i in idx}
         self._numel = [sum(self._params[i].numel() for i in idx) for idx in self._buckets]

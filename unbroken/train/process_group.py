@@ -37,14 +37,14 @@ class ManagedProcessGroup(dist.ProcessGroup):
     """The replicas of the current quorum as a process group (``allreduce`` only)."""
 
     def __init__(self, manager: Manager) -> None:
-        super().__init__(0, 1)
+        super().__init__(0, 1)  # type: ignore[call-arg, arg-type]  # torch's stub lacks the (rank, size) form
         self.manager = manager
 
-    def size(self) -> int:  # type: ignore[override]
+    def size(self) -> int:
         d = self.manager.decision
         return len(d.members) if d is not None else 1
 
-    def rank(self) -> int:  # type: ignore[override]
+    def rank(self) -> int:
         d = self.manager.decision
         return d.members.index(self.manager.config.replica_id) if d is not None else 0
 

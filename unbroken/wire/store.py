@@ -237,6 +237,6 @@ def _value(value: Any) -> bytes:
 
 def _timeout(req: dict[str, Any]) -> float:
     t = req.get("timeout_s")
-    if type(t) not in (int, float) or not math.isfinite(t) or t < 0:
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
         raise StoreRequestError(f"timeout_s must be a finite number >= 0, got {t!r}")
     return min(float(t), MAX_WAIT_S)

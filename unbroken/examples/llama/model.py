@@ -48,4 +48,7 @@ def build_model(size: LlamaSize | None = None, seed: int = 0) -> torch.nn.Module
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer blocks, each its own FSDP2 unit (as torchtitan shards a Llama)."""
-    return list(model.model.layers)  # type: ignore[union-attr]
+    layers = model.get_submodule("model.layers")
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise TypeError(f"a Llama's model.layers is a ModuleList, got {type(layers).__name__}")
+    return list(layers)
