@@ -75,7 +75,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._buckets = _buckets(self._params, max(1, int(bucket_cap_mb * 2**20)))
         self._bucket_of = {i: b for b, idx in enumerate(self._buckets) for i in idx}
         self._numel = [sum(self._params[i].numel() for i in idx) for idx in self._buckets]
-        self._buffers: list[torch.Tensor | None] = [None] * len(self._buckets)
+        self._bucket_buffers: list[torch.Tensor | None] = [None] * len(self._buckets)
         self._sync = True
         self._wrote = False
         self._reset()
@@ -126,7 +126,7 @@ class DistributedDataParallel(torch.nn.Module):
         if o.decision is None or o.failed:
             return  # exchanged after backward (a replica catches up), or redone after a failure
         n = self._numel[b]
-        buf = self._buffers[b]
+        buf = self._bucket_buffers[b]
         if buf is None:
             buf = torch.empty(n + METADATA, dtype=torch.float32, device=self._params[self._buckets[b][0]].device)
         offset = 0
@@ -138,7 +138,7 @@ class DistributedDataParallel(torch.nn.Module):
             else:
                 buf[offset : offset + k].copy_(p.grad.reshape(-1))
             offset += k
-        self._buffers[b] = buf
+        self._bucket_buffers[b] = buf
         self.manager.start_bucket(buf)
 
     def _end_backward(self) -> None:
@@ -153,14 +153,14 @@ class DistributedDataParallel(torch.nn.Module):
             self._wrote = False
             self.manager.end_overlap([p.grad for p in self._params], self._write_back)  # type: ignore[misc]
             if not self._wrote:
-                self._buffers = [None] * len(self._buckets)  # the backend may still write into them
+                self._bucket_buffers = [None] * len(self._buckets)  # the backend may still write into them
         finally:
             self._reset()
 
     def _write_back(self, scale: float) -> None:
         self._wrote = True
         for b, idx in enumerate(self._buckets):
-            buf = self._buffers[b]
+            buf = self._bucket_buffers[b]
             assert buf is not None
             offset = 0
             for i in idx:
