@@ -147,11 +147,13 @@ class DistributedDataParallel(torch.nn.Module):
             while self._next < len(self._buckets):
                 self._start(self._next)
                 self._next += 1
+            grads: list[torch.Tensor] = []
             for p in self._params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
             self._wrote = False
-            self.manager.end_overlap([p.grad for p in self._params], self._write_back)  # type: ignore[misc]
+            self.manager.end_overlap(grads, self._write_back)
             if not self._wrote:
                 self._bucket_buffers = [None] * len(self._buckets)  # the backend may still write into them
         finally:
