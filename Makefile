@@ -1,4 +1,4 @@
-# The two commands of the README (`make demo`, `make test`) do all the set-up themselves.
+# The commands of the README (`make demo`, `make test`, `make lint`) do all the set-up themselves.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 # then already satisfied, so pip never pulls a CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install demo test scenarios clean
+.PHONY: install demo test lint scenarios clean
 
 install: $(STAMP)
 
@@ -23,6 +23,11 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider
+
+lint: install
+	$(VENV)/bin/ruff format --check unbroken tests examples
+	$(VENV)/bin/ruff check unbroken tests examples
+	$(VENV)/bin/mypy
 
 # The long end-to-end scenarios the suite leaves out (about 5 minutes on 2 cores).
 scenarios: install

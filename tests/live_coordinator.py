@@ -30,18 +30,19 @@ async def connect(c: Coordinator, secret: JobSecret) -> protocol.Link:
     return protocol.Link(reader, writer, session)
 
 
-async def member(c: Coordinator, secret: JobSecret, replica: int, rank: int = 0, world_size: int = 1,
-                 **hello: Any) -> protocol.Link:
+async def member(
+    c: Coordinator, secret: JobSecret, replica: int, rank: int = 0, world_size: int = 1, **hello: Any
+) -> protocol.Link:
     """A connection that said hello as ``replica``/``rank`` and was welcomed."""
     link = await connect(c, secret)
-    link.send({"op": "hello", "replica": replica, "rank": rank, "world_size": world_size, "transfer_addr": "",
-               **hello})
+    link.send({"op": "hello", "replica": replica, "rank": rank, "world_size": world_size, "transfer_addr": "", **hello})
     await next_op(link, "welcome")
     return link
 
 
 async def next_op(link: protocol.Link, op: str, timeout: float = 5.0) -> dict[str, Any]:
     """The next message ``op`` on ``link`` (others skipped); TimeoutError, or EOFError if it closes."""
+
     async def read() -> dict[str, Any]:
         while True:
             line = await link.readline()
@@ -56,6 +57,7 @@ async def next_op(link: protocol.Link, op: str, timeout: float = 5.0) -> dict[st
 
 async def closed(link: protocol.Link, timeout: float = 5.0) -> bool:
     """Whether the coordinator closes ``link`` within ``timeout`` (what it sends meanwhile is read)."""
+
     async def drain() -> None:
         while await link.readline() is not None:
             pass

@@ -21,15 +21,28 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["Checkpointer", "DataParallel", "DistributedDataParallel", "Manager", "ModelState", "Optimizer",
-           "__version__", "average_gradients", "checkpointer_for", "gradient_numel", "init", "model_state", "resume",
-           "save_if_due"]
+__all__ = [
+    "Checkpointer",
+    "DataParallel",
+    "DistributedDataParallel",
+    "Manager",
+    "ModelState",
+    "Optimizer",
+    "__version__",
+    "average_gradients",
+    "checkpointer_for",
+    "gradient_numel",
+    "init",
+    "model_state",
+    "resume",
+    "save_if_due",
+]
 
 if TYPE_CHECKING:
-    from unbroken.train.manager import Manager, init
     from unbroken.checkpoint import Checkpointer
     from unbroken.train.checkpointing import checkpointer_for, resume, save_if_due
     from unbroken.train.ddp import DistributedDataParallel
+    from unbroken.train.manager import Manager, init
     from unbroken.train.optimizer import DataParallel, Optimizer, average_gradients, gradient_numel
     from unbroken.train.state import ModelState, model_state
 

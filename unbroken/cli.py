@@ -63,9 +63,13 @@ def _unavailable(name: str, error: MissingExtra) -> click.Command:
     def fail(**_: object) -> None:
         raise click.ClickException(str(error))
 
-    return click.Command(name, callback=fail, help=f"(not installed) {error}", params=[
-        click.Argument(["args"], nargs=-1, type=click.UNPROCESSED)],
-        context_settings={"ignore_unknown_options": True, "help_option_names": []})
+    return click.Command(
+        name,
+        callback=fail,
+        help=f"(not installed) {error}",
+        params=[click.Argument(["args"], nargs=-1, type=click.UNPROCESSED)],
+        context_settings={"ignore_unknown_options": True, "help_option_names": []},
+    )
 
 
 @click.group(cls=LazyGroup, lazy=COMMANDS)

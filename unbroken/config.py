@@ -91,8 +91,10 @@ def stack_signal(env: Mapping[str, str] | None = None) -> int | None:
             raise ConfigError(f"{ENV_STACK_SIGNAL} must name a signal (e.g. SIGUSR2) or be 'none', got {raw!r}")
         number = int(sig)
     if not is_stack_signal(number):
-        raise ConfigError(f"{ENV_STACK_SIGNAL}={raw!r} cannot carry a stack dump: use SIGUSR1, SIGUSR2, "
-                          "a real-time signal (SIGRTMIN..SIGRTMAX) or 'none'")
+        raise ConfigError(
+            f"{ENV_STACK_SIGNAL}={raw!r} cannot carry a stack dump: use SIGUSR1, SIGUSR2, "
+            "a real-time signal (SIGRTMIN..SIGRTMAX) or 'none'"
+        )
     return number
 
 
@@ -149,9 +151,7 @@ class ReplicaConfig:
         if self.replica_id < 0:
             raise ConfigError(f"{ENV_REPLICA_ID} must be >= 0, got {self.replica_id}")
         if not 0 <= self.rank < self.world_size:
-            raise ConfigError(
-                f"{ENV_RANK} must be in [0, {ENV_WORLD_SIZE}={self.world_size}), got {self.rank}"
-            )
+            raise ConfigError(f"{ENV_RANK} must be in [0, {ENV_WORLD_SIZE}={self.world_size}), got {self.rank}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ReplicaConfig:

@@ -30,15 +30,26 @@ PACE = ["--pace-s", "0.12"]
 class Job:
     """``unbroken run`` of the example GPT in ``run_dir``; always cleaned up on exit."""
 
-    def __init__(self, run_dir: Path, replicas: int = 3, steps: int = 60, extra: list[str] | None = None,
-                 train_args: list[str] | None = None, coordinator: str | None = None,
-                 script: Path = TRAIN) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        replicas: int = 3,
+        steps: int = 60,
+        extra: list[str] | None = None,
+        train_args: list[str] | None = None,
+        coordinator: str | None = None,
+        script: Path = TRAIN,
+    ) -> None:
         self.run_dir = run_dir
         self.replicas = replicas
         cmd = [sys.executable, "-m", "unbroken", "run", "--replicas", str(replicas), "--run-dir", str(run_dir)]
         if coordinator:
             cmd += ["--coordinator", coordinator]
-        cmd += (extra or []) + ["--", sys.executable, str(script), "--steps", str(steps)] + (PACE if train_args is None else train_args)
+        cmd += (
+            (extra or [])
+            + ["--", sys.executable, str(script), "--steps", str(steps)]
+            + (PACE if train_args is None else train_args)
+        )
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         self.log = open(run_dir.parent / f"{run_dir.name}-launcher.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -123,8 +134,13 @@ def job_secret() -> JobSecret:
 
 
 def python_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
-            ENV_SECRET_FILE: str(job_secret_file())}
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONFAULTHANDLER": "1",
+        ENV_SECRET_FILE: str(job_secret_file()),
+    }
 
 
 class Processes:
@@ -146,22 +162,41 @@ class Processes:
 
     def start(self, args: list[str], name: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         with open(self.run_dir / f"{name}.log", "ab") as log:
-            p = subprocess.Popen(args, env=env or python_env(), stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+            p = subprocess.Popen(
+                args, env=env or python_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         self.procs.append(p)
         return p
 
     def coordinator(self, port: int, replicas: int, min_replicas: int, state_dir: Path) -> subprocess.Popen[bytes]:
         return self.start(
-            [sys.executable, "-m", "unbroken", "coordinator", "--replicas", str(replicas),
-             "--min-replicas", str(min_replicas), "--port", str(port), "--state-dir", str(state_dir),
-             "--startup-window", "3"],
+            [
+                sys.executable,
+                "-m",
+                "unbroken",
+                "coordinator",
+                "--replicas",
+                str(replicas),
+                "--min-replicas",
+                str(min_replicas),
+                "--port",
+                str(port),
+                "--state-dir",
+                str(state_dir),
+                "--startup-window",
+                "3",
+            ],
             "coordinator",
         )
 
     def worker(self, replica: int, coordinator: str, replicas: int, steps: int) -> subprocess.Popen[bytes]:
-        env = {**python_env(), "UNBROKEN_COORDINATOR": coordinator, "UNBROKEN_REPLICA_ID": str(replica),
-               "UNBROKEN_NUM_REPLICAS": str(replicas), "UNBROKEN_RUN_DIR": str(self.run_dir)}
+        env = {
+            **python_env(),
+            "UNBROKEN_COORDINATOR": coordinator,
+            "UNBROKEN_REPLICA_ID": str(replica),
+            "UNBROKEN_NUM_REPLICAS": str(replicas),
+            "UNBROKEN_RUN_DIR": str(self.run_dir),
+        }
         return self.start([sys.executable, str(TRAIN), "--steps", str(steps), *PACE], f"worker{replica}", env)
 
 
@@ -181,5 +216,8 @@ def wait_for_step(run_dir: Path, replica: int, step: int, timeout: float = 120.0
 
 
 def load_finals(run_dir: Path, replicas: list[int]) -> dict[int, dict[str, Any]]:
-    return {r: torch.load(run_dir / f"final-r{r}.pt", weights_only=False) for r in replicas
-            if (run_dir / f"final-r{r}.pt").exists()}
+    return {
+        r: torch.load(run_dir / f"final-r{r}.pt", weights_only=False)
+        for r in replicas
+        if (run_dir / f"final-r{r}.pt").exists()
+    }

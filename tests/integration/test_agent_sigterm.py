@@ -39,9 +39,27 @@ def test_sigterm_to_an_agent_lets_its_workers_flush(tmp_path: Path) -> None:
     port = free_port()
     with Processes(tmp_path) as ps:
         ps.coordinator(port, replicas=1, min_replicas=1, state_dir=tmp_path / "state")
-        agent = ps.start([sys.executable, "-m", "unbroken", "agent", "--coordinator", f"127.0.0.1:{port}",
-                          "--node", "n0", "--run-dir", str(run_dir), "--term-grace-s", "10", "--",
-                          sys.executable, "-c", WORKER], "agent")
+        agent = ps.start(
+            [
+                sys.executable,
+                "-m",
+                "unbroken",
+                "agent",
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--node",
+                "n0",
+                "--run-dir",
+                str(run_dir),
+                "--term-grace-s",
+                "10",
+                "--",
+                sys.executable,
+                "-c",
+                WORKER,
+            ],
+            "agent",
+        )
         deadline = time.monotonic() + 60
         while not (run_dir / "started").exists():
             assert time.monotonic() < deadline and agent.poll() is None, "the agent started no worker"

@@ -18,7 +18,13 @@ from typing import Any
 import pytest
 
 from tests.integration.harness import (
-    PACE, TRAIN, Processes, assert_identical, load_finals, python_env, wait_for_step,
+    PACE,
+    TRAIN,
+    Processes,
+    assert_identical,
+    load_finals,
+    python_env,
+    wait_for_step,
 )
 from unbroken.launch.workers import free_port
 from unbroken.observe.events import read_events
@@ -61,11 +67,25 @@ class Cluster:
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
 
     def agent_args(self, node: str, slots: int = 1) -> list[str]:
-        return [sys.executable, "-m", "unbroken", "agent", "--coordinator", self.address, "--node", node,
-                "--slots", str(slots), "--run-dir", str(self.run_dir), "--"]
+        return [
+            sys.executable,
+            "-m",
+            "unbroken",
+            "agent",
+            "--coordinator",
+            self.address,
+            "--node",
+            node,
+            "--slots",
+            str(slots),
+            "--run-dir",
+            str(self.run_dir),
+            "--",
+        ]
 
-    def agent(self, node: str, slots: int = 1, steps: int = STEPS, command: list[str] | None = None
-              ) -> subprocess.Popen[bytes]:
+    def agent(
+        self, node: str, slots: int = 1, steps: int = STEPS, command: list[str] | None = None
+    ) -> subprocess.Popen[bytes]:
         """Starts an agent and waits until the coordinator has registered it (so joins are ordered)."""
         command = command or [sys.executable, str(TRAIN), "--steps", str(steps), *PACE]
         p = self.ps.start(self.agent_args(node, slots) + command, f"agent-{node}")
@@ -163,7 +183,9 @@ def test_agents_and_workers_ride_out_a_coordinator_restart(tmp_path: Path) -> No
         first = ps.procs[0]
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
-        wait_until("the agents to notice", lambda: all(cluster.agent_events(n, "coordinator_disconnected") for n in "ab"))
+        wait_until(
+            "the agents to notice", lambda: all(cluster.agent_events(n, "coordinator_disconnected") for n in "ab")
+        )
         ps.coordinator(cluster.port, 2, 1, run_dir)
         cluster.wait_agents(["a", "b"])
     for node, replica in (("a", 0), ("b", 1)):

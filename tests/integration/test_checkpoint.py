@@ -8,16 +8,17 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from unbroken.checkpoint import Checkpointer, CheckpointError, PeerStore, Shard, directio, disk
 from tests.shard_writer import write_shard_here
+from unbroken.checkpoint import Checkpointer, CheckpointError, PeerStore, Shard, directio, disk
 from unbroken.checkpoint.cli import checkpoint as checkpoint_cli
 from unbroken.wire.auth import JobSecret
 
@@ -27,8 +28,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 def make_state(seed: int, mb: float = 0.5) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     n = int(mb * 2**20 / 4)
-    return {"model": {"w": torch.randn(n, generator=g), "b": torch.arange(7, dtype=torch.int64) + seed},
-            "half": torch.randn(3, generator=g).bfloat16(), "step": seed, "data": {"pos": [seed, "x"]}}
+    return {
+        "model": {"w": torch.randn(n, generator=g), "b": torch.arange(7, dtype=torch.int64) + seed},
+        "half": torch.randn(3, generator=g).bfloat16(),
+        "step": seed,
+        "data": {"pos": [seed, "x"]},
+    }
 
 
 def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
@@ -153,8 +158,7 @@ def test_kill_9_during_persist_leaves_previous_checkpoint(ckpt_dir: str) -> None
 def mount_tmpfs(path: Path, options: str) -> bool:
     """Mount a tmpfs (root only): real ENOSPC / EROFS from the kernel, not a simulation."""
     try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True,
-                       capture_output=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True, capture_output=True)
         return True
     except (OSError, subprocess.CalledProcessError):
         return False
@@ -250,9 +254,12 @@ def secret(tmp_path: Path) -> tuple[JobSecret, Path]:
 
 @pytest.fixture
 def peer_process(secret: tuple[JobSecret, Path]) -> Iterator[tuple[str, int]]:
-    proc = subprocess.Popen([sys.executable, "-m", "unbroken", "checkpoint", "serve-peer", "--secret-file",
-                             str(secret[1])], stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "unbroken", "checkpoint", "serve-peer", "--secret-file", str(secret[1])],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
     try:
         port = int(proc.stdout.readline())  # type: ignore[union-attr]
         yield ("127.0.0.1", port)
@@ -261,11 +268,12 @@ def peer_process(secret: tuple[JobSecret, Path]) -> Iterator[tuple[str, int]]:
         proc.wait()
 
 
-def test_peer_copy_survives_loss_of_memory_and_disk(ckpt_dir: str, peer_process: tuple[str, int],
-                                                    secret: tuple[JobSecret, Path]) -> None:
+def test_peer_copy_survives_loss_of_memory_and_disk(
+    ckpt_dir: str, peer_process: tuple[str, int], secret: tuple[JobSecret, Path]
+) -> None:
     with Checkpointer(ckpt_dir, peer=peer_process, secret=secret[0]) as ck:
         ck.save(5, make_state(5))
-        outcome, = ck.wait()
+        (outcome,) = ck.wait()
         assert outcome.ok and outcome.peer_error is None
     for step_dir in os.listdir(ckpt_dir):  # the node's disk is gone too
         if step_dir.startswith("step-"):
@@ -282,7 +290,7 @@ def test_peer_store_keeps_previous_copy_when_a_put_breaks() -> None:
     store = PeerStore(JobSecret.generate()).start()
     try:
         with socket.create_connection(store.address) as s:
-            s.sendall(b"\x05\x00\x00\x00\x00\x00\x00\x00{\"op\"")  # dies mid-header
+            s.sendall(b'\x05\x00\x00\x00\x00\x00\x00\x00{"op"')  # dies mid-header
         assert store.owners() == {}
     finally:
         store.close()
@@ -293,8 +301,14 @@ def save_sharded(root: str) -> torch.Tensor:
     full = torch.arange(24.0).reshape(6, 4)
     for replica, rank in [(0, 0), (0, 1), (1, 0)]:
         with Checkpointer(root, replica=replica, replicas=2, rank=rank, world_size=2) as ck:
-            ck.save(4, {"w": Shard(full[3 * rank:3 * rank + 3].clone(), (6, 4), (3 * rank, 0)),
-                        "bias": torch.ones(2), "rng_of": f"rank{rank}"})
+            ck.save(
+                4,
+                {
+                    "w": Shard(full[3 * rank : 3 * rank + 3].clone(), (6, 4), (3 * rank, 0)),
+                    "bias": torch.ones(2),
+                    "rng_of": f"rank{rank}",
+                },
+            )
             assert all(o.ok for o in ck.wait())
     return full
 
@@ -306,7 +320,7 @@ def test_reshard_two_ranks_into_three(ckpt_dir: str) -> None:
             into = {"w": Shard(torch.empty(2, 4), (6, 4), (2 * rank, 0)), "bias": torch.empty(2)}
             restored = ck.load_latest(into=into)
             assert restored.saved_world_size == 2
-            assert torch.equal(restored.state["w"].tensor, full[2 * rank:2 * rank + 2])
+            assert torch.equal(restored.state["w"].tensor, full[2 * rank : 2 * rank + 2])
             assert torch.equal(restored.state["bias"], torch.ones(2))
             assert restored.state["rng_of"] == f"rank{rank % 2}"
         with Checkpointer(ckpt_dir, rank=rank, world_size=3) as ck, pytest.raises(CheckpointError, match="Shard"):
@@ -372,8 +386,9 @@ def test_default_path_uses_direct_io_where_the_filesystem_has_it(tmp_path: Path,
     assert data_opens == [True, True]  # the data file's write, then its read
 
 
-def test_filesystem_without_direct_io_falls_back_to_buffered_io(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                               data_opens: list[bool]) -> None:
+def test_filesystem_without_direct_io_falls_back_to_buffered_io(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, data_opens: list[bool]
+) -> None:
     direct_flag = getattr(os, "O_DIRECT", 0)
     if not direct_flag:
         pytest.skip("no O_DIRECT on this platform: the buffered path is the only path")

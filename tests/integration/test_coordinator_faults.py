@@ -27,10 +27,29 @@ def start_coordinator(tmp_path: Path, replicas: int) -> tuple[subprocess.Popen[b
     log = tmp_path / "coordinator.log"
     with open(log, "wb") as f:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "unbroken", "coordinator", "--replicas", str(replicas), "--min-replicas", "2",
-             "--port", "0", "--state-dir", str(tmp_path / "state"), "--heartbeat-timeout", "3",
-             "--startup-window", "60"],
-            env=python_env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "unbroken",
+                "coordinator",
+                "--replicas",
+                str(replicas),
+                "--min-replicas",
+                "2",
+                "--port",
+                "0",
+                "--state-dir",
+                str(tmp_path / "state"),
+                "--heartbeat-timeout",
+                "3",
+                "--startup-window",
+                "60",
+            ],
+            env=python_env(),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:
         for line in log.read_text().splitlines():
@@ -46,8 +65,12 @@ def test_a_silent_replica_is_evicted_and_survivors_answered_while_event_writes_f
     coordinator, address = start_coordinator(tmp_path, replicas=3)
     host, port = address.rsplit(":", 1)
     secret = job_secret()
-    clients = [CoordinatorClient(address, secret, {"replica": r, "rank": 0, "world_size": 1, "transfer_addr": ""},
-                                 heartbeat_s=0.1) for r in (0, 1)]
+    clients = [
+        CoordinatorClient(
+            address, secret, {"replica": r, "rank": 0, "world_size": 1, "transfer_addr": ""}, heartbeat_s=0.1
+        )
+        for r in (0, 1)
+    ]
     silent, session = protocol.connect(host, int(port), secret, timeout=30)
     silent_lock = threading.Lock()  # one sealed line at a time: the MACs count in wire order
     stop_beating = threading.Event()

@@ -47,9 +47,14 @@ def wait_for(path: Path, job: Job, timeout: float = 90.0) -> dict:
 
 def test_constant_global_batch_consumes_every_sample_exactly_once_through_kill_and_stop(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    with Job(run_dir, replicas=REPLICAS, steps=STEPS, script=WORKER,
-             train_args=["--pace-s", "0.1", "--kill-step", str(KILL_AT), "--stop-step", str(STOP_AT)],
-             extra=["--min-replicas", "1", "--on-verdict", "ignore", "--on-hang", "wait"]) as job:
+    with Job(
+        run_dir,
+        replicas=REPLICAS,
+        steps=STEPS,
+        script=WORKER,
+        train_args=["--pace-s", "0.1", "--kill-step", str(KILL_AT), "--stop-step", str(STOP_AT)],
+        extra=["--min-replicas", "1", "--on-verdict", "ignore", "--on-hang", "wait"],
+    ) as job:
         wait_for(run_dir / "fault-r1.json", job)
         stopped = wait_for(run_dir / "fault-r2.json", job)
         job.wait_for_step(0, STOP_AT + 5, timeout=60)  # the others move on without the hung replica
@@ -59,8 +64,9 @@ def test_constant_global_batch_consumes_every_sample_exactly_once_through_kill_a
     assert set(states) == {0, 1, 2}
     assert_identical(states)
 
-    rows = [json.loads(line) for r in range(REPLICAS)
-            for line in (run_dir / f"metrics-r{r}.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for r in range(REPLICAS) for line in (run_dir / f"metrics-r{r}.jsonl").read_text().splitlines()
+    ]
     consumed = Counter(i for r in rows for i in r["ids"])
     everything = range(STEPS * REPLICAS * w.PER_REPLICA)
     assert sorted(consumed) == list(everything), "some sample of the fault-free run was never trained"

@@ -19,8 +19,11 @@ from tests.integration.harness import python_env
 from tests.integration.workers.dcp_fsdp import assert_equal, build
 from unbroken.launch.workers import free_port
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120),
-              pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.timeout(120),
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+]
 WORKER = Path(__file__).parent / "workers" / "dcp_fsdp.py"
 
 
@@ -29,11 +32,24 @@ def test_fsdp2_checkpoint_saved_through_unbroken_loads_with_plain_dcp_at_one_ran
     procs = []
     try:
         for rank in (0, 1):
-            env = {**python_env(), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            env = {
+                **python_env(),
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "LOCAL_RANK": str(rank),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
             with open(tmp_path / f"rank{rank}.log", "wb") as log:
-                procs.append(subprocess.Popen([sys.executable, str(WORKER), "--out", str(tmp_path)], env=env,
-                                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(WORKER), "--out", str(tmp_path)],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
         codes = [p.wait(timeout=100) for p in procs]
     finally:
         for p in procs:

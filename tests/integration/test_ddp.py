@@ -34,7 +34,7 @@ def reference(steps: int, replicas: int) -> dict[str, torch.Tensor]:
                 x, y = w.batch(step, r, micro)
                 torch.nn.functional.mse_loss(net(x), y).backward()
             grads.append([p.grad.clone() for p in net.parameters()])
-        for p, *gs in zip(net.parameters(), *grads):
+        for p, *gs in zip(net.parameters(), *grads, strict=False):
             p.grad = torch.mul(sum(gs[1:], gs[0]), 1.0 / replicas)
         norm = torch.nn.utils.clip_grad_norm_(net.parameters(), w.MAX_NORM)
         assert norm > w.MAX_NORM, "the test must clip"
@@ -60,9 +60,14 @@ def test_ddp_equals_single_process_reference(tmp_path: Path) -> None:
 def _fault_run(tmp_path: Path, kind: str, extra: list[str]) -> tuple[Job, dict[int, dict]]:
     steps, at = 60, 12
     run_dir = tmp_path / "run"
-    with Job(run_dir, replicas=2, steps=steps, script=WORKER,
-             extra=["--min-replicas", "1", *CALM, *extra],
-             train_args=["--pace-s", "0.12", "--fault", kind, "--fault-step", str(at)]) as job:
+    with Job(
+        run_dir,
+        replicas=2,
+        steps=steps,
+        script=WORKER,
+        extra=["--min-replicas", "1", *CALM, *extra],
+        train_args=["--pace-s", "0.12", "--fault", kind, "--fault-step", str(at)],
+    ) as job:
         marker = run_dir / "fault-r1.json"
         deadline = time.monotonic() + 90
         while not marker.exists():
@@ -101,11 +106,20 @@ def test_hsdp_process_group_equals_single_process_reference(tmp_path: Path) -> N
     """FSDP2 over 2 ranks per replica, its all-reduce hook on ``manager.process_group()``."""
     steps, replicas, ranks = 6, 2, 2
     run_dir = tmp_path / "run"
-    with Job(run_dir, replicas=replicas, steps=steps, script=WORKER.parent / "hsdp_train.py", train_args=[],
-             extra=["--ranks-per-replica", str(ranks), *CALM]) as job:
+    with Job(
+        run_dir,
+        replicas=replicas,
+        steps=steps,
+        script=WORKER.parent / "hsdp_train.py",
+        train_args=[],
+        extra=["--ranks-per-replica", str(ranks), *CALM],
+    ) as job:
         assert job.wait(150) == 0
-    shards = {(r, k): torch.load(run_dir / f"final-r{r}-rank{k}.pt", weights_only=False)
-              for r in range(replicas) for k in range(ranks)}
+    shards = {
+        (r, k): torch.load(run_dir / f"final-r{r}-rank{k}.pt", weights_only=False)
+        for r in range(replicas)
+        for k in range(ranks)
+    }
     assert all(s["step"] == steps for s in shards.values())
     for k in range(ranks):  # both replicas hold the same shards
         for name, v in shards[(0, k)]["model"].items():
@@ -121,8 +135,8 @@ def test_hsdp_process_group_equals_single_process_reference(tmp_path: Path) -> N
                 x, y = w.batch(step, r, k)
                 torch.nn.functional.mse_loss(net(x), y).backward()
                 per_rank.append([p.grad.clone() for p in net.parameters()])
-            replica_means.append([torch.mul(sum(gs[1:], gs[0]), 1.0 / ranks) for gs in zip(*per_rank)])
-        for p, *gs in zip(net.parameters(), *replica_means):
+            replica_means.append([torch.mul(sum(gs[1:], gs[0]), 1.0 / ranks) for gs in zip(*per_rank, strict=False)])
+        for p, *gs in zip(net.parameters(), *replica_means, strict=False):
             p.grad = torch.mul(sum(gs[1:], gs[0]), 1.0 / replicas)
         assert torch.nn.utils.clip_grad_norm_(net.parameters(), w.MAX_NORM) > w.MAX_NORM
         opt.step()
@@ -138,9 +152,14 @@ def test_hsdp_kill_9_inside_the_process_group_all_reduce(tmp_path: Path) -> None
     without it, its replica group restarts and catches up, and every shard ends identical."""
     steps, at = 90, 8  # the restarted group (4 processes importing torch on 2 cores) must find steps left
     run_dir = tmp_path / "run"
-    with Job(run_dir, replicas=2, steps=steps, script=WORKER.parent / "hsdp_train.py",
-             train_args=["--pace-s", "0.2", "--fault-step", str(at)],
-             extra=["--ranks-per-replica", "2", "--min-replicas", "1", *CALM]) as job:
+    with Job(
+        run_dir,
+        replicas=2,
+        steps=steps,
+        script=WORKER.parent / "hsdp_train.py",
+        train_args=["--pace-s", "0.2", "--fault-step", str(at)],
+        extra=["--ranks-per-replica", "2", "--min-replicas", "1", *CALM],
+    ) as job:
         assert job.wait(180) == 0
     fault = json.loads((run_dir / "fault.json").read_text())
     assert fault["step"] == at and fault["all_reduces"] >= 1, fault

@@ -22,8 +22,7 @@ def test_a_torchrun_script_runs_under_unbroken_unchanged(tmp_path: Path, monkeyp
     cwd.mkdir()
     monkeypatch.chdir(cwd)
     run_dir = tmp_path / "run"
-    with Job(run_dir, replicas=2, steps=STEPS, script=WORKER, extra=["--ranks-per-replica", "2"],
-             train_args=[]) as job:
+    with Job(run_dir, replicas=2, steps=STEPS, script=WORKER, extra=["--ranks-per-replica", "2"], train_args=[]) as job:
         assert job.wait(180) == 0
     assert list(cwd.iterdir()) == [], "something was written into the working directory"
     finished = {(e["replica"], e["rank"]) for e in job.events("replica_finished") if "rank" in e}

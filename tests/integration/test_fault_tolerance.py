@@ -18,7 +18,12 @@ from pathlib import Path
 import pytest
 
 from tests.integration.harness import (
-    Job, Processes, assert_identical, load_finals, metrics, wait_for_step,
+    Job,
+    Processes,
+    assert_identical,
+    load_finals,
+    metrics,
+    wait_for_step,
 )
 from unbroken.launch.launcher import free_port
 

@@ -62,7 +62,7 @@ def test_sigterm_flushes_the_newest_step_and_the_relaunch_resumes_there(tmp_path
         for pid in workers:
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
-    ended, = job.events("job_terminated")
+    (ended,) = job.events("job_terminated")
     codes = [c for cs in ended["exit_codes"].values() for c in cs]
     assert 75 in codes, ended  # a replica finished its step and flushed it
     reached = max(max(committed_steps(job, r)) for r in (0, 1))
@@ -85,7 +85,9 @@ def test_sigterm_stops_the_ranks_of_a_sharded_replica_at_the_same_step(tmp_path:
     ckpt = tmp_path / "ckpt"
     worker = Path(__file__).parent / "workers" / "fsdp_train.py"
     extra = ["--ranks-per-replica", "2", "--min-replicas", "1", "--checkpoint-dir", str(ckpt), "--term-grace-s", "15"]
-    with Job(tmp_path / "run", replicas=2, steps=500, script=worker, extra=extra, train_args=["--pace-s", "0.1"]) as job:
+    with Job(
+        tmp_path / "run", replicas=2, steps=500, script=worker, extra=extra, train_args=["--pace-s", "0.1"]
+    ) as job:
         job.wait_for_step(0, 8)
         rank0 = {e["replica"]: e["pid"] for e in job.events("process_started") if e["rank"] == 0}
         for pid in rank0.values():  # rank 0 first, rank 1 half a step later: maybe in different steps
@@ -94,7 +96,7 @@ def test_sigterm_stops_the_ranks_of_a_sharded_replica_at_the_same_step(tmp_path:
         time.sleep(0.05)
         os.kill(job.proc.pid, signal.SIGTERM)
         assert job.wait(40) == 143
-    ended, = job.events("job_terminated")
+    (ended,) = job.events("job_terminated")
     # 75: flushed and exited. A rank left behind by its sibling would crash (1) or hang (killed);
     # -15 is a process restarted just before (the busy machine's hang verdicts) and not yet training.
     assert ended["killed"] == 0 and {c for cs in ended["exit_codes"].values() for c in cs} <= {75, -15}, ended

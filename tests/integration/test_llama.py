@@ -45,11 +45,17 @@ def llama_shapes(size: LlamaSize) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
     for n in range(size.num_hidden_layers):
         p = f"model.layers.{n}."
-        shapes |= {p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
-                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                   p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
-                   p + "post_attention_layernorm.weight": (h,)}
+        shapes |= {
+            p + "self_attn.q_proj.weight": (h, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, h),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        }
     return shapes
 
 
@@ -58,8 +64,10 @@ def plain_dcp_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
 
     g = torch.Generator().manual_seed(5)
-    weights = {k: (torch.randn(s, generator=g) * 0.02 if len(s) > 1 else 1.0 + 0.1 * torch.randn(s, generator=g))
-               for k, s in llama_shapes(LlamaSize()).items()}
+    weights = {
+        k: (torch.randn(s, generator=g) * 0.02 if len(s) > 1 else 1.0 + 0.1 * torch.randn(s, generator=g))
+        for k, s in llama_shapes(LlamaSize()).items()
+    }
     dcp.save({"model": weights}, checkpoint_id=path)
     return weights
 
@@ -71,8 +79,11 @@ def plain_dcp_load(path: Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     meta = FileSystemReader(path).read_metadata()
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
-             if isinstance(m, TensorStorageMetadata)}
+    state = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in meta.state_dict_metadata.items()
+        if isinstance(m, TensorStorageMetadata)
+    }
     dcp.load(state, checkpoint_id=path)
     return state
 
@@ -93,9 +104,27 @@ def test_llama_kill_9_of_one_rank_and_dcp_both_ways(tmp_path: Path) -> None:
     steps = 40
     initial = plain_dcp_checkpoint(tmp_path / "plain")
     run_dir, dcp_dir = tmp_path / "run", tmp_path / "dcp"
-    with Job(run_dir, replicas=2, steps=steps, script=SCRIPT, extra=CALM,
-             train_args=[*SMALL, "--pace-s", "0.6", "--fault-step", "3", "--init-dcp", str(tmp_path / "plain"),
-                         "--dcp-dir", str(dcp_dir), "--dcp-every", str(steps), "--save-final"]) as job:
+    with Job(
+        run_dir,
+        replicas=2,
+        steps=steps,
+        script=SCRIPT,
+        extra=CALM,
+        train_args=[
+            *SMALL,
+            "--pace-s",
+            "0.6",
+            "--fault-step",
+            "3",
+            "--init-dcp",
+            str(tmp_path / "plain"),
+            "--dcp-dir",
+            str(dcp_dir),
+            "--dcp-every",
+            str(steps),
+            "--save-final",
+        ],
+    ) as job:
         assert job.wait(400) == 0
     fault = json.loads((run_dir / "fault.json").read_text())
     assert fault["step"] == 3
@@ -131,8 +160,9 @@ def tail_loss(run_dir: Path) -> float:
 @pytest.fixture(scope="module")
 def clean_loss(tmp_path_factory: pytest.TempPathFactory) -> float:
     run_dir = tmp_path_factory.mktemp("clean") / "run"
-    with Job(run_dir, replicas=2, steps=HEAVY_STEPS, script=SCRIPT, extra=CALM,
-             train_args=[*SMALL, "--pace-s", "0.6"]) as job:
+    with Job(
+        run_dir, replicas=2, steps=HEAVY_STEPS, script=SCRIPT, extra=CALM, train_args=[*SMALL, "--pace-s", "0.6"]
+    ) as job:
         assert job.wait(400) == 0
     assert_replicas_identical(run_dir, HEAVY_STEPS)
     return tail_loss(run_dir)
@@ -144,8 +174,14 @@ HEAVY_STEPS = 50
 @heavy
 def test_llama_sigstop_of_a_replica(tmp_path: Path, clean_loss: float) -> None:
     run_dir = tmp_path / "run"
-    with Job(run_dir, replicas=2, steps=HEAVY_STEPS, script=SCRIPT, extra=[*CALM, "--on-hang", "wait"],
-             train_args=[*SMALL, "--pace-s", "0.6"]) as job:
+    with Job(
+        run_dir,
+        replicas=2,
+        steps=HEAVY_STEPS,
+        script=SCRIPT,
+        extra=[*CALM, "--on-hang", "wait"],
+        train_args=[*SMALL, "--pace-s", "0.6"],
+    ) as job:
         job.wait_for_step(1, 8, timeout=200)
         pid = [e["pid"] for e in job.events("process_started") if e["replica"] == 1 and e["rank"] == 0][-1]
         os.kill(pid, signal.SIGSTOP)
@@ -173,15 +209,40 @@ def test_llama_coordinator_restart(tmp_path: Path, clean_loss: float) -> None:
 
     def coordinator() -> subprocess.Popen[bytes]:
         with open(tmp_path / "coordinator.log", "ab") as log:
-            return subprocess.Popen([sys.executable, "-m", "unbroken", "coordinator", "--replicas", "2",
-                                     "--min-replicas", "1", "--port", str(port), "--state-dir", str(tmp_path / "coord"),
-                                     "--startup-window", "60"], env=python_env(), stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            return subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "unbroken",
+                    "coordinator",
+                    "--replicas",
+                    "2",
+                    "--min-replicas",
+                    "1",
+                    "--port",
+                    str(port),
+                    "--state-dir",
+                    str(tmp_path / "coord"),
+                    "--startup-window",
+                    "60",
+                ],
+                env=python_env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     coord = coordinator()
     try:
-        with Job(run_dir, replicas=2, steps=HEAVY_STEPS, script=SCRIPT, coordinator=f"127.0.0.1:{port}",
-                 extra=CALM, train_args=[*SMALL, "--pace-s", "0.6"]) as job:
+        with Job(
+            run_dir,
+            replicas=2,
+            steps=HEAVY_STEPS,
+            script=SCRIPT,
+            coordinator=f"127.0.0.1:{port}",
+            extra=CALM,
+            train_args=[*SMALL, "--pace-s", "0.6"],
+        ) as job:
             job.wait_for_step(0, 10, timeout=200)
             coord.kill()
             coord.wait()

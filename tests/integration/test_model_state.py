@@ -24,11 +24,24 @@ def test_fsdp2_state_round_trips_through_a_peer_and_a_checkpoint(tmp_path: Path)
     procs = []
     try:
         for rank in (0, 1):
-            env = {**python_env(), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            env = {
+                **python_env(),
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "LOCAL_RANK": str(rank),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
             with open(tmp_path / f"rank{rank}.log", "wb") as log:
-                procs.append(subprocess.Popen([sys.executable, str(WORKER), "--out", str(tmp_path)], env=env,
-                                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(WORKER), "--out", str(tmp_path)],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
         codes = [p.wait(timeout=100) for p in procs]
     finally:
         for p in procs:

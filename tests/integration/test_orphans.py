@@ -51,8 +51,11 @@ def wait_for(predicate: object, timeout: float, what: str) -> None:
 
 def kill_9_leaves_nothing(supervisor: subprocess.Popen[bytes], marker: str, sleepers: int) -> None:
     try:
-        wait_for(lambda: list(marked(marker).values()).count("sleep") == sleepers, 60,
-                 f"{sleepers} workers' grandchildren to start")
+        wait_for(
+            lambda: list(marked(marker).values()).count("sleep") == sleepers,
+            60,
+            f"{sleepers} workers' grandchildren to start",
+        )
         os.kill(supervisor.pid, signal.SIGKILL)
         supervisor.wait()
         left: dict[int, str] = {}
@@ -77,29 +80,60 @@ def kill_9_leaves_nothing(supervisor: subprocess.Popen[bytes], marker: str, slee
 def test_kill_9_of_unbroken_run_ends_the_workers_grandchildren(tmp_path: Path) -> None:
     marker = uuid.uuid4().hex
     supervisor = subprocess.Popen(
-        [sys.executable, "-m", "unbroken", "run", "--replicas", "2", "--run-dir", str(tmp_path / "run"), "--",
-         *WORKER],
-        env={**python_env(), "UNBROKEN_TEST_MARKER": marker}, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, start_new_session=True)
+        [sys.executable, "-m", "unbroken", "run", "--replicas", "2", "--run-dir", str(tmp_path / "run"), "--", *WORKER],
+        env={**python_env(), "UNBROKEN_TEST_MARKER": marker},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     kill_9_leaves_nothing(supervisor, marker, sleepers=2)
 
 
 def test_kill_9_of_a_node_agent_ends_the_workers_grandchildren(tmp_path: Path) -> None:
     marker = uuid.uuid4().hex
     coordinator = subprocess.Popen(
-        [sys.executable, "-m", "unbroken", "coordinator", "--replicas", "1", "--port", "0",
-         "--state-dir", str(tmp_path / "state")],
-        env=python_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "unbroken",
+            "coordinator",
+            "--replicas",
+            "1",
+            "--port",
+            "0",
+            "--state-dir",
+            str(tmp_path / "state"),
+        ],
+        env=python_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         assert coordinator.stderr is not None
         line = coordinator.stderr.readline().decode()
         assert line.startswith("coordinator listening on "), line
         address = line.split()[-1]
         agent = subprocess.Popen(
-            [sys.executable, "-m", "unbroken", "agent", "--coordinator", address, "--node", "n0",
-             "--run-dir", str(tmp_path / "run"), "--", *WORKER],
-            env={**python_env(), "UNBROKEN_TEST_MARKER": marker}, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "unbroken",
+                "agent",
+                "--coordinator",
+                address,
+                "--node",
+                "n0",
+                "--run-dir",
+                str(tmp_path / "run"),
+                "--",
+                *WORKER,
+            ],
+            env={**python_env(), "UNBROKEN_TEST_MARKER": marker},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         kill_9_leaves_nothing(agent, marker, sleepers=1)
     finally:
         coordinator.kill()

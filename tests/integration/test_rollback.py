@@ -19,9 +19,17 @@ def test_nan_gradients_roll_the_whole_job_back_to_the_last_good_checkpoint(tmp_p
     # Replica 1's NaN gradient at step 25 is averaged into every replica: no replica's state is
     # good any more, so restarting one (or skipping a step) cannot help; the checkpoint of step 20 can.
     ckpt = tmp_path / "ckpt"
-    extra = ["--checkpoint-dir", str(ckpt), "--anomaly-policy", "nonfinite_loss=rollback,nonfinite_grad=rollback",
-             "--fault", "nan_loss:replica=1,step=25,poison_grads=true"]
-    with Job(tmp_path / "run", replicas=3, steps=45, extra=extra, train_args=PACE + ["--checkpoint-every", "10"]) as job:
+    extra = [
+        "--checkpoint-dir",
+        str(ckpt),
+        "--anomaly-policy",
+        "nonfinite_loss=rollback,nonfinite_grad=rollback",
+        "--fault",
+        "nan_loss:replica=1,step=25,poison_grads=true",
+    ]
+    with Job(
+        tmp_path / "run", replicas=3, steps=45, extra=extra, train_args=PACE + ["--checkpoint-every", "10"]
+    ) as job:
         assert job.wait(150) == 0
     rollbacks = job.events("rollback")
     assert [(e["step"], e["anomaly_step"]) for e in rollbacks] == [(20, 25)], rollbacks
@@ -73,10 +81,17 @@ def test_a_rollback_target_that_does_not_load_gives_way_to_the_next_older(tmp_pa
     import time
 
     ckpt = tmp_path / "ckpt"
-    extra = ["--checkpoint-dir", str(ckpt), "--anomaly-policy", "nonfinite_loss=rollback,nonfinite_grad=rollback",
-             "--fault", "nan_loss:replica=1,step=19,poison_grads=true"]
-    with Job(tmp_path / "run", replicas=2, steps=25, extra=extra,
-             train_args=["--pace-s", "0.2", "--checkpoint-every", "5"]) as job:
+    extra = [
+        "--checkpoint-dir",
+        str(ckpt),
+        "--anomaly-policy",
+        "nonfinite_loss=rollback,nonfinite_grad=rollback",
+        "--fault",
+        "nan_loss:replica=1,step=19,poison_grads=true",
+    ]
+    with Job(
+        tmp_path / "run", replicas=2, steps=25, extra=extra, train_args=["--pace-s", "0.2", "--checkpoint-every", "5"]
+    ) as job:
         deadline = time.monotonic() + 120
         while 15 not in complete_steps(str(ckpt)):
             assert time.monotonic() < deadline and job.proc.poll() is None, "step 15 was never saved"
@@ -90,7 +105,7 @@ def test_a_rollback_target_that_does_not_load_gives_way_to_the_next_older(tmp_pa
         damaged_before_verdict = not job.events("rollback")
         assert job.wait(150) == 0
     assert damaged_before_verdict, "the verdict came before the damage: the test proved nothing"
-    rollback, = job.events("rollback")
+    (rollback,) = job.events("rollback")
     assert rollback["step"] == 10 and "step 15" in rollback["skipped"][0], rollback
     restarted = {e["pid"] for e in job.events("process_started") if e.get("resume_step") == 10}
     for r in (0, 1):

@@ -24,9 +24,14 @@ COLD_START_S = 4.0
 
 def test_crash_of_one_rank_in_a_sharded_replica(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    with Job(run_dir, replicas=2, steps=STEPS, script=WORKER,
-             extra=["--ranks-per-replica", "2", "--min-replicas", "1"],
-             train_args=["--pace-s", "0.2", "--restarted-first-step-s", str(COLD_START_S)]) as job:
+    with Job(
+        run_dir,
+        replicas=2,
+        steps=STEPS,
+        script=WORKER,
+        extra=["--ranks-per-replica", "2", "--min-replicas", "1"],
+        train_args=["--pace-s", "0.2", "--restarted-first-step-s", str(COLD_START_S)],
+    ) as job:
         job.wait_for_step(1, 10)
         victim = [e["pid"] for e in job.events("process_started") if e["replica"] == 1 and e["rank"] == 1][-1]
         os.kill(victim, signal.SIGKILL)

@@ -23,16 +23,33 @@ pytestmark = pytest.mark.integration
 
 FAIL = "import sys; sys.exit(3)"
 # Fails on slot local-1, works (sleeps, then finishes) anywhere else.
-FAIL_ON_LOCAL_1 = ("import os, sys, time; sys.exit(5) if os.environ['UNBROKEN_NODE'] == 'local-1' "
-                   "else time.sleep(float(os.environ.get('SLEEP', '30')))")
+FAIL_ON_LOCAL_1 = (
+    "import os, sys, time; sys.exit(5) if os.environ['UNBROKEN_NODE'] == 'local-1' "
+    "else time.sleep(float(os.environ.get('SLEEP', '30')))"
+)
 
 
-def launch(run_dir: Path, worker: str, *flags: str, replicas: int = 2, env: dict[str, str] | None = None
-           ) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "unbroken", "run", "--replicas", str(replicas), "--run-dir", str(run_dir), *flags,
-           "--", sys.executable, "-c", worker]
-    return subprocess.Popen(cmd, env={**python_env(), **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True)
+def launch(
+    run_dir: Path, worker: str, *flags: str, replicas: int = 2, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "unbroken",
+        "run",
+        "--replicas",
+        str(replicas),
+        "--run-dir",
+        str(run_dir),
+        *flags,
+        "--",
+        sys.executable,
+        "-c",
+        worker,
+    ]
+    return subprocess.Popen(
+        cmd, env={**python_env(), **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
 
 
 def finish(p: subprocess.Popen[bytes], timeout: float = 60) -> tuple[int, str]:
@@ -84,8 +101,21 @@ def test_restart_limit_gives_a_replica_up(tmp_path: Path) -> None:
 
 def test_blamed_node_is_isolated_replica_moves_to_spare_and_node_is_readmitted(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    p = launch(run_dir, FAIL_ON_LOCAL_1, "--spares", "1", "--blame-threshold", "2", "--backoff", "0.05",
-               "--readmit-after", "0.5", "--crash-loop-restarts", "99", env={"SLEEP": "40"})
+    p = launch(
+        run_dir,
+        FAIL_ON_LOCAL_1,
+        "--spares",
+        "1",
+        "--blame-threshold",
+        "2",
+        "--backoff",
+        "0.05",
+        "--readmit-after",
+        "0.5",
+        "--crash-loop-restarts",
+        "99",
+        env={"SLEEP": "40"},
+    )
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and not events(run_dir, "node_readmitted"):
@@ -108,8 +138,10 @@ def test_blamed_node_is_isolated_replica_moves_to_spare_and_node_is_readmitted(t
 def test_ctrl_c_leaves_no_process_behind(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     pidfile = tmp_path / "grandchildren"
-    worker = (f"import subprocess, time; p = subprocess.Popen(['sleep', '300']); "
-              f"open({str(pidfile)!r}, 'a').write(f'{{p.pid}}\\n'); time.sleep(300)")
+    worker = (
+        f"import subprocess, time; p = subprocess.Popen(['sleep', '300']); "
+        f"open({str(pidfile)!r}, 'a').write(f'{{p.pid}}\\n'); time.sleep(300)"
+    )
     p = launch(run_dir, worker, replicas=3)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(pidfile.read_text().split() if pidfile.exists() else []) < 3:
@@ -125,14 +157,17 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path: Path) -> None:
     assert left == [], f"orphans left: {left}"
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--fault", "crash:replica=5,step=1"], "replica 5 is out of range"),
-    (["--fault", "explode:replica=0,step=1"], "unknown fault kind 'explode'"),
-    (["--fault", "crash:replica=0"], "exactly one trigger"),
-    (["--spares", "-1"], "--spares must be >= 0"),
-    (["--backoff", "-1"], "backoff_initial_s=-1"),
-    (["--on-verdict", "explode"], "'explode' is not one of"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--fault", "crash:replica=5,step=1"], "replica 5 is out of range"),
+        (["--fault", "explode:replica=0,step=1"], "unknown fault kind 'explode'"),
+        (["--fault", "crash:replica=0"], "exactly one trigger"),
+        (["--spares", "-1"], "--spares must be >= 0"),
+        (["--backoff", "-1"], "backoff_initial_s=-1"),
+        (["--on-verdict", "explode"], "'explode' is not one of"),
+    ],
+)
 def test_bad_arguments_are_clear_errors(args: list[str], message: str) -> None:
     result = CliRunner().invoke(main, ["run", "--replicas", "3", *args, "--", "python", "x.py"])
     assert result.exit_code == 2
@@ -141,8 +176,9 @@ def test_bad_arguments_are_clear_errors(args: list[str], message: str) -> None:
 
 def test_bad_schedule_file_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "s.yaml").write_text("- {kind: hang, replica: 1, step: 10, duration_s: -2}\n")
-    result = CliRunner().invoke(main, ["run", "--replicas", "3", "--faults-file", str(tmp_path / "s.yaml"),
-                                       "--", "python", "x.py"])
+    result = CliRunner().invoke(
+        main, ["run", "--replicas", "3", "--faults-file", str(tmp_path / "s.yaml"), "--", "python", "x.py"]
+    )
     assert result.exit_code == 2 and "duration_s must be > 0" in result.output
     result = CliRunner().invoke(main, ["demo", "--steps", "100", "--fault", "crash:replica=1,step=150"])
     assert result.exit_code == 2 and "after the last step" in result.output
@@ -151,8 +187,14 @@ def test_bad_schedule_file_is_a_clear_error(tmp_path: Path) -> None:
 def test_status_reads_a_finished_run(tmp_path: Path) -> None:
     p = launch(tmp_path / "run", FAIL, "--max-restarts", "0", "--crash-loop-restarts", "99")
     finish(p)
-    out = subprocess.run([sys.executable, "-m", "unbroken", "status", "--run-dir", str(tmp_path / "run"), "--json"],
-                         env=python_env(), capture_output=True, text=True, timeout=60, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "unbroken", "status", "--run-dir", str(tmp_path / "run"), "--json"],
+        env=python_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     data = json.loads(out.stdout)
     assert [r["state"] for r in data["rows"]] == ["stopped", "stopped"]
     assert data["error"] and "unreachable" in data["error"]  # the job is over: its coordinator is gone

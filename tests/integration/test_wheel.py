@@ -39,12 +39,32 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dic
         shutil.copy2(ROOT / name, src / name)
     shutil.copytree(ROOT / "unbroken", src / "unbroken", ignore=shutil.ignore_patterns("__pycache__"))
     dist = tmp / "dist"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-                    "-w", str(dist), str(src)], check=True, cwd=tmp, timeout=180)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            str(dist),
+            str(src),
+        ],
+        check=True,
+        cwd=tmp,
+        timeout=180,
+    )
     (wheel,) = dist.glob("unbroken-*.whl")
     target = tmp / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(target),
-                    str(wheel)], check=True, cwd=tmp, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
+        check=True,
+        cwd=tmp,
+        timeout=120,
+    )
     blocker = tmp / "no-extras"
     blocker.mkdir()
     (blocker / "sitecustomize.py").write_text(BLOCK_EXTRAS.format(names=EXTRAS))
@@ -52,7 +72,9 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dic
     return wheel, target, env
 
 
-def test_wheel_metadata_names_the_license_and_keeps_extras_optional(installed: tuple[Path, Path, dict[str, str]]) -> None:
+def test_wheel_metadata_names_the_license_and_keeps_extras_optional(
+    installed: tuple[Path, Path, dict[str, str]],
+) -> None:
     wheel, _, _ = installed
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
@@ -68,27 +90,53 @@ def test_wheel_metadata_names_the_license_and_keeps_extras_optional(installed: t
 
 def test_installed_wheel_runs_a_short_demo(installed: tuple[Path, Path, dict[str, str]], tmp_path: Path) -> None:
     _, target, env = installed
-    where = subprocess.run([sys.executable, "-c", "import unbroken.examples.gpt.train as t; print(t.__file__)"],
-                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    where = subprocess.run(
+        [sys.executable, "-c", "import unbroken.examples.gpt.train as t; print(t.__file__)"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert where.returncode == 0, where.stderr
     assert Path(where.stdout.strip()).is_relative_to(target)  # the installed copy, not the checkout
 
     unbroken = [str(target / "bin" / "unbroken")]  # the console script the wheel installs
-    helped = subprocess.run(unbroken + ["demo", "--help"], env=env, cwd=tmp_path, capture_output=True, text=True,
-                            timeout=60)
+    helped = subprocess.run(
+        unbroken + ["demo", "--help"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
     assert helped.returncode == 0 and "Usage:" in helped.stdout, helped.stderr
 
     # A command that needs an extra says which one, instead of a ModuleNotFoundError.
-    plan = subprocess.run(unbroken + ["plan", "--help"], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=60)
+    plan = subprocess.run(
+        unbroken + ["plan", "--help"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
     assert plan.returncode == 1 and "pip install 'unbroken[plan]'" in plan.stderr, plan.stderr
 
     # The shortest demo with a fault. Verdicts only log: this is about the package, and a false
     # hang verdict at start-up on a loaded machine would add a restart (the crash is seen by its exit).
     run_dir = tmp_path / "demo"
-    proc = subprocess.Popen(unbroken + ["demo", "--steps", "20", "--fault", "crash:replica=1,step=6", "--on-verdict",
-                                        "ignore", "--run-dir", str(run_dir), "--json"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        unbroken
+        + [
+            "demo",
+            "--steps",
+            "20",
+            "--fault",
+            "crash:replica=1,step=6",
+            "--on-verdict",
+            "ignore",
+            "--run-dir",
+            str(run_dir),
+            "--json",
+        ],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=180)
     finally:

@@ -36,7 +36,7 @@ def test_parallel_checksums_match_one_pass(algorithm: str) -> None:
 def test_many_small_ranges_grouped_into_few_jobs_keep_their_own_checksums() -> None:
     data = memoryview(os.urandom(checksum.PIECE + 5000))
     bounds = list(range(0, 4000, 37)) + [4000, 4000, checksum.PIECE + 4000, len(data)]
-    ranges = list(zip(bounds, bounds[1:]))
+    ranges = list(zip(bounds, bounds[1:], strict=False))
     with ThreadPoolExecutor(2) as pool:
         pending = checksum.start(data, ranges, pool)
         got = checksum.finish(pending)
@@ -54,8 +54,13 @@ def test_unknown_algorithm_is_refused_and_old_manifests_mean_crc32() -> None:
 
 
 def test_read_plan_covers_every_byte_once_merging_small_and_splitting_big() -> None:
-    targets = [Target(0, 3, None), Target(3, 10, None), Target(10, 10, None), Target(10, 30, None),
-               Target(40, 41, None)]
+    targets = [
+        Target(0, 3, None),
+        Target(3, 10, None),
+        Target(10, 10, None),
+        Target(10, 30, None),
+        Target(40, 41, None),
+    ]
     chunks = plan_chunks(targets, size=8)
     assert all(c.hi - c.lo <= 8 for c in chunks)
     assert chunks[0].parts == ((0, 0, 3), (1, 3, 8))  # two small neighbours share a read

@@ -19,8 +19,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlan
 
-from unbroken.checkpoint import DCPReader, DCPWriter
-from unbroken.checkpoint import dcp_layout
+from unbroken.checkpoint import DCPReader, DCPWriter, dcp_layout
 from unbroken.checkpoint.disk import CorruptCheckpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -28,14 +27,21 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 def state(seed: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
-    return {"model": {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g).to(torch.bfloat16),
-                      "view": torch.randn(16, 16, generator=g)[4:8]},
-            "extra": {"step": seed, "name": f"run-{seed}"}}
+    return {
+        "model": {
+            "w": torch.randn(64, 32, generator=g),
+            "b": torch.randn(32, generator=g).to(torch.bfloat16),
+            "view": torch.randn(16, 16, generator=g)[4:8],
+        },
+        "extra": {"step": seed, "name": f"run-{seed}"},
+    }
 
 
 def blank() -> dict[str, Any]:
-    return {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32, dtype=torch.bfloat16),
-                      "view": torch.zeros(4, 16)}, "extra": {"step": -1, "name": ""}}
+    return {
+        "model": {"w": torch.zeros(64, 32), "b": torch.zeros(32, dtype=torch.bfloat16), "view": torch.zeros(4, 16)},
+        "extra": {"step": -1, "name": ""},
+    }
 
 
 def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
@@ -101,8 +107,9 @@ def test_a_flipped_byte_is_an_error_naming_the_file(tmp_path: Path, victim: str)
         dcp_layout.verify(tmp_path)
 
 
-def test_a_save_that_fails_mid_write_leaves_latest_on_the_last_good_step(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_save_that_fails_mid_write_leaves_latest_on_the_last_good_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     dcp.save(state(6), storage_writer=DCPWriter(tmp_path, step=6))
     real_save = torch.save
 
@@ -155,8 +162,9 @@ KILLED_SAVES = textwrap.dedent("""
 
 def test_kill_9_mid_save_never_leaves_latest_on_a_half_checkpoint(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", KILLED_SAVES, str(tmp_path)], env=env,
-                          capture_output=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", KILLED_SAVES, str(tmp_path)], env=env, capture_output=True, timeout=120
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     half = [p for p in tmp_path.glob(".step-00000002.tmp-*/__0_0.distcp")]
     assert half and half[0].stat().st_size > 4096  # really killed mid-write, and ignored

@@ -27,11 +27,14 @@ def test_layout_is_contiguous_and_aligned() -> None:
     assert offset == 16 + 10 + 3
 
 
-@pytest.mark.parametrize("bad, message", [
-    ([spec("a", "float32", (1,)), spec("a", "int8", (1,))], "unique"),
-    ([spec("a", "complex64", (1,))], "cannot be checkpointed"),
-    ([TensorSpec("a", "float32", (4,), (6,), (3,))], "outside global shape"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ([spec("a", "float32", (1,)), spec("a", "int8", (1,))], "unique"),
+        ([spec("a", "complex64", (1,))], "cannot be checkpointed"),
+        ([TensorSpec("a", "float32", (4,), (6,), (3,))], "outside global shape"),
+    ],
+)
 def test_layout_rejects_bad_specs(bad: list[TensorSpec], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         layout(bad)
@@ -61,8 +64,12 @@ def test_manifest_round_trip_and_damage() -> None:
 
 
 def test_flatten_round_trip_keeps_structure_and_objects() -> None:
-    state = {"model": {"w": torch.ones(2)}, "opt": [torch.zeros(1), {"lr": 0.1}],
-             "shard": Shard(torch.ones(2, 2), (4, 2), (2, 0)), "pos": (3, "x")}
+    state = {
+        "model": {"w": torch.ones(2)},
+        "opt": [torch.zeros(1), {"lr": 0.1}],
+        "shard": Shard(torch.ones(2, 2), (4, 2), (2, 0)),
+        "pos": (3, "x"),
+    }
     tensors, skeleton = flatten(state)
     assert set(tensors) == {"model/w", "opt/0", "shard"}
     assert tensors["shard"][1].global_offset == (2, 0)
@@ -85,9 +92,9 @@ def test_reshard_plan_recuts_two_pieces_into_three() -> None:
         out = torch.empty(2, 4)
         copies = reshard.plan(pieces, (2 * want, 0), (2, 4))
         for c in copies:
-            src = global_t[3 * c.key: 3 * c.key + 3] if c.key != 9 else global_t[0:3]
+            src = global_t[3 * c.key : 3 * c.key + 3] if c.key != 9 else global_t[0:3]
             out[c.dst] = src[c.src]
-        assert torch.equal(out, global_t[2 * want: 2 * want + 2])
+        assert torch.equal(out, global_t[2 * want : 2 * want + 2])
 
 
 def test_reshard_plan_reports_a_missing_shard() -> None:

@@ -74,16 +74,19 @@ def manifest_json(**tensor_fields: Any) -> str:
     return json.dumps(raw)
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"shape": [-1, -8], "global_shape": [-1, -8]}, "negative or out of bounds"),
-    ({"shape": [4, 2], "global_offset": [-1, 0]}, "negative or out of bounds"),
-    ({"shape": [4, 2.5]}, "not a list of integers"),
-    ({"shape": [4], "global_shape": [4, 2]}, "differ in rank"),
-    ({"begin": -32, "end": 0}, "out of range"),
-    ({"global_shape": [2**40, 2**40], "shape": [4, 2]}, "implausibly large"),
-    ({"crc32": 2**40}, "32-bit"),
-    ({"dtype": ["float32"]}, "not a name"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"shape": [-1, -8], "global_shape": [-1, -8]}, "negative or out of bounds"),
+        ({"shape": [4, 2], "global_offset": [-1, 0]}, "negative or out of bounds"),
+        ({"shape": [4, 2.5]}, "not a list of integers"),
+        ({"shape": [4], "global_shape": [4, 2]}, "differ in rank"),
+        ({"begin": -32, "end": 0}, "out of range"),
+        ({"global_shape": [2**40, 2**40], "shape": [4, 2]}, "implausibly large"),
+        ({"crc32": 2**40}, "32-bit"),
+        ({"dtype": ["float32"]}, "not a name"),
+    ],
+)
 def test_manifest_validation_rejects_impossible_layouts(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ShardManifest.from_json(manifest_json(**fields))
@@ -121,7 +124,9 @@ def test_any_load_error_of_one_checkpoint_falls_back(root: str, monkeypatch: pyt
         load(root, at_most=0)
 
 
-def test_a_crash_between_the_renames_of_a_resave_keeps_the_old_shard(root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_crash_between_the_renames_of_a_resave_keeps_the_old_shard(
+    root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     save(root, 1)
     save(root, 5)
     real_rename = os.rename

@@ -35,13 +35,17 @@ def test_require_rejects_a_module_its_extra_does_not_install() -> None:
         require("networkx", "report", "this")
 
 
-@pytest.mark.parametrize(("command", "module", "extra"), [
-    (["plan", "--topology", "x.yaml", "--jobs", "y.yaml"], "networkx", "plan"),
-    (["simulate", "goodput", "--help"], "scipy", "sim"),
-    (["bench", "planner", "--help"], "networkx", "plan"),
-])
-def test_a_command_without_its_extra_says_what_to_install(monkeypatch: pytest.MonkeyPatch, command: list[str],
-                                                          module: str, extra: str) -> None:
+@pytest.mark.parametrize(
+    ("command", "module", "extra"),
+    [
+        (["plan", "--topology", "x.yaml", "--jobs", "y.yaml"], "networkx", "plan"),
+        (["simulate", "goodput", "--help"], "scipy", "sim"),
+        (["bench", "planner", "--help"], "networkx", "plan"),
+    ],
+)
+def test_a_command_without_its_extra_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, command: list[str], module: str, extra: str
+) -> None:
     _without(monkeypatch, module, "unbroken.network", "unbroken.sim", "unbroken.bench")
     result = CliRunner().invoke(main, command)
     assert result.exit_code == 1, result.output

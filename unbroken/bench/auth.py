@@ -30,9 +30,16 @@ from unbroken.wire.auth import JobSecret, _session, client_handshake, server_han
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "gpt" / "train.py"
 # A typical quorum answer: the longest line on the step's path.
-LINE = json.dumps({"op": "quorum", "id": 1234, "decision": {"epoch": 17, "step": 4242, "members": [0, 1, 2],
-                   "behind": [], "donors": []}, "transfer_addrs": {"0": "127.0.0.1:40001", "1": "127.0.0.1:40002",
-                   "2": "127.0.0.1:40003"}, "store": "127.0.0.1:40000"}, separators=(",", ":")).encode()
+LINE = json.dumps(
+    {
+        "op": "quorum",
+        "id": 1234,
+        "decision": {"epoch": 17, "step": 4242, "members": [0, 1, 2], "behind": [], "donors": []},
+        "transfer_addrs": {"0": "127.0.0.1:40001", "1": "127.0.0.1:40002", "2": "127.0.0.1:40003"},
+        "store": "127.0.0.1:40000",
+    },
+    separators=(",", ":"),
+).encode()
 
 
 def mac_cost_s(n: int = 20000) -> float:
@@ -58,7 +65,9 @@ def handshake_cost_s(n: int = 200) -> float:
         with a, b:
             box: dict[str, Any] = {}
             t0 = time.perf_counter()
-            server = threading.Thread(target=lambda: box.update(s=server_handshake(a, secret, "coordinator")))
+            server = threading.Thread(
+                target=lambda box=box, a=a: box.update(s=server_handshake(a, secret, "coordinator"))
+            )
             server.start()
             client_handshake(b, secret, "coordinator")
             server.join()
@@ -70,18 +79,32 @@ def run_job(run_dir: Path, steps: int, replicas: int) -> dict[str, Any]:
     """Runs the example GPT under ``unbroken run`` (in this process) and counts control lines."""
     from unbroken.launch.launcher import Launcher, LaunchSettings
 
-    launcher = Launcher(LaunchSettings(command=(sys.executable, str(TRAIN), "--steps", str(steps)),
-                                       replicas=replicas, run_dir=run_dir, warm_spare=False))
+    launcher = Launcher(
+        LaunchSettings(
+            command=(sys.executable, str(TRAIN), "--steps", str(steps)),
+            replicas=replicas,
+            run_dir=run_dir,
+            warm_spare=False,
+        )
+    )
     code = asyncio.run(launcher.run())
     if code != 0:
         raise click.ClickException(f"the example job failed (exit code {code}); see {run_dir}/logs")
     assert launcher.coordinator is not None
-    rows = [json.loads(line) for r in range(replicas)
-            for line in (run_dir / f"metrics-r{r}.jsonl").read_text().splitlines() if line.strip()]
+    rows = [
+        json.loads(line)
+        for r in range(replicas)
+        for line in (run_dir / f"metrics-r{r}.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     step_s = statistics.median(row["step_s"] for row in rows if row["committed"] and row["step"] >= 3)
     lines = launcher.coordinator.lines_in + launcher.coordinator.lines_out
-    return {"step_s": step_s, "control_lines": lines, "replica_steps": len(rows),
-            "lines_per_step": lines / max(1, len(rows))}
+    return {
+        "step_s": step_s,
+        "control_lines": lines,
+        "replica_steps": len(rows),
+        "lines_per_step": lines / max(1, len(rows)),
+    }
 
 
 @click.command()
@@ -110,13 +133,19 @@ def auth(steps: int, replicas: int, run_dir: Path, as_json: bool, out: Path) -> 
         "ratio": per_step_s / job["step_s"],
         "ratio_with_handshake": (per_step_s + handshake_s / max(1, steps)) / job["step_s"],
         "target_ratio": 0.01,
-        "steps": steps, "replicas": replicas, "control_lines": job["control_lines"],
+        "steps": steps,
+        "replicas": replicas,
+        "control_lines": job["control_lines"],
     }
     path = publish(result, out, as_json)
     if not as_json:
-        click.echo(f"example GPT step: {result['step_s'] * 1e3:.2f} ms; control lines per replica-step: "
-                   f"{result['control_lines_per_step']}; seal+open per line: {result['mac_seal_open_us']} us; "
-                   f"handshake: {result['handshake_us']} us")
-        click.echo(f"auth per step: {result['auth_per_step_us']} us = {result['ratio'] * 100:.4f}% of the step "
-                   f"(with one handshake per run: {result['ratio_with_handshake'] * 100:.4f}%; target < 1%)")
+        click.echo(
+            f"example GPT step: {result['step_s'] * 1e3:.2f} ms; control lines per replica-step: "
+            f"{result['control_lines_per_step']}; seal+open per line: {result['mac_seal_open_us']} us; "
+            f"handshake: {result['handshake_us']} us"
+        )
+        click.echo(
+            f"auth per step: {result['auth_per_step_us']} us = {result['ratio'] * 100:.4f}% of the step "
+            f"(with one handshake per run: {result['ratio_with_handshake'] * 100:.4f}%; target < 1%)"
+        )
         click.echo(f"written to {path}", err=True)

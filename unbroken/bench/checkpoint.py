@@ -24,13 +24,16 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import click
 import torch
 
 from unbroken.bench.output import publish
 from unbroken.checkpoint.disk import fsync_dir
+
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
@@ -95,7 +98,7 @@ def write_fsync(nbytes: int, directory: str) -> float:
     with open(path, "wb") as f:
         view = memoryview(buf)
         for i in range(0, len(view), 32 << 20):
-            f.write(view[i:i + (32 << 20)])
+            f.write(view[i : i + (32 << 20)])
         f.flush()
         os.fsync(f.fileno())
     fsync_dir(directory)
@@ -126,7 +129,7 @@ def drop_cache(root: str) -> None:
 
 
 def _copy_tree_into(dst: Any, src: Any) -> None:
-    for d, s in zip(_tensors(dst), _tensors(src)):
+    for d, s in zip(_tensors(dst), _tensors(src), strict=False):
         d.copy_(s)
 
 
@@ -142,6 +145,7 @@ class System:
     def restore_disk(self, state: dict[str, Any]) -> None: ...
     def restore_memory(self, state: dict[str, Any]) -> None | bool:
         return False
+
     def close(self) -> None: ...
 
 
@@ -167,16 +171,21 @@ class TorchSave(System):
 class Dcp(System):
     def __init__(self, root: str, mode: str) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
         self.dcp, self.root, self.mode, self.path = dcp, root, mode, ""
         self.kind = AsyncCheckpointerType.PROCESS
         # Fastest CPU mode in torch 2.13: a checkpoint process fed from shared memory, with a
         # stager that keeps and reuses its staging buffers across saves.
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
-                                                   use_shared_memory=True, use_async_staging=False,
-                                                   use_non_blocking_copy=False))
+        self.stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=torch.cuda.is_available(),
+                use_shared_memory=True,
+                use_async_staging=False,
+                use_non_blocking_copy=False,
+            )
+        )
         self.future: Any = None
 
     def save(self, step: int, state: dict[str, Any]) -> None:
@@ -187,8 +196,9 @@ class Dcp(System):
         if self.mode == "sync":
             self.dcp.save(state, checkpoint_id=self.path)
         else:
-            self.future = self.dcp.async_save(state, checkpoint_id=self.path, async_stager=self.stager,
-                                              async_checkpointer_type=self.kind)
+            self.future = self.dcp.async_save(
+                state, checkpoint_id=self.path, async_stager=self.stager, async_checkpointer_type=self.kind
+            )
 
     def wait(self) -> None:
         if self.future is not None:
@@ -268,7 +278,7 @@ def measure_round(system: System, trainer: Trainer, step: int) -> dict[str, Any]
     return out
 
 
-def every_step(steps: int, make: Callable[[], System] | None, trainer: Any) -> tuple[float, int]:
+def every_step(steps: int, make: Callable[[], Unbroken] | None, trainer: Any) -> tuple[float, int]:
     """Seconds for ``steps`` training steps, checkpointing every step if ``make`` is given;
     also how many snapshots were replaced by a newer one before reaching the disk."""
     system = make() if make else None
@@ -287,7 +297,7 @@ def every_step(steps: int, make: Callable[[], System] | None, trainer: Any) -> t
     took = time.perf_counter() - started
     skipped = 0
     if system is not None:
-        skipped = getattr(system, "ck").coalesced
+        skipped = system.ck.coalesced
         system.close()
     return took, skipped
 
@@ -319,8 +329,12 @@ class GptTrainer:
         self.opt.step()
 
     def state(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optim": self.opt.state_dict(),
-                "rng": torch.get_rng_state(), "step": self.i}
+        return {
+            "model": self.model.state_dict(),
+            "optim": self.opt.state_dict(),
+            "rng": torch.get_rng_state(),
+            "step": self.i,
+        }
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in _tensors(self.state()))
@@ -366,16 +380,20 @@ def run(size_mb: int, steps: int, rounds: int, workdir: str, every_step_rounds: 
         for r in range(rounds):
             plain.append(write_fsync(nbytes, workdir))
             _log(f"round {r + 1}/{rounds}: write+fsync {plain[-1]:.3f}s")
-            for name in names[r % len(names):] + names[:r % len(names)]:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 per_round[name].append(measure_round(live[name], trainer, 10 * (r + 1)))
                 _log(f"  {name}: " + ", ".join(f"{k} {v:.4f}" for k, v in per_round[name][-1].items()))
         systems = {}
         for name, rows in per_round.items():
             systems[name] = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
             systems[name]["rounds"] = rows
-        result: dict[str, Any] = {"size_mb": round(nbytes / 2**20), "rounds": rounds,
-                                  "write_fsync_s": statistics.median(plain), "write_fsync_rounds_s": plain,
-                                  "systems": systems}
+        result: dict[str, Any] = {
+            "size_mb": round(nbytes / 2**20),
+            "rounds": rounds,
+            "write_fsync_s": statistics.median(plain),
+            "write_fsync_rounds_s": plain,
+            "systems": systems,
+        }
     finally:
         for system in live.values():
             system.close()
@@ -409,26 +427,28 @@ def every_step_runs(steps: int, rounds: int, workdir: str) -> dict[str, Any]:
             base.append(plain_s)
         for name, options in variants.items():
             shutil.rmtree(root, ignore_errors=True)
-            ck_s, n = every_step(steps, lambda: Unbroken(root, overlap=True, **options), trainer)
+            ck_s, n = every_step(steps, partial(Unbroken, root, overlap=True, **options), trainer)
             if r:
                 ckpt[name].append(ck_s)
                 skipped[name].append(n)
             line += f"; {ck_s / steps * 1e3:.1f} with {name} ({n} coalesced)"
         _log(line)
-    ratios = {name: [c / b - 1 for b, c in zip(base, runs)] for name, runs in ckpt.items()}
-    out.update({
-        "every_step_steps": steps,
-        "every_step_persist_interval_s": DEFAULT_PERSIST_INTERVAL_S,
-        "every_step_base_step_s": statistics.median(base) / steps,
-        "every_step_ckpt_step_s": statistics.median(ckpt["default"]) / steps,
-        "every_step_slowdown": statistics.median(ratios["default"]),
-        "every_step_slowdown_rounds": ratios["default"],
-        "every_step_coalesced": skipped["default"],
-        "every_step_disk_every_chance_step_s": statistics.median(ckpt["disk_every_chance"]) / steps,
-        "every_step_disk_every_chance_slowdown": statistics.median(ratios["disk_every_chance"]),
-        "every_step_disk_every_chance_slowdown_rounds": ratios["disk_every_chance"],
-        "every_step_disk_every_chance_coalesced": skipped["disk_every_chance"],
-    })
+    ratios = {name: [c / b - 1 for b, c in zip(base, runs, strict=False)] for name, runs in ckpt.items()}
+    out.update(
+        {
+            "every_step_steps": steps,
+            "every_step_persist_interval_s": DEFAULT_PERSIST_INTERVAL_S,
+            "every_step_base_step_s": statistics.median(base) / steps,
+            "every_step_ckpt_step_s": statistics.median(ckpt["default"]) / steps,
+            "every_step_slowdown": statistics.median(ratios["default"]),
+            "every_step_slowdown_rounds": ratios["default"],
+            "every_step_coalesced": skipped["default"],
+            "every_step_disk_every_chance_step_s": statistics.median(ckpt["disk_every_chance"]) / steps,
+            "every_step_disk_every_chance_slowdown": statistics.median(ratios["disk_every_chance"]),
+            "every_step_disk_every_chance_slowdown_rounds": ratios["disk_every_chance"],
+            "every_step_disk_every_chance_coalesced": skipped["disk_every_chance"],
+        }
+    )
     return out
 
 
@@ -443,31 +463,59 @@ def _targets(r: dict[str, Any], per_round: dict[str, list[dict[str, Any]]], plai
         return {**_stats(values), "rounds": values}
 
     return {
-        "stall_vs_dcp_async": ratio([u["stall_s"] / d["stall_s"] for u, d in zip(ub, da)]),
+        "stall_vs_dcp_async": ratio([u["stall_s"] / d["stall_s"] for u, d in zip(ub, da, strict=False)]),
         "stall_s_per_gib": ratio([u["stall_s"] / gib for u in ub]),
-        "durable_vs_write_fsync": ratio([p / u["durable_s"] for p, u in zip(plain, ub)]),
+        "durable_vs_write_fsync": ratio([p / u["durable_s"] for p, u in zip(plain, ub, strict=False)]),
         "restore_memory_gb_s": ratio([nbytes / 1e9 / u["restore_memory_s"] for u in ub]),
-        "restore_disk_vs_dcp_load": ratio([d["restore_disk_s"] / u["restore_disk_s"] for u, d in zip(ub, dcp)]),
+        "restore_disk_vs_dcp_load": ratio(
+            [d["restore_disk_s"] / u["restore_disk_s"] for u, d in zip(ub, dcp, strict=False)]
+        ),
         "every_step_slowdown": ratio(r["every_step_slowdown_rounds"]),
     }
 
 
 @click.command()
-@click.option("--size-mb", type=click.IntRange(min=8), default=1024, show_default=True,
-              help="Size of the checkpointed state (an MLP plus its Adam state).")
-@click.option("--steps", type=click.IntRange(min=5), default=100, show_default=True,
-              help="Training steps in each every-step run.")
-@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Rounds in which every system is measured once, in turn.")
-@click.option("--every-step-rounds", type=click.IntRange(min=1), default=5, show_default=True,
-              help="Rounds of the every-step runs (one without checkpoints, then each variant with).")
-@click.option("--workdir", type=click.Path(file_okay=False), default=None,
-              help="Where checkpoints are written (default: a temporary directory under runs/).")
+@click.option(
+    "--size-mb",
+    type=click.IntRange(min=8),
+    default=1024,
+    show_default=True,
+    help="Size of the checkpointed state (an MLP plus its Adam state).",
+)
+@click.option(
+    "--steps", type=click.IntRange(min=5), default=100, show_default=True, help="Training steps in each every-step run."
+)
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Rounds in which every system is measured once, in turn.",
+)
+@click.option(
+    "--every-step-rounds",
+    type=click.IntRange(min=1),
+    default=5,
+    show_default=True,
+    help="Rounds of the every-step runs (one without checkpoints, then each variant with).",
+)
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Where checkpoints are written (default: a temporary directory under runs/).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
-@click.option("--out", type=click.Path(dir_okay=False), default="runs/bench/checkpoint.json",
-              show_default=True, help="Where the JSON is also written.")
-def checkpoint(size_mb: int, steps: int, rounds: int, every_step_rounds: int, workdir: str | None,
-               as_json: bool, out: str) -> None:
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False),
+    default="runs/bench/checkpoint.json",
+    show_default=True,
+    help="Where the JSON is also written.",
+)
+def checkpoint(
+    size_mb: int, steps: int, rounds: int, every_step_rounds: int, workdir: str | None, as_json: bool, out: str
+) -> None:
     """Stall, durable time and restores of four checkpointers on one state; every-step cost."""
     os.makedirs("runs", exist_ok=True)
     work = tempfile.mkdtemp(prefix="bench-checkpoint-", dir=workdir or "runs")
@@ -479,8 +527,10 @@ def checkpoint(size_mb: int, steps: int, rounds: int, every_step_rounds: int, wo
     if not as_json:
         t = result["targets"]
         for name, s in result["systems"].items():
-            click.echo(f"{name:20s} stall {s['stall_s']:.4f}s  durable {s['durable_s']:.3f}s  "
-                       f"restore disk {s['restore_disk_s']:.3f}s  memory {s.get('restore_memory_s', '-')}")
+            click.echo(
+                f"{name:20s} stall {s['stall_s']:.4f}s  durable {s['durable_s']:.3f}s  "
+                f"restore disk {s['restore_disk_s']:.3f}s  memory {s.get('restore_memory_s', '-')}"
+            )
         click.echo(f"write+fsync {result['write_fsync_s']:.3f}s (medians of {result['rounds']} rounds)")
         for k, v in t.items():
             click.echo(f"{k:26s} median {v['median']:.3g}  min {v['min']:.3g}  max {v['max']:.3g}")

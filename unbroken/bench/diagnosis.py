@@ -86,23 +86,69 @@ def _ring(fault: str | None = None) -> tuple[tuple[str, str], ...]:
 AFTER = ONSET + 60  # a fault run's last step; it usually stops well before, at its verdict
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario("crash", "crash", AFTER, (f"crash:replica=1,step={ONSET}",), expect=frozenset({CRASH}), culprit=1),
-    Scenario("hang_noncomm", "hang", AFTER, (f"hang:replica=2,step={ONSET}",),
-             expect=frozenset({NONCOMM_HANG}), culprit=2),
-    Scenario("hang_comm", "link_stall", AFTER, env=_ring(f"0-1:stall:step={ONSET}"),
-             expect=frozenset({COMM_HANG}), culprit=(0, 1), onset_step=ONSET),
-    Scenario("straggler_1.5x", "slow_rank", AFTER, (f"slow_rank:replica=0,factor=1.5,step={ONSET}",),
-             expect=frozenset({STRAGGLER}), culprit=0),
-    Scenario("straggler_3x", "slow_rank", AFTER, (f"slow_rank:replica=1,factor=3,step={ONSET}",),
-             expect=frozenset({STRAGGLER}), culprit=1),
-    Scenario("slow_link", "link_slow", AFTER, env=_ring(f"0-2:mb_s=60:step={ONSET}"),
-             expect=frozenset({COMM_SLOW}), culprit=(0, 2), onset_step=ONSET),
-    Scenario("slow_node", "node_slow", AFTER, env=_ring(f"2:mb_s=60:step={ONSET}"),
-             expect=frozenset({COMM_SLOW}), culprit=2, onset_step=ONSET),
-    Scenario("nan_loss", "nan_loss", AFTER, (f"nan_loss:replica=1,step={ONSET}",),
-             expect=frozenset({METRIC_ANOMALY}), culprit=1),
+    Scenario(
+        "hang_noncomm", "hang", AFTER, (f"hang:replica=2,step={ONSET}",), expect=frozenset({NONCOMM_HANG}), culprit=2
+    ),
+    Scenario(
+        "hang_comm",
+        "link_stall",
+        AFTER,
+        env=_ring(f"0-1:stall:step={ONSET}"),
+        expect=frozenset({COMM_HANG}),
+        culprit=(0, 1),
+        onset_step=ONSET,
+    ),
+    Scenario(
+        "straggler_1.5x",
+        "slow_rank",
+        AFTER,
+        (f"slow_rank:replica=0,factor=1.5,step={ONSET}",),
+        expect=frozenset({STRAGGLER}),
+        culprit=0,
+    ),
+    Scenario(
+        "straggler_3x",
+        "slow_rank",
+        AFTER,
+        (f"slow_rank:replica=1,factor=3,step={ONSET}",),
+        expect=frozenset({STRAGGLER}),
+        culprit=1,
+    ),
+    Scenario(
+        "slow_link",
+        "link_slow",
+        AFTER,
+        env=_ring(f"0-2:mb_s=60:step={ONSET}"),
+        expect=frozenset({COMM_SLOW}),
+        culprit=(0, 2),
+        onset_step=ONSET,
+    ),
+    Scenario(
+        "slow_node",
+        "node_slow",
+        AFTER,
+        env=_ring(f"2:mb_s=60:step={ONSET}"),
+        expect=frozenset({COMM_SLOW}),
+        culprit=2,
+        onset_step=ONSET,
+    ),
+    Scenario(
+        "nan_loss",
+        "nan_loss",
+        AFTER,
+        (f"nan_loss:replica=1,step={ONSET}",),
+        expect=frozenset({METRIC_ANOMALY}),
+        culprit=1,
+    ),
     # One replica 1.3x slower: under the straggler threshold (1.39x), a step-time change point.
-    Scenario("throughput_drop", "slow_rank", AFTER, (f"slow_rank:replica=2,factor=1.3,step={ONSET}",),
-             expect=frozenset({METRIC_ANOMALY, STRAGGLER}), culprit=2),
+    Scenario(
+        "throughput_drop",
+        "slow_rank",
+        AFTER,
+        (f"slow_rank:replica=2,factor=1.3,step={ONSET}",),
+        expect=frozenset({METRIC_ANOMALY, STRAGGLER}),
+        culprit=2,
+    ),
     Scenario("clean", "clean", 400),
     Scenario("clean_busy", "clean", 400, hog=True),
     Scenario("clean_ring", "clean", 300, env=_ring()),
@@ -148,9 +194,18 @@ def score(sc: Scenario, events: Sequence[Row], rows: Sequence[Row]) -> Row:
     found = [(e["t"], d) for e in sorted(events, key=lambda e: e["t"]) if (d := _detection(sc, e)) is not None]
     before = [d for t, d in found if onset is None or t < onset]
     after = [(t, d) for t, d in found if onset is not None and t >= onset]
-    out: Row = {"name": sc.name, "kind": sc.kind, "clean": sc.clean, "detected": None, "culprit_correct": None,
-                "class_correct": None, "detect_s": None, "detect_steps": None,
-                "false_positives": len(before), "steps": max((r["step"] for r in rows), default=-1) + 1}
+    out: Row = {
+        "name": sc.name,
+        "kind": sc.kind,
+        "clean": sc.clean,
+        "detected": None,
+        "culprit_correct": None,
+        "class_correct": None,
+        "detect_s": None,
+        "detect_steps": None,
+        "false_positives": len(before),
+        "steps": max((r["step"] for r in rows), default=-1) + 1,
+    }
     if before:
         out["false_verdicts"] = [{"class": c, "culprit": p} for c, p in before[:5]]
     if sc.clean:
@@ -161,9 +216,13 @@ def score(sc: Scenario, events: Sequence[Row], rows: Sequence[Row]) -> Row:
         return out
     if after:
         t, (cls, culprit) = after[0]
-        out.update(culprit_correct=_matches(culprit, sc.culprit), class_correct=cls in sc.expect,
-                   detect_s=round(t - onset, 3), verdict={"class": cls, "culprit": culprit},
-                   detect_steps=len({r["step"] for r in rows if onset < r["t"] <= t}))
+        out.update(
+            culprit_correct=_matches(culprit, sc.culprit),
+            class_correct=cls in sc.expect,
+            detect_s=round(t - onset, 3),
+            verdict={"class": cls, "culprit": culprit},
+            detect_steps=len({r["step"] for r in rows if onset < r["t"] <= t}),
+        )
     return out
 
 
@@ -213,8 +272,12 @@ async def _watch(launcher: Launcher, sc: Scenario, run_dir: Path, grace_s: float
                 continue
             events = list(read_events(run_dir / "events.jsonl"))
             onset = onset_time(sc, events, _rows(run_dir)) if sc.onset_step is not None else None
-            hit = any(_detection(sc, e) for e in events if e["kind"] in ("verdict", "process_exited")
-                      and (sc.onset_step is None or (onset is not None and e["t"] >= onset)))
+            hit = any(
+                _detection(sc, e)
+                for e in events
+                if e["kind"] in ("verdict", "process_exited")
+                and (sc.onset_step is None or (onset is not None and e["t"] >= onset))
+            )
             if hit:
                 await asyncio.sleep(grace_s)
                 break
@@ -225,11 +288,19 @@ async def _watch(launcher: Launcher, sc: Scenario, run_dir: Path, grace_s: float
             hog.wait()
 
 
-async def _run(sc: Scenario, run_dir: Path, recorder: bool = True, limit_s: float = 240.0) -> tuple[list[Row], list[Row]]:
+async def _run(
+    sc: Scenario, run_dir: Path, recorder: bool = True, limit_s: float = 240.0
+) -> tuple[list[Row], list[Row]]:
     settings = LaunchSettings(
         command=(sys.executable, "-m", TRAIN_MODULE, "--steps", str(sc.steps), "--pace-s", str(sc.pace_s)),
-        replicas=REPLICAS, run_dir=run_dir, schedule=Schedule.build(flags=sc.faults),
-        on_verdict="ignore", on_hang="wait", max_restarts=2, warm_spare=False, heartbeat_timeout_s=2.0,
+        replicas=REPLICAS,
+        run_dir=run_dir,
+        schedule=Schedule.build(flags=sc.faults),
+        on_verdict="ignore",
+        on_hang="wait",
+        max_restarts=2,
+        warm_spare=False,
+        heartbeat_timeout_s=2.0,
     )
     launcher = Launcher(settings)
     watcher = asyncio.create_task(_watch(launcher, sc, run_dir, grace_s=2.0, limit_s=limit_s))
@@ -280,14 +351,22 @@ def record_overhead(root: Path, rounds: int, steps: int) -> Row:
     off = [x for _, p in pairs for x in p]
     ratio = paired_ratio(pairs)
     direct = recorder_cost_us()
-    return {"record_overhead_ratio": round(ratio, 4) if ratio else None,
-            "record_overhead_ratio_pooled": round(statistics.median(on) / statistics.median(off), 4) if on and off else None,
-            "record_overhead_pair_ratios": [round(statistics.median(a) / statistics.median(b), 4) for a, b in pairs if a and b],
-            "median_step_s_recorder_on": statistics.median(on) if on else None,
-            "median_step_s_recorder_off": statistics.median(off) if off else None,
-            "overhead_steps_each": [len(on), len(off)],
-            "recorder_us_per_step": direct,
-            "recorder_direct_ratio": round(1 + direct["training_thread"] * 1e-6 / statistics.median(off), 6) if off else None}
+    return {
+        "record_overhead_ratio": round(ratio, 4) if ratio else None,
+        "record_overhead_ratio_pooled": round(statistics.median(on) / statistics.median(off), 4)
+        if on and off
+        else None,
+        "record_overhead_pair_ratios": [
+            round(statistics.median(a) / statistics.median(b), 4) for a, b in pairs if a and b
+        ],
+        "median_step_s_recorder_on": statistics.median(on) if on else None,
+        "median_step_s_recorder_off": statistics.median(off) if off else None,
+        "overhead_steps_each": [len(on), len(off)],
+        "recorder_us_per_step": direct,
+        "recorder_direct_ratio": round(1 + direct["training_thread"] * 1e-6 / statistics.median(off), 6)
+        if off
+        else None,
+    }
 
 
 def recorder_cost_us(n: int = 5000) -> dict[str, float]:
@@ -317,20 +396,37 @@ def recorder_cost_us(n: int = 5000) -> dict[str, float]:
     for _ in range(n // 10):
         rec.batch()
     ship = (time.perf_counter() - t0) / (n // 10)
-    return {"training_thread": round(train * 1e6, 2), "ring_transfers": round(ring * 1e6, 2), "batch": round(ship * 1e6, 2)}
+    return {
+        "training_thread": round(train * 1e6, 2),
+        "ring_transfers": round(ring * 1e6, 2),
+        "batch": round(ship * 1e6, 2),
+    }
 
 
 @click.command()
-@click.option("--only", "only", multiple=True, metavar="NAME",
-              help=f"Run only this scenario (repeatable): {', '.join(s.name for s in SCENARIOS)}.")
-@click.option("--overhead-rounds", type=int, default=3, show_default=True,
-              help="Recorder on/off pairs for record_overhead_ratio (0: skip).")
+@click.option(
+    "--only",
+    "only",
+    multiple=True,
+    metavar="NAME",
+    help=f"Run only this scenario (repeatable): {', '.join(s.name for s in SCENARIOS)}.",
+)
+@click.option(
+    "--overhead-rounds",
+    type=int,
+    default=3,
+    show_default=True,
+    help="Recorder on/off pairs for record_overhead_ratio (0: skip).",
+)
 @click.option("--overhead-steps", type=int, default=120, show_default=True)
-@click.option("--run-dir", type=click.Path(path_type=Path), default=Path("runs/bench/diagnosis-runs"), show_default=True)
+@click.option(
+    "--run-dir", type=click.Path(path_type=Path), default=Path("runs/bench/diagnosis-runs"), show_default=True
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on stdout.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/bench/diagnosis.json"), show_default=True)
-def diagnosis(only: tuple[str, ...], overhead_rounds: int, overhead_steps: int, run_dir: Path, as_json: bool,
-              out: Path) -> None:
+def diagnosis(
+    only: tuple[str, ...], overhead_rounds: int, overhead_steps: int, run_dir: Path, as_json: bool, out: Path
+) -> None:
     """Inject each fault into a real 3-replica job and score diagnosis's verdict."""
     names = {s.name for s in SCENARIOS}
     unknown = [n for n in only if n not in names]
@@ -356,7 +452,9 @@ def diagnosis(only: tuple[str, ...], overhead_rounds: int, overhead_steps: int, 
     publish(result, out, as_json)
     if not as_json:
         for r in rows:
-            click.echo(f"{r['name']:>16}: detected={r['detected']} culprit={r['culprit_correct']} "
-                       f"class={r['class_correct']} detect_s={r['detect_s']} steps={r['detect_steps']} "
-                       f"fp={r['false_positives']}")
+            click.echo(
+                f"{r['name']:>16}: detected={r['detected']} culprit={r['culprit_correct']} "
+                f"class={r['class_correct']} detect_s={r['detect_s']} steps={r['detect_steps']} "
+                f"fp={r['false_positives']}"
+            )
         click.echo(f"record_overhead_ratio={result['record_overhead_ratio']}")

@@ -133,14 +133,18 @@ def fault_figures(
     victim_rows = rows_by_replica.get(victim, [])
     # A restarted process says when it is ready; a hung one that was left alive resumes at SIGCONT.
     readies = [t for t in ready_times(victim_rows) if t > fault_t] or ([resumed_t] if resumed_t is not None else [])
-    caught_up = [r for r in step_rows(victim_rows) if r["t1"] > fault_t and r.get("committed") and victim in r.get("behind", [])]
+    caught_up = [
+        r for r in step_rows(victim_rows) if r["t1"] > fault_t and r.get("committed") and victim in r.get("behind", [])
+    ]
     catch_up_step = caught_up[0]["step"] if caught_up else None
     rejoin_steps = None
     donor_slowdown = non_donor_slowdown = donor_snapshot_s = donor_snapshot_early = fetch_s = excess = None
     if readies and catch_up_step is not None:
         first_contributing = catch_up_step + 1
         committed_after_ready = {
-            r["step"] for rows in survivors.values() for r in step_rows(rows)
+            r["step"]
+            for rows in survivors.values()
+            for r in step_rows(rows)
             if r.get("committed") and r["t1"] > readies[-1] and r["step"] < first_contributing
         }
         rejoin_steps = len(committed_after_ready)
@@ -158,8 +162,11 @@ def fault_figures(
                 continue
             # Against the survivor's own steps just before: on a shared machine the load drifts
             # over a run, and the question is what the catch-up cost, not what the neighbours did.
-            before = [r["step_s"] for r in step_rows(rows)
-                      if r.get("committed") and catch_up_step - LOCAL_STEPS <= r["step"] < catch_up_step]
+            before = [
+                r["step_s"]
+                for r in step_rows(rows)
+                if r.get("committed") and catch_up_step - LOCAL_STEPS <= r["step"] < catch_up_step
+            ]
             reference = statistics.median(before) if len(before) >= 3 else median
             ratio = at[0]["step_s"] / reference
             if at[0].get("donor"):
@@ -214,9 +221,12 @@ def serving_figures(run_dir: Path, replicas: int, median_step_s: float) -> dict[
     if not served:
         return {}
     cpu = sum(x["cpu_s"] for x in served)
-    return {"serve_s": round(sum(x["s"] for x in served), 4), "serve_cpu_s": round(cpu, 4),
-            "serve_mb": round(sum(x["bytes"] for x in served) / 1e6, 1),
-            "serve_cpu_step_share": round(cpu / median_step_s, 4) if median_step_s > 0 else None}
+    return {
+        "serve_s": round(sum(x["s"] for x in served), 4),
+        "serve_cpu_s": round(cpu, 4),
+        "serve_mb": round(sum(x["bytes"] for x in served) / 1e6, 1),
+        "serve_cpu_step_share": round(cpu / median_step_s, 4) if median_step_s > 0 else None,
+    }
 
 
 # -- running the jobs ------------------------------------------------------------------------
@@ -240,11 +250,35 @@ class BenchSettings:
 
     def worker(self, mode: str, out: Path, model: str = "mlp") -> tuple[str, ...]:
         if model == "llama":
-            plain = ("--plain", "--ranks-per-replica", str(self.ranks), "--run-dir", str(out)) if mode == "baseline" else ()
-            return (sys.executable, "-m", "unbroken.examples.llama.train", "--steps", str(self.steps), "--log-name",
-                    "steps", *LLAMA_ARGS, *plain)
-        return (sys.executable, "-m", "unbroken.bench.recovery_worker", "--mode", mode, "--model", model,
-                "--params-m", str(self.params_m), "--steps", str(self.steps), "--out", str(out))
+            plain = (
+                ("--plain", "--ranks-per-replica", str(self.ranks), "--run-dir", str(out)) if mode == "baseline" else ()
+            )
+            return (
+                sys.executable,
+                "-m",
+                "unbroken.examples.llama.train",
+                "--steps",
+                str(self.steps),
+                "--log-name",
+                "steps",
+                *LLAMA_ARGS,
+                *plain,
+            )
+        return (
+            sys.executable,
+            "-m",
+            "unbroken.bench.recovery_worker",
+            "--mode",
+            mode,
+            "--model",
+            model,
+            "--params-m",
+            str(self.params_m),
+            "--steps",
+            str(self.steps),
+            "--out",
+            str(out),
+        )
 
 
 def _threads(replicas: int) -> str:
@@ -266,11 +300,21 @@ def run_baseline(s: BenchSettings, out: Path, mode: str = "baseline", model: str
     world = s.processes if model == "llama" else s.replicas
     try:
         for rank in range(world):
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": _threads(world)}
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "LOCAL_RANK": str(rank),
+                "OMP_NUM_THREADS": _threads(world),
+            }
             log = open(out / f"baseline-{rank}.log", "wb")  # noqa: SIM115
-            procs.append(subprocess.Popen(s.worker(mode, out, model), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    s.worker(mode, out, model), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
             log.close()
         for p in procs:
             if p.wait(timeout=600) != 0:
@@ -306,15 +350,22 @@ async def _inject(launcher: Launcher, out: Path, s: BenchSettings, kind: str, vi
     return None
 
 
-def run_unbroken(s: BenchSettings, out: Path, fault: str | None, victim: int, mode: str | None = None,
-                 model: str = "mlp") -> tuple[dict[int, list[Row]], float | None, int]:
+def run_unbroken(
+    s: BenchSettings, out: Path, fault: str | None, victim: int, mode: str | None = None, model: str = "mlp"
+) -> tuple[dict[int, list[Row]], float | None, int]:
     ranks = s.ranks if model == "llama" else 1
     # The Llama's figures are about the injected fault: on a shared 2-core machine the diagnosis
     # otherwise acts on healthy replicas (silence while 6 processes import transformers, the
     # memory growth of the first steps) in the middle of the measurement.
-    verdicts = {"on_verdict": "ignore"} if model == "llama" else {}
-    settings = LaunchSettings(command=s.worker(mode or s.api, out, model), replicas=s.replicas, run_dir=out,
-                              ranks_per_replica=ranks, threads_per_rank=int(_threads(s.replicas * ranks)), **verdicts)
+    settings = LaunchSettings(
+        command=s.worker(mode or s.api, out, model),
+        replicas=s.replicas,
+        run_dir=out,
+        ranks_per_replica=ranks,
+        threads_per_rank=int(_threads(s.replicas * ranks)),
+    )
+    if model == "llama":
+        settings = dataclasses.replace(settings, on_verdict="ignore")
 
     async def go() -> tuple[int, float | None]:
         launcher = Launcher(settings)
@@ -357,20 +408,28 @@ def run_all(s: BenchSettings, rounds: int, log: Any, scenarios: tuple[str, ...] 
             "baseline_step_s": round(statistics.median(baseline_medians), 4),
             "steady_step_s": round(statistics.median(steady_medians), 4),
             "overhead_ratio": round(statistics.median(steady_medians) / statistics.median(baseline_medians), 4),
-            "rounds": [{"baseline_step_s": round(b, 4), "steady_step_s": round(u, 4), "ratio": round(u / b, 4)}
-                       for b, u in zip(baseline_medians, steady_medians)],
+            "rounds": [
+                {"baseline_step_s": round(b, 4), "steady_step_s": round(u, 4), "ratio": round(u / b, 4)}
+                for b, u in zip(baseline_medians, steady_medians, strict=False)
+            ],
         }
     for fault in [f for f in ("crash", "hang") if f in scenarios]:
         log(f"{fault}: replica {victim} at step {s.fault_step}")
         out = _fresh(s.root / fault)
         rows, fault_t, code = run_unbroken(s, out, fault, victim, model=s.model)
         if fault_t is None or code != 0:
-            raise click.ClickException(f"the {fault} run failed (exit {code}, fault injected: {fault_t is not None}); see {out}")
+            raise click.ClickException(
+                f"the {fault} run failed (exit {code}, fault injected: {fault_t is not None}); see {out}"
+            )
         resumed = fault_t + s.hang_s if fault == "hang" else None
         figures = fault_figures(rows, victim, fault_t, resumed).as_json()
         identical[fault] = digests_identical(out, s.replicas)
-        result[fault] = {**figures, "replicas_identical": identical[fault], "fault_t": round(fault_t, 3),
-                         **serving_figures(out, s.replicas, figures["median_step_s"])}
+        result[fault] = {
+            **figures,
+            "replicas_identical": identical[fault],
+            "fault_t": round(fault_t, 3),
+            **serving_figures(out, s.replicas, figures["median_step_s"]),
+        }
         if fault == "hang":
             result[fault]["stopped_s"] = s.hang_s
         if s.model == "llama":
@@ -391,14 +450,21 @@ def hidden_share(rows_by_replica: dict[int, list[Row]]) -> dict[str, float]:
     ``busy_s`` is how long the backend was exchanging a step's buckets; ``exchange_s`` the
     part still running when backward ended, which the step waited for.
     """
-    rows = [r for rows in rows_by_replica.values() for r in step_rows(rows)
-            if r.get("committed") and r["step"] >= WARMUP_STEPS and "busy_s" in r]
+    rows = [
+        r
+        for rows in rows_by_replica.values()
+        for r in step_rows(rows)
+        if r.get("committed") and r["step"] >= WARMUP_STEPS and "busy_s" in r
+    ]
     busy = sum(r["busy_s"] for r in rows)
     exposed = sum(min(r["exchange_s"], r["busy_s"]) for r in rows)
     if not rows or busy <= 0:
         return {}
-    return {"exchange_busy_s": round(busy / len(rows), 4), "exchange_exposed_s": round(exposed / len(rows), 4),
-            "exchange_hidden_share": round(1.0 - exposed / busy, 4)}
+    return {
+        "exchange_busy_s": round(busy / len(rows), 4),
+        "exchange_exposed_s": round(exposed / len(rows), 4),
+        "exchange_hidden_share": round(1.0 - exposed / busy, 4),
+    }
 
 
 def ddp_figures(s: BenchSettings, model: str, rounds: int, log: Any, identical: dict[str, bool]) -> dict[str, Any]:
@@ -419,10 +485,16 @@ def ddp_figures(s: BenchSettings, model: str, rounds: int, log: Any, identical: 
         log(f"  torch DDP {torch_medians[-1]:.4f}s  unbroken DDP {ours_medians[-1]:.4f}s  {shares[-1]}")
     t, u = statistics.median(torch_medians), statistics.median(ours_medians)
     hidden = [x["exchange_hidden_share"] for x in shares if x]
-    return {"torch_ddp_step_s": round(t, 4), "unbroken_ddp_step_s": round(u, 4), "overhead_ratio": round(u / t, 4),
-            "exchange_hidden_share": round(statistics.median(hidden), 4) if hidden else None,
-            "rounds": [{"torch_ddp_step_s": round(a, 4), "unbroken_ddp_step_s": round(b, 4), "ratio": round(b / a, 4), **x}
-                       for a, b, x in zip(torch_medians, ours_medians, shares)]}
+    return {
+        "torch_ddp_step_s": round(t, 4),
+        "unbroken_ddp_step_s": round(u, 4),
+        "overhead_ratio": round(u / t, 4),
+        "exchange_hidden_share": round(statistics.median(hidden), 4) if hidden else None,
+        "rounds": [
+            {"torch_ddp_step_s": round(a, 4), "unbroken_ddp_step_s": round(b, 4), "ratio": round(b / a, 4), **x}
+            for a, b, x in zip(torch_medians, ours_medians, shares, strict=False)
+        ],
+    }
 
 
 @click.command()
@@ -430,39 +502,95 @@ def ddp_figures(s: BenchSettings, model: str, rounds: int, log: Any, identical: 
 @click.option("--replicas", type=click.IntRange(2, 3), default=3, show_default=True)
 @click.option("--steps", type=click.IntRange(20), default=60, show_default=True)
 @click.option("--fault-step", type=click.IntRange(WARMUP_STEPS + 5), default=20, show_default=True)
-@click.option("--hang-s", type=click.FloatRange(0.5, 60), default=4.0, show_default=True,
-              help="How long the hung replica stays stopped before SIGCONT.")
-@click.option("--rounds", type=click.IntRange(1, 5), default=2, show_default=True,
-              help="Alternating baseline/steady pairs for the overhead ratio.")
-@click.option("--only", "only", multiple=True, type=click.Choice(SCENARIOS),
-              help="Run only these scenarios (repeatable); default all.")
-@click.option("--api", type=click.Choice(["optimizer", "ddp"]), default="optimizer", show_default=True,
-              help="What steady, crash and hang train with: unbroken.Optimizer (averages in step()) or "
-                   "unbroken.DistributedDataParallel (averages during backward).")
-@click.option("--model", type=click.Choice(["mlp", "llama"]), default="mlp", show_default=True,
-              help="What steady, crash and hang train: the MLP, or the example Llama (FSDP2 per replica; needs "
-                   "the examples extra).")
-@click.option("--ranks-per-replica", type=click.IntRange(1, 8), default=None,
-              help="Ranks per replica (FSDP2 shards over them); --model llama only, default 2.")
+@click.option(
+    "--hang-s",
+    type=click.FloatRange(0.5, 60),
+    default=4.0,
+    show_default=True,
+    help="How long the hung replica stays stopped before SIGCONT.",
+)
+@click.option(
+    "--rounds",
+    type=click.IntRange(1, 5),
+    default=2,
+    show_default=True,
+    help="Alternating baseline/steady pairs for the overhead ratio.",
+)
+@click.option(
+    "--only",
+    "only",
+    multiple=True,
+    type=click.Choice(SCENARIOS),
+    help="Run only these scenarios (repeatable); default all.",
+)
+@click.option(
+    "--api",
+    type=click.Choice(["optimizer", "ddp"]),
+    default="optimizer",
+    show_default=True,
+    help="What steady, crash and hang train with: unbroken.Optimizer (averages in step()) or "
+    "unbroken.DistributedDataParallel (averages during backward).",
+)
+@click.option(
+    "--model",
+    type=click.Choice(["mlp", "llama"]),
+    default="mlp",
+    show_default=True,
+    help="What steady, crash and hang train: the MLP, or the example Llama (FSDP2 per replica; needs "
+    "the examples extra).",
+)
+@click.option(
+    "--ranks-per-replica",
+    type=click.IntRange(1, 8),
+    default=None,
+    help="Ranks per replica (FSDP2 shards over them); --model llama only, default 2.",
+)
 @click.option("--work-dir", type=click.Path(path_type=Path), default=Path("runs/bench/recovery"), show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/bench/recovery.json"), show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
-def recovery(params_m: float, replicas: int, steps: int, fault_step: int, hang_s: float, rounds: int,
-             only: tuple[str, ...], api: str, model: str, ranks_per_replica: int | None, work_dir: Path, out: Path,
-             as_json: bool) -> None:
+def recovery(
+    params_m: float,
+    replicas: int,
+    steps: int,
+    fault_step: int,
+    hang_s: float,
+    rounds: int,
+    only: tuple[str, ...],
+    api: str,
+    model: str,
+    ranks_per_replica: int | None,
+    work_dir: Path,
+    out: Path,
+    as_json: bool,
+) -> None:
     """Crash and hang recovery, catch-up and no-fault overhead against a plain all-reduce."""
     if params_m <= 0:
         raise click.BadParameter("must be > 0", param_hint="--params-m")
     if model == "mlp" and ranks_per_replica not in (None, 1):
-        raise click.BadParameter("the MLP scenarios run one rank per replica; use --model llama", param_hint="--ranks-per-replica")
+        raise click.BadParameter(
+            "the MLP scenarios run one rank per replica; use --model llama", param_hint="--ranks-per-replica"
+        )
     if model == "llama":
         if api == "ddp" or "ddp" in only:
-            raise click.BadParameter("--model llama averages in FSDP2's hook, not with the DDP wrapper", param_hint="--api")
+            raise click.BadParameter(
+                "--model llama averages in FSDP2's hook, not with the DDP wrapper", param_hint="--api"
+            )
         only = only or ("steady", "crash", "hang")
     if fault_step >= steps - 10:
-        raise click.BadParameter(f"must leave at least 10 steps after the fault (< {steps - 10})", param_hint="--fault-step")
-    s = BenchSettings(replicas, params_m, steps, fault_step, hang_s, work_dir,
-                      api="ddp" if api == "ddp" else "unbroken", model=model, ranks=ranks_per_replica or (2 if model == "llama" else 1))
+        raise click.BadParameter(
+            f"must leave at least 10 steps after the fault (< {steps - 10})", param_hint="--fault-step"
+        )
+    s = BenchSettings(
+        replicas,
+        params_m,
+        steps,
+        fault_step,
+        hang_s,
+        work_dir,
+        api="ddp" if api == "ddp" else "unbroken",
+        model=model,
+        ranks=ranks_per_replica or (2 if model == "llama" else 1),
+    )
 
     def log(msg: str) -> None:
         click.echo(msg, err=True)

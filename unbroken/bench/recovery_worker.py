@@ -56,7 +56,9 @@ def build_model(name: str, params_m: float) -> tuple[torch.nn.Module, Any]:
     """The model and ``loss(model, step, replica, batch_size)`` for it."""
     if name == "mlp":
         mlp = build_mlp(params_m)
-        width = mlp[0].in_features
+        first = mlp[0]
+        assert isinstance(first, torch.nn.Linear)  # build_mlp starts with one
+        width = first.in_features
 
         def mlp_loss(model: torch.nn.Module, step: int, replica: int, batch_size: int) -> torch.Tensor:
             x, y = batch_for(step, replica, batch_size, width)
@@ -139,16 +141,23 @@ def main() -> None:
             optimizer.step()
             committed = manager.last_step_committed
             d = manager.decision
-            row = {"epoch": d.epoch if d else None, "members": list(d.members) if d else [],
-                   "behind": list(d.behind) if d else [], "donor": any(dn == replica for _, dn in (d.donors if d else ())),
-                   "step": d.step if d else step, "committed": committed,
-                   "exchange_s": manager.stats["last_exchange_s"], "join_wait_s": manager.stats["last_join_wait_s"],
-                   "recovery_s": manager.stats["last_recovery_s"],
-                   "fetch_s": manager.stats.get("last_fetch_s", 0.0), "load_s": manager.stats.get("last_load_s", 0.0),
-                   "snapshot_s": manager.stats.get("last_snapshot_s", 0.0),
-                   "snapshot_wait_s": manager.stats.get("last_snapshot_wait_s", 0.0),
-                   "snapshot_early": bool(manager.stats.get("last_snapshot_early", 0.0)),
-                   "fetch_cpu_s": manager.stats.get("last_fetch_cpu_s", 0.0)}
+            row = {
+                "epoch": d.epoch if d else None,
+                "members": list(d.members) if d else [],
+                "behind": list(d.behind) if d else [],
+                "donor": any(dn == replica for _, dn in (d.donors if d else ())),
+                "step": d.step if d else step,
+                "committed": committed,
+                "exchange_s": manager.stats["last_exchange_s"],
+                "join_wait_s": manager.stats["last_join_wait_s"],
+                "recovery_s": manager.stats["last_recovery_s"],
+                "fetch_s": manager.stats.get("last_fetch_s", 0.0),
+                "load_s": manager.stats.get("last_load_s", 0.0),
+                "snapshot_s": manager.stats.get("last_snapshot_s", 0.0),
+                "snapshot_wait_s": manager.stats.get("last_snapshot_wait_s", 0.0),
+                "snapshot_early": bool(manager.stats.get("last_snapshot_early", 0.0)),
+                "fetch_cpu_s": manager.stats.get("last_fetch_cpu_s", 0.0),
+            }
             if args.mode == "ddp":  # the exchange ran during backward: how much of it was left to wait for
                 row["busy_s"] = manager.stats.get("last_exchange_busy_s", 0.0)
             step = manager.step
@@ -160,14 +169,28 @@ def main() -> None:
             flat = torch._utils._flatten_dense_tensors([p.grad for p in params])
             dist.all_reduce(flat)
             flat.div_(world)
-            for p, g in zip(params, torch._utils._unflatten_dense_tensors(flat, [p.grad for p in params])):
+            averaged = torch._utils._unflatten_dense_tensors(flat, [p.grad for p in params])
+            for p, g in zip(params, averaged, strict=False):
+                assert p.grad is not None  # flattened above
                 p.grad.copy_(g)
             inner.step()
             row = {"step": step, "committed": True}
             step += 1
         t1 = time.time()
-        log.write(json.dumps({**row, "t0": t0, "t1": t1, "step_s": t1 - t0, "compute_s": t_exchange - t0,
-                              "loss": loss.item(), "pid": os.getpid()}) + "\n")
+        log.write(
+            json.dumps(
+                {
+                    **row,
+                    "t0": t0,
+                    "t1": t1,
+                    "step_s": t1 - t0,
+                    "compute_s": t_exchange - t0,
+                    "loss": loss.item(),
+                    "pid": os.getpid(),
+                }
+            )
+            + "\n"
+        )
     served = manager.transfer.served if unbroken_loop else []
     (args.out / f"digest-r{replica}.json").write_text(
         json.dumps({"step": step, "digest": state_digest(model, inner), "served": served})

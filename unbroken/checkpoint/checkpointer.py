@@ -109,21 +109,32 @@ class Checkpointer:
             the disk keeps up.
     """
 
-    def __init__(self, directory: str, keep_last: int = 3, *, replica: int = 0, replicas: int = 1,
-                 rank: int = 0, world_size: int = 1, peer: tuple[str, int] | None = None,
-                 secret: JobSecret | None = None, owner: str | None = None, overlap: bool = False,
-                 persist_rate_mb_s: float | None = None,
-                 persist_interval_s: float = DEFAULT_PERSIST_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        directory: str,
+        keep_last: int = 3,
+        *,
+        replica: int = 0,
+        replicas: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
+        peer: tuple[str, int] | None = None,
+        secret: JobSecret | None = None,
+        owner: str | None = None,
+        overlap: bool = False,
+        persist_rate_mb_s: float | None = None,
+        persist_interval_s: float = DEFAULT_PERSIST_INTERVAL_S,
+    ) -> None:
         if keep_last < 1:
             raise ValueError("keep_last must be at least 1")
         if not persist_interval_s >= 0:
             raise ValueError(f"persist_interval_s must be 0 or more seconds, got {persist_interval_s!r}")
         if not (0 <= replica < replicas and 0 <= rank < world_size):
-            raise ValueError(f"replica {replica} of {replicas} / rank {rank} of {world_size} is "
-                             "out of range")
+            raise ValueError(f"replica {replica} of {replicas} / rank {rank} of {world_size} is " "out of range")
         if peer is not None and not isinstance(secret, JobSecret):
-            raise ValueError("a peer tier needs the job's secret: pass secret=JobSecret.required() "
-                             "(or the Manager's .secret)")
+            raise ValueError(
+                "a peer tier needs the job's secret: pass secret=JobSecret.required() " "(or the Manager's .secret)"
+            )
         disk.check_writable(directory)
         self.directory = directory
         self.keep_last = keep_last
@@ -173,8 +184,14 @@ class Checkpointer:
             wire_objects.loads(objects)  # tens of microseconds for an optimizer's hyperparameters
         except wire_objects.UnsafeObjectError as e:
             raise ValueError(f"this state cannot be checkpointed: {e}") from None
-        manifest = ShardManifest(step, self.replica, self.replicas, self.rank, self.world_size,
-                                 self._entries([spec for _, spec in tensors.values()]))
+        manifest = ShardManifest(
+            step,
+            self.replica,
+            self.replicas,
+            self.rank,
+            self.world_size,
+            self._entries([spec for _, spec in tensors.values()]),
+        )
         with self._cond:
             slot = self._take_slot(manifest.data_len)
         if self._copier is None:
@@ -213,8 +230,7 @@ class Checkpointer:
             buf = self._slots[index].buffer
             self._proc.attach(index, buf.fd, buf.capacity)
 
-    def _snapshot(self, slot: _Slot, manifest: ShardManifest, objects: bytes,
-                  tensors: dict[str, Any]) -> None:
+    def _snapshot(self, slot: _Slot, manifest: ShardManifest, objects: bytes, tensors: dict[str, Any]) -> None:
         copy_into(slot.buffer, manifest.tensors, tensors, single_thread=self._copier is not None)
         with self._cond:
             slot.state, slot.step, slot.manifest, slot.objects = "pending", manifest.step, manifest, objects
@@ -246,14 +262,20 @@ class Checkpointer:
             for i in range(len(self._slots)):
                 self._attach(i)
         assert slot.manifest is not None
-        self._proc.submit({
-            "slot": self._slots.index(slot), "root": self.directory, "keep_last": self.keep_last,
-            "manifest": slot.manifest.to_json(), "objects": base64.b64encode(slot.objects).decode(),
-            "rate_bytes_s": self.rate_bytes_s, "peer": list(self.peer) if self.peer else None,
-            # The key crosses only the private socket pair to this process's own child.
-            "peer_key": self._secret.key.hex() if self.peer and self._secret else None,
-            "owner": self.owner,
-        })
+        self._proc.submit(
+            {
+                "slot": self._slots.index(slot),
+                "root": self.directory,
+                "keep_last": self.keep_last,
+                "manifest": slot.manifest.to_json(),
+                "objects": base64.b64encode(slot.objects).decode(),
+                "rate_bytes_s": self.rate_bytes_s,
+                "peer": list(self.peer) if self.peer else None,
+                # The key crosses only the private socket pair to this process's own child.
+                "peer_key": self._secret.key.hex() if self.peer and self._secret else None,
+                "owner": self.owner,
+            }
+        )
         slot.state = "inflight"
 
     def _on_timer(self) -> None:
@@ -268,8 +290,13 @@ class Checkpointer:
                 slot = self._slots[message["slot"]]
                 if message["ok"] and slot.manifest is not None:
                     slot.manifest.tensors = with_checksums(slot.manifest.tensors, message["crcs"])
-                outcome = PersistOutcome(message["step"], message["ok"], message.get("error"),
-                                         message.get("durable_s"), message.get("peer_error"))
+                outcome = PersistOutcome(
+                    message["step"],
+                    message["ok"],
+                    message.get("error"),
+                    message.get("durable_s"),
+                    message.get("peer_error"),
+                )
             elif message["op"] == "died":
                 self._proc = None
                 if not inflight or self._closing:
@@ -278,9 +305,13 @@ class Checkpointer:
                     self._cond.notify_all()
                     return
                 slot = inflight[0]
-                outcome = PersistOutcome(slot.step or -1, False, "the persist process died "
-                                         f"(exit code {message['returncode']}) while writing step "
-                                         f"{slot.step}; that step is not on disk")
+                outcome = PersistOutcome(
+                    slot.step or -1,
+                    False,
+                    "the persist process died "
+                    f"(exit code {message['returncode']}) while writing step "
+                    f"{slot.step}; that step is not on disk",
+                )
             else:
                 return
             if not outcome.ok:
@@ -386,9 +417,10 @@ class Checkpointer:
             except OSError as exc:
                 log.warning("checkpoint: peer %s unreachable (%s)", self.peer, exc)
         candidates += [(s, 2, "disk", None) for s in disk.complete_steps(self.directory)]
-        candidates = sorted((c for c in candidates if (step is None or c[0] == step)
-                             and (at_most is None or c[0] <= at_most)),
-                            key=lambda c: (-c[0], c[1]))
+        candidates = sorted(
+            (c for c in candidates if (step is None or c[0] == step) and (at_most is None or c[0] <= at_most)),
+            key=lambda c: (-c[0], c[1]),
+        )
         skipped: list[str] = []
         for cstep, _, source, handle in candidates:
             try:
@@ -396,17 +428,25 @@ class Checkpointer:
                     return self._from_memory(handle, want, skipped)
                 if source == "peer":
                     handle.verify()
-                    return self._from_bytes(handle.manifest, handle.objects,
-                                            memoryview(handle.data), want, "peer", skipped)
+                    return self._from_bytes(
+                        handle.manifest, handle.objects, memoryview(handle.data), want, "peer", skipped
+                    )
                 return self._from_disk(cstep, want, skipped)
             except Exception as exc:  # noqa: BLE001 - whatever broke this candidate, try the next
                 reason = f"step {cstep} from {source}: {exc}"
                 log.warning("checkpoint: skipping %s", reason)
                 skipped.append(reason)
-        what = (f"step {step}" if step is not None else "any checkpoint" if at_most is None
-                else f"any checkpoint up to step {at_most}")
-        raise CheckpointError(f"could not restore {what} from {self.directory}"
-                              + (f"; tried: {'; '.join(skipped)}" if skipped else "; none found"))
+        what = (
+            f"step {step}"
+            if step is not None
+            else "any checkpoint"
+            if at_most is None
+            else f"any checkpoint up to step {at_most}"
+        )
+        raise CheckpointError(
+            f"could not restore {what} from {self.directory}"
+            + (f"; tried: {'; '.join(skipped)}" if skipped else "; none found")
+        )
 
     def _fits(self, manifest: ShardManifest, want: dict[str, Any] | None) -> bool:
         """Whether a memory/peer copy of our own shard serves this request without re-cutting."""
@@ -415,8 +455,13 @@ class Checkpointer:
         if want is None:
             return True
         have = {t.name: t for t in manifest.tensors}
-        return all(n in have and have[n].shape == spec.shape and have[n].global_offset ==
-                   spec.global_offset and have[n].dtype == spec.dtype for n, (_, spec) in want.items())
+        return all(
+            n in have
+            and have[n].shape == spec.shape
+            and have[n].global_offset == spec.global_offset
+            and have[n].dtype == spec.dtype
+            for n, (_, spec) in want.items()
+        )
 
     def _from_memory(self, slot: _Slot, want: dict[str, Any] | None, skipped: list[str]) -> Restored:
         assert slot.manifest is not None
@@ -432,12 +477,22 @@ class Checkpointer:
         state = unflatten(wire_objects.loads(slot.objects), tensors, {e.name: e for e in slot.manifest.tensors})
         return Restored(slot.manifest.step, state, "memory", skipped, slot.manifest.world_size)
 
-    def _from_bytes(self, manifest: ShardManifest, objects: bytes, data: memoryview,
-                    want: dict[str, Any] | None, source: str, skipped: list[str]) -> Restored:
+    def _from_bytes(
+        self,
+        manifest: ShardManifest,
+        objects: bytes,
+        data: memoryview,
+        want: dict[str, Any] | None,
+        source: str,
+        skipped: list[str],
+    ) -> Restored:
         tensors = {}
         for e in manifest.tensors:
-            src = torch.frombuffer(data[e.begin:e.end], dtype=torch.uint8) if e.end > e.begin \
+            src = (
+                torch.frombuffer(data[e.begin : e.end], dtype=torch.uint8)
+                if e.end > e.begin
                 else torch.empty(0, dtype=torch.uint8)
+            )
             src = src.view(getattr(torch, e.dtype)).view(e.shape)
             tensors[e.name] = want[e.name][0].copy_(src) if want and e.name in want else src.clone()
         state = unflatten(wire_objects.loads(objects), tensors, {e.name: e for e in manifest.tensors})
@@ -449,10 +504,14 @@ class Checkpointer:
         skeleton = wire_objects.loads(shards.objects(source_rank))
         if want is None:
             if shards.world_size != self.world_size:
-                raise ValueError(f"saved by {shards.world_size} ranks, loading at {self.world_size}: "
-                                 "pass into= with this rank's Shard markers to re-cut the tensors")
-            want = {e.name: (torch.empty(e.shape, dtype=getattr(torch, e.dtype)), e)
-                    for e in shards.manifests[source_rank].tensors}
+                raise ValueError(
+                    f"saved by {shards.world_size} ranks, loading at {self.world_size}: "
+                    "pass into= with this rank's Shard markers to re-cut the tensors"
+                )
+            want = {
+                e.name: (torch.empty(e.shape, dtype=getattr(torch, e.dtype)), e)
+                for e in shards.manifests[source_rank].tensors
+            }
         tensors = shards.read(want)
         state = unflatten(skeleton, tensors, {n: spec for n, (_, spec) in want.items()})
         return Restored(step, state, "disk", skipped, shards.world_size)

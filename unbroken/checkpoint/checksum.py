@@ -12,10 +12,10 @@ Manifests written before CRC-32C name no algorithm and are read with zlib's CRC-
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Callable
+from functools import cache, lru_cache
 
 import crc32c as _crc32c
 
@@ -46,7 +46,7 @@ def update(data: memoryview | bytes, value: int = 0, algorithm: str = ALGORITHM)
     fn = _UPDATE[algorithm]
     mv = memoryview(data).cast("B")
     for i in range(0, len(mv), PIECE):
-        value = fn(mv[i:i + PIECE], value)
+        value = fn(mv[i : i + PIECE], value)
     return value
 
 
@@ -62,7 +62,7 @@ def _multmodp(a: int, b: int, poly: int) -> int:
         b = (b >> 1) ^ poly if b & 1 else b >> 1
 
 
-@lru_cache(maxsize=None)
+@cache
 def _x2n_table(poly: int) -> tuple[int, ...]:
     """x^(2^n) modulo the polynomial, for n = 0..31."""
     table, p = [], 1 << 30  # x^1
@@ -112,13 +112,13 @@ class Pending:
     jobs: list[tuple[Future[list[int]], list[tuple[int, int, int]]]]  # (range index, begin, end)
 
 
-def _sum_pieces(fn: Callable[[memoryview | bytes, int], int], data: memoryview,
-                pieces_: list[tuple[int, int, int]]) -> list[int]:
+def _sum_pieces(
+    fn: Callable[[memoryview | bytes, int], int], data: memoryview, pieces_: list[tuple[int, int, int]]
+) -> list[int]:
     return [fn(data[a:b], 0) for _, a, b in pieces_]
 
 
-def start(data: memoryview, ranges: list[tuple[int, int]], pool: Executor,
-          algorithm: str = ALGORITHM) -> Pending:
+def start(data: memoryview, ranges: list[tuple[int, int]], pool: Executor, algorithm: str = ALGORITHM) -> Pending:
     """Begin summing each ``[begin, end)`` range of ``data`` on the pool; :func:`finish`
     collects the results (so the caller can write the same bytes meanwhile).
 
@@ -147,6 +147,6 @@ def finish(pending: Pending, algorithm: str = ALGORITHM) -> list[int]:
     """The checksum of each range passed to :func:`start`, in order (empty ranges: 0)."""
     per_range: list[list[tuple[int, int]]] = [[] for _ in range(pending.ranges)]
     for future, batch in pending.jobs:
-        for (index, a, b), crc in zip(batch, future.result()):
+        for (index, a, b), crc in zip(batch, future.result(), strict=False):
             per_range[index].append((crc, b - a))
     return [join(p, algorithm) for p in per_range]

@@ -33,9 +33,13 @@ def ls_cmd(directory: str) -> None:
     for step in disk.list_steps(directory):
         shards = disk.committed_shards(directory, step)
         size = sum(os.path.getsize(os.path.join(p, f)) for p in shards.values() for f in os.listdir(p))
-        table.add_row(str(step), "complete" if step in complete else "incomplete",
-                      ",".join(sorted(os.path.basename(p) for p in shards.values())),
-                      f"{size / 1e6:.1f}", "*" if step == latest else "")
+        table.add_row(
+            str(step),
+            "complete" if step in complete else "incomplete",
+            ",".join(sorted(os.path.basename(p) for p in shards.values())),
+            f"{size / 1e6:.1f}",
+            "*" if step == latest else "",
+        )
     Console().print(table)
 
 
@@ -69,8 +73,7 @@ def verify(directory: str, step: int | None) -> None:
 @checkpoint.command()
 @click.argument("directory")
 @click.option("--step", type=int, default=None, help="Step to export (default: newest complete).")
-@click.option("--out", "out", type=click.Path(dir_okay=False), required=True,
-              help="The .safetensors file to write.")
+@click.option("--out", "out", type=click.Path(dir_okay=False), required=True, help="The .safetensors file to write.")
 def export(directory: str, step: int | None, out: str) -> None:
     """Export a step's tensors, whole (shards joined), to one safetensors file.
 
@@ -92,7 +95,7 @@ def export(directory: str, step: int | None, out: str) -> None:
     elif step not in complete:
         raise click.UsageError(f"step {step} is not a complete checkpoint in {directory}")
     shards = restore.open_step(directory, step)
-    want = {}
+    want: dict[str, tuple[torch.Tensor, TensorSpec]] = {}
     for m in shards.manifests.values():
         for e in m.tensors:
             spec = TensorSpec(e.name, e.dtype, e.global_shape, e.global_shape, (0,) * len(e.global_shape))
@@ -104,10 +107,19 @@ def export(directory: str, step: int | None, out: str) -> None:
 
 @checkpoint.command("serve-peer")
 @click.option("--port", type=int, default=0, help="TCP port on 127.0.0.1 (0: any free port).")
-@click.option("--secret-file", type=click.Path(dir_okay=False), default=None,
-              help="The job's secret file (default: $UNBROKEN_SECRET_FILE); only its holders may push or fetch.")
-@click.option("--max-gb", type=float, default=64.0, show_default=True,
-              help="The most memory the copies held (and arriving) may take.")
+@click.option(
+    "--secret-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="The job's secret file (default: $UNBROKEN_SECRET_FILE); only its holders may push or fetch.",
+)
+@click.option(
+    "--max-gb",
+    type=float,
+    default=64.0,
+    show_default=True,
+    help="The most memory the copies held (and arriving) may take.",
+)
 def serve_peer(port: int, secret_file: str | None, max_gb: float) -> None:
     """Keep peers' snapshots in this process's memory (prints the port, serves until killed)."""
     from unbroken.checkpoint.peer import serve

@@ -47,8 +47,12 @@ def write_checksums(staging: str, metadata: bytes, items: dict[str, list[list[in
     ``items`` maps each data file to ``[offset, length, crc]`` of every item in it.
     """
     fsync_file(os.path.join(staging, METADATA_FILE), metadata)
-    sums = {"format": FORMAT, "algorithm": checksum.ALGORITHM,
-            "metadata": [len(metadata), checksum.update(metadata)], "items": items}
+    sums = {
+        "format": FORMAT,
+        "algorithm": checksum.ALGORITHM,
+        "metadata": [len(metadata), checksum.update(metadata)],
+        "items": items,
+    }
     fsync_file(os.path.join(staging, CHECKSUMS_FILE), json.dumps(sums).encode())
     disk.fsync_dir(staging)
 
@@ -86,8 +90,9 @@ def resolve(path: str | os.PathLike[str]) -> str:
         return final if os.path.isdir(final) else final + disk.PREV_SUFFIX
     if os.path.isdir(path + disk.PREV_SUFFIX):
         return path + disk.PREV_SUFFIX
-    raise FileNotFoundError(f"{path!r} is neither a DCP checkpoint (no {METADATA_FILE}) nor a root "
-                            f"with a {LATEST_FILE!r} file")
+    raise FileNotFoundError(
+        f"{path!r} is neither a DCP checkpoint (no {METADATA_FILE}) nor a root " f"with a {LATEST_FILE!r} file"
+    )
 
 
 def read_checksums(path: str) -> dict[str, Any] | None:
@@ -105,8 +110,9 @@ def read_checksums(path: str) -> dict[str, Any] | None:
     try:
         checksum.check_algorithm(raw.get("algorithm", ""))
         raw["metadata"] = (int(raw["metadata"][0]), int(raw["metadata"][1]))
-        raw["index"] = {(name, int(o)): (int(n), int(c))
-                        for name, entries in raw["items"].items() for o, n, c in entries}
+        raw["index"] = {
+            (name, int(o)): (int(n), int(c)) for name, entries in raw["items"].items() for o, n, c in entries
+        }
     except (KeyError, TypeError, ValueError) as exc:
         raise disk.CorruptCheckpoint(f"{file}: damaged ({exc!r})") from exc
     return raw

@@ -28,15 +28,30 @@ import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, FileSystem, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan,
-                                                  SavePlanner, WriteItem, WriteItemType)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
 from unbroken.checkpoint import checksum, disk
-from unbroken.checkpoint.dcp_layout import (METADATA_FILE, check, commit, read_checksums, resolve, staging_name,
-                                            write_checksums)
+from unbroken.checkpoint.dcp_layout import (
+    METADATA_FILE,
+    check,
+    commit,
+    read_checksums,
+    resolve,
+    staging_name,
+    write_checksums,
+)
 from unbroken.checkpoint.manifest import step_dir_name
 
 
@@ -89,8 +104,9 @@ class DCPWriter(StorageWriter, BlockingAsyncStager):
     and ``latest`` in its directory and would treat these step directories as its own.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, step: int | None = None,
-                 cache_staged_state_dict: bool = False) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, step: int | None = None, cache_staged_state_dict: bool = False
+    ) -> None:
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         self.path = os.fspath(path) if step is None else os.path.join(os.fspath(path), step_dir_name(step))
@@ -105,8 +121,9 @@ class DCPWriter(StorageWriter, BlockingAsyncStager):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("use_collectives", True) is False:
-            raise ValueError("DCPWriter commits a checkpoint from one coordinator: save with "
-                             "use_collectives=True (the default)")
+            raise ValueError(
+                "DCPWriter commits a checkpoint from one coordinator: save with " "use_collectives=True (the default)"
+            )
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -117,10 +134,15 @@ class DCPWriter(StorageWriter, BlockingAsyncStager):
         root, name = os.path.split(os.path.abspath(self.path))
         disk.check_writable(root)
         latest = disk.read_latest(root)
-        if latest is not None and os.path.isdir(os.path.join(root, step_dir_name(latest))) and \
-                not os.path.exists(os.path.join(root, step_dir_name(latest), METADATA_FILE)):
-            raise ValueError(f"{root!r} holds checkpoints of unbroken's Checkpointer: give DCP checkpoints "
-                             "a directory of their own")
+        if (
+            latest is not None
+            and os.path.isdir(os.path.join(root, step_dir_name(latest)))
+            and not os.path.exists(os.path.join(root, step_dir_name(latest), METADATA_FILE))
+        ):
+            raise ValueError(
+                f"{root!r} holds checkpoints of unbroken's Checkpointer: give DCP checkpoints "
+                "a directory of their own"
+            )
         self._staging_name = staging_name(name, self.save_id)
         return [replace(p, storage_data=_Target(f"__{i}_", self._staging_name)) for i, p in enumerate(plans)]
 
@@ -150,27 +172,32 @@ class DCPWriter(StorageWriter, BlockingAsyncStager):
         offset = f.tell()
         out = _CrcFile(f)
         data = planner.resolve_data(item)
-        if item.type == WriteItemType.BYTE_IO:
+        if item.type == WriteItemType.BYTE_IO and isinstance(data, io.BytesIO):
             out.write(data.getbuffer())
-        else:
+        elif item.type != WriteItemType.BYTE_IO and isinstance(data, torch.Tensor):
             tensor = data.detach().cpu()
             if tensor.untyped_storage().size() != tensor.numel() * tensor.element_size():
                 tensor = tensor.clone()  # a view: torch.save would write its whole storage
-            torch.save(tensor, out)
+            torch.save(tensor, out)  # type: ignore[arg-type]  # torch.save needs only write and flush
+        else:
+            raise TypeError(f"the save planner resolved a {item.type.name} item to a {type(data).__name__}")
         length = f.tell() - offset
-        return WriteResult(index=item.index, size_in_bytes=length,
-                           storage_data=_Written(_StorageInfo(name, offset, length), out.crc))
+        return WriteResult(
+            index=item.index, size_in_bytes=length, storage_data=_Written(_StorageInfo(name, offset, length), out.crc)
+        )
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: writes ``.metadata`` and the checksums, then commits by rename."""
         metadata.version = CURRENT_DCP_VERSION
-        metadata.storage_data, items = {}, {}
+        metadata.storage_data = {}
+        items: dict[str, list[list[int]]] = {}
         for rank_results in results:
             for wr in rank_results:
                 written: _Written = wr.storage_data
                 metadata.storage_data[wr.index] = written.info
                 items.setdefault(written.info.relative_path, []).append(
-                    [written.info.offset, written.info.length, written.crc32])
+                    [written.info.offset, written.info.length, written.crc32]
+                )
         metadata.storage_meta = self.storage_meta()
         root, name = os.path.split(os.path.abspath(self.path))
         staging = self._staging(self._staging_name)
@@ -221,9 +248,10 @@ class DCPReader(StorageReader):
         if sums is not None:  # checked before unpickling: a damaged pickle can do anything
             check(file, "the metadata", blob, sums["metadata"], sums["algorithm"])
         metadata: Metadata = pickle.loads(blob)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        meta: StorageMeta | None = getattr(metadata, "storage_meta", None)
+        if meta is None:
+            meta = metadata.storage_meta = StorageMeta()
+        meta.load_id = self.load_id
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -240,8 +268,10 @@ class DCPReader(StorageReader):
         between two ranks' reads, and mixing two steps' metadata and data is silent damage)."""
         paths = sorted({str(p.storage_data) for p in plans})
         if len(paths) > 1:
-            raise RuntimeError(f"ranks are loading different checkpoints {paths} (latest moved during the "
-                               "load): load again, or name the step directory")
+            raise RuntimeError(
+                f"ranks are loading different checkpoints {paths} (latest moved during the "
+                "load): load again, or name the step directory"
+            )
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -250,8 +280,10 @@ class DCPReader(StorageReader):
         for req in plan.items:
             info = self.storage_data[req.storage_index]
             if info.transform_descriptors:
-                raise ValueError(f"{info.relative_path} was written with stream transforms "
-                                 f"{info.transform_descriptors}: load it with FileSystemReader")
+                raise ValueError(
+                    f"{info.relative_path} was written with stream transforms "
+                    f"{info.transform_descriptors}: load it with FileSystemReader"
+                )
             by_item.setdefault((info.relative_path, info.offset, info.length), []).append(req)
         for (name, offset, length), reqs in sorted(by_item.items()):
             file = os.path.join(self.path, name)
@@ -259,8 +291,13 @@ class DCPReader(StorageReader):
                 f.seek(offset)
                 blob = f.read(length)
             if self.checksums is not None:
-                check(file, f"the item at offset {offset}", blob, self.checksums["index"].get((name, offset)),
-                       self.checksums["algorithm"])
+                check(
+                    file,
+                    f"the item at offset {offset}",
+                    blob,
+                    self.checksums["index"].get((name, offset)),
+                    self.checksums["algorithm"],
+                )
             elif len(blob) != length:
                 raise disk.CorruptCheckpoint(f"{file}: truncated at offset {offset}")
             if reqs[0].type == LoadItemType.BYTE_IO:
@@ -272,8 +309,10 @@ class DCPReader(StorageReader):
                 piece = narrow_tensor_by_index(stored, req.storage_offsets, req.lengths)
                 dest = planner.resolve_tensor(req).detach()
                 if dest.size() != piece.size():
-                    raise ValueError(f"{file}: stored piece {tuple(piece.size())} does not fit the requested "
-                                     f"{tuple(dest.size())} of {req.storage_index.fqn!r}")
+                    raise ValueError(
+                        f"{file}: stored piece {tuple(piece.size())} does not fit the requested "
+                        f"{tuple(dest.size())} of {req.storage_index.fqn!r}"
+                    )
                 dest.copy_(piece)
                 planner.commit_tensor(req, dest)
         future: Future[None] = Future()
@@ -287,4 +326,3 @@ class DCPReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return os.path.isdir(os.fspath(checkpoint_id))
-

@@ -60,7 +60,7 @@ def address(view: memoryview | bytes | bytearray | mmap.mmap) -> int:
 def _write_all(fd: int, view: memoryview, rate_bytes_s: float | None, started: float, done: int) -> int:
     pos = 0
     while pos < len(view):
-        pos += os.write(fd, view[pos:pos + WRITE_CHUNK])
+        pos += os.write(fd, view[pos : pos + WRITE_CHUNK])
         if rate_bytes_s:
             ahead = (done + pos) / rate_bytes_s - (time.monotonic() - started)
             if ahead > 0:
@@ -84,8 +84,8 @@ def write_file(path: str, header: bytes, data: memoryview, rate_bytes_s: float |
         if direct and len(header) % ALIGN == 0 and (not len(data) or address(data) % ALIGN == 0):
             head = mmap.mmap(-1, max(len(header), ALIGN))  # the header, page-aligned
             try:
-                head[:len(header)] = header
-                done = _write_all(fd, memoryview(head)[:len(header)], rate_bytes_s, started, done)
+                head[: len(header)] = header
+                done = _write_all(fd, memoryview(head)[: len(header)], rate_bytes_s, started, done)
             finally:
                 head.close()
             bulk = len(data) - len(data) % ALIGN
@@ -147,8 +147,9 @@ class _Staging(threading.local):
     buf: mmap.mmap | None = None
 
 
-def read_scatter(fd: int, direct: bool, base: int, targets: list[Target], pool: Executor,
-                 algorithm: str = checksum.ALGORITHM) -> list[int]:
+def read_scatter(
+    fd: int, direct: bool, base: int, targets: list[Target], pool: Executor, algorithm: str = checksum.ALGORITHM
+) -> list[int]:
     """Read each target's bytes (the data section starts at file offset ``base``) into its
     destination, several chunks at once on ``pool``; returns each target's checksum.
 
@@ -166,8 +167,11 @@ def read_scatter(fd: int, direct: bool, base: int, targets: list[Target], pool: 
         if staging.buf is None or len(staging.buf) < length:
             if staging.buf is not None:
                 staging.buf.close()
-            staging.buf = mmap.mmap(-1, max(length, READ_CHUNK + 2 * ALIGN),
-                                    flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
+            staging.buf = mmap.mmap(
+                -1,
+                max(length, READ_CHUNK + 2 * ALIGN),
+                flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0),
+            )
         view = memoryview(staging.buf)
         got = os.preadv(fd, [view[:length]], first)
         if got < stop - first:
@@ -179,7 +183,7 @@ def read_scatter(fd: int, direct: bool, base: int, targets: list[Target], pool: 
             dest = targets[index].dest
             if dest is not None and e > b:
                 ctypes.memmove(dest + (b - targets[index].begin), addr + off, e - b)
-            out.append((index, b, update(view[off:off + e - b], 0, algorithm), e - b))
+            out.append((index, b, update(view[off : off + e - b], 0, algorithm), e - b))
         del view
         return out
 

@@ -33,9 +33,9 @@ from unbroken.checkpoint.manifest import (
     LATEST_FILE,
     MANIFEST_FILE,
     OBJECTS_FILE,
+    VERIFIED_FILE,
     ShardManifest,
     TensorEntry,
-    VERIFIED_FILE,
     is_complete,
     parse_shard_dir,
     parse_step_dir,
@@ -70,16 +70,20 @@ def check_writable(root: str) -> None:
     try:
         os.makedirs(root, exist_ok=True)
     except OSError as exc:
-        raise ValueError(f"checkpoint directory {root!r} cannot be created: {exc.strerror}; "
-                         "choose a path on a writable filesystem") from exc
+        raise ValueError(
+            f"checkpoint directory {root!r} cannot be created: {exc.strerror}; "
+            "choose a path on a writable filesystem"
+        ) from exc
     probe = os.path.join(root, f".probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         with open(probe, "wb") as f:  # no fsync: a refused write fails here already
             f.write(b"x")
         os.unlink(probe)
     except OSError as exc:
-        raise ValueError(f"checkpoint directory {root!r} is not writable: {exc.strerror}; "
-                         "fix its permissions or choose another directory") from exc
+        raise ValueError(
+            f"checkpoint directory {root!r} is not writable: {exc.strerror}; "
+            "fix its permissions or choose another directory"
+        ) from exc
 
 
 def _write_file(path: str, blob: bytes) -> None:
@@ -87,7 +91,7 @@ def _write_file(path: str, blob: bytes) -> None:
     try:
         view = memoryview(blob)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -105,8 +109,9 @@ def _checksum_pool() -> ThreadPoolExecutor:
     return _pool
 
 
-def write_shard(root: str, manifest: ShardManifest, objects: bytes, data: memoryview,
-                rate_bytes_s: float | None = None) -> ShardManifest:
+def write_shard(
+    root: str, manifest: ShardManifest, objects: bytes, data: memoryview, rate_bytes_s: float | None = None
+) -> ShardManifest:
     """Write one shard durably and commit it with a rename; returns the manifest with CRCs.
 
     The checksums are computed by helper threads over the same memory while it is being
@@ -121,18 +126,23 @@ def write_shard(root: str, manifest: ShardManifest, objects: bytes, data: memory
     os.mkdir(tmp)
     algorithm = manifest.checksum
     try:
-        pending = checksum.start(data, [(t.begin, t.end) for t in manifest.tensors], _checksum_pool(),
-                                 algorithm)
+        pending = checksum.start(data, [(t.begin, t.end) for t in manifest.tensors], _checksum_pool(), algorithm)
         try:
             header = safetensors_header(manifest.tensors, {"format": "pt"}, align=directio.ALIGN)
-            directio.write_file(os.path.join(tmp, DATA_FILE), header, data[:manifest.data_len],
-                                rate_bytes_s=rate_bytes_s)
+            directio.write_file(
+                os.path.join(tmp, DATA_FILE), header, data[: manifest.data_len], rate_bytes_s=rate_bytes_s
+            )
         finally:
-            crcs = dict(zip((t.name for t in manifest.tensors), checksum.finish(pending, algorithm)))
+            crcs = dict(zip((t.name for t in manifest.tensors), checksum.finish(pending, algorithm), strict=False))
         _write_file(os.path.join(tmp, OBJECTS_FILE), objects)
-        done = ShardManifest(**{**manifest.__dict__, "tensors": with_checksums(manifest.tensors, crcs),
-                                "objects_len": len(objects),
-                                "objects_crc32": checksum.update(objects, algorithm=algorithm)})
+        done = ShardManifest(
+            **{
+                **manifest.__dict__,
+                "tensors": with_checksums(manifest.tensors, crcs),
+                "objects_len": len(objects),
+                "objects_crc32": checksum.update(objects, algorithm=algorithm),
+            }
+        )
         _write_file(os.path.join(tmp, MANIFEST_FILE), done.to_json().encode())
         fsync_dir(tmp)
         prev = final + PREV_SUFFIX
@@ -167,7 +177,7 @@ def committed_shards(root: str, step: int) -> dict[tuple[int, int], str]:
         key = parse_shard_dir(name)
         if key is not None:
             found[key] = os.path.join(step_dir, name)
-        elif name.endswith(PREV_SUFFIX) and (key := parse_shard_dir(name[:-len(PREV_SUFFIX)])) is not None:
+        elif name.endswith(PREV_SUFFIX) and (key := parse_shard_dir(name[: -len(PREV_SUFFIX)])) is not None:
             prev[key] = os.path.join(step_dir, name)
     return {**prev, **found}
 
@@ -241,8 +251,10 @@ def read_objects(shard_dir: str, manifest: ShardManifest) -> bytes:
     path = os.path.join(shard_dir, OBJECTS_FILE)
     with open(path, "rb") as f:
         blob = f.read()
-    if len(blob) != manifest.objects_len or \
-            checksum.update(blob, algorithm=manifest.checksum) != manifest.objects_crc32:
+    if (
+        len(blob) != manifest.objects_len
+        or checksum.update(blob, algorithm=manifest.checksum) != manifest.objects_crc32
+    ):
         raise CorruptCheckpoint(f"{path}: checksum mismatch (file damaged)")
     return blob
 
@@ -267,13 +279,13 @@ class DataFile:
             start = 8 + int.from_bytes(head, "little")
             size = os.fstat(f.fileno()).st_size
         if size != start + manifest.data_len:
-            raise CorruptCheckpoint(f"{path}: {size} bytes, expected {start + manifest.data_len} "
-                                    "(truncated or overwritten)")
+            raise CorruptCheckpoint(
+                f"{path}: {size} bytes, expected {start + manifest.data_len} " "(truncated or overwritten)"
+            )
         fd, direct = directio.open_file(path, os.O_RDONLY)
         return cls(path, fd, direct, start, manifest.checksum)
 
-    def read_many(self, requests: list[tuple[TensorEntry, int | None]], pool: Executor,
-                  verify: bool = True) -> None:
+    def read_many(self, requests: list[tuple[TensorEntry, int | None]], pool: Executor, verify: bool = True) -> None:
         """Read tensors into memory at the given addresses (None: only check them), several
         chunks in flight; raises CorruptCheckpoint naming the first tensor that fails its CRC."""
         targets = [directio.Target(e.begin, e.end, dest) for e, dest in requests]
@@ -281,7 +293,7 @@ class DataFile:
             crcs = directio.read_scatter(self.fd, self.direct, self.data_start, targets, pool, self.algorithm)
         except directio.ShortRead as exc:
             raise CorruptCheckpoint(f"{self.path}: truncated ({exc.strerror})") from exc
-        for (e, _), crc in zip(requests, crcs):
+        for (e, _), crc in zip(requests, crcs, strict=False):
             if verify and crc != e.crc32:
                 raise CorruptCheckpoint(f"{self.path}: checksum mismatch in tensor {e.name!r}")
 
@@ -317,8 +329,10 @@ def verify_step(root: str, step: int) -> None:
         if world is None:
             world = manifest.world_size
         if manifest.world_size != world or manifest.rank != rank or manifest.step != step:
-            raise CorruptCheckpoint(f"{path}: manifest says step {manifest.step} rank {manifest.rank} of "
-                                    f"{manifest.world_size}, which does not belong here")
+            raise CorruptCheckpoint(
+                f"{path}: manifest says step {manifest.step} rank {manifest.rank} of "
+                f"{manifest.world_size}, which does not belong here"
+            )
         if os.path.exists(os.path.join(path, VERIFIED_FILE)):
             continue
         verify_shard(path)
@@ -331,7 +345,7 @@ def verify_step(root: str, step: int) -> None:
 def newest_verified_step(root: str, at_most: int | None = None) -> tuple[int | None, list[str]]:
     """The newest complete step (up to ``at_most``) that passes :func:`verify_step`, and why
     each newer one was passed over."""
-    skipped = []
+    skipped: list[str] = []
     for step in complete_steps(root):
         if at_most is not None and step > at_most:
             continue

@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from unbroken.checkpoint import checksum
 
@@ -184,12 +185,14 @@ def layout(specs: Iterable[TensorSpec]) -> list[TensorEntry]:
     for s in ordered:
         if len(s.shape) != len(s.global_shape) or len(s.global_offset) != len(s.shape):
             raise ValueError(f"{s.name}: shape, global_shape and global_offset differ in rank")
-        for lo, n, g in zip(s.global_offset, s.shape, s.global_shape):
+        for lo, n, g in zip(s.global_offset, s.shape, s.global_shape, strict=False):
             if lo < 0 or lo + n > g:
-                raise ValueError(f"{s.name}: shard {s.shape} at {s.global_offset} "
-                                 f"falls outside global shape {s.global_shape}")
-        entries.append(TensorEntry(s.name, s.dtype, s.shape, s.global_shape, s.global_offset,
-                                   offset, offset + s.nbytes))
+                raise ValueError(
+                    f"{s.name}: shard {s.shape} at {s.global_offset} " f"falls outside global shape {s.global_shape}"
+                )
+        entries.append(
+            TensorEntry(s.name, s.dtype, s.shape, s.global_shape, s.global_offset, offset, offset + s.nbytes)
+        )
         offset += s.nbytes
     return entries
 
@@ -240,12 +243,15 @@ def _check_entry(t: TensorEntry) -> None:
     if not all(isinstance(d, int) and not isinstance(d, bool) for ds in dims for d in ds):
         raise ValueError(f"{t.name}: shape, global_shape and global_offset must be integers")
     if not len(t.shape) == len(t.global_shape) == len(t.global_offset) or len(t.shape) > MAX_DIMS:
-        raise ValueError(f"{t.name}: shape, global_shape and global_offset differ in rank "
-                         f"(or exceed {MAX_DIMS} dimensions)")
-    for lo, n, g in zip(t.global_offset, t.shape, t.global_shape):
+        raise ValueError(
+            f"{t.name}: shape, global_shape and global_offset differ in rank " f"(or exceed {MAX_DIMS} dimensions)"
+        )
+    for lo, n, g in zip(t.global_offset, t.shape, t.global_shape, strict=False):
         if n < 0 or g < 0 or lo < 0 or lo + n > g:
-            raise ValueError(f"{t.name}: shard {t.shape} at {t.global_offset} does not fit in "
-                             f"global shape {t.global_shape} (negative or out of bounds)")
+            raise ValueError(
+                f"{t.name}: shard {t.shape} at {t.global_offset} does not fit in "
+                f"global shape {t.global_shape} (negative or out of bounds)"
+            )
     if math.prod(t.global_shape) * itemsize(t.dtype) > MAX_BYTES:
         raise ValueError(f"{t.name}: global shape {t.global_shape} is implausibly large")
     if not 0 <= t.begin <= t.end <= MAX_BYTES:
@@ -255,26 +261,34 @@ def _check_entry(t: TensorEntry) -> None:
 
 
 def _entry_dict(e: TensorEntry) -> dict[str, Any]:
-    return {"name": e.name, "dtype": e.dtype, "shape": e.shape, "global_shape": e.global_shape,
-            "global_offset": e.global_offset, "begin": e.begin, "end": e.end, "crc32": e.crc32}
+    return {
+        "name": e.name,
+        "dtype": e.dtype,
+        "shape": e.shape,
+        "global_shape": e.global_shape,
+        "global_offset": e.global_offset,
+        "begin": e.begin,
+        "end": e.end,
+        "crc32": e.crc32,
+    }
 
 
 def with_checksums(entries: list[TensorEntry], crcs: dict[str, int]) -> list[TensorEntry]:
     """Entries with their checksums filled in (computed later, by the persist process)."""
-    return [TensorEntry(e.name, e.dtype, e.shape, e.global_shape, e.global_offset, e.begin, e.end,
-                        crcs[e.name]) for e in entries]
+    return [
+        TensorEntry(e.name, e.dtype, e.shape, e.global_shape, e.global_offset, e.begin, e.end, crcs[e.name])
+        for e in entries
+    ]
 
 
-def safetensors_header(entries: list[TensorEntry], metadata: dict[str, str] | None = None,
-                       align: int = 8) -> bytes:
+def safetensors_header(entries: list[TensorEntry], metadata: dict[str, str] | None = None, align: int = 8) -> bytes:
     """The length prefix and JSON header that precede the data section in a safetensors file.
 
     Padded with spaces (which safetensors allows) to a multiple of ``align``, so the data
     section starts aligned: 8 keeps every dtype aligned, 4096 also permits direct I/O.
     """
     header: dict[str, Any] = {
-        e.name: {"dtype": DTYPES[e.dtype][0], "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
-        for e in entries
+        e.name: {"dtype": DTYPES[e.dtype][0], "shape": list(e.shape), "data_offsets": [e.begin, e.end]} for e in entries
     }
     if metadata:
         header["__metadata__"] = metadata

@@ -70,14 +70,16 @@ class PeerCopy:
         if m.objects_crc32 is None or any(t.crc32 is None for t in m.tensors):
             raise ValueError("peer copy: the manifest lacks checksums")
         if len(self.objects) != m.objects_len or len(self.data) != m.data_len:
-            raise ValueError(f"peer copy: {len(self.objects)} object and {len(self.data)} data bytes for a "
-                             f"manifest of {m.objects_len} and {m.data_len}")
+            raise ValueError(
+                f"peer copy: {len(self.objects)} object and {len(self.data)} data bytes for a "
+                f"manifest of {m.objects_len} and {m.data_len}"
+            )
         algorithm = m.checksum
         if checksum.update(self.objects, algorithm=algorithm) != m.objects_crc32:
             raise ValueError("peer copy: objects checksum mismatch")
         view = memoryview(self.data)
         for t in m.tensors:
-            if checksum.update(view[t.begin:t.end], algorithm=algorithm) != t.crc32:
+            if checksum.update(view[t.begin : t.end], algorithm=algorithm) != t.crc32:
                 raise ValueError(f"peer copy: checksum mismatch in tensor {t.name!r}")
 
 
@@ -87,15 +89,27 @@ def _owner(value: Any) -> str:
     return value
 
 
+def _manifest(header: dict[str, Any]) -> ShardManifest:
+    """The manifest a header carries, as JSON text."""
+    text = header.get("manifest")
+    if not isinstance(text, str):
+        raise ValueError(f"the header's manifest is not JSON text: {type(text).__name__}")
+    return ShardManifest.from_json(text)
+
+
 def _sizes(header: dict[str, Any], manifest: ShardManifest, max_data: int) -> tuple[int, int]:
     """The announced byte counts, which must be the manifest's and within the bounds."""
     objects_len, data_len = header.get("objects_len"), header.get("data_len")
     if objects_len != manifest.objects_len or data_len != manifest.data_len:
-        raise ValueError(f"announced {objects_len!r} object and {data_len!r} data bytes for a manifest of "
-                         f"{manifest.objects_len} and {manifest.data_len}")
+        raise ValueError(
+            f"announced {objects_len!r} object and {data_len!r} data bytes for a manifest of "
+            f"{manifest.objects_len} and {manifest.data_len}"
+        )
     if manifest.objects_len > MAX_OBJECTS or manifest.data_len > max_data:
-        raise ValueError(f"a copy of {manifest.objects_len} object and {manifest.data_len} data bytes is over "
-                         f"the bounds ({MAX_OBJECTS} and {max_data})")
+        raise ValueError(
+            f"a copy of {manifest.objects_len} object and {manifest.data_len} data bytes is over "
+            f"the bounds ({MAX_OBJECTS} and {max_data})"
+        )
     return manifest.objects_len, manifest.data_len
 
 
@@ -124,9 +138,18 @@ class _Handler(socketserver.BaseRequestHandler):
                 if copy is None:
                     send_sealed(sock, session, json.dumps({"ok": False}).encode())
                 else:
-                    send_sealed(sock, session, json.dumps({
-                        "ok": True, "manifest": copy.manifest.to_json(),
-                        "objects_len": len(copy.objects), "data_len": len(copy.data)}).encode())
+                    send_sealed(
+                        sock,
+                        session,
+                        json.dumps(
+                            {
+                                "ok": True,
+                                "manifest": copy.manifest.to_json(),
+                                "objects_len": len(copy.objects),
+                                "data_len": len(copy.data),
+                            }
+                        ).encode(),
+                    )
                     sock.sendall(copy.objects)
                     sock.sendall(copy.data)
             else:
@@ -143,7 +166,7 @@ class _Handler(socketserver.BaseRequestHandler):
         server = self.server
         try:
             owner = _owner(header.get("owner"))
-            manifest = ShardManifest.from_json(header.get("manifest"))
+            manifest = _manifest(header)
             objects_len, data_len = _sizes(header, manifest, server.max_bytes)
         except (ValueError, TypeError) as e:
             return f"refused: {e}"
@@ -152,8 +175,10 @@ class _Handler(socketserver.BaseRequestHandler):
             if owner not in server.copies and len(server.copies) >= MAX_OWNERS:
                 return f"refused: this peer store already holds {MAX_OWNERS} owners"
             if server.held + server.arriving + size > server.max_bytes:
-                return (f"refused: a {size}-byte copy would take this peer store over its {server.max_bytes} "
-                        f"bytes ({server.held} held, {server.arriving} arriving)")
+                return (
+                    f"refused: a {size}-byte copy would take this peer store over its {server.max_bytes} "
+                    f"bytes ({server.held} held, {server.arriving} arriving)"
+                )
             server.arriving += size
         try:
             send_sealed(sock, session, json.dumps({"ok": True, "send": True}).encode())
@@ -212,8 +237,9 @@ class PeerStore:
         max_bytes: the most memory all copies (held and arriving) may take.
     """
 
-    def __init__(self, secret: JobSecret, host: str = "127.0.0.1", port: int = 0,
-                 max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    def __init__(
+        self, secret: JobSecret, host: str = "127.0.0.1", port: int = 0, max_bytes: int = DEFAULT_MAX_BYTES
+    ) -> None:
         if not isinstance(secret, JobSecret):
             raise TypeError(f"PeerStore needs the job's JobSecret, got {type(secret).__name__}")
         self._server = _Server((host, port), secret, max_bytes)
@@ -231,8 +257,7 @@ class PeerStore:
 
     def start(self) -> PeerStore:
         """Serve in a background thread (for a replica embedding the store)."""
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
-                                        name="unbroken-peer-store")
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="unbroken-peer-store")
         self._thread.start()
         return self
 
@@ -272,9 +297,19 @@ class PeerClient:
         """Pushes a copy; PeerError (a ConnectionError) with the store's reason if it is refused."""
         sock, session = self._connect()
         with sock:
-            send_sealed(sock, session, json.dumps({
-                "op": "put", "owner": owner, "manifest": manifest.to_json(),
-                "objects_len": len(objects), "data_len": len(data)}).encode())
+            send_sealed(
+                sock,
+                session,
+                json.dumps(
+                    {
+                        "op": "put",
+                        "owner": owner,
+                        "manifest": manifest.to_json(),
+                        "objects_len": len(objects),
+                        "data_len": len(data),
+                    }
+                ).encode(),
+            )
             answer = json.loads(recv_sealed(sock, session, MAX_HEADER))
             if isinstance(answer, dict) and answer.get("send") is True:
                 sock.sendall(objects)
@@ -294,7 +329,7 @@ class PeerClient:
             if not isinstance(header, dict) or not header.get("ok"):
                 return None
             try:
-                manifest = ShardManifest.from_json(header.get("manifest"))
+                manifest = _manifest(header)
                 objects_len, data_len = _sizes(header, manifest, max_bytes)
             except (ValueError, TypeError) as e:
                 raise PeerError(f"the peer store at {self.address[0]}:{self.address[1]} sent a bad copy: {e}") from e

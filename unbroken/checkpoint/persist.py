@@ -20,7 +20,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from unbroken.checkpoint import disk, retention
 from unbroken.checkpoint.manifest import ShardManifest, is_complete
@@ -60,17 +61,21 @@ def _persist(job: dict[str, Any], buffers: dict[int, mmap.mmap]) -> dict[str, An
     started = time.monotonic()
     reply: dict[str, Any] = {"op": "done", "slot": job["slot"], "step": manifest.step}
     try:
-        done = disk.write_shard(root, manifest, objects, memoryview(buffers[job["slot"]]),
-                                rate_bytes_s=job.get("rate_bytes_s"))
+        done = disk.write_shard(
+            root, manifest, objects, memoryview(buffers[job["slot"]]), rate_bytes_s=job.get("rate_bytes_s")
+        )
         reply["durable_s"] = time.monotonic() - started
         if is_complete(disk.committed_shards(root, manifest.step), manifest.world_size):
             disk.update_latest(root, manifest.step)
             reply["deleted"] = retention.apply(root, job["keep_last"])
         reply.update(ok=True, crcs={t.name: t.crc32 for t in done.tensors})
     except OSError as exc:
-        reply.update(ok=False, error=f"writing step {manifest.step} to {root} failed: "
-                                     f"{exc.strerror or exc} (errno {exc.errno}); "
-                                     "the previous checkpoint is intact")
+        reply.update(
+            ok=False,
+            error=f"writing step {manifest.step} to {root} failed: "
+            f"{exc.strerror or exc} (errno {exc.errno}); "
+            "the previous checkpoint is intact",
+        )
         return reply
     if job.get("peer"):
         from unbroken.checkpoint.peer import PeerClient
@@ -79,8 +84,9 @@ def _persist(job: dict[str, Any], buffers: dict[int, mmap.mmap]) -> dict[str, An
         try:
             host, port = job["peer"]
             secret = JobSecret(bytes.fromhex(job["peer_key"]))
-            PeerClient(host, port, secret).put(job["owner"], done, objects,
-                                               memoryview(buffers[job["slot"]])[:done.data_len])
+            PeerClient(host, port, secret).put(
+                job["owner"], done, objects, memoryview(buffers[job["slot"]])[: done.data_len]
+            )
             reply["peer_s"] = time.monotonic() - started - reply["durable_s"]
         except (OSError, ValueError, TypeError) as exc:
             reply["peer_error"] = f"peer copy failed: {exc}"
@@ -121,7 +127,9 @@ class PersistProcess:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "unbroken.checkpoint.persist", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
+                pass_fds=[theirs.fileno()],
+                env=env,
+                stdin=subprocess.DEVNULL,
             )
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)

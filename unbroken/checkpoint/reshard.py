@@ -18,29 +18,34 @@ Rules for the non-tensor state (the pickled objects of each shard), which has no
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)  # how the caller finds a piece again
 
 
 @dataclass(frozen=True)
-class Piece:
+class Piece(Generic[K]):
     """A saved piece of a global tensor: where it is found, and its box."""
 
-    key: Hashable
+    key: K
     offset: tuple[int, ...]
     shape: tuple[int, ...]
 
 
 @dataclass(frozen=True)
-class Copy:
+class Copy(Generic[K]):
     """Copy ``piece[src]`` into ``request[dst]`` (slices in each one's local coordinates)."""
 
-    key: Hashable
+    key: K
     src: tuple[slice, ...]
     dst: tuple[slice, ...]
 
 
-def plan(pieces: list[Piece], offset: tuple[int, ...], shape: tuple[int, ...], name: str = "tensor") -> list[Copy]:
+def plan(
+    pieces: list[Piece[K]], offset: tuple[int, ...], shape: tuple[int, ...], name: str = "tensor"
+) -> list[Copy[K]]:
     """The copies that assemble the box ``offset``/``shape`` from saved pieces.
 
     Raises:
@@ -48,7 +53,8 @@ def plan(pieces: list[Piece], offset: tuple[int, ...], shape: tuple[int, ...], n
             which means the checkpoint is missing a rank's shard.
     """
     seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
-    copies, covered = [], 0
+    copies: list[Copy[K]] = []
+    covered = 0
     for p in pieces:
         if len(p.offset) != len(offset):
             raise ValueError(f"{name}: saved with {len(p.offset)} dims, requested with {len(offset)}")
@@ -56,21 +62,25 @@ def plan(pieces: list[Piece], offset: tuple[int, ...], shape: tuple[int, ...], n
         if box in seen:  # the same piece from another replica
             continue
         seen.add(box)
-        lo = [max(a, b) for a, b in zip(p.offset, offset)]
-        hi = [min(a + n, b + m) for a, n, b, m in zip(p.offset, p.shape, offset, shape)]
-        if any(h <= l for l, h in zip(lo, hi)) and len(offset) > 0:
+        lo = [max(a, b) for a, b in zip(p.offset, offset, strict=False)]
+        hi = [min(a + n, b + m) for a, n, b, m in zip(p.offset, p.shape, offset, shape, strict=False)]
+        if any(h <= low for low, h in zip(lo, hi, strict=False)) and len(offset) > 0:
             continue
-        copies.append(Copy(
-            p.key,
-            tuple(slice(l - a, h - a) for l, h, a in zip(lo, hi, p.offset)),
-            tuple(slice(l - b, h - b) for l, h, b in zip(lo, hi, offset)),
-        ))
-        covered += math.prod(h - l for l, h in zip(lo, hi))
+        copies.append(
+            Copy(
+                p.key,
+                tuple(slice(low - a, h - a) for low, h, a in zip(lo, hi, p.offset, strict=False)),
+                tuple(slice(low - b, h - b) for low, h, b in zip(lo, hi, offset, strict=False)),
+            )
+        )
+        covered += math.prod(h - low for low, h in zip(lo, hi, strict=False))
     need = math.prod(shape)
     if covered != need:
         what = "overlap" if covered > need else "cover"
-        raise ValueError(f"{name}: the saved pieces {what} {covered} of the {need} requested "
-                         "elements; a rank's shard is missing or the shards are inconsistent")
+        raise ValueError(
+            f"{name}: the saved pieces {what} {covered} of the {need} requested "
+            "elements; a rank's shard is missing or the shards are inconsistent"
+        )
     return copies
 
 

@@ -48,10 +48,17 @@ class StepShards:
                     pieces = [(rank, by_name[rank][name]) for rank in sorted(by_name) if name in by_name[rank]]
                     if not pieces:
                         raise ValueError(f"tensor {name!r} is not in the checkpoint")
-                    exact = [(r, e) for r, e in pieces
-                             if e.global_offset == tuple(spec.global_offset) and e.shape == tuple(spec.shape)]
-                    if exact and dest.is_contiguous() and dest.device.type == "cpu" \
-                            and str(dest.dtype).removeprefix("torch.") == exact[0][1].dtype:
+                    exact = [
+                        (r, e)
+                        for r, e in pieces
+                        if e.global_offset == tuple(spec.global_offset) and e.shape == tuple(spec.shape)
+                    ]
+                    if (
+                        exact
+                        and dest.is_contiguous()
+                        and dest.device.type == "cpu"
+                        and str(dest.dtype).removeprefix("torch.") == exact[0][1].dtype
+                    ):
                         rank, e = exact[0]
                         batches.setdefault(rank, []).append((e, dest.data_ptr() if dest.numel() else None))
                     else:
@@ -74,12 +81,22 @@ def open_step(root: str, step: int) -> StepShards:
     return StepShards(dirs, {rank: disk.read_manifest(path) for rank, path in dirs.items()})
 
 
-def _assemble(name: str, dest: torch.Tensor, spec: Any, pieces: list[tuple[int, TensorEntry]],
-              files: dict[int, disk.DataFile], pool: Executor) -> None:
-    plan = reshard.plan([reshard.Piece(i, e.global_offset, e.shape) for i, (_, e) in enumerate(pieces)],
-                        tuple(spec.global_offset), tuple(spec.shape), name)
+def _assemble(
+    name: str,
+    dest: torch.Tensor,
+    spec: Any,
+    pieces: list[tuple[int, TensorEntry]],
+    files: dict[int, disk.DataFile],
+    pool: Executor,
+) -> None:
+    plan = reshard.plan(
+        [reshard.Piece(i, e.global_offset, e.shape) for i, (_, e) in enumerate(pieces)],
+        tuple(spec.global_offset),
+        tuple(spec.shape),
+        name,
+    )
     for c in plan:
-        rank, e = pieces[c.key]  # type: ignore[index]
+        rank, e = pieces[c.key]
         piece = torch.empty(e.shape, dtype=getattr(torch, e.dtype))
         files[rank].read_many([(e, piece.data_ptr() if piece.numel() else None)], pool)
         dest[c.dst].copy_(piece[c.src].to(dest.dtype))

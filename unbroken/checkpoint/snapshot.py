@@ -53,8 +53,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def flatten(state: Any, prefix: str = "",
-            known: dict[str, TensorSpec] | None = None) -> tuple[dict[str, tuple[torch.Tensor, TensorSpec]], Any]:
+def flatten(
+    state: Any, prefix: str = "", known: dict[str, TensorSpec] | None = None
+) -> tuple[dict[str, tuple[torch.Tensor, TensorSpec]], Any]:
     """Split a nested state into named tensors and a skeleton holding everything else.
 
     Returns ``(tensors, skeleton)``: ``tensors`` maps a path such as ``model/fc.weight`` to the
@@ -81,19 +82,24 @@ def flatten(state: Any, prefix: str = "",
             return type(node)(walk(v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(node))
         return node
 
-    def add(t: torch.Tensor, path: str, gshape: tuple[int, ...] | None, goff: tuple[int, ...] | None,
-            sharded: bool) -> TensorRef:
+    def add(
+        t: torch.Tensor, path: str, gshape: tuple[int, ...] | None, goff: tuple[int, ...] | None, sharded: bool
+    ) -> TensorRef:
         if path in tensors:
-            raise ValueError(f"two entries of the state flatten to the same name {path!r}; "
-                             "rename one of the keys")
+            raise ValueError(f"two entries of the state flatten to the same name {path!r}; " "rename one of the keys")
         if t.layout is not torch.strided or t.is_quantized:
             raise ValueError(f"{path}: sparse and quantized tensors cannot be checkpointed")
         dtype, shape = _dtype_name(t.dtype), tuple(t.shape)
         if gshape is None or goff is None:  # a whole tensor: its own global tensor
             gshape, goff = shape, (0,) * len(shape)
         spec = known.get(path)
-        if spec is None or spec.dtype != dtype or spec.shape != shape or spec.global_shape != gshape \
-                or spec.global_offset != goff:
+        if (
+            spec is None
+            or spec.dtype != dtype
+            or spec.shape != shape
+            or spec.global_shape != gshape
+            or spec.global_offset != goff
+        ):
             spec = TensorSpec(path, dtype, shape, gshape, goff)
         tensors[path] = (t, spec)
         return TensorRef(path, sharded)
@@ -102,8 +108,7 @@ def flatten(state: Any, prefix: str = "",
     return tensors, skeleton
 
 
-def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor],
-              shards: dict[str, TensorEntry] | None = None) -> Any:
+def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor], shards: dict[str, TensorEntry] | None = None) -> Any:
     """Rebuild the state from its skeleton, putting the given tensors back in place.
 
     With ``shards``, sharded tensors come back as :class:`Shard` carrying their offsets.
@@ -150,7 +155,7 @@ class HostBuffer:
     def view(self, entry: TensorEntry) -> torch.Tensor:
         """The region of one tensor, viewed as that tensor (no copy)."""
         dtype = getattr(torch, entry.dtype)
-        return self.bytes[entry.begin:entry.end].view(dtype).view(entry.shape)
+        return self.bytes[entry.begin : entry.end].view(dtype).view(entry.shape)
 
     def views(self, entries: list[TensorEntry]) -> list[torch.Tensor]:
         """:meth:`view` of every entry, kept while the same layout object is passed again
@@ -175,8 +180,7 @@ class HostBuffer:
 PARALLEL_COPY_MIN = 8 << 20  # below this, torch's threaded copy costs more than it saves
 
 
-def copy_tensor(dst: torch.Tensor, src: torch.Tensor, single_thread: bool = False,
-                non_blocking: bool = False) -> None:
+def copy_tensor(dst: torch.Tensor, src: torch.Tensor, single_thread: bool = False, non_blocking: bool = False) -> None:
     """Copy ``src`` into ``dst`` (same dtype and shape), cheaply for small CPU tensors.
 
     Contiguous CPU tensors smaller than ``PARALLEL_COPY_MIN`` are copied with one plain
@@ -190,8 +194,13 @@ def copy_tensor(dst: torch.Tensor, src: torch.Tensor, single_thread: bool = Fals
         non_blocking: passed to torch's copy (device tensors into pinned memory).
     """
     nbytes = src.numel() * src.element_size()
-    if src.device.type == "cpu" and src.is_contiguous() and dst.is_contiguous() and nbytes \
-            and (single_thread or nbytes < PARALLEL_COPY_MIN):
+    if (
+        src.device.type == "cpu"
+        and src.is_contiguous()
+        and dst.is_contiguous()
+        and nbytes
+        and (single_thread or nbytes < PARALLEL_COPY_MIN)
+    ):
         ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
     else:
         dst.copy_(src, non_blocking=non_blocking)
@@ -208,8 +217,14 @@ def copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]], threads: int = 2) -
     groups: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(max(1, threads))]
     loads = [0] * len(groups)
     for dst, src in sorted(pairs, key=lambda p: -p[1].numel() * p[1].element_size()):
-        if src.device.type == "cpu" and dst.device.type == "cpu" and src.dtype == dst.dtype \
-                and src.shape == dst.shape and src.is_contiguous() and dst.is_contiguous():
+        if (
+            src.device.type == "cpu"
+            and dst.device.type == "cpu"
+            and src.dtype == dst.dtype
+            and src.shape == dst.shape
+            and src.is_contiguous()
+            and dst.is_contiguous()
+        ):
             i = loads.index(min(loads))
             groups[i].append((dst, src))
             loads[i] += src.numel() * src.element_size()
@@ -229,12 +244,16 @@ def copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]], threads: int = 2) -
         list(pool.map(run, busy))
 
 
-def copy_into(buffer: HostBuffer, entries: list[TensorEntry],
-              tensors: dict[str, tuple[torch.Tensor, TensorSpec]], single_thread: bool = False) -> None:
+def copy_into(
+    buffer: HostBuffer,
+    entries: list[TensorEntry],
+    tensors: dict[str, tuple[torch.Tensor, TensorSpec]],
+    single_thread: bool = False,
+) -> None:
     """Copy every tensor into its region of the buffer (the only work the trainer waits for);
     see :func:`copy_tensor` for ``single_thread``."""
     non_blocking = buffer._pinned
-    for e, dst in zip(entries, buffer.views(entries)):
+    for e, dst in zip(entries, buffer.views(entries), strict=False):
         copy_tensor(dst, tensors[e.name][0].detach(), single_thread, non_blocking)
     if non_blocking:
         torch.cuda.current_stream().synchronize()

@@ -100,7 +100,13 @@ class CrossReplicaGroup:
             raise ValueError(f"{ENV_EXCHANGE} must be 'backend' or 'ring', got {self.mode!r}")
 
     def configure(
-        self, store_address: str, epoch: int, rank: int, size: int, tag: str, device: torch.device,
+        self,
+        store_address: str,
+        epoch: int,
+        rank: int,
+        size: int,
+        tag: str,
+        device: torch.device,
         members: list[int] | None = None,
     ) -> None:
         """Joins the group of ``epoch``; every member calls this with the same epoch and tag.
@@ -243,8 +249,11 @@ class CrossReplicaGroup:
         wake = self._batch[0]
         if self._batch[1] is None:
             rec = self.recorder
-            token = rec.begin(f"{self.tag}/epoch{epoch}", "allreduce", nbytes_total or tensor.numel() * 4,
-                              self.members) if rec else None
+            token = (
+                rec.begin(f"{self.tag}/epoch{epoch}", "allreduce", nbytes_total or tensor.numel() * 4, self.members)
+                if rec
+                else None
+            )
             self._batch = (wake, token)
             self.last_join_wait_s = 0.0
         if self._pg is None:
@@ -258,9 +267,12 @@ class CrossReplicaGroup:
             with self._lock:
                 self._wake = wake
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
+        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # torch's stub: RedOpType converts to ReduceOp
         try:
-            fut = self._pg.allreduce([tensor], opts).get_future()
+            pg = self._pg
+            if pg is None:  # the coordinator's thread abandoned the group since the join
+                raise ExchangeFailed(f"the group of epoch {epoch} was abandoned")
+            fut = pg.allreduce([tensor], opts).get_future()
         except Exception as e:  # a peer's connection closed before this started
             self.abandon()
             self._batch_over(None)
@@ -339,7 +351,7 @@ class CrossReplicaGroup:
         if self.mode == "ring":
             return _RingRun(self._pg, tensor, self.rank, self.size, self.recorder, wake)
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
+        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # torch's stub: RedOpType converts to ReduceOp
         fut = self._pg.allreduce([tensor], opts).get_future()
         fut.add_done_callback(lambda _: wake.set())
         return fut
@@ -354,8 +366,9 @@ class CrossReplicaGroup:
             with self._lock:
                 self._wake = None
             self.abandon()
-            raise ExchangeFailed(f"epoch {epoch}: the group's rendezvous did not complete in {timeout_s:.1f}s"
-                                 " or was aborted")
+            raise ExchangeFailed(
+                f"epoch {epoch}: the group's rendezvous did not complete in {timeout_s:.1f}s" " or was aborted"
+            )
         self._pending = None
         try:
             self._pg = pending.result()
@@ -374,7 +387,7 @@ class CrossReplicaGroup:
     def _gloo_options(self, store_address: str) -> Any:
         """Gloo's options: its pairs listen on loopback when the job is on one machine (the store,
         hosted by the coordinator, is on loopback), never on every interface of the host."""
-        options = dist.ProcessGroupGloo._Options()
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stub lacks _Options
         options._timeout = self.timeout
         host = parse_host_port(store_address, "store address")[0]
         if _is_loopback(host) and not os.environ.get("GLOO_SOCKET_IFNAME"):
@@ -386,8 +399,9 @@ class CrossReplicaGroup:
     def _store(self, address: str) -> AuthenticatedStore:
         with self._store_lock:
             if address not in self._stores:
-                self._stores[address] = AuthenticatedStore(address, self._secret,
-                                                           timeout=datetime.timedelta(seconds=30))
+                self._stores[address] = AuthenticatedStore(
+                    address, self._secret, timeout=datetime.timedelta(seconds=30)
+                )
             return self._stores[address]
 
 
@@ -407,8 +421,15 @@ class _RingRun:
     thread with the group's own timeout; a stuck ring is abandoned like a stuck backend op.
     """
 
-    def __init__(self, pg: Any, tensor: torch.Tensor, rank: int, size: int,
-                 recorder: FlightRecorder | None, wake: threading.Event) -> None:
+    def __init__(
+        self,
+        pg: Any,
+        tensor: torch.Tensor,
+        rank: int,
+        size: int,
+        recorder: FlightRecorder | None,
+        wake: threading.Event,
+    ) -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
         seq = recorder.open[1] if recorder is not None and recorder.open else 0

@@ -67,8 +67,9 @@ class LinkFault:
                     kw[k] = float(v) if k == "mb_s" else int(v)
             fault = cls(a, b, **kw)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"{ENV_LINK_FAULT}={spec!r}: write A-B:mb_s=MB:step=N, A:mb_s=MB:step=N "
-                             f"or A-B:stall:step=N ({e})") from e
+            raise ValueError(
+                f"{ENV_LINK_FAULT}={spec!r}: write A-B:mb_s=MB:step=N, A:mb_s=MB:step=N " f"or A-B:stall:step=N ({e})"
+            ) from e
         if not fault.stall and not (fault.mb_s and fault.mb_s > 0):
             raise ValueError(f"{ENV_LINK_FAULT}={spec!r}: give mb_s > 0 or stall")
         if fault.stall and fault.b is None:
@@ -231,8 +232,17 @@ class FlightRecorder:
         except RuntimeError:  # changed under us by the ring thread; the next batch has it
             open_links = []
         flags = [[d, p] for (d, p), m in self.monitors.items() if m.flagged]
-        return {"now_ns": time.monotonic_ns(), "records": records, "open": open_, "links": links,
-                "open_links": open_links, "stalls": stalls, "steps": steps, "flags": flags, "memory": _rss_bytes()}
+        return {
+            "now_ns": time.monotonic_ns(),
+            "records": records,
+            "open": open_,
+            "links": links,
+            "open_links": open_links,
+            "stalls": stalls,
+            "steps": steps,
+            "flags": flags,
+            "memory": _rss_bytes(),
+        }
 
 
 def _rss_bytes() -> float | None:
@@ -245,7 +255,7 @@ def _rss_bytes() -> float | None:
 
 def _drain(q: deque[Any], n: int) -> list[Any]:
     """Takes up to ``n`` entries; entries are complete when appended, so they are not copied."""
-    out = []
+    out: list[Any] = []
     while q and len(out) < n:
         out.append(q.popleft())
     return out

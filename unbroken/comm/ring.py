@@ -117,10 +117,17 @@ def ring_allreduce_sum(
             hook.done("send", succ, step, stok)
 
 
-def _receive(rparts: list[tuple[int, int]], rworks: list[Any], tensor: torch.Tensor, dest: torch.Tensor,
-             r0: int, reduce: bool, wait: WaitFn) -> None:
+def _receive(
+    rparts: list[tuple[int, int]],
+    rworks: list[Any],
+    tensor: torch.Tensor,
+    dest: torch.Tensor,
+    r0: int,
+    reduce: bool,
+    wait: WaitFn,
+) -> None:
     """Waits for each piece of a ring step's receive; reduce steps add it in place."""
-    for (a, b), rwork in zip(rparts, rworks):
+    for (a, b), rwork in zip(rparts, rworks, strict=False):
         wait(rwork)
         if reduce:
             tensor[a:b].add_(dest[a - r0 : b - r0])

@@ -37,9 +37,13 @@ class StoreError(RuntimeError):
 class AuthenticatedStore(dist.Store):
     """The job's store at ``address`` (``HOST:PORT``), authenticated with ``secret``."""
 
-    def __init__(self, address: str, secret: JobSecret,
-                 timeout: datetime.timedelta = datetime.timedelta(seconds=30),
-                 connect_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        secret: JobSecret,
+        timeout: datetime.timedelta = datetime.timedelta(seconds=30),
+        connect_timeout_s: float = 30.0,
+    ) -> None:
         super().__init__()
         if not isinstance(secret, JobSecret):
             raise TypeError(f"AuthenticatedStore needs the job's JobSecret, got {type(secret).__name__}")
@@ -65,8 +69,7 @@ class AuthenticatedStore(dist.Store):
         return int(self._call({"op": "add", "key": key, "amount": int(amount)})["value"])
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
-        answer = self._call({"op": "compare_set", "key": key, "expected": _b64(expected),
-                             "desired": _b64(desired)})
+        answer = self._call({"op": "compare_set", "key": key, "expected": _b64(expected), "desired": _b64(desired)})
         return base64.b64decode(answer["value"])
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
@@ -96,7 +99,7 @@ class AuthenticatedStore(dist.Store):
     # -- the connection pool ------------------------------------------------------------------
 
     def _timeout_s(self) -> float:
-        return self.timeout.total_seconds()
+        return self.timeout.total_seconds()  # type: ignore[attr-defined]  # torch's stub lacks Store.timeout
 
     def _call(self, request: dict[str, Any]) -> dict[str, Any]:
         sock, session = self._take()

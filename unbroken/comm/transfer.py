@@ -196,13 +196,14 @@ class SnapshotCopy:
     only when complete, so no peer is ever served a half-copied buffer.
     """
 
-    def __init__(self, step: int, state: Any, pool: SnapshotPool,
-                 publish: Callable[[Snapshot], None] | None = None) -> None:
+    def __init__(
+        self, step: int, state: Any, pool: SnapshotPool, publish: Callable[[Snapshot], None] | None = None
+    ) -> None:
         skeleton, tensors = flatten_state(state)
         entries, total = layout(tensors)
         buf = pool.take(total)
         later: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for t, e in zip(tensors, entries):
+        for t, e in zip(tensors, entries, strict=False):
             if t.device.type == "cpu" and e.nbytes >= BACKGROUND_COPY_MIN:
                 later.append((_view(buf, e), t.detach()))
             else:
@@ -244,7 +245,7 @@ class TransferServer:
         self._keep = keep
         self._cond = threading.Condition()
         self._sock = socket.create_server((host, 0))
-        self.address = "%s:%d" % self._sock.getsockname()[:2]
+        self.address = "{}:{}".format(*self._sock.getsockname()[:2])
         self._closed = False
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.served: list[dict[str, float]] = []  # the latest transfers (bounded), for the benchmark
@@ -280,8 +281,7 @@ class TransferServer:
                 continue
             try:
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
-                threading.Thread(target=self._serve, args=(conn,), name="unbroken-transfer-serve",
-                                 daemon=True).start()
+                threading.Thread(target=self._serve, args=(conn,), name="unbroken-transfer-serve", daemon=True).start()
             except BaseException:
                 conn.close()
                 self._slots.release()
@@ -310,23 +310,31 @@ class TransferServer:
         finally:
             self._slots.release()
 
-    def _send(self, conn: socket.socket, session: Any, step: int, wait_s: float,
-              start: float, cpu_start: float) -> None:
+    def _send(
+        self, conn: socket.socket, session: Any, step: int, wait_s: float, start: float, cpu_start: float
+    ) -> None:
         with self._cond:
-            if not self._cond.wait_for(lambda: step in self._snapshots or self._closed, timeout=wait_s) \
-                    or step not in self._snapshots:
+            if (
+                not self._cond.wait_for(lambda: step in self._snapshots or self._closed, timeout=wait_s)
+                or step not in self._snapshots
+            ):
                 send_sealed(conn, session, json.dumps({"ok": False}).encode())
                 return
             snap = self._snapshots[step]
             snap.readers += 1
         try:
-            header = json.dumps({
-                "ok": True, "step": snap.step, "total": snap.total, "chunk": CHUNK,
-                "entries": [[e.dtype, list(e.shape), e.offset, e.nbytes] for e in snap.entries],
-                "skeleton": base64.b64encode(snap.skeleton).decode(),
-            }).encode()
+            header = json.dumps(
+                {
+                    "ok": True,
+                    "step": snap.step,
+                    "total": snap.total,
+                    "chunk": CHUNK,
+                    "entries": [[e.dtype, list(e.shape), e.offset, e.nbytes] for e in snap.entries],
+                    "skeleton": base64.b64encode(snap.skeleton).decode(),
+                }
+            ).encode()
             send_sealed(conn, session, header)
-            view = memoryview(snap.buffer.numpy())[: snap.total]
+            view = memoryview(snap.buffer.numpy())[: snap.total]  # type: ignore[arg-type]  # numpy types __buffer__ from 3.12 only
             for off in range(0, snap.total, CHUNK):
                 chunk = view[off : off + CHUNK]
                 conn.sendall(chunk)
@@ -334,8 +342,14 @@ class TransferServer:
         finally:
             with self._cond:
                 snap.readers -= 1
-        self.served.append({"step": step, "bytes": snap.total, "s": time.perf_counter() - start,
-                            "cpu_s": time.thread_time() - cpu_start})
+        self.served.append(
+            {
+                "step": step,
+                "bytes": snap.total,
+                "s": time.perf_counter() - start,
+                "cpu_s": time.thread_time() - cpu_start,
+            }
+        )
         del self.served[:-MAX_SERVED_RECORDS]
 
 
@@ -378,8 +392,7 @@ def parse_header(header: Any, step: int) -> tuple[int, int, list[TensorEntry], A
         entries, offset = [], 0
         for item in raw:
             dtype, shape, off, nbytes = item
-            if not isinstance(shape, list) or len(shape) > MAX_DIMS or \
-                    any(type(d) is not int or d < 0 for d in shape):
+            if not isinstance(shape, list) or len(shape) > MAX_DIMS or any(type(d) is not int or d < 0 for d in shape):
                 raise TransferError(f"the donor sent a bad tensor shape {shape!r}")
             size = math.prod(shape) * _dtype(dtype).itemsize
             if off != offset or nbytes != size:
@@ -455,43 +468,49 @@ def receive_targets(skeleton: Any, entries: list[TensorEntry], into: Any) -> lis
         if isinstance(theirs, _TensorRef):
             e = entries[theirs.index]
             # Plain tensors only: a subclass (DTensor) may not own the memory its shape says.
-            if (type(ours) in (torch.Tensor, torch.nn.Parameter) and ours.device.type == "cpu"
-                    and ours.is_contiguous() and not ours.is_sparse
-                    and str(ours.dtype).removeprefix("torch.") == e.dtype and tuple(ours.shape) == e.shape):
+            if (
+                type(ours) in (torch.Tensor, torch.nn.Parameter)
+                and ours.device.type == "cpu"
+                and ours.is_contiguous()
+                and not ours.is_sparse
+                and str(ours.dtype).removeprefix("torch.") == e.dtype
+                and tuple(ours.shape) == e.shape
+            ):
                 targets[theirs.index] = ours
         elif isinstance(theirs, dict) and isinstance(ours, dict):
             for k, v in theirs.items():
                 if k in ours:
                     walk(v, ours[k])
         elif isinstance(theirs, (list, tuple)) and isinstance(ours, (list, tuple)) and len(theirs) == len(ours):
-            for a, b in zip(theirs, ours):
+            for a, b in zip(theirs, ours, strict=False):
                 walk(a, b)
 
     walk(skeleton, into)
     return targets
 
 
-def _segments(entries: list[TensorEntry], targets: list[torch.Tensor | None], buf: torch.Tensor,
-              total: int) -> list[tuple[int, memoryview]]:
+def _segments(
+    entries: list[TensorEntry], targets: list[torch.Tensor | None], buf: torch.Tensor, total: int
+) -> list[tuple[int, memoryview]]:
     """The stream cut into (start, destination) pieces: a target tensor's own bytes, or the
     receive buffer for everything else (padding, tensors with no target)."""
-    whole = memoryview(buf.numpy())
+    whole = memoryview(buf.numpy())  # type: ignore[arg-type]  # numpy types __buffer__ from 3.12 only
     out: list[tuple[int, memoryview]] = []
     pos = 0
-    for e, t in sorted(zip(entries, targets), key=lambda p: p[0].offset):
+    for e, t in sorted(zip(entries, targets, strict=False), key=lambda p: p[0].offset):
         if t is None or e.nbytes == 0:
             continue
         if e.offset > pos:
-            out.append((pos, whole[pos:e.offset]))
-        out.append((e.offset, memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())))
+            out.append((pos, whole[pos : e.offset]))
+        flat = t.detach().reshape(-1).view(torch.uint8).numpy()
+        out.append((e.offset, memoryview(flat)))  # type: ignore[arg-type]  # numpy types __buffer__ from 3.12 only
         pos = e.offset + e.nbytes
     if pos < total:
         out.append((pos, whole[pos:total]))
     return out
 
 
-def _receive(sock: socket.socket, address: str, parsed: tuple[int, int, list[TensorEntry], Any],
-             into: Any) -> Any:
+def _receive(sock: socket.socket, address: str, parsed: tuple[int, int, list[TensorEntry], Any], into: Any) -> Any:
     total, chunk_size, entries, skeleton = parsed
     targets = receive_targets(skeleton, entries, into) if into is not None else [None] * len(entries)
     # Pages of this buffer that only targeted tensors cover are never touched, so never faulted in.
@@ -519,6 +538,6 @@ def _receive(sock: socket.socket, address: str, parsed: tuple[int, int, list[Ten
     # would double the memory traffic of a catch-up for nothing.
     tensors = [
         t if t is not None else (_view(buf, e).clone() if e.nbytes < OWN_STORAGE_BELOW else _view(buf, e))
-        for t, e in zip(targets, entries)
+        for t, e in zip(targets, entries, strict=False)
     ]
     return unflatten_state(skeleton, tensors)

@@ -20,8 +20,13 @@ class Assignment:
     slots: dict[str, int] = dataclasses.field(default_factory=dict)
     owner: dict[int, str] = dataclasses.field(default_factory=dict)
 
-    def join(self, node: str, slots: int, running: list[int] | tuple[int, ...] = (),
-             busy: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    def join(
+        self,
+        node: str,
+        slots: int,
+        running: list[int] | tuple[int, ...] = (),
+        busy: set[int] | frozenset[int] = frozenset(),
+    ) -> list[int]:
         """Registers ``node``'s agent; returns the replica ids it should run.
 
         Args:
@@ -40,8 +45,7 @@ class Assignment:
             self.owner[r] = node
         return sorted(kept + self._fill(node, skip=busy))
 
-    def leave(self, node: str, done: set[int] | frozenset[int] = frozenset()
-              ) -> tuple[list[int], dict[str, list[int]]]:
+    def leave(self, node: str, done: set[int] | frozenset[int] = frozenset()) -> tuple[list[int], dict[str, list[int]]]:
         """Drops ``node``'s agent; returns its replicas and where each moved (``{node: [ids]}``).
 
         Replicas in ``done`` (finished training) are dropped without moving: nothing to rejoin.
@@ -66,10 +70,14 @@ class Assignment:
     def unassigned(self) -> list[int]:
         return [r for r in range(self.total_replicas) if r not in self.owner]
 
-    def _fill(self, node: str, among: list[int] | None = None,
-              skip: set[int] | frozenset[int] = frozenset()) -> list[int]:
-        candidates = [r for r in (among if among is not None else range(self.total_replicas))
-                      if r not in self.owner and r not in skip]
+    def _fill(
+        self, node: str, among: list[int] | None = None, skip: set[int] | frozenset[int] = frozenset()
+    ) -> list[int]:
+        candidates = [
+            r
+            for r in (among if among is not None else range(self.total_replicas))
+            if r not in self.owner and r not in skip
+        ]
         got = candidates[: max(0, self.free(node))]
         for r in got:
             self.owner[r] = node

@@ -103,8 +103,7 @@ class CoordinatorClient:
         """Asks for the quorum of ``step``; the future resolves with the coordinator's answer."""
         self.step = step
         req_id = next(self._ids)
-        msg = {"op": "quorum", "id": req_id, "step": step, "failed_epoch": failed_epoch,
-               "step_time": step_time}
+        msg = {"op": "quorum", "id": req_id, "step": step, "failed_epoch": failed_epoch, "step_time": step_time}
         fut: Future[dict[str, Any]] = Future()
         with self._lock:
             self._pending[req_id] = (msg, fut)
@@ -156,8 +155,7 @@ class CoordinatorClient:
             if connected is None:
                 self._fail_pending(
                     CoordinatorUnreachable(
-                        f"lost the coordinator at {self.host}:{self.port} for "
-                        f"{self.reconnect_timeout_s:.0f}s"
+                        f"lost the coordinator at {self.host}:{self.port} for " f"{self.reconnect_timeout_s:.0f}s"
                     )
                 )
                 return
@@ -270,6 +268,9 @@ def _check_decision(data: object) -> None:
         raise ValueError("a quorum answer without a decision")
     d = QuorumDecision.from_json(data)
     ids = [*d.members, *d.behind, *(x for pair in d.donors for x in pair)]
-    if (not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ids)
-            or any(len(pair) != 2 for pair in d.donors) or not set(d.behind) <= set(d.members)):
+    if (
+        not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ids)
+        or any(len(pair) != 2 for pair in d.donors)
+        or not set(d.behind) <= set(d.members)
+    ):
         raise ValueError(f"a malformed quorum decision: {data!r:.80}")

@@ -20,25 +20,24 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import os
 import contextlib
 import dataclasses
 import logging
+import os
 import statistics
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any
 
+from unbroken.config import ENV_ANOMALY_POLICY
 from unbroken.control import protocol
 from unbroken.control.assignment import Assignment
 from unbroken.control.quorum import QuorumDecision, QuorumRequest, QuorumRules, QuorumState
-from unbroken.config import ENV_ANOMALY_POLICY
+from unbroken.control.state_store import KEEP_EVENTS, StateStore
 from unbroken.diagnosis.master import DiagnosisMaster
 from unbroken.diagnosis.metrics import parse_policy
-from unbroken.diagnosis.service import DiagnosisService
-from unbroken.control.state_store import KEEP_EVENTS, StateStore
-from unbroken.diagnosis.service import StackSource
+from unbroken.diagnosis.service import DiagnosisService, StackSource
 from unbroken.observe.events import EventLog
 from unbroken.wire.auth import AuthError, JobSecret, server_handshake_async
 
@@ -139,8 +138,7 @@ class Coordinator:
 
     TICK_S = 0.05
 
-    def __init__(self, settings: CoordinatorSettings, secret: JobSecret,
-                 stacks: StackSource | None = None) -> None:
+    def __init__(self, settings: CoordinatorSettings, secret: JobSecret, stacks: StackSource | None = None) -> None:
         if not isinstance(secret, JobSecret):
             raise TypeError("the coordinator needs the job's JobSecret (there is no unauthenticated mode)")
         self.settings = settings
@@ -313,8 +311,7 @@ class Coordinator:
             conn, agent = who
             anonymous = conn is None and agent is None
             try:
-                line = await asyncio.wait_for(link.readline(),
-                                              self.settings.hello_timeout_s if anonymous else None)
+                line = await asyncio.wait_for(link.readline(), self.settings.hello_timeout_s if anonymous else None)
             except (asyncio.TimeoutError, TimeoutError):
                 log.info("closed a connection that said no hello within %.0fs", self.settings.hello_timeout_s)
                 return
@@ -359,8 +356,9 @@ class Coordinator:
         if n & (n - 1) == 0:
             log.warning("dropped a connection to the coordinator (%d so far): %s", n, reason)
 
-    def _dispatch(self, msg: dict[str, Any], link: protocol.Link, conn: _RankConn | None,
-                  agent: _AgentConn | None) -> tuple[str, _RankConn | None, _AgentConn | None]:
+    def _dispatch(
+        self, msg: dict[str, Any], link: protocol.Link, conn: _RankConn | None, agent: _AgentConn | None
+    ) -> tuple[str, _RankConn | None, _AgentConn | None]:
         """Acts on one message; raises ValueError (or TypeError, KeyError) on a malformed one,
         Refused when the connection must end."""
         op = msg["op"]
@@ -426,17 +424,25 @@ class Coordinator:
             raise Refused(f"rank {rank} is not below world_size {world_size}")
         ranks = self.replicas.get(replica, {})
         if any(c.world_size != world_size for c in ranks.values()):
-            raise Refused(f"replica {replica} has ranks of world_size "
-                          f"{next(iter(ranks.values())).world_size}, not {world_size}")
+            raise Refused(
+                f"replica {replica} has ranks of world_size "
+                f"{next(iter(ranks.values())).world_size}, not {world_size}"
+            )
         if rank in ranks:
             # Refused while the old connection lives: it ends when its process dies, or when it
             # is evicted for silence; the client then reconnects and is served.
-            raise Refused(f"replica {replica} rank {rank} is already connected: refused until that "
-                          "connection is gone")
+            raise Refused(
+                f"replica {replica} rank {rank} is already connected: refused until that " "connection is gone"
+            )
         conn = _RankConn(
-            replica=replica, rank=rank, world_size=world_size, link=link,
-            transfer_addr=protocol.text(msg, "transfer_addr"), node=protocol.text(msg, "node"),
-            last_heartbeat=time.monotonic(), step=protocol.count(msg, "step", 0),
+            replica=replica,
+            rank=rank,
+            world_size=world_size,
+            link=link,
+            transfer_addr=protocol.text(msg, "transfer_addr"),
+            node=protocol.text(msg, "node"),
+            last_heartbeat=time.monotonic(),
+            step=protocol.count(msg, "step", 0),
         )
         ranks = self.replicas.setdefault(replica, {})
         ranks[rank] = conn
@@ -479,8 +485,9 @@ class Coordinator:
             raise Refused(f"an agent_hello needs a node name, 1 to {MAX_SLOTS} slots and a list of running replicas")
         try:
             busy = {r for r, conns in self.replicas.items() if conns}
-            replicas = self.assignment.join(node, slots, running=[protocol.count({"r": r}, "r") for r in running],
-                                            busy=busy)
+            replicas = self.assignment.join(
+                node, slots, running=[protocol.count({"r": r}, "r") for r in running], busy=busy
+            )
         except ValueError as e:
             link.send({"op": "error", "message": str(e)})
             return None
@@ -492,8 +499,11 @@ class Coordinator:
 
     def _agent_heartbeat(self, agent: _AgentConn) -> None:
         agent.last_heartbeat = time.monotonic()
-        steps = {str(r): max((c.step for c in self.replicas[r].values()), default=0)
-                 for r in self.assignment.replicas_of(agent.node) if r in self.replicas}
+        steps = {
+            str(r): max((c.step for c in self.replicas[r].values()), default=0)
+            for r in self.assignment.replicas_of(agent.node)
+            if r in self.replicas
+        }
         agent.link.send({"op": "agent_status", "steps": steps})
 
     async def _agent_stack(self, replica: int, rank: int) -> dict[str, Any]:
@@ -514,10 +524,15 @@ class Coordinator:
         if self.assignment.owner.get(replica) != agent.node:
             raise ValueError(f"replica {replica} does not run on node {agent.node}")
         stack = msg.get("stack")
-        self.events.emit("stack", replica=replica, rank=rank, node=agent.node,
-                         process_state=protocol.text(msg, "process_state", 4),
-                         stack=stack[-8000:] if isinstance(stack, str) else None,
-                         stack_note=protocol.text(msg, "stack_note", 500))
+        self.events.emit(
+            "stack",
+            replica=replica,
+            rank=rank,
+            node=agent.node,
+            process_state=protocol.text(msg, "process_state", 4),
+            stack=stack[-8000:] if isinstance(stack, str) else None,
+            stack_note=protocol.text(msg, "stack_note", 500),
+        )
 
     def _agent_gone(self, agent: _AgentConn, reason: str) -> None:
         """All of the agent's replicas are gone with it: evict them now, move them to spare slots."""
@@ -533,8 +548,9 @@ class Coordinator:
         for node, replicas in moves.items():
             for r in replicas:
                 self.events.emit("replica_reassigned", replica=r, from_node=agent.node, to_node=node)
-            self.agents[node].link.send({"op": "assign", "replicas": replicas,
-                                         "num_replicas": self.settings.total_replicas})
+            self.agents[node].link.send(
+                {"op": "assign", "replicas": replicas, "num_replicas": self.settings.total_replicas}
+            )
         self._check_job_finished()
 
     def _replica_done(self, conn: _RankConn) -> None:
@@ -589,8 +605,10 @@ class Coordinator:
         # of it is a newcomer: it asks for the step of its checkpoint, and catches up).
         member = cur is not None and conn.epoch == cur.epoch and conn.replica in cur.members
         if cur is not None and member and step < cur.step:
-            self._evict(conn.replica, f"rank {conn.rank} asked for step {step}, below step {cur.step} that its "
-                                      f"epoch {cur.epoch} trains")
+            self._evict(
+                conn.replica,
+                f"rank {conn.rank} asked for step {step}, below step {cur.step} that its " f"epoch {cur.epoch} trains",
+            )
             return
         if failed is not None and not (member and cur is not None and failed == cur.epoch):
             failed = None  # not this replica's exchange to fail, or a stale report
@@ -639,15 +657,17 @@ class Coordinator:
         for d in decisions:
             self.store.record_epoch(d.epoch, d.step, list(d.members), list(d.behind))
             self.events.emit(
-                "quorum", epoch=d.epoch, step=d.step, members=list(d.members),
-                behind=list(d.behind), donors=[list(p) for p in d.donors],
+                "quorum",
+                epoch=d.epoch,
+                step=d.step,
+                members=list(d.members),
+                behind=list(d.behind),
+                donors=[list(p) for p in d.donors],
             )
             waiting = {m: self.pending.pop(m) for m in d.members if m in self.pending}
             self._reply(d, waiting)
 
-    def _reply(
-        self, d: QuorumDecision, waiting: dict[int, dict[int, tuple[_RankConn, int, int, int | None]]]
-    ) -> None:
+    def _reply(self, d: QuorumDecision, waiting: dict[int, dict[int, tuple[_RankConn, int, int, int | None]]]) -> None:
         for ranks in waiting.values():
             for rank, (conn, req_id, _, _) in ranks.items():
                 conn.epoch = d.epoch
@@ -656,8 +676,15 @@ class Coordinator:
                     for m in d.members
                     if m in self.replicas and rank in self.replicas[m]
                 }
-                conn.link.send({"op": "quorum", "id": req_id, "decision": d.to_json(), "transfer_addrs": addrs,
-                                "store": self._store_for(conn.link)})
+                conn.link.send(
+                    {
+                        "op": "quorum",
+                        "id": req_id,
+                        "decision": d.to_json(),
+                        "transfer_addrs": addrs,
+                        "store": self._store_for(conn.link),
+                    }
+                )
 
     def _push_aborts(self) -> None:
         cur = self.quorum.current
@@ -680,8 +707,9 @@ class Coordinator:
             except Exception:
                 self.tick_errors += 1
                 if self.tick_errors & (self.tick_errors - 1) == 0:  # 1st, 2nd, 4th...: not 20 a second
-                    log.exception("coordinator tick failed (%d so far); the next tick runs all the same",
-                                  self.tick_errors)
+                    log.exception(
+                        "coordinator tick failed (%d so far); the next tick runs all the same", self.tick_errors
+                    )
 
     def _tick_once(self, now: float) -> None:
         for agent in list(self.agents.values()):
@@ -699,12 +727,16 @@ class Coordinator:
                 suspects.add(replica)
         if suspects != self.quorum.silent:
             if suspects - self.quorum.silent:
-                self.events.emit("replica_silent", replicas=sorted(suspects - self.quorum.silent),
-                                 after_s=self.settings.suspect_after_s)
+                self.events.emit(
+                    "replica_silent",
+                    replicas=sorted(suspects - self.quorum.silent),
+                    after_s=self.settings.suspect_after_s,
+                )
             self._deliver(self.quorum.set_silent(suspects, now))
         if len(self.step_times) >= 5:
-            self.quorum.join_window_s = min(JOIN_WINDOW_MAX_S, max(
-                self.settings.join_window_floor_s, 3.0 * statistics.median(self.step_times)))
+            self.quorum.join_window_s = min(
+                JOIN_WINDOW_MAX_S, max(self.settings.join_window_floor_s, 3.0 * statistics.median(self.step_times))
+            )
         self._persist()
         self._deliver(self.quorum.evaluate(now))
         self._push_aborts()
@@ -716,7 +748,8 @@ class Coordinator:
         if self._persisting is not None and not self._persisting.done():
             return
         self._persisting = asyncio.get_running_loop().run_in_executor(
-            self._writer, self.store.persist, self.quorum.epoch)
+            self._writer, self.store.persist, self.quorum.epoch
+        )
         self._persisting.add_done_callback(self._persisted)
 
     def _persisted(self, done: asyncio.Future[int]) -> None:

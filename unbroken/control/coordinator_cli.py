@@ -41,24 +41,52 @@ async def _serve(settings: CoordinatorSettings, secret: JobSecret, secret_path: 
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=29510, show_default=True)
 @click.option("--state-dir", type=click.Path(path_type=Path), default=Path("runs/coordinator"), show_default=True)
-@click.option("--heartbeat-timeout", type=float, default=2.0, show_default=True, help="Seconds of silence before eviction.")
-@click.option("--startup-window", type=float, default=20.0, show_default=True, help="Seconds the first quorum waits for every replica.")
-@click.option("--journal-mode", type=click.Choice(JOURNAL_MODES), default="delete", show_default=True,
-              help="SQLite journal of --state-dir: delete is safe on a shared filesystem; wal only on a local disk.")
-@click.option("--secret-file", type=click.Path(path_type=Path), default=None,
-              help="The job's secret (0600; `unbroken secret new PATH`) [default: $UNBROKEN_SECRET_FILE, else "
-                   "--state-dir/secret, made if missing].")
+@click.option(
+    "--heartbeat-timeout", type=float, default=2.0, show_default=True, help="Seconds of silence before eviction."
+)
+@click.option(
+    "--startup-window",
+    type=float,
+    default=20.0,
+    show_default=True,
+    help="Seconds the first quorum waits for every replica.",
+)
+@click.option(
+    "--journal-mode",
+    type=click.Choice(JOURNAL_MODES),
+    default="delete",
+    show_default=True,
+    help="SQLite journal of --state-dir: delete is safe on a shared filesystem; wal only on a local disk.",
+)
+@click.option(
+    "--secret-file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The job's secret (0600; `unbroken secret new PATH`) [default: $UNBROKEN_SECRET_FILE, else "
+    "--state-dir/secret, made if missing].",
+)
 def coordinator(
-    replicas: int, min_replicas: int | None, host: str, port: int, state_dir: Path,
-    heartbeat_timeout: float, startup_window: float, journal_mode: str, secret_file: Path | None,
+    replicas: int,
+    min_replicas: int | None,
+    host: str,
+    port: int,
+    state_dir: Path,
+    heartbeat_timeout: float,
+    startup_window: float,
+    journal_mode: str,
+    secret_file: Path | None,
 ) -> None:
     """Serve membership and quorum epochs for a job; state persists in --state-dir."""
     try:
         settings = CoordinatorSettings(
             total_replicas=replicas,
             min_replicas=min_replicas if min_replicas is not None else replicas // 2 + 1,
-            state_dir=state_dir, host=host, port=port, heartbeat_timeout_s=heartbeat_timeout,
-            startup_window_s=startup_window, journal_mode=journal_mode,
+            state_dir=state_dir,
+            host=host,
+            port=port,
+            heartbeat_timeout_s=heartbeat_timeout,
+            startup_window_s=startup_window,
+            journal_mode=journal_mode,
         )
         found = secrets.given(secret_file)
         secret, path = found if found is not None else secrets.kept(state_dir)

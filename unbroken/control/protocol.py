@@ -106,8 +106,9 @@ def connect(host: str, port: int, secret: JobSecret, timeout: float) -> tuple[so
     return sock, session
 
 
-async def connect_async(host: str, port: int, secret: JobSecret, timeout: float = 10.0
-                        ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Session]:
+async def connect_async(
+    host: str, port: int, secret: JobSecret, timeout: float = 10.0
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Session]:
     """An asyncio, authenticated connection to the coordinator (closed again on any failure)."""
     reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=MAX_LINE), timeout)
     try:
@@ -152,8 +153,12 @@ def seconds(msg: Message, key: str, default: float | None) -> float | None:
     value = msg.get(key, default)
     if value is None:
         return None
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or not 0 <= value <= MAX_SECONDS):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not 0 <= value <= MAX_SECONDS
+    ):
         raise ValueError(f"{key} must be a number of seconds from 0 to {MAX_SECONDS:g}, got {value!r:.40}")
     return float(value)
 

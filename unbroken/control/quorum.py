@@ -24,7 +24,8 @@ The rules, in the order they are checked:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,13 +79,14 @@ class QuorumDecision:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, object]) -> QuorumDecision:
+    def from_json(cls, data: Mapping[str, Any]) -> QuorumDecision:
+        """The decision in ``data`` (parsed JSON, so the caller checks its members' types)."""
         return cls(
-            epoch=int(data["epoch"]),  # type: ignore[arg-type]
-            step=int(data["step"]),  # type: ignore[arg-type]
-            members=tuple(data["members"]),  # type: ignore[arg-type]
-            behind=tuple(data["behind"]),  # type: ignore[arg-type]
-            donors=tuple(tuple(p) for p in data["donors"]),  # type: ignore[arg-type, misc]
+            epoch=int(data["epoch"]),
+            step=int(data["step"]),
+            members=tuple(data["members"]),
+            behind=tuple(data["behind"]),
+            donors=tuple(tuple(p) for p in data["donors"]),
         )
 
 
@@ -162,9 +164,7 @@ class QuorumState:
         self.silent = set(replicas)
         return self.evaluate(now)
 
-    def request(
-        self, req: QuorumRequest, now: float
-    ) -> tuple[QuorumDecision | None, list[QuorumDecision]]:
+    def request(self, req: QuorumRequest, now: float) -> tuple[QuorumDecision | None, list[QuorumDecision]]:
         """Handles a replica's quorum request.
 
         Returns:

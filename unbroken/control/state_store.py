@@ -63,8 +63,13 @@ class StateStore:
         ValueError: the directory cannot be created or the database opened.
     """
 
-    def __init__(self, state_dir: str | Path, journal_mode: str = "delete", keep_events: int = KEEP_EVENTS,
-                 epoch_block: int = EPOCH_BLOCK) -> None:
+    def __init__(
+        self,
+        state_dir: str | Path,
+        journal_mode: str = "delete",
+        keep_events: int = KEEP_EVENTS,
+        epoch_block: int = EPOCH_BLOCK,
+    ) -> None:
         if journal_mode.lower() not in JOURNAL_MODES:
             raise ValueError(f"journal mode must be one of {', '.join(JOURNAL_MODES)}, got {journal_mode!r}")
         if keep_events < 1 or epoch_block < 2:
@@ -77,7 +82,7 @@ class StateStore:
         self.keep_events = keep_events
         self.epoch_block = epoch_block
         self.write_failures = 0  # history rows (epochs, events) that could not be written
-        self._lock_fd = _lock_state_dir(path)
+        self._lock_fd: int | None = _lock_state_dir(path)
         # Written by a writer thread (see :meth:`persist`), queued by the event loop: the queue
         # lock is held only to swap rows in and out, never across a write.
         self._db_lock = threading.RLock()
@@ -105,8 +110,10 @@ class StateStore:
             self.reserve_epochs(self.epoch_floor)
         except sqlite3.Error as e:
             self._release()
-            raise ValueError(f"cannot use the coordinator state in {self.path}: {e}; "
-                             "is the state directory writable and not full?") from e
+            raise ValueError(
+                f"cannot use the coordinator state in {self.path}: {e}; "
+                "is the state directory writable and not full?"
+            ) from e
 
     # -- epochs ------------------------------------------------------------------------------
 
@@ -143,7 +150,7 @@ class StateStore:
         """Queues an issued epoch for the history (its number is already safe: see the ceiling)."""
         with self._queue_lock:
             self._epochs.append((epoch, step, json.dumps(members), json.dumps(behind), time.time()))
-            del self._epochs[:-self.keep_events]
+            del self._epochs[: -self.keep_events]
 
     # -- events ------------------------------------------------------------------------------
 
@@ -152,7 +159,7 @@ class StateStore:
         row = (float(event.get("t", time.time())), str(event.get("kind", "")), json.dumps(event, default=str))
         with self._queue_lock:
             self._events.append(row)
-            del self._events[:-self.keep_events]
+            del self._events[: -self.keep_events]
 
     def persist(self, issued: int) -> int:
         """Reserves epochs ahead of ``issued`` and writes what is queued; returns the ceiling.
@@ -197,8 +204,8 @@ class StateStore:
                     raise
             except sqlite3.Error as e:
                 with self._queue_lock:
-                    self._events = (events + self._events)[-self.keep_events:]
-                    self._epochs = (epochs + self._epochs)[-self.keep_events:]
+                    self._events = (events + self._events)[-self.keep_events :]
+                    self._epochs = (epochs + self._epochs)[-self.keep_events :]
                 self._failed(f"{len(epochs)} epoch(s) and {len(events)} event(s)", e)
                 return False
             self._since_prune = 0 if prune else self._since_prune + len(events)
@@ -230,8 +237,13 @@ class StateStore:
     def _failed(self, what: str, e: sqlite3.Error) -> None:
         self.write_failures += 1
         if self.write_failures & (self.write_failures - 1) == 0:  # 1st, 2nd, 4th...: not a flood
-            log.warning("cannot write %s to %s (%s): %d write(s) failed so far; the job goes on",
-                        what, self.path, e, self.write_failures)
+            log.warning(
+                "cannot write %s to %s (%s): %d write(s) failed so far; the job goes on",
+                what,
+                self.path,
+                e,
+                self.write_failures,
+            )
 
 
 def _lock_state_dir(path: Path) -> int:

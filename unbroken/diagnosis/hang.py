@@ -89,18 +89,23 @@ def classify_hang(group: str, views: list[RankView], hang_s: float, silent_s: fl
     silent = sorted((v for v in views if v.silent_s >= silent_s), key=lambda v: -v.silent_s)
     if silent and len(silent) < len(views):
         v = silent[0]
-        evidence["reason"] = (f"every rank is at seq {top} but replica {v.replica} has sent no telemetry "
-                              f"for {v.silent_s:.2f}s: its process is not running")
+        evidence["reason"] = (
+            f"every rank is at seq {top} but replica {v.replica} has sent no telemetry "
+            f"for {v.silent_s:.2f}s: its process is not running"
+        )
         return HangFinding(NONCOMM_HANG, Culprit(v.replica, v.rank, v.node), 0.85, evidence)
     stalls = [(t.step, -t.age_s, t.sender, v) for v in views for t in v.open_recvs]
     if stalls:
         step, neg_age, sender, receiver = min(stalls, key=lambda s: (s[0], s[1]))
         evidence["open_recvs"] = [
             {"sender": t.sender, "receiver": v.replica, "ring_step": t.step, "age_s": round(t.age_s, 3)}
-            for v in views for t in v.open_recvs
+            for v in views
+            for t in v.open_recvs
         ]
-        evidence["reason"] = (f"every rank is in seq {top}; the earliest stalled transfer is "
-                              f"{sender} -> {receiver} at ring step {step} ({-neg_age:.2f}s)")
+        evidence["reason"] = (
+            f"every rank is in seq {top}; the earliest stalled transfer is "
+            f"{sender} -> {receiver} at ring step {step} ({-neg_age:.2f}s)"
+        )
         node = next((v.node for v in views if v.replica == sender), None)
         return HangFinding(COMM_HANG, Culprit(sender, receiver.rank, node, (sender, receiver.replica)), 0.9, evidence)
     evidence["reason"] = f"every rank is in seq {top} and none completes; no per-connection timings to name a link"

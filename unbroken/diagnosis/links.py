@@ -41,18 +41,20 @@ class LinkFinding:
 CELL_QUANTILE = 0.25
 
 
-def cell_floors(cells: Mapping[Cell, Sequence[float]], min_samples: int,
-                q: float = CELL_QUANTILE) -> dict[Cell, float]:
+def cell_floors(cells: Mapping[Cell, Sequence[float]], min_samples: int, q: float = CELL_QUANTILE) -> dict[Cell, float]:
     """Each cell's low quantile, for cells with at least ``min_samples`` samples."""
     return {c: quantile_of(xs, q) for c, xs in cells.items() if len(xs) >= min_samples}
 
 
-def classify_slow(cells: Mapping[Cell, Sequence[float]], ratio: float = 3.0, min_samples: int = 8,
-                  quantile: float = CELL_QUANTILE) -> LinkFinding | None:
+def classify_slow(
+    cells: Mapping[Cell, Sequence[float]], ratio: float = 3.0, min_samples: int = 8, quantile: float = CELL_QUANTILE
+) -> LinkFinding | None:
     """The slow node, sender, receiver or link in the matrix, or None when all cells agree."""
     if ratio <= 1.0 or not 0.0 <= quantile <= 1.0 or min_samples < 1:
-        raise ValueError(f"need ratio > 1, 0 <= quantile <= 1 and min_samples >= 1; got ratio={ratio}, "
-                         f"quantile={quantile}, min_samples={min_samples}")
+        raise ValueError(
+            f"need ratio > 1, 0 <= quantile <= 1 and min_samples >= 1; got ratio={ratio}, "
+            f"quantile={quantile}, min_samples={min_samples}"
+        )
     meds = cell_floors(cells, min_samples, quantile)
     if len(meds) < 2:
         return None

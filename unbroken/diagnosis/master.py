@@ -65,7 +65,9 @@ class _Rank:
     offset_s: float | None = None
     gaps: deque[float] = dataclasses.field(default_factory=lambda: deque(maxlen=100))
     entered: dict[str, int] = dataclasses.field(default_factory=dict)
-    exits: dict[str, dict[int, tuple[float, float]]] = dataclasses.field(default_factory=dict)  # seq -> (exit, run-queue wait)
+    exits: dict[str, dict[int, tuple[float, float]]] = dataclasses.field(
+        default_factory=dict
+    )  # seq -> (exit, run-queue wait)
     open: tuple[str, int, float] | None = None  # group, seq, enter (coordinator clock)
     failed: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)  # group -> seq, enter
     latest: str = ""
@@ -155,7 +157,9 @@ class DiagnosisMaster:
         else:
             r.open = None
         for group, seq, direction, peer, step, nbytes, post_ns, done_ns in batch.get("links", ()):
-            self._link_half(group, seq, step, direction, replica, peer, post_ns / 1e9 + to_c, done_ns / 1e9 + to_c, nbytes)
+            self._link_half(
+                group, seq, step, direction, replica, peer, post_ns / 1e9 + to_c, done_ns / 1e9 + to_c, nbytes
+            )
         for group, seq, stalled, *deadline in batch.get("stalls", ()):
             got = self.stalls.setdefault((group, seq, rank), {})
             got[replica] = [(d, peer, step, post_ns / 1e9 + to_c) for d, peer, step, post_ns in stalled]
@@ -165,8 +169,11 @@ class DiagnosisMaster:
                 oldest = next(iter(self.stalls))
                 del self.stalls[oldest]
                 self._deadline_passed.discard(oldest)
-        r.open_recvs = [(g, seq, peer, step, post_ns / 1e9 + to_c)
-                        for g, seq, d, peer, step, _nb, post_ns in batch.get("open_links", ()) if d == "recv"]
+        r.open_recvs = [
+            (g, seq, peer, step, post_ns / 1e9 + to_c)
+            for g, seq, d, peer, step, _nb, post_ns in batch.get("open_links", ())
+            if d == "recv"
+        ]
         r.flags = list(batch.get("flags", ()))
         det = self._detector(ident)
         steps = [tuple(x) for x in batch.get("steps", ())]
@@ -175,10 +182,20 @@ class DiagnosisMaster:
         for step, loss, grad_norm, memory in steps:
             for a in det.observe(step, loss=_num(loss), grad_norm=_num(grad_norm), memory=memory):
                 if self.policy.get(a.kind, "none") != "none" or a.kind.startswith("nonfinite"):
-                    self._pending_metric.append(Verdict(
-                        Culprit(replica, rank, node), METRIC_ANOMALY, 0.9,
-                        {"anomaly": a.kind, "step": a.step, "value": a.value, "action": self.policy.get(a.kind),
-                         **a.evidence}))
+                    self._pending_metric.append(
+                        Verdict(
+                            Culprit(replica, rank, node),
+                            METRIC_ANOMALY,
+                            0.9,
+                            {
+                                "anomaly": a.kind,
+                                "step": a.step,
+                                "value": a.value,
+                                "action": self.policy.get(a.kind),
+                                **a.evidence,
+                            },
+                        )
+                    )
 
     def _detector(self, ident: Ident) -> MetricDetector:
         det = self.detectors.get(ident)
@@ -224,8 +241,9 @@ class DiagnosisMaster:
                 best[rep] = min(best.get(rep, float("inf")), median(xs))
         self.last.setdefault(rank, deque(maxlen=self.s.straggler_window)).append(max(got, key=lambda k: got[k][0]))
 
-    def _link_half(self, group: str, seq: int, step: int, direction: str, me: int, peer: int,
-                   post: float, done: float, nbytes: int) -> None:
+    def _link_half(
+        self, group: str, seq: int, step: int, direction: str, me: int, peer: int, post: float, done: float, nbytes: int
+    ) -> None:
         if seq < self.s.link_warmup:
             return
         src, dst = (me, peer) if direction == "send" else (peer, me)
@@ -277,8 +295,7 @@ class DiagnosisMaster:
             # between collectives the last findings stand (and keep their findings reported).
             self._judged = self._arrived
             self._periodic = self._stragglers(count=True) + self._slow_links() + self._step_time()
-        found = (self._hangs(now) + self._stalled(now) + self._silent(now) + self._periodic
-                 + self._pending_metric)
+        found = self._hangs(now) + self._stalled(now) + self._silent(now) + self._periodic + self._pending_metric
         self._pending_metric = []
         fresh = []
         for v in found:
@@ -307,8 +324,11 @@ class DiagnosisMaster:
                     wait = now - r.open[2]
                 elif group in r.failed and r.latest == group and r.failed[group][0] == r.entered.get(group):
                     wait = now - r.failed[group][1]
-                opens = tuple(hang.OpenTransfer(peer, step, now - post)
-                              for g, _seq, peer, step, post in r.open_recvs if g == group)
+                opens = tuple(
+                    hang.OpenTransfer(peer, step, now - post)
+                    for g, _seq, peer, step, post in r.open_recvs
+                    if g == group
+                )
                 views.append(hang.RankView(m, rank, r.node, r.entered.get(group, -1), wait, now - r.last_seen, opens))
             if len(views) < len(members):
                 continue  # a member left the job: its peers' failed waits are explained
@@ -319,7 +339,7 @@ class DiagnosisMaster:
 
     def _warming_up(self, f: hang.HangFinding) -> bool:
         """Whether ``f`` blames a rank still in its first steps (see ``warmup_collectives``)."""
-        if f.kind != NONCOMM_HANG:
+        if f.kind != NONCOMM_HANG or f.culprit.rank is None:
             return False
         r = self.ranks.get((f.culprit.replica, f.culprit.rank))
         return r is not None and r.completed < self.s.warmup_collectives
@@ -348,14 +368,22 @@ class DiagnosisMaster:
                 continue
             step, post, sender, receiver = min(paired or recvs)
             node = self.ranks.get((sender, rank), _Rank("", 0)).node or None
-            evidence = {"group": group, "seq": seq, "ring_step": step, "stalled_s": round(now - post, 3),
-                        "open_transfers": {str(m): [f"{d} {'to' if d == 'send' else 'from'} {p} @ring step {s}"
-                                                    for d, p, s, _ in links] for m, links in got.items()},
-                        "reason": f"seq {seq} was abandoned at a deadline; the transfer {sender} -> "
-                                  f"{receiver} at ring step {step} never completed"
-                                  + ("" if paired else " (its sender's side is unknown)")}
-            out.append(Verdict(Culprit(sender, rank, node, (sender, receiver)), COMM_HANG,
-                               0.9 if paired else 0.6, evidence))
+            evidence = {
+                "group": group,
+                "seq": seq,
+                "ring_step": step,
+                "stalled_s": round(now - post, 3),
+                "open_transfers": {
+                    str(m): [f"{d} {'to' if d == 'send' else 'from'} {p} @ring step {s}" for d, p, s, _ in links]
+                    for m, links in got.items()
+                },
+                "reason": f"seq {seq} was abandoned at a deadline; the transfer {sender} -> "
+                f"{receiver} at ring step {step} never completed"
+                + ("" if paired else " (its sender's side is unknown)"),
+            }
+            out.append(
+                Verdict(Culprit(sender, rank, node, (sender, receiver)), COMM_HANG, 0.9 if paired else 0.6, evidence)
+            )
         return out
 
     def _silent(self, now: float) -> list[Verdict]:
@@ -374,19 +402,28 @@ class DiagnosisMaster:
             quiet = now - r.last_seen
             if quiet < silent_s or len(r.gaps) < self.s.silent_min_batches:
                 continue
-            evidence = {"group": r.latest, "seq": r.entered.get(r.latest, -1), "silent_s": round(quiet, 3),
-                        "silent_threshold_s": round(silent_s, 3),
-                        "peers_seq": {str(i[0]): self.ranks[i].entered.get(r.latest, -1) for i in talking},
-                        "reason": f"replica {ident[0]} rank {ident[1]} has sent no telemetry for {quiet:.2f}s while "
-                                  f"its peers do: its process is stopped or frozen"}
+            evidence = {
+                "group": r.latest,
+                "seq": r.entered.get(r.latest, -1),
+                "silent_s": round(quiet, 3),
+                "silent_threshold_s": round(silent_s, 3),
+                "peers_seq": {str(i[0]): self.ranks[i].entered.get(r.latest, -1) for i in talking},
+                "reason": f"replica {ident[0]} rank {ident[1]} has sent no telemetry for {quiet:.2f}s while "
+                f"its peers do: its process is stopped or frozen",
+            }
             out.append(Verdict(Culprit(ident[0], ident[1], r.node), NONCOMM_HANG, 0.85, evidence))
         return out
 
     def _stragglers(self, count: bool = False) -> list[Verdict]:
         out = []
         for rank, comp in self.compute.items():
-            f = straggler.find_straggler(comp, list(self.last.get(rank, ())), self.best.get(rank, {}),
-                                         self.s.straggler_threshold, min_samples=self.s.straggler_window)
+            f = straggler.find_straggler(
+                comp,
+                list(self.last.get(rank, ())),
+                self.best.get(rank, {}),
+                self.s.straggler_threshold,
+                min_samples=self.s.straggler_window,
+            )
             if count:  # must hold over new collectives: one slow burst is not a straggler
                 key = f.replica if f else None
                 prev_key, n, at = self._straggler_streak.get(rank, (None, 0, -1))
@@ -399,7 +436,9 @@ class DiagnosisMaster:
                     continue
             if f is not None:
                 node = self.ranks.get((f.replica, rank), _Rank("", 0)).node or None
-                out.append(Verdict(Culprit(f.replica, rank, node), STRAGGLER, min(1.0, 0.5 + (1 - f.relative)), f.evidence))
+                out.append(
+                    Verdict(Culprit(f.replica, rank, node), STRAGGLER, min(1.0, 0.5 + (1 - f.relative)), f.evidence)
+                )
         return out
 
     def _slow_links(self) -> list[Verdict]:
@@ -427,10 +466,15 @@ class DiagnosisMaster:
                 others = [c for o, c in changed.items() if o != rep and c is not None]
                 # The fastest quarter must move too: a busy machine makes one replica bursty, a
                 # degraded one slower at every step (MetricDetector.floor_shift).
-                alone = bool(ratio is not None and ratio >= det.change_ratio and others
-                             and max(others) < 1.1 and min(others) > 0.85
-                             and det.floor_shift() >= det.change_floor
-                             and self._pace_moved(rank, det))
+                alone = bool(
+                    ratio is not None
+                    and ratio >= det.change_ratio
+                    and others
+                    and max(others) < 1.1
+                    and min(others) > 0.85
+                    and det.floor_shift() >= det.change_floor
+                    and self._pace_moved(rank, det)
+                )
                 key = (rep, rank)
                 # Counted in new collectives: one slow burst re-read at every tick is one burst.
                 _, n, at = self._change_streak.get(key, (0, 0, -1))
@@ -440,16 +484,27 @@ class DiagnosisMaster:
                 # A change shared by every replica is the machine, not a replica; so is one replica
                 # slowing while another speeds up (processes trading places on shared cores). A big
                 # change is a straggler, which the straggler rule names with better evidence.
-                if n < self.s.confirm or rep in stragglers:
+                if n < self.s.confirm or rep in stragglers or ratio is None:
                     continue
-                if self._straggler_coming(rep, rank) and self._arrived - first < self.s.confirm + self.s.straggler_confirm:
+                if (
+                    self._straggler_coming(rep, rank)
+                    and self._arrived - first < self.s.confirm + self.s.straggler_confirm
+                ):
                     continue
                 node = self.ranks.get((rep, rank), _Rank("", 0)).node or None
-                out.append(Verdict(Culprit(rep, rank, node), METRIC_ANOMALY, 0.7,
-                                   {"anomaly": "step_time_change", "recent_over_baseline": round(ratio, 3),
-                                    "action": self.policy.get("step_time_change")}))
+                out.append(
+                    Verdict(
+                        Culprit(rep, rank, node),
+                        METRIC_ANOMALY,
+                        0.7,
+                        {
+                            "anomaly": "step_time_change",
+                            "recent_over_baseline": round(ratio, 3),
+                            "action": self.policy.get("step_time_change"),
+                        },
+                    )
+                )
         return out
-
 
     def _pace_moved(self, rank: int, det: MetricDetector) -> bool:
         """Whether the collectives came slower by at least half the replica's extra compute.
@@ -478,8 +533,8 @@ class DiagnosisMaster:
         xs = list(self._detector((replica, rank)).compute)
         if len(xs) < 2 * self.s.confirm + 1:
             return False
-        base = median(xs[:-self.s.straggler_window] or xs)
-        return base > 0 and median(xs[-self.s.confirm:]) * self.s.straggler_threshold >= base
+        base = median(xs[: -self.s.straggler_window] or xs)
+        return base > 0 and median(xs[-self.s.confirm :]) * self.s.straggler_threshold >= base
 
 
 def _num(x: Any) -> float | None:

@@ -91,8 +91,14 @@ class MetricDetector:
         self.compute: deque[float] = deque(maxlen=self.history)
         self.memory: deque[float] = deque(maxlen=self.memory_window)
 
-    def observe(self, step: int, loss: float | None = None, grad_norm: float | None = None,
-                compute_s: float | None = None, memory: float | None = None) -> list[Anomaly]:
+    def observe(
+        self,
+        step: int,
+        loss: float | None = None,
+        grad_norm: float | None = None,
+        compute_s: float | None = None,
+        memory: float | None = None,
+    ) -> list[Anomaly]:
         """Judges one step; healthy values join the history, anomalous ones do not."""
         out: list[Anomaly] = []
         if loss is not None:
@@ -108,8 +114,14 @@ class MetricDetector:
             self.memory.append(memory)
             growth = self.memory_trend()
             if growth is not None and growth >= self.memory_growth:
-                out.append(Anomaly("memory_growth", step, growth, {"relative_growth": round(growth, 3),
-                                                                   "window_steps": self.memory_window}))
+                out.append(
+                    Anomaly(
+                        "memory_growth",
+                        step,
+                        growth,
+                        {"relative_growth": round(growth, 3), "window_steps": self.memory_window},
+                    )
+                )
         return out
 
     def _value(self, name: str, step: int, x: float, hist: deque[float], ratio: float) -> list[Anomaly]:

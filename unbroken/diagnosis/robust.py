@@ -39,8 +39,9 @@ def robust_z(x: float, history: Sequence[float]) -> float:
     return (x - m) / spread
 
 
-def learned_threshold(durations: Sequence[float], factor: float, floor_s: float, initial_s: float,
-                      min_samples: int = 5) -> float:
+def learned_threshold(
+    durations: Sequence[float], factor: float, floor_s: float, initial_s: float, min_samples: int = 5
+) -> float:
     """A timeout learned from observed durations: ``factor`` x the slowest, never below a floor.
 
     The slowest rather than a quantile: a timeout below a duration that really happened in a

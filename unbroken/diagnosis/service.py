@@ -37,8 +37,9 @@ class DiagnosisService:
 
     STACK_WAIT_S = 1.0  # the owner's own wait, plus a margin
 
-    def __init__(self, events: EventLog, master: DiagnosisMaster | None = None,
-                 stacks: StackSource | None = None) -> None:
+    def __init__(
+        self, events: EventLog, master: DiagnosisMaster | None = None, stacks: StackSource | None = None
+    ) -> None:
         self.events = events
         self.master = master or DiagnosisMaster()
         self.stacks = stacks
@@ -79,5 +80,7 @@ class DiagnosisService:
         self.latest.append({"t": time.time(), **fields})
 
     def status(self) -> list[dict[str, Any]]:
-        return [{"t": e["t"], "culprit": e["culprit"], "class": e["class"], "confidence": e["confidence"]}
-                for e in self.latest]
+        return [
+            {"t": e["t"], "culprit": e["culprit"], "class": e["class"], "confidence": e["confidence"]}
+            for e in self.latest
+        ]

@@ -74,7 +74,9 @@ def find_straggler(
     if ind >= threshold and rel >= always_slow:
         return None
     evidence = {
-        "relative_score": round(rel, 3), "individual_score": round(ind, 3), "last_share": round(share, 2),
+        "relative_score": round(rel, 3),
+        "individual_score": round(ind, 3),
+        "last_share": round(share, 2),
         "compute_median_s": {str(r): round(median(xs), 4) for r, xs in compute.items()},
         "threshold": threshold,
     }

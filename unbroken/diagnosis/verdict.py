@@ -28,8 +28,12 @@ class Culprit:
     link: tuple[int, int] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"replica": self.replica, "rank": self.rank, "node": self.node,
-                "link": list(self.link) if self.link is not None else None}
+        return {
+            "replica": self.replica,
+            "rank": self.rank,
+            "node": self.node,
+            "link": list(self.link) if self.link is not None else None,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,5 +58,10 @@ class Verdict:
 
     def fields(self) -> dict[str, Any]:
         """The ``verdict`` event's fields (the supervisor's interface)."""
-        return {"culprit": self.culprit.to_json(), "class": self.kind, "confidence": round(self.confidence, 3),
-                "evidence": self.evidence, "detect_s": self.detect_s}
+        return {
+            "culprit": self.culprit.to_json(),
+            "class": self.kind,
+            "confidence": round(self.confidence, 3),
+            "evidence": self.evidence,
+            "detect_s": self.detect_s,
+        }

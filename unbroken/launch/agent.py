@@ -86,8 +86,10 @@ class AgentSettings:
         if not 0 <= self.term_grace_s < float("inf"):
             raise ValueError(f"--term-grace-s must be 0 or more seconds, got {self.term_grace_s}")
         if not self.command:
-            raise ValueError("no worker command: put it after `--`, e.g. "
-                             "`unbroken agent --coordinator HOST:PORT -- python train.py`")
+            raise ValueError(
+                "no worker command: put it after `--`, e.g. "
+                "`unbroken agent --coordinator HOST:PORT -- python train.py`"
+            )
         env.parse_host_port(self.coordinator, "--coordinator")
         if not self.node or any(c.isspace() for c in self.node):
             raise ValueError(f"--node must be a non-empty name without spaces, got {self.node!r}")
@@ -98,8 +100,10 @@ class AgentSettings:
         if self.connect_timeout_s <= 0:
             raise ValueError(f"--connect-timeout must be > 0, got {self.connect_timeout_s}")
         if self.secret_file is None:
-            raise ValueError(f"the agent needs the job's secret: --secret-file PATH (or {env.ENV_SECRET_FILE}), "
-                             "a copy of the `secret` file in the coordinator's --state-dir")
+            raise ValueError(
+                f"the agent needs the job's secret: --secret-file PATH (or {env.ENV_SECRET_FILE}), "
+                "a copy of the `secret` file in the coordinator's --state-dir"
+            )
 
 
 @dataclasses.dataclass
@@ -112,8 +116,9 @@ class Agent:
 
     def __init__(self, settings: AgentSettings) -> None:
         self.s = settings
-        assert settings.secret_file is not None
-        self.secret = JobSecret.load(settings.secret_file)
+        assert settings.secret_file is not None  # AgentSettings refuses none
+        self.secret_file = settings.secret_file
+        self.secret = JobSecret.load(self.secret_file)
         settings.run_dir.mkdir(parents=True, exist_ok=True)
         (settings.run_dir / "logs").mkdir(exist_ok=True)
         self.events = EventLog(settings.run_dir / f"events-{settings.node}.jsonl", f"agent:{settings.node}")
@@ -141,10 +146,10 @@ class Agent:
                 try:
                     self._link = await self._connect()
                     self._send({"op": "agent_hello", "node": self.s.node, "slots": self.s.slots})
-                    self.events.emit("agent_started", node=self.s.node, slots=self.s.slots,
-                                     coordinator=self.s.coordinator)
-                    self._tasks += [asyncio.create_task(self._listen()),
-                                    asyncio.create_task(self._heartbeat())]
+                    self.events.emit(
+                        "agent_started", node=self.s.node, slots=self.s.slots, coordinator=self.s.coordinator
+                    )
+                    self._tasks += [asyncio.create_task(self._listen()), asyncio.create_task(self._heartbeat())]
                     await self._stop.wait()
                     if self._terminated is not None:
                         await self._drain()
@@ -181,10 +186,13 @@ class Agent:
         pending: set[Any] = set()
         if procs:
             _, pending = await asyncio.wait([asyncio.ensure_future(p.wait()) for p in procs], timeout=max(0.0, left))
-        self.events.emit("agent_terminated", grace_s=self.s.term_grace_s, killed=len(pending),
-                         exit_codes={r.replica: [p.returncode for p in r.procs] for r in self.replicas.values()
-                                     if r.procs},
-                         drain_s=round(time.monotonic() - self._terminated, 3))
+        self.events.emit(
+            "agent_terminated",
+            grace_s=self.s.term_grace_s,
+            killed=len(pending),
+            exit_codes={r.replica: [p.returncode for p in r.procs] for r in self.replicas.values() if r.procs},
+            drain_s=round(time.monotonic() - self._terminated, 3),
+        )
 
     async def _connect(self) -> protocol.Link:
         host, port = env.parse_host_port(self.s.coordinator, "--coordinator")
@@ -279,14 +287,22 @@ class Agent:
             extra: dict[str, Any] = {"stack_note": f"replica {replica} rank {rank} is not running on this node"}
         else:
             try:
-                extra = await stacks.dump(r.procs[rank].pid, stacks.stack_path(self.s.run_dir, replica, rank),
-                                          env.stack_signal())
+                extra = await stacks.dump(
+                    r.procs[rank].pid, stacks.stack_path(self.s.run_dir, replica, rank), env.stack_signal()
+                )
             except env.ConfigError as e:
                 extra = {"stack_note": str(e)}
         self.events.emit("stack", replica=replica, rank=rank, **extra)
-        self._send({"op": "stack", "replica": replica, "rank": rank,
-                    "process_state": extra.get("process_state") or "", "stack": extra.get("stack"),
-                    "stack_note": extra.get("stack_note", "")[:500]})
+        self._send(
+            {
+                "op": "stack",
+                "replica": replica,
+                "rank": rank,
+                "process_state": extra.get("process_state") or "",
+                "stack": extra.get("stack"),
+                "stack_note": extra.get("stack_note", "")[:500],
+            }
+        )
 
     async def _reconnect(self) -> bool:
         """Waits up to ``connect_timeout_s`` for a coordinator at the same address (restarted on
@@ -329,15 +345,24 @@ class Agent:
         master_port = workers.free_port()
         for rank in range(self.s.ranks_per_replica):
             environ = workers.worker_env(
-                coordinator=self.s.coordinator, replica=r.replica, num_replicas=self.num_replicas,
-                run_dir=self.s.run_dir, restarts=r.restarts, node=self.s.node, rank=rank,
-                world_size=self.s.ranks_per_replica, master_port=master_port, threads=self._threads(),
-                secret_file=self.s.secret_file)
+                coordinator=self.s.coordinator,
+                replica=r.replica,
+                num_replicas=self.num_replicas,
+                run_dir=self.s.run_dir,
+                restarts=r.restarts,
+                node=self.s.node,
+                rank=rank,
+                world_size=self.s.ranks_per_replica,
+                master_port=master_port,
+                threads=self._threads(),
+                secret_file=self.secret_file,
+            )
             log = self.s.run_dir / "logs" / f"replica{r.replica}-rank{rank}.log"
             proc = await workers.start_worker(self.s.command, environ, log, self._guardian)
             r.procs.append(proc)
-            self.events.emit("process_started", replica=r.replica, rank=rank, pid=proc.pid, restart=r.restarts,
-                             node=self.s.node)
+            self.events.emit(
+                "process_started", replica=r.replica, rank=rank, pid=proc.pid, restart=r.restarts, node=self.s.node
+            )
             self._tasks.append(asyncio.create_task(self._watch(r, rank, proc)))
 
     async def _watch(self, r: _Replica, rank: int, proc: asyncio.subprocess.Process) -> None:
@@ -366,8 +391,15 @@ class Agent:
         decision = self.book.decide(r.replica)
         if self._job_finished or self._coordinator_lost:
             decision = dataclasses.replace(decision, action="stop", reason="the job is over: nothing to rejoin")
-        self.events.emit("process_exited", replica=r.replica, rank=rank, pid=proc.pid, exitcode=code,
-                         action=decision.action, reason=decision.reason)
+        self.events.emit(
+            "process_exited",
+            replica=r.replica,
+            rank=rank,
+            pid=proc.pid,
+            exitcode=code,
+            action=decision.action,
+            reason=decision.reason,
+        )
         procs, r.procs = r.procs, []
         await workers.kill_groups(procs, self._guardian)
         if decision.action != "restart":

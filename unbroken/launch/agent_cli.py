@@ -10,33 +10,76 @@ from typing import Any
 import click
 
 from unbroken.control import secret_file as secrets
-from unbroken.launch.agent import AgentSettings, run as run_agent
+from unbroken.launch.agent import AgentSettings
+from unbroken.launch.agent import run as run_agent
 from unbroken.launch.launcher import DEFAULT_TERM_GRACE_S
 from unbroken.launch.policy import RestartPolicy
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
-@click.option("--coordinator", required=True, metavar="HOST:PORT",
-              help="The job's coordinator (started with `unbroken coordinator`).")
-@click.option("--node", default=socket.gethostname, show_default="this host's name",
-              help="This node's name, unique in the job.")
-@click.option("--slots", type=int, default=1, show_default=True,
-              help="Replicas this node can run; slots beyond its share are spares for other nodes' replicas.")
+@click.option(
+    "--coordinator",
+    required=True,
+    metavar="HOST:PORT",
+    help="The job's coordinator (started with `unbroken coordinator`).",
+)
+@click.option(
+    "--node", default=socket.gethostname, show_default="this host's name", help="This node's name, unique in the job."
+)
+@click.option(
+    "--slots",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Replicas this node can run; slots beyond its share are spares for other nodes' replicas.",
+)
 @click.option("--ranks-per-replica", type=int, default=1, show_default=True, help="Processes per replica group.")
-@click.option("--run-dir", type=click.Path(path_type=Path), default=Path("runs/latest"), show_default=True,
-              help="Logs and events (a shared filesystem on a cluster).")
-@click.option("--max-restarts", type=int, default=RestartPolicy.max_restarts_per_replica, show_default=True,
-              help="Restarts per replica on this node.")
-@click.option("--backoff", type=float, default=RestartPolicy.backoff_initial_s, show_default=True,
-              help="First restart delay in seconds; doubles per failure without progress.")
-@click.option("--connect-timeout", type=float, default=30.0, show_default=True,
-              help="Seconds to wait for the coordinator to answer, at start and after it went away (a restarted one takes the agent back).")
-@click.option("--secret-file", type=click.Path(path_type=Path), default=None,
-              help="The job's secret: a copy of the `secret` file in the coordinator's --state-dir "
-                   "[default: $UNBROKEN_SECRET_FILE].")
-@click.option("--term-grace-s", type=float, default=DEFAULT_TERM_GRACE_S, show_default=True,
-              help="On SIGTERM (preemption, scancel, eviction): seconds the workers have to finish their step "
-                   "and flush a checkpoint before the rest is killed.")
+@click.option(
+    "--run-dir",
+    type=click.Path(path_type=Path),
+    default=Path("runs/latest"),
+    show_default=True,
+    help="Logs and events (a shared filesystem on a cluster).",
+)
+@click.option(
+    "--max-restarts",
+    type=int,
+    default=RestartPolicy.max_restarts_per_replica,
+    show_default=True,
+    help="Restarts per replica on this node.",
+)
+@click.option(
+    "--backoff",
+    type=float,
+    default=RestartPolicy.backoff_initial_s,
+    show_default=True,
+    help="First restart delay in seconds; doubles per failure without progress.",
+)
+@click.option(
+    "--connect-timeout",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help=(
+        "Seconds to wait for the coordinator to answer, at start and after it went away "
+        "(a restarted one takes the agent back)."
+    ),
+)
+@click.option(
+    "--secret-file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The job's secret: a copy of the `secret` file in the coordinator's --state-dir "
+    "[default: $UNBROKEN_SECRET_FILE].",
+)
+@click.option(
+    "--term-grace-s",
+    type=float,
+    default=DEFAULT_TERM_GRACE_S,
+    show_default=True,
+    help="On SIGTERM (preemption, scancel, eviction): seconds the workers have to finish their step "
+    "and flush a checkpoint before the rest is killed.",
+)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 def agent(**kw: Any) -> None:
     """Run this node's share of a job: `unbroken agent --coordinator HOST:PORT --secret-file S -- python train.py`.
@@ -49,14 +92,23 @@ def agent(**kw: Any) -> None:
         if kw["max_restarts"] < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {kw['max_restarts']}")
         found = secrets.given(kw.pop("secret_file"))
-        policy = RestartPolicy(backoff_initial_s=backoff, backoff_max_s=max(RestartPolicy.backoff_max_s, backoff),
-                               max_restarts_per_replica=kw.pop("max_restarts"))
-        settings = AgentSettings(command=kw.pop("command"), coordinator=kw.pop("coordinator"), node=kw.pop("node"),
-                                 slots=kw.pop("slots"), ranks_per_replica=kw.pop("ranks_per_replica"),
-                                 run_dir=kw.pop("run_dir"), policy=policy,
-                                 connect_timeout_s=kw.pop("connect_timeout"),
-                                 secret_file=found[1] if found is not None else None,
-                                 term_grace_s=kw.pop("term_grace_s"))
+        policy = RestartPolicy(
+            backoff_initial_s=backoff,
+            backoff_max_s=max(RestartPolicy.backoff_max_s, backoff),
+            max_restarts_per_replica=kw.pop("max_restarts"),
+        )
+        settings = AgentSettings(
+            command=kw.pop("command"),
+            coordinator=kw.pop("coordinator"),
+            node=kw.pop("node"),
+            slots=kw.pop("slots"),
+            ranks_per_replica=kw.pop("ranks_per_replica"),
+            run_dir=kw.pop("run_dir"),
+            policy=policy,
+            connect_timeout_s=kw.pop("connect_timeout"),
+            secret_file=found[1] if found is not None else None,
+            term_grace_s=kw.pop("term_grace_s"),
+        )
         code = run_agent(settings)
     except (ValueError, OSError) as e:
         raise click.UsageError(str(e)) from e

@@ -40,7 +40,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +132,9 @@ class Fault:
             if self.link is None or len(self.link) != 2 or self.link[0] == self.link[1] or min(self.link) < 0:
                 raise ScheduleError(f"{where}: slow_link needs link=A-B with two different replicas, got {self.link!r}")
             if self.mb_s is None or not self.mb_s > 0:
-                raise ScheduleError(f"{where}: slow_link needs mb_s > 0 (the link's bandwidth in MB/s), got {self.mb_s!r}")
+                raise ScheduleError(
+                    f"{where}: slow_link needs mb_s > 0 (the link's bandwidth in MB/s), got {self.mb_s!r}"
+                )
         if self.limit_mb < 0:
             raise ScheduleError(f"{where}: limit_mb must be >= 0, got {self.limit_mb}")
 
@@ -247,7 +249,7 @@ class Schedule:
 
     faults: tuple[Fault, ...] = ()
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[Fault]:
         return iter(self.faults)
 
     def __len__(self) -> int:
@@ -265,7 +267,9 @@ class Schedule:
                     f"{where}: rank {f.rank} is out of range, each replica has ranks 0..{ranks_per_replica - 1}"
                 )
             if f.kind == "coordinator_kill" and not coordinator_in_process:
-                raise ScheduleError(f"{where}: coordinator_kill needs the coordinator that `unbroken run` starts itself")
+                raise ScheduleError(
+                    f"{where}: coordinator_kill needs the coordinator that `unbroken run` starts itself"
+                )
         return self
 
     def supervisor_faults(self) -> list[Fault]:
@@ -273,8 +277,11 @@ class Schedule:
 
     def worker_faults(self, replica: int, rank: int) -> list[Fault]:
         """The worker-side faults a process of ``replica``/``rank`` applies to itself."""
-        return [f for f in self.faults if f.kind in WORKER_KINDS and replica in f.replicas
-                and (f.kind == "slow_link" or f.rank == rank)]
+        return [
+            f
+            for f in self.faults
+            if f.kind in WORKER_KINDS and replica in f.replicas and (f.kind == "slow_link" or f.rank == rank)
+        ]
 
     def to_json(self) -> list[dict[str, Any]]:
         return [f.to_json() for f in self.faults]
@@ -285,10 +292,14 @@ class Schedule:
         if isinstance(data, Mapping):
             extra = sorted(set(data) - {"faults"})
             if extra:
-                raise ScheduleError(f"{where}: unknown top-level keys {', '.join(extra)}; put the faults under 'faults:'")
+                raise ScheduleError(
+                    f"{where}: unknown top-level keys {', '.join(extra)}; put the faults under 'faults:'"
+                )
             data = data.get("faults") or []
         if not isinstance(data, list):
-            raise ScheduleError(f"{where}: expected a list of faults (or a mapping with 'faults:'), got {type(data).__name__}")
+            raise ScheduleError(
+                f"{where}: expected a list of faults (or a mapping with 'faults:'), got {type(data).__name__}"
+            )
         return cls(tuple(Fault.from_mapping(item, f"{where}, fault #{i + 1}") for i, item in enumerate(data)))
 
     @classmethod
@@ -337,8 +348,7 @@ class WorkerChaos:
         sleep: how to wait (tests pass a fake).
     """
 
-    def __init__(self, faults: Sequence[Fault], replica: int, job_start: float,
-                 sleep: Any = time.sleep) -> None:
+    def __init__(self, faults: Sequence[Fault], replica: int, job_start: float, sleep: Any = time.sleep) -> None:
         self.faults = list(faults)
         self.replica = replica
         self.job_start = job_start

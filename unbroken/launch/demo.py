@@ -108,21 +108,34 @@ def fault_outcomes(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for f, hit in gp.detections(events):
         target = f.get("replica")
-        row: dict[str, Any] = {"kind": f["fault_kind"], "target": f["target"], "detected": hit is not None,
-                               "attributed_correctly": False, "recovered": False, "detect_s": None, "detected_by": None}
+        row: dict[str, Any] = {
+            "kind": f["fault_kind"],
+            "target": f["target"],
+            "detected": hit is not None,
+            "attributed_correctly": False,
+            "recovered": False,
+            "detect_s": None,
+            "detected_by": None,
+        }
         if hit is not None:
             culprit = hit.get("culprit") or {"replica": hit.get("replica"), "rank": hit.get("rank")}
             row["detect_s"] = round(hit["t"] - f["t"], 3)
             row["detected_by"] = hit["kind"] + (f" ({hit.get('class')})" if hit["kind"] == "verdict" else "")
-            row["attributed_correctly"] = culprit.get("replica") == target and culprit.get("rank") in (None, f.get("rank"))
-            row["recovered"] = any(e["kind"] == "replica_state" and e["replica"] == target and e["t"] > hit["t"]
-                                   and e["new"] == "training" for e in events)
+            row["attributed_correctly"] = culprit.get("replica") == target and culprit.get("rank") in (
+                None,
+                f.get("rank"),
+            )
+            row["recovered"] = any(
+                e["kind"] == "replica_state" and e["replica"] == target and e["t"] > hit["t"] and e["new"] == "training"
+                for e in events
+            )
         out.append(row)
     return out
 
 
-def summarize(run_dir: Path, wall_s: float, reference: list[float] | None,
-              checkpoint_dir: Path | None = None) -> dict[str, Any]:
+def summarize(
+    run_dir: Path, wall_s: float, reference: list[float] | None, checkpoint_dir: Path | None = None
+) -> dict[str, Any]:
     import torch
 
     from unbroken.checkpoint.disk import complete_steps
@@ -131,12 +144,16 @@ def summarize(run_dir: Path, wall_s: float, reference: list[float] | None,
     events.sort(key=lambda e: e["t"])
     metrics = {r: _metrics(run_dir, r) for r in range(REPLICAS)}
     account = gp.account(events, metrics, REPLICAS)
-    finals = {r: torch.load(run_dir / f"final-r{r}.pt", weights_only=False)
-              for r in range(REPLICAS) if (run_dir / f"final-r{r}.pt").exists()}
+    finals = {
+        r: torch.load(run_dir / f"final-r{r}.pt", weights_only=False)
+        for r in range(REPLICAS)
+        if (run_dir / f"final-r{r}.pt").exists()
+    }
     ref = next(iter(finals.values()), None)
     identical = len(finals) >= 2 and all(
         s["step"] == ref["step"] and all(torch.equal(v, s["model"][k]) for k, v in ref["model"].items())  # type: ignore[index]
-        for s in finals.values())
+        for s in finals.values()
+    )
     rows = [row for rs in metrics.values() for row in rs if row["committed"]]
     by_step: dict[int, float] = {}
     for row in rows:
@@ -159,8 +176,9 @@ def summarize(run_dir: Path, wall_s: float, reference: list[float] | None,
         "reference_final_loss": round(statistics.mean(reference[-10:]), 4) if reference else None,
         "replicas_identical": identical,
         "checkpoints_on_disk": complete_steps(str(checkpoint_dir)) if checkpoint_dir else [],
-        "verdict_source": sorted({(e.get("evidence") or {}).get("detector", e["source"])
-                                  for e in events if e["kind"] == "verdict"}),
+        "verdict_source": sorted(
+            {(e.get("evidence") or {}).get("detector", e["source"]) for e in events if e["kind"] == "verdict"}
+        ),
     }
     return summary
 
@@ -191,15 +209,22 @@ def demo(steps: int, run_dir: Path, report: Path | None, no_reference: bool, as_
         late = [f.label for f in extra["schedule"] if f.step is not None and f.step >= steps]
         if late:
             raise ValueError(f"these faults would fire after the last step ({steps}): {', '.join(late)}")
-        settings = LaunchSettings(command=(sys.executable, "-m", TRAIN_MODULE, "--steps", str(steps)), replicas=REPLICAS,
-                                  run_dir=run_dir, heartbeat_timeout_s=1.0, **extra)
+        settings = LaunchSettings(
+            command=(sys.executable, "-m", TRAIN_MODULE, "--steps", str(steps)),
+            replicas=REPLICAS,
+            run_dir=run_dir,
+            heartbeat_timeout_s=1.0,
+            **extra,
+        )
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     console = Console(stderr=True)
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    console.print(f"[bold]unbroken demo[/]: {REPLICAS} replicas of the example GPT, {steps} steps, "
-                  f"{settings.spares} spare slot(s); logs in {run_dir}")
+    console.print(
+        f"[bold]unbroken demo[/]: {REPLICAS} replicas of the example GPT, {steps} steps, "
+        f"{settings.spares} spare slot(s); logs in {run_dir}"
+    )
     for f in settings.schedule:
         console.print(f"  scheduled: {f.label}")
     t0 = time.time()
@@ -236,8 +261,12 @@ def _print(summary: dict[str, Any]) -> None:
     for col in ("kind", "target", "detected", "attributed_correctly", "recovered", "detect_s", "detected_by"):
         table.add_column(col)
     for f in summary["faults"]:
-        table.add_row(*(str(f[c]) for c in ("kind", "target", "detected", "attributed_correctly", "recovered",
-                                            "detect_s", "detected_by")))
+        table.add_row(
+            *(
+                str(f[c])
+                for c in ("kind", "target", "detected", "attributed_correctly", "recovered", "detect_s", "detected_by")
+            )
+        )
     console.print(table)
     table = Table(title="what it cost")
     table.add_column("measure")
@@ -248,4 +277,3 @@ def _print(summary: dict[str, Any]) -> None:
     for k, v in summary["goodput_detail"]["lost_s"].items():
         table.add_row(f"lost replica-s: {k}", str(v))
     console.print(table)
-

@@ -46,9 +46,9 @@ from unbroken.diagnosis.metrics import parse_policy
 from unbroken.launch import injector, reaper, workers
 from unbroken.launch.chaos import Fault, Schedule, worker_env
 from unbroken.launch.lifecycle import RUNNING, Lifecycle, State
-from unbroken.launch.workers import free_port, package_path
 from unbroken.launch.policy import Placement, RestartBook, RestartPolicy, Slot
 from unbroken.launch.verdicts import IGNORE, ISOLATE, ROLLBACK, VERDICT_ACTIONS, verdict_action
+from unbroken.launch.workers import free_port, package_path
 from unbroken.observe.events import Event, EventLog
 from unbroken.train.preemption import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
 
@@ -119,18 +119,24 @@ class LaunchSettings:
 
     def __post_init__(self) -> None:
         if not self.command:
-            raise ValueError("no worker command: put it after `--`, e.g. `unbroken run --replicas 3 -- python train.py`")
+            raise ValueError(
+                "no worker command: put it after `--`, e.g. `unbroken run --replicas 3 -- python train.py`"
+            )
         if self.replicas < 1:
             raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
         if self.ranks_per_replica < 1:
             raise ValueError(f"--ranks-per-replica must be >= 1, got {self.ranks_per_replica}")
         if self.min_replicas is not None and not 1 <= self.min_replicas <= self.replicas:
-            raise ValueError(f"--min-replicas must be between 1 and --replicas ({self.replicas}), got {self.min_replicas}")
+            raise ValueError(
+                f"--min-replicas must be between 1 and --replicas ({self.replicas}), got {self.min_replicas}"
+            )
         if self.coordinator is not None:
             env.parse_host_port(self.coordinator, "--coordinator")
             if self.secret_file is None and not os.environ.get(env.ENV_SECRET_FILE):
-                raise ValueError(f"--coordinator needs the job's secret: --secret-file PATH (or {env.ENV_SECRET_FILE}), "
-                                 "the file `unbroken coordinator` wrote into its --state-dir")
+                raise ValueError(
+                    f"--coordinator needs the job's secret: --secret-file PATH (or {env.ENV_SECRET_FILE}), "
+                    "the file `unbroken coordinator` wrote into its --state-dir"
+                )
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.spares < 0:
@@ -182,8 +188,9 @@ class Launcher:
         self.replicas = {r: _Replica(r) for r in range(settings.replicas)}
         policy = dataclasses.replace(settings.policy, max_restarts_per_replica=settings.max_restarts)
         self.book = RestartBook(policy)
-        self.placement = Placement(local_slots(settings.replicas, settings.spares), settings.replicas, policy,
-                                   min_replicas=settings.quorum_min)
+        self.placement = Placement(
+            local_slots(settings.replicas, settings.spares), settings.replicas, policy, min_replicas=settings.quorum_min
+        )
         self.lifecycle = Lifecycle(settings.replicas, time.time())
         self.job_start = time.time()
         self.job_step = 0
@@ -213,8 +220,13 @@ class Launcher:
                 try:
                     self.address = await self._start_coordinator()
                     self.job_start = time.time()
-                    self.events.emit("job_started", replicas=self.s.replicas, spares=self.s.spares,
-                                     schedule=self.s.schedule.to_json(), coordinator=self.address)
+                    self.events.emit(
+                        "job_started",
+                        replicas=self.s.replicas,
+                        spares=self.s.spares,
+                        schedule=self.s.schedule.to_json(),
+                        coordinator=self.address,
+                    )
                     for r in self.replicas.values():
                         await self._spawn(r)
                     if self._warmable():
@@ -241,8 +253,12 @@ class Launcher:
 
     def _coordinator_settings(self, port: int) -> CoordinatorSettings:
         return CoordinatorSettings(
-            total_replicas=self.s.replicas, min_replicas=self.s.quorum_min, state_dir=self.run_dir,
-            host="127.0.0.1", port=port, heartbeat_timeout_s=self.s.heartbeat_timeout_s,
+            total_replicas=self.s.replicas,
+            min_replicas=self.s.quorum_min,
+            state_dir=self.run_dir,
+            host="127.0.0.1",
+            port=port,
+            heartbeat_timeout_s=self.s.heartbeat_timeout_s,
             anomaly_policy=self.s.anomaly_policy,
         )
 
@@ -276,25 +292,50 @@ class Launcher:
             extra[env.ENV_RESUME_STEP] = str(r.resume_step)
         if self.s.anomaly_policy:
             extra[env.ENV_ANOMALY_POLICY] = self.s.anomaly_policy
-        return workers.worker_env(coordinator=self.address, replica=r.replica, num_replicas=self.s.replicas,
-                                  run_dir=self.run_dir, restarts=r.restarts, node=slot.node, rank=rank,
-                                  world_size=self.s.ranks_per_replica, master_port=master_port,
-                                  threads=self._threads(), secret_file=self.secret_file, extra=extra)
+        return workers.worker_env(
+            coordinator=self.address,
+            replica=r.replica,
+            num_replicas=self.s.replicas,
+            run_dir=self.run_dir,
+            restarts=r.restarts,
+            node=slot.node,
+            rank=rank,
+            world_size=self.s.ranks_per_replica,
+            master_port=master_port,
+            threads=self._threads(),
+            secret_file=self.secret_file,
+            extra=extra,
+        )
 
     def _warmable(self) -> bool:
         """``python script.py`` or ``python -m module``, one rank per replica: a warm worker can run it."""
         c = self.s.command
         runnable = len(c) >= 2 and (c[1].endswith(".py") or (c[1] == "-m" and len(c) >= 3))
-        return (self.s.warm_spare and self.s.ranks_per_replica == 1 and runnable
-                and os.path.basename(c[0]).startswith("python"))
+        return (
+            self.s.warm_spare
+            and self.s.ranks_per_replica == 1
+            and runnable
+            and os.path.basename(c[0]).startswith("python")
+        )
 
     async def _start_warm(self) -> None:
-        env_ = {**os.environ, **package_path(), "PYTHONUNBUFFERED": "1",
-                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(self._threads()))}
+        env_ = {
+            **os.environ,
+            **package_path(),
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(self._threads())),
+        }
         self._warm = await asyncio.create_subprocess_exec(
-            self.s.command[0], "-m", "unbroken.launch.warm", env=env_, stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, start_new_session=True,
-            preexec_fn=workers.die_with_parent())
+            self.s.command[0],
+            "-m",
+            "unbroken.launch.warm",
+            env=env_,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=workers.die_with_parent(),
+        )
         if self._guardian is not None:
             self._guardian.add(self._warm.pid)
 
@@ -330,8 +371,16 @@ class Launcher:
             else:
                 proc = await self._cold_start(environ, path)
             r.procs.append(proc)
-            self.events.emit("process_started", replica=r.replica, rank=rank, pid=proc.pid, restart=r.restarts,
-                             node=slot.node, slot=slot.name, resume_step=r.resume_step)
+            self.events.emit(
+                "process_started",
+                replica=r.replica,
+                rank=rank,
+                pid=proc.pid,
+                restart=r.restarts,
+                node=slot.node,
+                slot=slot.name,
+                resume_step=r.resume_step,
+            )
             asyncio.get_running_loop().create_task(self._watch(r, rank, proc))
         r.resume_step = None  # later restarts catch up from a peer, which is newer
 
@@ -363,11 +412,21 @@ class Launcher:
                     await asyncio.wait_for(asyncio.gather(*siblings), self.s.term_grace_s)
         if self.lifecycle.state[r.replica] not in RUNNING or self._terminated is not None or proc not in r.procs:
             return
-        self._failed(r, f"rank {rank} (pid {proc.pid}) exited with code {code}", t_exit,
-                     process_exited={"rank": rank, "pid": proc.pid, "exitcode": code})
+        self._failed(
+            r,
+            f"rank {rank} (pid {proc.pid}) exited with code {code}",
+            t_exit,
+            process_exited={"rank": rank, "pid": proc.pid, "exitcode": code},
+        )
 
-    def _failed(self, r: _Replica, reason: str, t_detect: float, blame: bool = True,
-                process_exited: dict[str, Any] | None = None) -> None:
+    def _failed(
+        self,
+        r: _Replica,
+        reason: str,
+        t_detect: float,
+        blame: bool = True,
+        process_exited: dict[str, Any] | None = None,
+    ) -> None:
         """Decides at once what to do about a failed replica; the slow parts run afterwards."""
         self._move(r.replica, State.FAILED, reason)
         if self.coordinator is not None:
@@ -379,19 +438,39 @@ class Launcher:
             decision = dataclasses.replace(decision, action="stop", reason="the job finished: nothing to rejoin")
         decision_ms = (time.monotonic() - t_detect) * 1e3
         if process_exited is not None:
-            self.events.emit("process_exited", replica=r.replica, **process_exited, decision_ms=decision_ms,
-                             action=decision.action)
-        self.events.emit("restart_decision", replica=r.replica, action=decision.action, delay_s=decision.delay_s,
-                         reason=decision.reason, cause=reason, decision_ms=decision_ms)
+            self.events.emit(
+                "process_exited", replica=r.replica, **process_exited, decision_ms=decision_ms, action=decision.action
+            )
+        self.events.emit(
+            "restart_decision",
+            replica=r.replica,
+            action=decision.action,
+            delay_s=decision.delay_s,
+            reason=decision.reason,
+            cause=reason,
+            decision_ms=decision_ms,
+        )
         if isolated_now and slot is not None:
-            self.events.emit("node_isolated", node=slot.node, reason=f"{self.s.policy.blame_threshold} faults "
-                             f"within {self.s.policy.blame_window_s:g}s", replica=r.replica)
+            self.events.emit(
+                "node_isolated",
+                node=slot.node,
+                reason=f"{self.s.policy.blame_threshold} faults " f"within {self.s.policy.blame_window_s:g}s",
+                replica=r.replica,
+            )
         procs, r.procs = r.procs, []
-        r.pending = asyncio.get_running_loop().create_task(self._act(r, decision.action, decision.delay_s,
-                                                                      decision.reason, decision.exit_code, procs))
+        r.pending = asyncio.get_running_loop().create_task(
+            self._act(r, decision.action, decision.delay_s, decision.reason, decision.exit_code, procs)
+        )
 
-    async def _act(self, r: _Replica, action: str, delay_s: float, reason: str, exit_code: int,
-                   procs: list[asyncio.subprocess.Process]) -> None:
+    async def _act(
+        self,
+        r: _Replica,
+        action: str,
+        delay_s: float,
+        reason: str,
+        exit_code: int,
+        procs: list[asyncio.subprocess.Process],
+    ) -> None:
         await self._kill(procs)
         if action == "end_job":
             self.events.emit("job_failed", reason=reason, exit_code=exit_code)
@@ -428,8 +507,13 @@ class Launcher:
         elif kind == "replica_evicted" and e["replica"] in self.replicas:
             r = self.replicas[e["replica"]]
             silent = "no heartbeat" in str(e.get("reason"))  # not a closed connection: that is an exit
-            if (silent and self.s.on_hang == "restart" and r.procs and all(p.returncode is None for p in r.procs)
-                    and self.lifecycle.state[r.replica] in RUNNING):
+            if (
+                silent
+                and self.s.on_hang == "restart"
+                and r.procs
+                and all(p.returncode is None for p in r.procs)
+                and self.lifecycle.state[r.replica] in RUNNING
+            ):
                 # Its processes run but it stopped answering: a hang. Kill it, restart it.
                 self._failed(r, f"hang: {e['reason']}", time.monotonic())
         elif kind == "verdict":
@@ -440,8 +524,13 @@ class Launcher:
         replica = (e.get("culprit") or {}).get("replica")
         action, why = verdict_action(e, self.s.on_verdict)
         if action == IGNORE or replica not in self.replicas:
-            self.events.emit("verdict_ignored", verdict_class=e.get("class"), replica=replica, action=action,
-                             reason=why if action == IGNORE else "not a replica of this job")
+            self.events.emit(
+                "verdict_ignored",
+                verdict_class=e.get("class"),
+                replica=replica,
+                action=action,
+                reason=why if action == IGNORE else "not a replica of this job",
+            )
             return
         if action == ROLLBACK:
             self._roll_back(e, why)
@@ -452,11 +541,16 @@ class Launcher:
         slot = self.placement.assignment.get(replica)
         if action == ISOLATE and slot is not None and self.placement.free_slots():
             self.placement.isolate(slot.node, time.time())
-            self.events.emit("node_isolated", node=slot.node, replica=replica,
-                             reason=f"diagnosis verdict: {e.get('class')}")
+            self.events.emit(
+                "node_isolated", node=slot.node, replica=replica, reason=f"diagnosis verdict: {e.get('class')}"
+            )
         self.events.emit("verdict_acted", verdict_class=e.get("class"), replica=replica, action=action, reason=why)
-        self._failed(r, f"diagnosis verdict: {e.get('class')} (confidence {e.get('confidence', 0):.2f})",
-                     time.monotonic(), blame=False)
+        self._failed(
+            r,
+            f"diagnosis verdict: {e.get('class')} (confidence {e.get('confidence', 0):.2f})",
+            time.monotonic(),
+            blame=False,
+        )
 
     def _roll_back(self, e: Event, why: str) -> None:
         """Restarts every replica from the newest checkpoint before the anomalous step that loads.
@@ -470,11 +564,13 @@ class Launcher:
         anomaly_step = (e.get("evidence") or {}).get("step")
 
         def ignore(reason: str) -> None:
-            self.events.emit("verdict_ignored", verdict_class=e.get("class"), replica=replica, action=ROLLBACK,
-                             reason=reason)
+            self.events.emit(
+                "verdict_ignored", verdict_class=e.get("class"), replica=replica, action=ROLLBACK, reason=reason
+            )
 
-        if self._choosing_rollback or (self._rolling_back and any(
-                self.lifecycle.state[r] != State.TRAINING for r in self._rolling_back)):
+        if self._choosing_rollback or (
+            self._rolling_back and any(self.lifecycle.state[r] != State.TRAINING for r in self._rolling_back)
+        ):
             return ignore("a rollback is under way")
         self._rolling_back = set()
         if self.s.checkpoint_dir is None:
@@ -484,8 +580,7 @@ class Launcher:
         self._choosing_rollback = True
         self._tasks.append(asyncio.create_task(self._roll_back_to_verified(e, why, replica, anomaly_step, ignore)))
 
-    async def _roll_back_to_verified(self, e: Event, why: str, replica: Any, anomaly_step: int,
-                                     ignore: Any) -> None:
+    async def _roll_back_to_verified(self, e: Event, why: str, replica: Any, anomaly_step: int, ignore: Any) -> None:
         assert self.s.checkpoint_dir is not None
         root = str(self.s.checkpoint_dir)
         try:
@@ -493,13 +588,21 @@ class Launcher:
         finally:
             self._choosing_rollback = False
         if target is None:
-            return ignore(f"no loadable checkpoint at or before step {anomaly_step} in {root}"
-                          + (f" ({'; '.join(skipped)})" if skipped else ""))
+            return ignore(
+                f"no loadable checkpoint at or before step {anomaly_step} in {root}"
+                + (f" ({'; '.join(skipped)})" if skipped else "")
+            )
         if self._stop.is_set():
             return
         self.events.emit("verdict_acted", verdict_class=e.get("class"), replica=replica, action=ROLLBACK, reason=why)
-        self.events.emit("rollback", step=target, anomaly_step=anomaly_step, culprit=replica,
-                         anomaly=(e.get("evidence") or {}).get("anomaly"), skipped=skipped)
+        self.events.emit(
+            "rollback",
+            step=target,
+            anomaly_step=anomaly_step,
+            culprit=replica,
+            anomaly=(e.get("evidence") or {}).get("anomaly"),
+            skipped=skipped,
+        )
         old: list[asyncio.subprocess.Process] = []
         for r in self.replicas.values():
             if self.lifecycle.state[r.replica] in (State.FINISHED, State.STOPPED, State.ISOLATED):
@@ -508,8 +611,7 @@ class Launcher:
             self._rolling_back.add(r.replica)
             old += r.procs
             if self.lifecycle.state[r.replica] in RUNNING and r.procs:
-                self._failed(r, f"rollback to the checkpoint of step {target} ({why})", time.monotonic(),
-                             blame=False)
+                self._failed(r, f"rollback to the checkpoint of step {target} ({why})", time.monotonic(), blame=False)
         self._discard = asyncio.create_task(self._discard_after(old, root, target))
 
     async def _discard_after(self, old: list[asyncio.subprocess.Process], root: str, target: int) -> None:
@@ -541,8 +643,10 @@ class Launcher:
             except Exception:
                 self.monitor_errors += 1
                 if self.monitor_errors & (self.monitor_errors - 1) == 0:  # 1st, 2nd, 4th...: not a flood
-                    log.exception("supervisor monitor round failed (%d so far); the next one runs all the same",
-                                  self.monitor_errors)
+                    log.exception(
+                        "supervisor monitor round failed (%d so far); the next one runs all the same",
+                        self.monitor_errors,
+                    )
             await asyncio.sleep(0.05)
 
     def _track_progress(self, status: dict[str, Any]) -> None:
@@ -566,9 +670,16 @@ class Launcher:
             self._tasks.append(asyncio.create_task(self._inject(i, f)))
 
     async def _inject(self, index: int, f: Fault) -> None:
-        fields: dict[str, Any] = {"fault": index, "fault_kind": f.kind, "target": f.target, "label": f.label,
-                                  "replica": f.replica, "rank": f.rank, "link": list(f.link) if f.link else None,
-                                  "step": self.job_step}
+        fields: dict[str, Any] = {
+            "fault": index,
+            "fault_kind": f.kind,
+            "target": f.target,
+            "label": f.label,
+            "replica": f.replica,
+            "rank": f.rank,
+            "link": list(f.link) if f.link else None,
+            "step": self.job_step,
+        }
         if f.kind not in ("crash", "hang", "coordinator_kill", "disk_full"):
             self._worker_fault_start[index] = time.time()
             self.events.emit("fault_injected", applied_by="worker", **fields)
@@ -619,20 +730,37 @@ class Launcher:
         """Trains a few steps on ``node``'s slot against a peer; a pass re-admits the node."""
         home = next((r for r, s in self.placement.home.items() if s.node == node), None)
         now = time.time()
-        still = [dataclasses.replace(f, step=0, at_s=None, duration_s=f.duration_s - (now - self._worker_fault_start[i])
-                                     if f.duration_s else None)
-                 for i, f in enumerate(self.s.schedule)
-                 if home is not None and i in self._worker_fault_start and f.kind == "slow_rank" and f.replica == home
-                 and (f.duration_s is None or now - self._worker_fault_start[i] < f.duration_s)]
+        still = [
+            dataclasses.replace(
+                f,
+                step=0,
+                at_s=None,
+                duration_s=f.duration_s - (now - self._worker_fault_start[i]) if f.duration_s else None,
+            )
+            for i, f in enumerate(self.s.schedule)
+            if home is not None
+            and i in self._worker_fault_start
+            and f.kind == "slow_rank"
+            and f.replica == home
+            and (f.duration_s is None or now - self._worker_fault_start[i] < f.duration_s)
+        ]
         port = free_port()
         base = [sys.executable, "-m", "unbroken.launch.selfcheck", "--port", str(port)]
         extra = {**package_path(), "OMP_NUM_THREADS": "1"}
         procs = []
         for role, fenv in (("checked", worker_env(still, now)), ("reference", {})):
-            procs.append(await asyncio.create_subprocess_exec(
-                *base, "--role", role, env={**os.environ, **extra, **fenv}, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.DEVNULL, start_new_session=True,
-                preexec_fn=workers.die_with_parent()))
+            procs.append(
+                await asyncio.create_subprocess_exec(
+                    *base,
+                    "--role",
+                    role,
+                    env={**os.environ, **extra, **fenv},
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.DEVNULL,
+                    start_new_session=True,
+                    preexec_fn=workers.die_with_parent(),
+                )
+            )
             if self._guardian is not None:
                 self._guardian.add(procs[-1].pid)
         try:
@@ -709,8 +837,13 @@ class Launcher:
         if procs:
             _, pending = await asyncio.wait([asyncio.ensure_future(p.wait()) for p in procs], timeout=max(0.0, left))
         codes = {r.replica: [p.returncode for p in r.procs] for r in self.replicas.values() if r.procs}
-        self.events.emit("job_terminated", grace_s=self.s.term_grace_s, exit_codes=codes, killed=len(pending),
-                         drain_s=round(time.monotonic() - self._terminated, 3))
+        self.events.emit(
+            "job_terminated",
+            grace_s=self.s.term_grace_s,
+            exit_codes=codes,
+            killed=len(pending),
+            drain_s=round(time.monotonic() - self._terminated, 3),
+        )
         return EXIT_TERMINATED
 
     async def _kill(self, procs: list[asyncio.subprocess.Process]) -> None:

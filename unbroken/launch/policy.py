@@ -105,18 +105,30 @@ class RestartBook:
     def decide(self, replica: int) -> Decision:
         p = self.policy
         if self.job_restarts_since_progress >= p.crash_loop_restarts:
-            return Decision("end_job", exit_code=EXIT_CRASH_LOOP, reason=(
-                f"crash loop: {self.job_restarts_since_progress} restarts and no step committed since; "
-                "stopping instead of restarting forever (look at the replicas' logs for the error)"))
+            return Decision(
+                "end_job",
+                exit_code=EXIT_CRASH_LOOP,
+                reason=(
+                    f"crash loop: {self.job_restarts_since_progress} restarts and no step committed since; "
+                    "stopping instead of restarting forever (look at the replicas' logs for the error)"
+                ),
+            )
         if self.job_restarts >= p.max_restarts_per_job:
-            return Decision("end_job", exit_code=EXIT_RESTART_LIMIT, reason=(
-                f"the job used its {p.max_restarts_per_job} restarts (--max-job-restarts)"))
+            return Decision(
+                "end_job",
+                exit_code=EXIT_RESTART_LIMIT,
+                reason=(f"the job used its {p.max_restarts_per_job} restarts (--max-job-restarts)"),
+            )
         if self.restarts.get(replica, 0) >= p.max_restarts_per_replica:
-            return Decision("stop", reason=(
-                f"replica {replica} used its {p.max_restarts_per_replica} restarts (--max-restarts)"))
+            return Decision(
+                "stop", reason=(f"replica {replica} used its {p.max_restarts_per_replica} restarts (--max-restarts)")
+            )
         failures = self.failures_without_progress.get(replica, 0) + 1
-        return Decision("restart", delay_s=p.backoff_s(failures),
-                        reason=f"restart {self.restarts.get(replica, 0) + 1}, failure {failures} in a row")
+        return Decision(
+            "restart",
+            delay_s=p.backoff_s(failures),
+            reason=f"restart {self.restarts.get(replica, 0) + 1}, failure {failures} in a row",
+        )
 
     def restarted(self, replica: int) -> None:
         self.restarts[replica] = self.restarts.get(replica, 0) + 1

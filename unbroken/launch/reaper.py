@@ -64,7 +64,7 @@ def _stat(pid: str) -> tuple[str, int, int] | None:
 def session_members(sessions: Iterable[int]) -> list[int]:
     """Live (not zombie) processes in any of ``sessions``."""
     wanted = set(sessions)
-    out = []
+    out: list[int] = []
     if not wanted:
         return out
     for entry in os.listdir("/proc"):
@@ -127,7 +127,10 @@ class Guardian:
         # -I -S: no site, no PYTHONPATH, nothing imported but this file and the standard library.
         self._proc = subprocess.Popen(
             [sys.executable, "-I", "-S", str(Path(__file__).resolve()), "--guard", str(os.getpid())],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         for sid in self.sessions:
             self._tell(f"+{sid}")
 

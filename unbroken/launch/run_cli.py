@@ -15,6 +15,8 @@ from unbroken.launch.launcher import (
     HANG_ACTIONS,
     VERDICT_ACTIONS,
     LaunchSettings,
+)
+from unbroken.launch.launcher import (
     run as run_job,
 )
 from unbroken.launch.policy import RestartPolicy
@@ -23,32 +25,85 @@ from unbroken.launch.policy import RestartPolicy
 def supervisor_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """The policy and fault options shared by ``unbroken run`` and ``unbroken demo``."""
     options = [
-        click.option("--spares", type=int, default=0, show_default=True,
-                     help="Spare slots a replica moves to when its node is isolated."),
-        click.option("--fault", "faults", multiple=True, metavar="KIND:key=value,...",
-                     help="Inject a fault, e.g. crash:replica=1,step=40 (repeatable; see unbroken.launch.chaos)."),
-        click.option("--faults-file", "fault_files", multiple=True, type=click.Path(path_type=Path),
-                     help="A YAML/JSON fault schedule (repeatable)."),
-        click.option("--on-verdict", type=click.Choice(VERDICT_ACTIONS), default="isolate", show_default=True,
-                     help="What a diagnosis verdict does to its culprit replica."),
-        click.option("--on-hang", type=click.Choice(HANG_ACTIONS), default="restart", show_default=True,
-                     help="A replica silent while its processes run: kill and restart it, or wait for it."),
-        click.option("--backoff", type=float, default=RestartPolicy.backoff_initial_s, show_default=True,
-                     help="First restart delay in seconds; doubles per failure without progress."),
+        click.option(
+            "--spares",
+            type=int,
+            default=0,
+            show_default=True,
+            help="Spare slots a replica moves to when its node is isolated.",
+        ),
+        click.option(
+            "--fault",
+            "faults",
+            multiple=True,
+            metavar="KIND:key=value,...",
+            help="Inject a fault, e.g. crash:replica=1,step=40 (repeatable; see unbroken.launch.chaos).",
+        ),
+        click.option(
+            "--faults-file",
+            "fault_files",
+            multiple=True,
+            type=click.Path(path_type=Path),
+            help="A YAML/JSON fault schedule (repeatable).",
+        ),
+        click.option(
+            "--on-verdict",
+            type=click.Choice(VERDICT_ACTIONS),
+            default="isolate",
+            show_default=True,
+            help="What a diagnosis verdict does to its culprit replica.",
+        ),
+        click.option(
+            "--on-hang",
+            type=click.Choice(HANG_ACTIONS),
+            default="restart",
+            show_default=True,
+            help="A replica silent while its processes run: kill and restart it, or wait for it.",
+        ),
+        click.option(
+            "--backoff",
+            type=float,
+            default=RestartPolicy.backoff_initial_s,
+            show_default=True,
+            help="First restart delay in seconds; doubles per failure without progress.",
+        ),
         click.option("--max-job-restarts", type=int, default=RestartPolicy.max_restarts_per_job, show_default=True),
-        click.option("--crash-loop-restarts", type=int, default=RestartPolicy.crash_loop_restarts, show_default=True,
-                     help="Restarts with no committed step that end the job (exit code 93)."),
-        click.option("--blame-threshold", type=int, default=RestartPolicy.blame_threshold, show_default=True,
-                     help="Faults on one node within --blame-window that isolate it."),
+        click.option(
+            "--crash-loop-restarts",
+            type=int,
+            default=RestartPolicy.crash_loop_restarts,
+            show_default=True,
+            help="Restarts with no committed step that end the job (exit code 93).",
+        ),
+        click.option(
+            "--blame-threshold",
+            type=int,
+            default=RestartPolicy.blame_threshold,
+            show_default=True,
+            help="Faults on one node within --blame-window that isolate it.",
+        ),
         click.option("--blame-window", type=float, default=RestartPolicy.blame_window_s, show_default=True),
-        click.option("--checkpoint-dir", type=click.Path(path_type=Path), default=None,
-                     help="The job's checkpoint directory (UNBROKEN_CHECKPOINT_DIR for the workers); "
-                          "a rollback verdict restarts the job from a checkpoint there."),
-        click.option("--anomaly-policy", default="", metavar="KIND=ACTION,...",
-                     help="Actions for training-metric anomalies, e.g. nonfinite_loss=rollback,loss_spike=skip_step "
-                          "(actions: skip_step, rollback, isolate, none)."),
-        click.option("--readmit-after", type=float, default=RestartPolicy.readmit_after_s, show_default=True,
-                     help="Seconds an isolated node waits before the self-check that can re-admit it."),
+        click.option(
+            "--checkpoint-dir",
+            type=click.Path(path_type=Path),
+            default=None,
+            help="The job's checkpoint directory (UNBROKEN_CHECKPOINT_DIR for the workers); "
+            "a rollback verdict restarts the job from a checkpoint there.",
+        ),
+        click.option(
+            "--anomaly-policy",
+            default="",
+            metavar="KIND=ACTION,...",
+            help="Actions for training-metric anomalies, e.g. nonfinite_loss=rollback,loss_spike=skip_step "
+            "(actions: skip_step, rollback, isolate, none).",
+        ),
+        click.option(
+            "--readmit-after",
+            type=float,
+            default=RestartPolicy.readmit_after_s,
+            show_default=True,
+            help="Seconds an isolated node waits before the self-check that can re-admit it.",
+        ),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -59,15 +114,24 @@ def supervisor_settings(kw: dict[str, Any]) -> dict[str, Any]:
     """Turns the options above into LaunchSettings fields (raises ValueError on bad input)."""
     backoff = kw.pop("backoff")
     policy = RestartPolicy(
-        backoff_initial_s=backoff, backoff_max_s=max(RestartPolicy.backoff_max_s, backoff),
-        max_restarts_per_job=kw.pop("max_job_restarts"), crash_loop_restarts=kw.pop("crash_loop_restarts"),
-        blame_threshold=kw.pop("blame_threshold"), blame_window_s=kw.pop("blame_window"),
+        backoff_initial_s=backoff,
+        backoff_max_s=max(RestartPolicy.backoff_max_s, backoff),
+        max_restarts_per_job=kw.pop("max_job_restarts"),
+        crash_loop_restarts=kw.pop("crash_loop_restarts"),
+        blame_threshold=kw.pop("blame_threshold"),
+        blame_window_s=kw.pop("blame_window"),
         readmit_after_s=kw.pop("readmit_after"),
     )
     schedule = Schedule.build(files=kw.pop("fault_files"), flags=kw.pop("faults"))
-    return {"policy": policy, "schedule": schedule, "spares": kw.pop("spares"),
-            "on_verdict": kw.pop("on_verdict"), "on_hang": kw.pop("on_hang"),
-            "checkpoint_dir": kw.pop("checkpoint_dir"), "anomaly_policy": kw.pop("anomaly_policy")}
+    return {
+        "policy": policy,
+        "schedule": schedule,
+        "spares": kw.pop("spares"),
+        "on_verdict": kw.pop("on_verdict"),
+        "on_hang": kw.pop("on_hang"),
+        "checkpoint_dir": kw.pop("checkpoint_dir"),
+        "anomaly_policy": kw.pop("anomaly_policy"),
+    }
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -77,13 +141,22 @@ def supervisor_settings(kw: dict[str, Any]) -> dict[str, Any]:
 @click.option("--run-dir", type=click.Path(path_type=Path), default=Path("runs/latest"), show_default=True)
 @click.option("--coordinator", default=None, help="HOST:PORT of an external coordinator (else one starts here).")
 @click.option("--port", type=int, default=0, help="Port of the in-process coordinator (0: a free one).")
-@click.option("--secret-file", type=click.Path(path_type=Path), default=None,
-              help="The job's secret (0600; `unbroken secret new PATH`) [default: a fresh one in --run-dir; "
-                   "with --coordinator, the one it was started with].")
+@click.option(
+    "--secret-file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The job's secret (0600; `unbroken secret new PATH`) [default: a fresh one in --run-dir; "
+    "with --coordinator, the one it was started with].",
+)
 @click.option("--max-restarts", type=int, default=10, show_default=True, help="Restarts per replica.")
-@click.option("--term-grace-s", type=float, default=DEFAULT_TERM_GRACE_S, show_default=True,
-              help="On SIGTERM (preemption, scancel, eviction): seconds the workers have to finish their step "
-                   "and flush a checkpoint before the rest is killed.")
+@click.option(
+    "--term-grace-s",
+    type=float,
+    default=DEFAULT_TERM_GRACE_S,
+    show_default=True,
+    help="On SIGTERM (preemption, scancel, eviction): seconds the workers have to finish their step "
+    "and flush a checkpoint before the rest is killed.",
+)
 @supervisor_options
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 def run(**kw: Any) -> None:

@@ -33,7 +33,10 @@ ISOLATE, RESTART, IGNORE, ROLLBACK = "isolate", "restart", "ignore", "rollback"
 VERDICT_ACTIONS = (ISOLATE, RESTART, IGNORE)  # what --on-verdict may cap them at
 _STRENGTH = {IGNORE: 0, RESTART: 1, ROLLBACK: 1, ISOLATE: 2}
 CLASS_ACTIONS: dict[str, str] = {
-    NONCOMM_HANG: RESTART, COMM_HANG: RESTART, STRAGGLER: ISOLATE, COMM_SLOW: ISOLATE,
+    NONCOMM_HANG: RESTART,
+    COMM_HANG: RESTART,
+    STRAGGLER: ISOLATE,
+    COMM_SLOW: ISOLATE,
 }
 _METRIC_ACTIONS = {"isolate": ISOLATE, "rollback": ROLLBACK}
 
@@ -54,7 +57,9 @@ def verdict_action(verdict: Mapping[str, Any], on_verdict: str) -> tuple[str, st
     replica = culprit.get("replica")
     if not isinstance(replica, int) or replica < 0:
         return IGNORE, "the verdict names no replica"
-    if culprit.get("link") is not None and (kind == COMM_HANG or (verdict.get("evidence") or {}).get("pattern") == "link"):
+    if culprit.get("link") is not None and (
+        kind == COMM_HANG or (verdict.get("evidence") or {}).get("pattern") == "link"
+    ):
         return IGNORE, "a link is at fault: restarting either end does not mend it"
     if kind == METRIC_ANOMALY:
         asked = (verdict.get("evidence") or {}).get("action")

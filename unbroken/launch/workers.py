@@ -61,9 +61,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def worker_env(*, coordinator: str, replica: int, num_replicas: int, run_dir: Path, restarts: int, node: str,
-               rank: int, world_size: int, master_port: int, threads: int, secret_file: Path,
-               extra: dict[str, str] | None = None) -> dict[str, str]:
+def worker_env(
+    *,
+    coordinator: str,
+    replica: int,
+    num_replicas: int,
+    run_dir: Path,
+    restarts: int,
+    node: str,
+    rank: int,
+    world_size: int,
+    master_port: int,
+    threads: int,
+    secret_file: Path,
+    extra: dict[str, str] | None = None,
+) -> dict[str, str]:
     """What a worker sees: PyTorch's variables inside its replica group, plus unbroken's own.
 
     The job's secret travels as the path of its 0600 file (``UNBROKEN_SECRET_FILE``), never as
@@ -101,15 +113,21 @@ def worker_env(*, coordinator: str, replica: int, num_replicas: int, run_dir: Pa
     }
 
 
-async def start_worker(command: tuple[str, ...], environ: dict[str, str], log_path: Path,
-                       guardian: reaper.Guardian | None = None) -> asyncio.subprocess.Process:
+async def start_worker(
+    command: tuple[str, ...], environ: dict[str, str], log_path: Path, guardian: reaper.Guardian | None = None
+) -> asyncio.subprocess.Process:
     """Starts one worker in its own session, its output appended to ``log_path``; the guardian
     ends that session if this process dies."""
     log = open(log_path, "ab")  # noqa: SIM115
     try:
         proc = await asyncio.create_subprocess_exec(
-            *command, env=environ, stdout=log, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
-            preexec_fn=die_with_parent())
+            *command,
+            env=environ,
+            stdout=log,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent(),
+        )
     except FileNotFoundError as e:
         raise ValueError(f"cannot start the worker command {command[0]!r}: {e.strerror}") from e
     finally:

@@ -23,13 +23,20 @@ def assignment_json(plan: Plan) -> dict[str, Any]:
     conns = []
     for c in range(len(tr)):
         paths = []
-        for r, w in zip(rows[c].tolist(), weights[c].tolist()):
-            links = [l for l in plan.cands.paths[c][r].tolist() if l != plan.cands.pad]
-            nodes = [topo.links[links[0]][0]] + [topo.links[l][1] for l in links]
+        for r, w in zip(rows[c].tolist(), weights[c].tolist(), strict=False):
+            links = [i for i in plan.cands.paths[c][r].tolist() if i != plan.cands.pad]
+            nodes = [topo.links[links[0]][0]] + [topo.links[i][1] for i in links]
             paths.append({"nodes": nodes, "share": round(w, 6)})
-        conns.append({"job": tr.jobs[int(tr.job[c])].name, "phase": PHASES[int(tr.phase[c])],
-                      "src": topo.gpu_name(int(tr.src[c])), "dst": topo.gpu_name(int(tr.dst[c])),
-                      "bytes": float(tr.nbytes[c]), "paths": paths})
+        conns.append(
+            {
+                "job": tr.jobs[int(tr.job[c])].name,
+                "phase": PHASES[int(tr.phase[c])],
+                "src": topo.gpu_name(int(tr.src[c])),
+                "dst": topo.gpu_name(int(tr.dst[c])),
+                "bytes": float(tr.nbytes[c]),
+                "paths": paths,
+            }
+        )
     return {"connections": conns, "plan_s": plan.plan_s}
 
 
@@ -46,14 +53,15 @@ def library_settings(plan: Plan) -> dict[str, Any]:
     rank_of = [{g: r for r, g in enumerate(job_gpus(topo, job))} for job in tr.jobs]
     out: dict[str, Any] = {}
     for j, job in enumerate(tr.jobs):
-        rings = [[rank_of[j][g] for g in order] for (jj, _), order in sorted(tr.rings.items())
-                 if jj == j]
-        out[job.name] = {"rings": rings, "qps_per_connection": int(qps[tr.job == j].max()),
-                         "connections": []}
+        rings = [[rank_of[j][g] for g in order] for (jj, _), order in sorted(tr.rings.items()) if jj == j]
+        out[job.name] = {"rings": rings, "qps_per_connection": int(qps[tr.job == j].max()), "connections": []}
     for c in range(len(tr)):
         j, src, dst = int(tr.job[c]), int(tr.src[c]), int(tr.dst[c])
-        entry: dict[str, Any] = {"phase": PHASES[int(tr.phase[c])], "src_rank": rank_of[j][src],
-                                 "dst_rank": rank_of[j][dst]}
+        entry: dict[str, Any] = {
+            "phase": PHASES[int(tr.phase[c])],
+            "src_rank": rank_of[j][src],
+            "dst_rank": rank_of[j][dst],
+        }
         paths = plan.cands.paths[c]
         first = topo.links[int(paths[0][0])][0]
         if topo.graph.nodes[first]["kind"] == "gpu":
@@ -61,16 +69,17 @@ def library_settings(plan: Plan) -> dict[str, Any]:
         else:
             used: set[int] = set()
             entry["qps"] = []
-            for r, w in zip(rows[c].tolist(), weights[c].tolist()):
+            for r, w in zip(rows[c].tolist(), weights[c].tolist(), strict=False):
                 for _ in range(max(1, int(round(w * qps[c])))):
                     sport = sport_for_row(paths, r, src, dst, seeds, avoid=used)
                     if sport is None:
-                        raise ValueError(f"no source port hashes onto the planned path of "
-                                         f"{topo.gpu_name(src)} -> {topo.gpu_name(dst)}")
+                        raise ValueError(
+                            f"no source port hashes onto the planned path of "
+                            f"{topo.gpu_name(src)} -> {topo.gpu_name(dst)}"
+                        )
                     used.add(sport)
                     port = topo.graph.nodes[topo.links[int(paths[r][0])][0]]["plane"]
-                    entry["qps"].append({"port": int(port), "sport": sport,
-                                         "share": round(1.0 / qps[c], 6)})
+                    entry["qps"].append({"port": int(port), "sport": sport, "share": round(1.0 / qps[c], 6)})
         out[tr.jobs[j].name]["connections"].append(entry)
     top = int(np.max(qps)) if len(qps) else 1
     return {"jobs": out, "env": {"NCCL_IB_QPS_PER_CONNECTION": str(top)}}

@@ -13,8 +13,7 @@ import numpy as np
 from unbroken.network.paths import Candidates
 
 
-def cut_bound_s(cands: Candidates, conns: np.ndarray, nbytes: np.ndarray,
-                capacity: np.ndarray) -> float:
+def cut_bound_s(cands: Candidates, conns: np.ndarray, nbytes: np.ndarray, capacity: np.ndarray) -> float:
     """max over link sets of (bytes that must cross the set) / (its capacity), in seconds.
 
     Args:

@@ -16,23 +16,63 @@ from unbroken.network.traffic import load_jobs
 
 
 @click.command("plan")
-@click.option("--topology", "topology_path", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="Topology YAML/JSON (explicit, or 'generator: rail_optimized' with its arguments).")
-@click.option("--jobs", "jobs_path", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="Jobs YAML/JSON: a list under 'jobs' with hosts, tp, pp, dp_bytes, ring, qps.")
-@click.option("--fail", "failures", multiple=True,
-              help="A failed link 'a:b', a degraded one 'a:b@0.5', or a switch name (repeatable).")
-@click.option("--out", default="runs/plan/assignment.json", show_default=True,
-              help="Where to write the per-connection assignment.")
-@click.option("--adapter", "adapter_out", default="runs/plan/settings.json", show_default=True,
-              help="Where to write the collective-library settings (rings, QPs, source ports).")
-@click.option("--ecmp-qps", type=click.IntRange(min=1), default=None,
-              help="QPs per connection for the ECMP baseline (default: each job's own).")
-@click.option("--max-qps", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Most QPs the planner may split a connection into.")
+@click.option(
+    "--topology",
+    "topology_path",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="Topology YAML/JSON (explicit, or 'generator: rail_optimized' with its arguments).",
+)
+@click.option(
+    "--jobs",
+    "jobs_path",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="Jobs YAML/JSON: a list under 'jobs' with hosts, tp, pp, dp_bytes, ring, qps.",
+)
+@click.option(
+    "--fail",
+    "failures",
+    multiple=True,
+    help="A failed link 'a:b', a degraded one 'a:b@0.5', or a switch name (repeatable).",
+)
+@click.option(
+    "--out",
+    default="runs/plan/assignment.json",
+    show_default=True,
+    help="Where to write the per-connection assignment.",
+)
+@click.option(
+    "--adapter",
+    "adapter_out",
+    default="runs/plan/settings.json",
+    show_default=True,
+    help="Where to write the collective-library settings (rings, QPs, source ports).",
+)
+@click.option(
+    "--ecmp-qps",
+    type=click.IntRange(min=1),
+    default=None,
+    help="QPs per connection for the ECMP baseline (default: each job's own).",
+)
+@click.option(
+    "--max-qps",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Most QPs the planner may split a connection into.",
+)
 @click.option("--seed", default=0, show_default=True, help="Seed of the ECMP source ports.")
-def plan(topology_path: str, jobs_path: str, failures: tuple[str, ...], out: str,
-         adapter_out: str, ecmp_qps: int | None, max_qps: int, seed: int) -> None:
+def plan(
+    topology_path: str,
+    jobs_path: str,
+    failures: tuple[str, ...],
+    out: str,
+    adapter_out: str,
+    ecmp_qps: int | None,
+    max_qps: int,
+    seed: int,
+) -> None:
     """Which port and path each connection should use, and what that buys over ECMP."""
     try:
         topo = load_topology(topology_path)
@@ -41,8 +81,10 @@ def plan(topology_path: str, jobs_path: str, failures: tuple[str, ...], out: str
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     final = result.failed_plan or result.plan
-    table = Table(title=f"collective time per step phase, s ({topo.n_gpus} GPUs, "
-                        f"{len(jobs)} job(s){', after ' + ', '.join(failures) if failures else ''})")
+    table = Table(
+        title=f"collective time per step phase, s ({topo.n_gpus} GPUs, "
+        f"{len(jobs)} job(s){', after ' + ', '.join(failures) if failures else ''})"
+    )
     for col in ("phase", "job", "ECMP", "planner", "ideal (spray)", "gain vs ECMP"):
         table.add_column(col, justify="left" if col in ("phase", "job") else "right")
     if failures:
@@ -58,11 +100,12 @@ def plan(topology_path: str, jobs_path: str, failures: tuple[str, ...], out: str
             table.add_row(*cells)
     console = Console()
     console.print(table)
-    console.print(f"capacity bound per phase: "
-                  + ", ".join(f"{k} {v:.4f}s" for k, v in result.bound_s.items())
-                  + f"; planning took {final.plan_s:.2f}s"
-                  + (f"; local re-weight took {result.local_plan.plan_s:.3f}s"
-                     if result.local_plan else ""))
+    console.print(
+        "capacity bound per phase: "
+        + ", ".join(f"{k} {v:.4f}s" for k, v in result.bound_s.items())
+        + f"; planning took {final.plan_s:.2f}s"
+        + (f"; local re-weight took {result.local_plan.plan_s:.3f}s" if result.local_plan else "")
+    )
     for path, data in ((out, assignment_json(final)), (adapter_out, library_settings(final))):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(data, indent=1) + "\n")

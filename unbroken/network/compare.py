@@ -7,8 +7,8 @@ fast local re-weighting with a full re-plan on what is left of the fabric.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
@@ -54,20 +54,28 @@ def outcome(routing: Routing, traffic: Traffic, topo: Topology, phase: str) -> O
     cap = topo.capacity_bytes()
     sub = routing.subset(sel)
     times = phase_times(sub, traffic.nbytes[sel], traffic.job[sel], cap)
-    return Outcome({traffic.jobs[j].name: t for j, t in times.items()},
-                   bottleneck_load_s(sub, traffic.nbytes[sel], cap))
+    return Outcome(
+        {traffic.jobs[j].name: t for j, t in times.items()}, bottleneck_load_s(sub, traffic.nbytes[sel], cap)
+    )
 
 
-def _ecmp(topo: Topology, jobs: Sequence[Job], ring: str | None, qps: int | None,
-          seed: int) -> tuple[Traffic, Routing, Candidates]:
+def _ecmp(
+    topo: Topology, jobs: Sequence[Job], ring: str | None, qps: int | None, seed: int
+) -> tuple[Traffic, Routing, Candidates]:
     traffic = build_traffic(topo, jobs, ring=ring)
     cands = candidate_paths(topo, traffic)
     routing, _ = ecmp_routing(cands, traffic, device_seeds(topo), qps, np.random.default_rng(seed))
     return traffic, routing, cands
 
 
-def compare(topo: Topology, jobs: Sequence[Job], failures: Sequence[str] = (),
-            ecmp_qps: int | None = None, seed: int = 0, max_qps: int = 8) -> Comparison:
+def compare(
+    topo: Topology,
+    jobs: Sequence[Job],
+    failures: Sequence[str] = (),
+    ecmp_qps: int | None = None,
+    seed: int = 0,
+    max_qps: int = 8,
+) -> Comparison:
     """Runs every method; with ``failures`` the planner and ECMP numbers are after them.
 
     ECMP uses each job's own ring order and QP count (or ``ecmp_qps``) and reconverges on the

@@ -21,8 +21,17 @@ from unbroken.network.traffic import Traffic
 
 ROCE_DPORT = 4791
 SPORT_RANGE = (49152, 65536)
-_K = [np.uint64(k) for k in (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
-                             0xD6E8FEB86659FD93, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53)]
+_K = [
+    np.uint64(k)
+    for k in (
+        0x9E3779B97F4A7C15,
+        0xC2B2AE3D27D4EB4F,
+        0x165667B19E3779F9,
+        0xD6E8FEB86659FD93,
+        0xFF51AFD7ED558CCD,
+        0xC4CEB9FE1A85EC53,
+    )
+]
 
 
 def flow_hash(src: int, dst: int, sport: np.ndarray, seed: int) -> np.ndarray:
@@ -46,8 +55,7 @@ def device_seeds(topo: Topology) -> np.ndarray:
     return np.array([zlib.crc32(u.encode()) for u, _ in topo.links] + [0], dtype=np.int64)
 
 
-def hashed_rows(paths: np.ndarray, src: int, dst: int, sports: np.ndarray,
-                seeds: np.ndarray) -> np.ndarray:
+def hashed_rows(paths: np.ndarray, src: int, dst: int, sports: np.ndarray, seeds: np.ndarray) -> np.ndarray:
     """The candidate row each source port lands on after per-hop hashing."""
     out = np.empty(len(sports), dtype=int)
     for i, sport in enumerate(np.asarray(sports)):
@@ -56,15 +64,15 @@ def hashed_rows(paths: np.ndarray, src: int, dst: int, sports: np.ndarray,
             col = paths[rows, h]
             choices = np.unique(col)
             if len(choices) > 1:
-                k = int(flow_hash(src, dst, np.array([sport]), int(seeds[choices[0]]))[0]
-                        % np.uint64(len(choices)))
+                k = int(flow_hash(src, dst, np.array([sport]), int(seeds[choices[0]]))[0] % np.uint64(len(choices)))
                 rows = rows[col == choices[k]]
         out[i] = rows[0]
     return out
 
 
-def sport_for_row(paths: np.ndarray, row: int, src: int, dst: int, seeds: np.ndarray,
-                  avoid: set[int] | None = None) -> int | None:
+def sport_for_row(
+    paths: np.ndarray, row: int, src: int, dst: int, seeds: np.ndarray, avoid: set[int] | None = None
+) -> int | None:
     """A source port whose hash chain follows candidate ``row``, or None if none exists."""
     sports = np.arange(*SPORT_RANGE, dtype=np.uint64)
     rows = np.arange(len(paths))
@@ -83,8 +91,9 @@ def sport_for_row(paths: np.ndarray, row: int, src: int, dst: int, seeds: np.nda
     return None
 
 
-def ecmp_routing(cands: Candidates, traffic: Traffic, seeds: np.ndarray, qps: int | None,
-                 rng: np.random.Generator) -> tuple[Routing, list[np.ndarray]]:
+def ecmp_routing(
+    cands: Candidates, traffic: Traffic, seeds: np.ndarray, qps: int | None, rng: np.random.Generator
+) -> tuple[Routing, list[np.ndarray]]:
     """Routing under ECMP with random source ports.
 
     Args:

@@ -17,9 +17,14 @@ from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 from unbroken.network.paths import Candidates
 
 
-def min_max_load_s(cands: Candidates, conns: np.ndarray, nbytes: np.ndarray,
-                   capacity: np.ndarray, qps: int | None = None,
-                   time_limit_s: float = 60.0) -> float:
+def min_max_load_s(
+    cands: Candidates,
+    conns: np.ndarray,
+    nbytes: np.ndarray,
+    capacity: np.ndarray,
+    qps: int | None = None,
+    time_limit_s: float = 60.0,
+) -> float:
     """Optimal bottleneck time (s) of the connections ``conns`` run concurrently.
 
     Args:
@@ -37,7 +42,7 @@ def min_max_load_s(cands: Candidates, conns: np.ndarray, nbytes: np.ndarray,
     nv = len(var_conn)
     var_conn_a = np.array(var_conn)
     # link incidence of every variable (bytes / capacity per unit of share)
-    rows_links = np.stack([cands.paths[c][r] for c, r in zip(var_conn, var_row)])
+    rows_links = np.stack([cands.paths[c][r] for c, r in zip(var_conn, var_row, strict=False)])
     v_idx = np.repeat(np.arange(nv), rows_links.shape[1])
     l_idx = rows_links.ravel()
     keep = l_idx != cands.pad
@@ -51,25 +56,33 @@ def min_max_load_s(cands: Candidates, conns: np.ndarray, nbytes: np.ndarray,
     a_load = sp.coo_matrix((coef, (l_pos.ravel(), v_idx[ok])), shape=(len(links), nv)).tocsr()
     a_ub = sp.hstack([a_load, -sp.csr_matrix(np.ones((len(links), 1)))]).tocsr()
     _, conn_pos = np.unique(var_conn_a, return_inverse=True)
-    a_eq = sp.coo_matrix((np.ones(nv), (conn_pos.ravel(), np.arange(nv))),
-                         shape=(len(conns), nv + 1)).tocsr()
+    a_eq = sp.coo_matrix((np.ones(nv), (conn_pos.ravel(), np.arange(nv))), shape=(len(conns), nv + 1)).tocsr()
     scale = float(qps) if qps else 1.0
     upper = np.where(dead, 0.0, scale)
     c_obj = np.zeros(nv + 1)
     c_obj[-1] = 1.0
     if qps is None:
-        res = linprog(c_obj, A_ub=a_ub, b_ub=np.zeros(len(links)), A_eq=a_eq,
-                      b_eq=np.ones(len(conns)), bounds=list(zip(np.zeros(nv), upper)) + [(0, None)],
-                      method="highs", options={"time_limit": time_limit_s})
+        res = linprog(
+            c_obj,
+            A_ub=a_ub,
+            b_ub=np.zeros(len(links)),
+            A_eq=a_eq,
+            b_eq=np.ones(len(conns)),
+            bounds=list(zip(np.zeros(nv), upper, strict=False)) + [(0, None)],
+            method="highs",
+            options={"time_limit": time_limit_s},
+        )
         if res.status != 0:
             raise RuntimeError(f"exact LP not solved: {res.message}")
         return float(res.fun)
     a_ub_q = sp.hstack([a_load / scale, -sp.csr_matrix(np.ones((len(links), 1)))]).tocsr()
-    res = milp(c_obj, integrality=np.r_[np.ones(nv), 0],
-               bounds=Bounds(np.zeros(nv + 1), np.r_[upper, np.inf]),
-               constraints=[LinearConstraint(a_ub_q, -np.inf, 0),
-                            LinearConstraint(a_eq, scale, scale)],
-               options={"time_limit": time_limit_s})
+    res = milp(
+        c_obj,
+        integrality=np.r_[np.ones(nv), 0],
+        bounds=Bounds(np.zeros(nv + 1), np.r_[upper, np.inf]),
+        constraints=[LinearConstraint(a_ub_q, -np.inf, 0), LinearConstraint(a_eq, scale, scale)],
+        options={"time_limit": time_limit_s},
+    )
     if res.status != 0:
         raise RuntimeError(f"exact MILP not solved to optimality: {res.message}")
     return float(res.fun)

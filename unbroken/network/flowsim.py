@@ -31,8 +31,7 @@ class Routing:
     matrix: sp.csr_matrix
 
     @classmethod
-    def from_triplets(cls, conn: np.ndarray, link: np.ndarray, frac: np.ndarray,
-                      n_links: int, n_conns: int) -> Routing:
+    def from_triplets(cls, conn: np.ndarray, link: np.ndarray, frac: np.ndarray, n_links: int, n_conns: int) -> Routing:
         m = sp.coo_matrix((frac, (link, conn)), shape=(n_links, n_conns)).tocsr()
         m.sum_duplicates()
         return cls(m)
@@ -80,8 +79,7 @@ def bottleneck_load_s(routing: Routing, nbytes: np.ndarray, capacity: np.ndarray
     return float(np.max(t, initial=0.0))
 
 
-def phase_times(routing: Routing, nbytes: np.ndarray, job: np.ndarray,
-                capacity: np.ndarray) -> dict[int, float]:
+def phase_times(routing: Routing, nbytes: np.ndarray, job: np.ndarray, capacity: np.ndarray) -> dict[int, float]:
     """Completion time of each job's concurrent phase (e.g. every job's DP all-reduce).
 
     Each job progresses at the pace of its slowest flow under max-min rates; whenever a job

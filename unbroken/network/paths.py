@@ -28,16 +28,19 @@ class Candidates:
     def routing(self, choice: list[np.ndarray], weight: list[np.ndarray]) -> Routing:
         """Routing where connection c puts ``weight[c][k]`` of its bytes on row ``choice[c][k]``."""
         conn, link, frac = [], [], []
-        for c, (rows, w) in enumerate(zip(choice, weight)):
+        for c, (rows, w) in enumerate(zip(choice, weight, strict=False)):
             sel = self.paths[c][rows]
             mask = sel != self.pad
             link.append(sel[mask])
             frac.append(np.broadcast_to(np.asarray(w, float)[:, None], sel.shape)[mask])
             conn.append(np.full(int(mask.sum()), c))
-        return Routing.from_triplets(np.concatenate(conn) if conn else np.zeros(0, int),
-                                     np.concatenate(link) if link else np.zeros(0, int),
-                                     np.concatenate(frac) if frac else np.zeros(0),
-                                     self.pad, len(self.paths))
+        return Routing.from_triplets(
+            np.concatenate(conn) if conn else np.zeros(0, int),
+            np.concatenate(link) if link else np.zeros(0, int),
+            np.concatenate(frac) if frac else np.zeros(0),
+            self.pad,
+            len(self.paths),
+        )
 
 
 def candidate_paths(topo: Topology, traffic: Traffic) -> Candidates:
@@ -45,6 +48,7 @@ def candidate_paths(topo: Topology, traffic: Traffic) -> Candidates:
     pad = topo.n_links
     cache: dict[tuple[int, int], np.ndarray] = {}
     edges = topo.graph.edges
+
     def build(src: int, dst: int) -> np.ndarray:
         (hs, ls), (hd, ld) = topo.locate(src), topo.locate(dst)
         gs, gd = f"{topo.hosts[hs].name}.g{ls}", f"{topo.hosts[hd].name}.g{ld}"
@@ -66,15 +70,18 @@ def candidate_paths(topo: Topology, traffic: Traffic) -> Candidates:
                 if len(mid) == 0:
                     continue
                 p = len(mid)
-                blocks.append(np.hstack([np.full((p, 1), edges[port_s, la]["idx"]), mid,
-                                         np.full((p, 1), edges[lb, port_d]["idx"])]))
+                blocks.append(
+                    np.hstack(
+                        [np.full((p, 1), edges[port_s, la]["idx"]), mid, np.full((p, 1), edges[lb, port_d]["idx"])]
+                    )
+                )
         if not blocks:
             raise ValueError(f"no alive path from {gs} to {gd}: the failures disconnect them")
         shortest = min(b.shape[1] for b in blocks)
         return _pad(np.vstack([b for b in blocks if b.shape[1] == shortest]), pad)
 
     out = []
-    for s, d in zip(traffic.src.tolist(), traffic.dst.tolist()):
+    for s, d in zip(traffic.src.tolist(), traffic.dst.tolist(), strict=False):
         if (s, d) not in cache:
             cache[(s, d)] = build(s, d)
         out.append(cache[(s, d)])
@@ -85,7 +92,7 @@ def _pad(rows: np.ndarray, pad: int) -> np.ndarray:
     if rows.shape[1] > PAD_WIDTH:
         raise ValueError(f"paths of {rows.shape[1]} links exceed the supported {PAD_WIDTH}")
     out = np.full((rows.shape[0], PAD_WIDTH), pad, dtype=np.int64)
-    out[:, :rows.shape[1]] = rows
+    out[:, : rows.shape[1]] = rows
     return out
 
 

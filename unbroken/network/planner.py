@@ -15,8 +15,8 @@ On a failure, :func:`replan_local` only moves the units that crossed a failed or
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
@@ -56,7 +56,7 @@ class Plan:
         conn, row, size = self.unit_conn[order], self.unit_row[order], self.unit_size[order]
         starts = np.searchsorted(conn, np.arange(len(self.cands.paths) + 1))
         for c in range(len(self.cands.paths)):
-            r, s = row[starts[c]:starts[c + 1]], size[starts[c]:starts[c + 1]]
+            r, s = row[starts[c] : starts[c + 1]], size[starts[c] : starts[c + 1]]
             uniq, inv = np.unique(r, return_inverse=True)
             w = np.bincount(inv.ravel(), weights=s)
             rows.append(uniq)
@@ -69,16 +69,14 @@ class Plan:
     def qps(self) -> np.ndarray:
         """QPs per connection: enough equal QPs to carry each connection's split exactly."""
         q = np.ones(len(self.cands.paths), dtype=int)
-        np.maximum.at(q, self.unit_conn,
-                      np.rint(self.traffic.nbytes[self.unit_conn] / self.unit_size).astype(int))
+        np.maximum.at(q, self.unit_conn, np.rint(self.traffic.nbytes[self.unit_conn] / self.unit_size).astype(int))
         return q
 
 
 class _Balancer:
     """Greedy placement plus bottleneck-driven local search for one phase."""
 
-    def __init__(self, cands: Candidates, capacity: np.ndarray, nbytes: np.ndarray,
-                 max_qps: int) -> None:
+    def __init__(self, cands: Candidates, capacity: np.ndarray, nbytes: np.ndarray, max_qps: int) -> None:
         self.paths = cands.paths
         self.cap = capacity
         self.nbytes = nbytes
@@ -118,8 +116,7 @@ class _Balancer:
             for _ in range(ports):
                 self.add(c, self.best_row(c, self.nbytes[c] / ports)[0], self.nbytes[c] / ports)
 
-    def improve(self, target: float, movable: set[int] | None = None,
-                max_steps: int = 20000) -> None:
+    def improve(self, target: float, movable: set[int] | None = None, max_steps: int = 20000) -> None:
         """Moves (and if needed halves) units off the most loaded link until ``target``."""
         for _ in range(max_steps):
             ratio = self.ratio()
@@ -152,8 +149,7 @@ class _Balancer:
     def _split_one(self, units: np.ndarray) -> bool:
         for u in units.tolist():
             c = self.conn[u]
-            if self.size[u] / 2 >= self.nbytes[c] / self.max_qps * (1 - _EPS) \
-                    and len(self.paths[c]) > 1:
+            if self.size[u] / 2 >= self.nbytes[c] / self.max_qps * (1 - _EPS) and len(self.paths[c]) > 1:
                 self.size[u] /= 2
                 np.subtract.at(self.load, self.links[u], self.size[u])
                 self.add(c, self.row[u], self.size[u])
@@ -161,8 +157,7 @@ class _Balancer:
         return False
 
 
-def plan(topo: Topology, jobs: Sequence[Job], *, ring: str = "rail", max_qps: int = 8,
-         tol: float = 0.005) -> Plan:
+def plan(topo: Topology, jobs: Sequence[Job], *, ring: str = "rail", max_qps: int = 8, tol: float = 0.005) -> Plan:
     """Plans every connection of every job.
 
     Args:
@@ -178,8 +173,7 @@ def plan(topo: Topology, jobs: Sequence[Job], *, ring: str = "rail", max_qps: in
     return p
 
 
-def _balance(topo: Topology, traffic: Traffic, cands: Candidates, max_qps: int,
-             tol: float) -> Plan:
+def _balance(topo: Topology, traffic: Traffic, cands: Candidates, max_qps: int, tol: float) -> Plan:
     cap = capacity_with_pad(topo)
     conn_all, row_all, size_all = [], [], []
     bounds: dict[int, float] = {}
@@ -192,8 +186,9 @@ def _balance(topo: Topology, traffic: Traffic, cands: Candidates, max_qps: int,
         conn_all += bal.conn
         row_all += bal.row
         size_all += bal.size
-    return Plan(topo, traffic, cands, np.array(conn_all, dtype=int), np.array(row_all, dtype=int),
-                np.array(size_all), bounds)
+    return Plan(
+        topo, traffic, cands, np.array(conn_all, dtype=int), np.array(row_all, dtype=int), np.array(size_all), bounds
+    )
 
 
 def replan_local(old: Plan, topo: Topology, tol: float = 0.005, max_qps: int = 8) -> Plan:
@@ -207,8 +202,11 @@ def replan_local(old: Plan, topo: Topology, tol: float = 0.005, max_qps: int = 8
     cap = capacity_with_pad(topo)
     changed = np.flatnonzero(cap[:-1] < capacity_with_pad(old.topo)[:-1])
     dead = set(np.flatnonzero(np.array(topo.state) == DOWN).tolist())
-    affected = {int(c) for c, r in zip(old.unit_conn, old.unit_row)
-                if np.isin(old.cands.paths[c][r], changed).any()}
+    affected = {
+        int(c)
+        for c, r in zip(old.unit_conn, old.unit_row, strict=False)
+        if np.isin(old.cands.paths[c][r], changed).any()
+    }
     paths = list(old.cands.paths)
     remap: dict[int, np.ndarray] = {}
     missing: list[int] = []
@@ -223,7 +221,7 @@ def replan_local(old: Plan, topo: Topology, tol: float = 0.005, max_qps: int = 8
             missing.append(c)
     if missing:
         fresh = candidate_paths(topo, old.traffic.select(np.array(missing)))
-        for c, p in zip(missing, fresh.paths):
+        for c, p in zip(missing, fresh.paths, strict=False):
             paths[c] = p
     cands = Candidates(paths, old.cands.pad)
     out_conn, out_row, out_size = [], [], []
@@ -246,6 +244,13 @@ def replan_local(old: Plan, topo: Topology, tol: float = 0.005, max_qps: int = 8
         out_conn += bal.conn
         out_row += bal.row
         out_size += bal.size
-    return Plan(topo, old.traffic, cands, np.array(out_conn, dtype=int),
-                np.array(out_row, dtype=int), np.array(out_size), bounds,
-                time.perf_counter() - t0)
+    return Plan(
+        topo,
+        old.traffic,
+        cands,
+        np.array(out_conn, dtype=int),
+        np.array(out_row, dtype=int),
+        np.array(out_size),
+        bounds,
+        time.perf_counter() - t0,
+    )

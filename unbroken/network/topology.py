@@ -12,9 +12,10 @@ the same leaf pairs thousands of times.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import networkx as nx
 import numpy as np
@@ -44,6 +45,7 @@ class Topology:
         state: per directed link index, one of up / down / degraded.
         links: (from, to) node names per directed link index.
     """
+
     # Capacities are kept as a list while the fabric is built (appending to numpy arrays
     # link by link is quadratic) and exposed as arrays.
 
@@ -180,8 +182,7 @@ class Topology:
             failures: ``"a:b"`` (the link between nodes a and b, both directions),
                 ``"a:b@0.5"`` (degraded to half capacity) or a switch name (all its links).
         """
-        out = Topology(self.graph, self.hosts, self._cap, list(self.state),
-                       dict(self._factor), self.links)
+        out = Topology(self.graph, self.hosts, self._cap, list(self.state), dict(self._factor), self.links)
         for spec in failures:
             out._apply(spec)
         return out
@@ -204,8 +205,10 @@ class Topology:
             idxs = [d["idx"] for _, _, d in self.graph.out_edges(spec, data=True)]
             idxs += [d["idx"] for _, _, d in self.graph.in_edges(spec, data=True)]
         else:
-            raise ValueError(f"failure {spec!r}: give a switch name or a link as 'a:b' "
-                             f"(e.g. one of {self.links[-1][0]}:{self.links[-1][1]})")
+            raise ValueError(
+                f"failure {spec!r}: give a switch name or a link as 'a:b' "
+                f"(e.g. one of {self.links[-1][0]}:{self.links[-1][1]})"
+            )
         for i in idxs:
             self.state[i] = DEGRADED if frac is not None else DOWN
             self._factor[i] = frac if frac is not None else 1.0
@@ -230,18 +233,24 @@ class Topology:
             for _ in range(3):
                 tops, links = levels[-1]
                 nt, nl = [], []
-                for t, row in zip(tops.tolist(), links.tolist()):
+                for t, row in zip(tops.tolist(), links.tolist(), strict=False):
                     tier = self.graph.nodes[t]["tier"]
                     for n in sorted(self.graph.successors(t)):
                         i = self.graph.edges[t, n]["idx"]
                         # links are added in pairs, so i ^ 1 is the way back down
-                        if self.graph.nodes[n].get("tier", 0) > tier and self.state[i] != DOWN \
-                                and self.state[i ^ 1] != DOWN:
+                        if (
+                            self.graph.nodes[n].get("tier", 0) > tier
+                            and self.state[i] != DOWN
+                            and self.state[i ^ 1] != DOWN
+                        ):
                             nt.append(n)
                             nl.append(row + [i])
-                levels.append((np.array(nt, dtype=object),
-                               np.array(nl, dtype=np.int64).reshape(len(nl), len(row) + 1
-                                                                     if nl else 0)))
+                levels.append(
+                    (
+                        np.array(nt, dtype=object),
+                        np.array(nl, dtype=np.int64).reshape(len(nl), len(row) + 1 if nl else 0),
+                    )
+                )
             self._up_cache[node] = levels
         return self._up_cache[node]
 
@@ -249,7 +258,7 @@ class Topology:
         if a == b:
             return np.zeros((1, 0), dtype=np.int64)
         # climb from both ends until the sets of reached switches meet
-        for (ta, la), (tb, lb) in zip(self._ups(a), self._ups(b)):
+        for (ta, la), (tb, lb) in zip(self._ups(a), self._ups(b), strict=False):
             if len(ta) == 0 or len(tb) == 0:
                 break
             i, j = np.nonzero(ta[:, None] == tb[None, :])
@@ -292,14 +301,22 @@ class Topology:
 
     def path_links(self, path: tuple[str, ...]) -> tuple[int, ...]:
         edges = self.graph.edges
-        return tuple(int(edges[u, v]["idx"]) for u, v in zip(path, path[1:]))
+        return tuple(int(edges[u, v]["idx"]) for u, v in zip(path, path[1:], strict=False))
 
 
 # --------------------------------------------------------------------- generators
-def rail_optimized(hosts: int, gpus_per_host: int = 8, ports: int = 1, hosts_per_leaf: int = 16,
-                   leaves_per_pod: int | None = None, spines: int = 8, core_per_spine: int = 4,
-                   oversubscription: float = 1.0, port_gbps: float = 400.0,
-                   nvlink_gbps: float = 3600.0) -> Topology:
+def rail_optimized(
+    hosts: int,
+    gpus_per_host: int = 8,
+    ports: int = 1,
+    hosts_per_leaf: int = 16,
+    leaves_per_pod: int | None = None,
+    spines: int = 8,
+    core_per_spine: int = 4,
+    oversubscription: float = 1.0,
+    port_gbps: float = 400.0,
+    nvlink_gbps: float = 3600.0,
+) -> Topology:
     """A rail-optimized Clos: GPU r of every host in a block shares the rail-r leaf.
 
     Dual-port NICs are dual-plane (port p goes to plane p's leaf, planes share nothing above
@@ -308,8 +325,13 @@ def rail_optimized(hosts: int, gpus_per_host: int = 8, ports: int = 1, hosts_per
     tier of ``core_per_spine`` cores per spine index (classic fat tree). The leaf tier is
     oversubscribed by ``oversubscription``; the core tier is non-blocking.
     """
-    for name, v in (("hosts", hosts), ("gpus_per_host", gpus_per_host), ("ports", ports),
-                    ("hosts_per_leaf", hosts_per_leaf), ("spines", spines)):
+    for name, v in (
+        ("hosts", hosts),
+        ("gpus_per_host", gpus_per_host),
+        ("ports", ports),
+        ("hosts_per_leaf", hosts_per_leaf),
+        ("spines", spines),
+    ):
         if v < 1:
             raise ValueError(f"rail_optimized: {name} must be >= 1, got {v}")
     if oversubscription < 1:
@@ -367,13 +389,13 @@ def from_description(desc: dict[str, Any]) -> Topology:
     else:
         missing = {"hosts", "switches", "links"} - set(desc)
         if missing:
-            raise ValueError(f"topology description lacks {sorted(missing)} "
-                             "(or give 'generator: rail_optimized')")
+            raise ValueError(f"topology description lacks {sorted(missing)} " "(or give 'generator: rail_optimized')")
         port_gbps = float(desc.get("port_gbps", 400))
         topo = Topology.empty()
         for h in desc["hosts"]:
-            topo.add_host(str(h["name"]), int(h.get("gpus", 8)), int(h.get("ports", 1)),
-                          float(desc.get("nvlink_gbps", 3600)))
+            topo.add_host(
+                str(h["name"]), int(h.get("gpus", 8)), int(h.get("ports", 1)), float(desc.get("nvlink_gbps", 3600))
+            )
         for s in desc["switches"]:
             topo.add_switch(str(s["name"]), int(s["tier"]))
         for link in desc["links"]:

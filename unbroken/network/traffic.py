@@ -10,9 +10,10 @@ list, or ``rail`` for the rail-aligned order the planner proposes).
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -65,8 +66,9 @@ class Traffic:
     rings: dict[tuple[int, int], list[int]] = field(default_factory=dict)
 
     def select(self, mask: np.ndarray) -> Traffic:
-        return Traffic(self.src[mask], self.dst[mask], self.nbytes[mask], self.job[mask],
-                       self.phase[mask], self.jobs, self.rings)
+        return Traffic(
+            self.src[mask], self.dst[mask], self.nbytes[mask], self.job[mask], self.phase[mask], self.jobs, self.rings
+        )
 
     def __len__(self) -> int:
         return len(self.src)
@@ -85,14 +87,14 @@ def dp_groups(topo: Topology, job: Job) -> list[list[int]]:
     """Data-parallel groups as GPU ids in dp-index order, one per (pp stage, tp index)."""
     gpus = job_gpus(topo, job)
     dp = _dp_size(job, len(gpus))
-    return [[gpus[s * dp * job.tp + d * job.tp + t] for d in range(dp)]
-            for s in range(job.pp) for t in range(job.tp)]
+    return [[gpus[s * dp * job.tp + d * job.tp + t] for d in range(dp)] for s in range(job.pp) for t in range(job.tp)]
 
 
 def _dp_size(job: Job, n: int) -> int:
     if job.tp < 1 or job.pp < 1 or n % (job.tp * job.pp):
-        raise ValueError(f"job {job.name}: {n} GPUs are not divisible by tp*pp = "
-                         f"{job.tp}*{job.pp}; change tp, pp or gpus")
+        raise ValueError(
+            f"job {job.name}: {n} GPUs are not divisible by tp*pp = " f"{job.tp}*{job.pp}; change tp, pp or gpus"
+        )
     return n // (job.tp * job.pp)
 
 
@@ -135,8 +137,8 @@ def build_traffic(topo: Topology, jobs: Sequence[Job], ring: str | None = None) 
         if n < 2 or nbytes <= 0:
             return
         per = 2 * (n - 1) / n * nbytes
-        for a, b in zip(order, order[1:] + order[:1]):
-            for c, v in zip(cols, (a, b, per, j, PHASES.index(phase))):
+        for a, b in zip(order, order[1:] + order[:1], strict=False):
+            for c, v in zip(cols, (a, b, per, j, PHASES.index(phase)), strict=False):
                 c.append(v)
 
     for j, job in enumerate(jobs):
@@ -151,27 +153,36 @@ def build_traffic(topo: Topology, jobs: Sequence[Job], ring: str | None = None) 
             elif isinstance(policy, tuple):
                 explicit = policy[gi] if len(policy) > 1 else policy[0]
                 if sorted(explicit) != list(range(dp)):
-                    raise ValueError(f"job {job.name}: ring {list(explicit)} must be a "
-                                     f"permutation of the dp indices 0..{dp - 1}")
+                    raise ValueError(
+                        f"job {job.name}: ring {list(explicit)} must be a " f"permutation of the dp indices 0..{dp - 1}"
+                    )
                 order = [group[d] for d in explicit]
             else:
-                raise ValueError(f"job {job.name}: ring must be 'rank', 'rail' or a list of "
-                                 f"dp-index orders, got {policy!r}")
+                raise ValueError(
+                    f"job {job.name}: ring must be 'rank', 'rail' or a list of " f"dp-index orders, got {policy!r}"
+                )
             rings[(j, gi)] = order
             ring_flows(order, job.dp_bytes, j, "dp")
         for s in range(job.pp):
             for d in range(dp):
                 base = s * dp * job.tp + d * job.tp
-                ring_flows(gpus[base:base + job.tp], job.tp_bytes, j, "tp")
+                ring_flows(gpus[base : base + job.tp], job.tp_bytes, j, "tp")
                 if s + 1 < job.pp and job.pp_bytes > 0:
                     for t in range(job.tp):
                         a, b = gpus[base + t], gpus[base + dp * job.tp + t]
                         for pair in ((a, b), (b, a)):
-                            for c, v in zip(cols, (*pair, job.pp_bytes, j, 1)):
+                            for c, v in zip(cols, (*pair, job.pp_bytes, j, 1), strict=False):
                                 c.append(v)
     arr = [np.asarray(c) for c in cols]
-    return Traffic(arr[0].astype(int), arr[1].astype(int), arr[2].astype(float),
-                   arr[3].astype(int), arr[4].astype(int), list(jobs), rings)
+    return Traffic(
+        arr[0].astype(int),
+        arr[1].astype(int),
+        arr[2].astype(float),
+        arr[3].astype(int),
+        arr[4].astype(int),
+        list(jobs),
+        rings,
+    )
 
 
 # --------------------------------------------------------------------- description
@@ -188,9 +199,13 @@ def parse_hosts(spec: Any, topo: Topology) -> tuple[int, ...]:
             out += range(lo, hi + 1)
         hosts = out
     elif isinstance(spec, dict):
-        hosts = list(range(int(spec.get("first", 0)),
-                           int(spec.get("first", 0)) + int(spec["count"]) * int(spec.get("stride", 1)),
-                           int(spec.get("stride", 1))))
+        hosts = list(
+            range(
+                int(spec.get("first", 0)),
+                int(spec.get("first", 0)) + int(spec["count"]) * int(spec.get("stride", 1)),
+                int(spec.get("stride", 1)),
+            )
+        )
     elif isinstance(spec, list):
         hosts = [topo.host_index(h) for h in spec]
     else:
@@ -218,18 +233,25 @@ def jobs_from_description(desc: Any, topo: Topology) -> list[Job]:
         kw = dict(item)
         kw["name"] = str(kw.get("name", f"job{i}"))
         kw["hosts"] = parse_hosts(kw["hosts"], topo)
-        for key, typ in (("tp", int), ("pp", int), ("gpus", int), ("qps", int),
-                         ("dp_bytes", float), ("tp_bytes", float), ("pp_bytes", float)):
+        for key, typ in (
+            ("tp", int),
+            ("pp", int),
+            ("gpus", int),
+            ("qps", int),
+            ("dp_bytes", float),
+            ("tp_bytes", float),
+            ("pp_bytes", float),
+        ):
             if kw.get(key) is not None:
                 try:
                     kw[key] = typ(float(kw[key]))
                 except (TypeError, ValueError) as exc:
-                    raise ValueError(f"job {kw['name']}: {key} must be a number, "
-                                     f"got {kw[key]!r}") from exc
+                    raise ValueError(f"job {kw['name']}: {key} must be a number, " f"got {kw[key]!r}") from exc
         ring = kw.get("ring", "rank")
         if isinstance(ring, list):
-            kw["ring"] = tuple(tuple(int(x) for x in r) for r in
-                               (ring if ring and isinstance(ring[0], list) else [ring]))
+            kw["ring"] = tuple(
+                tuple(int(x) for x in r) for r in (ring if ring and isinstance(ring[0], list) else [ring])
+            )
         for h in kw["hosts"]:
             if h in used:
                 raise ValueError(f"job {kw['name']}: host {h} is already used by job {used[h]}")

@@ -84,8 +84,12 @@ class EventLog:
         self._torn = self._torn or written > 0
         self.write_failures += 1
         if self.write_failures & (self.write_failures - 1) == 0:  # 1st, 2nd, 4th, 8th...: not a flood
-            log.warning("cannot append to %s (%s): %d event(s) lost so far; the job goes on",
-                        self.path, error, self.write_failures)
+            log.warning(
+                "cannot append to %s (%s): %d event(s) lost so far; the job goes on",
+                self.path,
+                error,
+                self.write_failures,
+            )
 
     def close(self) -> None:
         with self._lock:

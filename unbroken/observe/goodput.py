@@ -41,10 +41,14 @@ class Goodput:
     lost_s: dict[str, float]
 
     def to_json(self) -> dict[str, Any]:
-        return {"goodput": round(self.goodput, 4), "window_s": round(self.window_s, 2),
-                "capacity_s": round(self.capacity_s, 2), "productive_s": round(self.productive_s, 2),
-                "baseline_step_s": round(self.baseline_step_s, 4),
-                "lost_s": {k: round(v, 2) for k, v in self.lost_s.items()}}
+        return {
+            "goodput": round(self.goodput, 4),
+            "window_s": round(self.window_s, 2),
+            "capacity_s": round(self.capacity_s, 2),
+            "productive_s": round(self.productive_s, 2),
+            "baseline_step_s": round(self.baseline_step_s, 4),
+            "lost_s": {k: round(v, 2) for k, v in self.lost_s.items()},
+        }
 
 
 def _state_time(events: Sequence[Event], replicas: int, t0: float, t1: float) -> dict[str, float]:
@@ -87,8 +91,11 @@ def account(events: Sequence[Event], metrics: Mapping[int, Sequence[Row]], repli
         return Goodput(0.0, 0.0, 0.0, 0.0, 0.0, {})
     t0, t1 = min(quorums), max(row["t"] for row in rows)
     baseline = statistics.median([row["step_s"] for row in rows if row["committed"] and row["t"] > t0] or [0.0])
-    productive = sum(min(row["step_s"], baseline) for row in rows
-                     if row["committed"] and not row.get("recovered") and t0 <= row["t"] <= t1)
+    productive = sum(
+        min(row["step_s"], baseline)
+        for row in rows
+        if row["committed"] and not row.get("recovered") and t0 <= row["t"] <= t1
+    )
     window = t1 - t0
     capacity = replicas * window
     states = _state_time(events, replicas, t0, t1)

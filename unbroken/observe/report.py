@@ -18,8 +18,14 @@ from unbroken.extras import MissingExtra, require
 from unbroken.observe.events import read_events, read_jsonl
 
 STATE_COLOURS = {
-    "launching": "#bbbbbb", "warming_up": "#9ecae1", "training": "#31a354", "failed": "#de2d26",
-    "recovering": "#fd8d3c", "catching_up": "#fdd0a2", "isolated": "#756bb1", "stopped": "#636363",
+    "launching": "#bbbbbb",
+    "warming_up": "#9ecae1",
+    "training": "#31a354",
+    "failed": "#de2d26",
+    "recovering": "#fd8d3c",
+    "catching_up": "#fdd0a2",
+    "isolated": "#756bb1",
+    "stopped": "#636363",
     "finished": "#ffffff",
 }
 
@@ -67,8 +73,14 @@ def _timeline_plot(events: list[dict[str, Any]], replicas: int) -> str:
     ax.set_yticks(range(replicas), [f"replica {r}" for r in range(replicas)])
     ax.set_xlabel("seconds since start")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for s, c in STATE_COLOURS.items() if s != "finished"]
-    ax.legend(handles, [s for s in STATE_COLOURS if s != "finished"], fontsize=6, ncol=4, loc="upper left",
-              bbox_to_anchor=(0, -0.35))
+    ax.legend(
+        handles,
+        [s for s in STATE_COLOURS if s != "finished"],
+        fontsize=6,
+        ncol=4,
+        loc="upper left",
+        bbox_to_anchor=(0, -0.35),
+    )
     out = _png(fig)
     plt.close(fig)
     return out
@@ -91,8 +103,9 @@ def _goodput_plot(detail: dict[str, Any]) -> str:
     return out
 
 
-def write_report(path: Path, run_dir: Path, summary: dict[str, Any], reference: list[float] | None,
-                 replicas: int) -> str | None:
+def write_report(
+    path: Path, run_dir: Path, summary: dict[str, Any], reference: list[float] | None, replicas: int
+) -> str | None:
     """Writes the report; returns why its plots were left out (matplotlib missing), else None."""
     try:
         require("matplotlib", "report", "the report's plots").use("Agg")
@@ -101,14 +114,23 @@ def write_report(path: Path, run_dir: Path, summary: dict[str, Any], reference: 
         missing = str(e)
     events = sorted(read_events(run_dir / "events.jsonl"), key=lambda e: e["t"])
     faults = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(str(f.get(c)))}</td>" for c in
-                         ("kind", "target", "detected", "attributed_correctly", "recovered", "detect_s", "detected_by"))
-        + "</tr>" for f in summary["faults"])
-    scalars = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>"
-                      for k, v in summary.items() if k not in ("faults", "goodput_detail"))
+        "<tr>"
+        + "".join(
+            f"<td>{html.escape(str(f.get(c)))}</td>"
+            for c in ("kind", "target", "detected", "attributed_correctly", "recovered", "detect_s", "detected_by")
+        )
+        + "</tr>"
+        for f in summary["faults"]
+    )
+    scalars = "".join(
+        f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>"
+        for k, v in summary.items()
+        if k not in ("faults", "goodput_detail")
+    )
     interesting = [e for e in events if e["kind"] not in ("replica_finished",)]
-    log = "\n".join(html.escape(json.dumps({k: v for k, v in e.items() if k not in ("schedule", "donors")}))
-                    for e in interesting)
+    log = "\n".join(
+        html.escape(json.dumps({k: v for k, v in e.items() if k not in ("schedule", "donors")})) for e in interesting
+    )
 
     def image(draw: Any, *args: Any) -> str:
         if missing is not None:

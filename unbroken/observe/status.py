@@ -52,15 +52,17 @@ def status_rows(status: dict[str, Any] | None, events: Iterable[dict[str, Any]])
     rows = []
     for r in sorted(set(state) | set(live)):
         info = live.get(r, {})
-        rows.append({
-            "replica": r,
-            "state": state.get(r, "member" if r in members else ("connected" if info else "?")),
-            "node": info.get("node", ""),
-            "epoch": (status or {}).get("epoch") if r in members else None,
-            "step": info.get("step"),
-            "step_s": info.get("compute_s"),
-            "last_event": last.get(r, ""),
-        })
+        rows.append(
+            {
+                "replica": r,
+                "state": state.get(r, "member" if r in members else ("connected" if info else "?")),
+                "node": info.get("node", ""),
+                "epoch": (status or {}).get("epoch") if r in members else None,
+                "step": info.get("step"),
+                "step_s": info.get("compute_s"),
+                "last_event": last.get(r, ""),
+            }
+        )
     return rows
 
 
@@ -80,22 +82,37 @@ def render(rows: list[dict[str, Any]], status: dict[str, Any] | None, error: str
         table.add_column(col)
     for row in rows:
         step_s = row["step_s"]
-        table.add_row(*(str(row[c]) if row[c] is not None else "" for c in ("replica", "state", "node", "epoch", "step")),
-                      f"{step_s:.3f}" if step_s else "", row["last_event"])
+        table.add_row(
+            *(str(row[c]) if row[c] is not None else "" for c in ("replica", "state", "node", "epoch", "step")),
+            f"{step_s:.3f}" if step_s else "",
+            row["last_event"],
+        )
     return table
 
 
 @click.command()
-@click.option("--coordinator", default=None, help="HOST:PORT of the job's coordinator [default: from --run-dir's events].")
-@click.option("--run-dir", type=click.Path(path_type=Path), default=Path("runs/latest"), show_default=True,
-              help="The job's run directory (for lifecycle states and events).")
+@click.option(
+    "--coordinator", default=None, help="HOST:PORT of the job's coordinator [default: from --run-dir's events]."
+)
+@click.option(
+    "--run-dir",
+    type=click.Path(path_type=Path),
+    default=Path("runs/latest"),
+    show_default=True,
+    help="The job's run directory (for lifecycle states and events).",
+)
 @click.option("--watch/--once", default=True, show_default=True, help="Refresh live until Ctrl-C, or print once.")
 @click.option("--interval", type=float, default=1.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the rows once as JSON.")
-@click.option("--secret-file", type=click.Path(path_type=Path), default=None,
-              help="The job's secret [default: $UNBROKEN_SECRET_FILE, else --run-dir/secret].")
-def status(coordinator: str | None, run_dir: Path, watch: bool, interval: float, as_json: bool,
-           secret_file: Path | None) -> None:
+@click.option(
+    "--secret-file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The job's secret [default: $UNBROKEN_SECRET_FILE, else --run-dir/secret].",
+)
+def status(
+    coordinator: str | None, run_dir: Path, watch: bool, interval: float, as_json: bool, secret_file: Path | None
+) -> None:
     """Show a running job: replicas, state, epoch, step, step time, last event."""
     if coordinator is not None:
         try:

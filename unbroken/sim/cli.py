@@ -29,11 +29,16 @@ def simulate() -> None:
 
 
 @simulate.command()
-@click.option("--preset", "preset_name", type=click.Choice(sorted(BUILDERS)), default="ft-hsdp",
-              show_default=True, help="Published setting to start from.")
+@click.option(
+    "--preset",
+    "preset_name",
+    type=click.Choice(sorted(BUILDERS)),
+    default="ft-hsdp",
+    show_default=True,
+    help="Published setting to start from.",
+)
 @click.option("--gpus", type=int, help="Job size (failure rate per node kept).")
-@click.option("--failures-per-1000-node-days", "rate", type=float,
-              help="Node failure rate (Meta's RSC-1 fit is 6.5).")
+@click.option("--failures-per-1000-node-days", "rate", type=float, help="Node failure rate (Meta's RSC-1 fit is 6.5).")
 @click.option("--replicas", type=int, help="Data-parallel replicas.")
 @click.option("--min-replicas", type=int, help="Fewest replicas that may train.")
 @click.option("--spare-nodes", type=int, help="Spare pool size (default: never runs out).")
@@ -43,12 +48,26 @@ def simulate() -> None:
 @click.option("--years", type=float, default=1.0, show_default=True, help="Simulated years per run.")
 @click.option("--runs", type=int, default=20, show_default=True, help="Independent runs (for the CI).")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--bench-dir", type=click.Path(path_type=Path), default=Path("runs/bench"),
-              show_default=True, help="Where `unbroken bench` wrote recovery/checkpoint/diagnosis.json.")
+@click.option(
+    "--bench-dir",
+    type=click.Path(path_type=Path),
+    default=Path("runs/bench"),
+    show_default=True,
+    help="Where `unbroken bench` wrote recovery/checkpoint/diagnosis.json.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="Write ETTR vs cluster size (PNG).")
-def goodput(preset_name: str, rate: float | None, years: float, runs: int, seed: int, bench_dir: Path,
-            as_json: bool, plot_path: Path | None, **overrides: object) -> None:
+def goodput(
+    preset_name: str,
+    rate: float | None,
+    years: float,
+    runs: int,
+    seed: int,
+    bench_dir: Path,
+    as_json: bool,
+    plot_path: Path | None,
+    **overrides: object,
+) -> None:
     """What fraction of wall-clock time trains the model (ETTR), and where the rest goes."""
     from unbroken.sim.report import evaluate, render
 

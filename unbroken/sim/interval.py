@@ -35,13 +35,16 @@ class IntervalChoice:
     note: str
 
 
-def optimal_intervals(
-    cluster: Cluster, policy: Policy, *, simulate_grid: bool = True, seed: int = 0
-) -> IntervalChoice:
+def optimal_intervals(cluster: Cluster, policy: Policy, *, simulate_grid: bool = True, seed: int = 0) -> IntervalChoice:
     """Young, Daly, the closed form's optimum, and the best of a Monte Carlo grid around it."""
     if policy.replica_level:
         return IntervalChoice(
-            None, None, None, None, None, None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
             "replica-level recovery redoes one step, not the work since the last checkpoint: "
             "checkpoint as rarely as the cost of losing every replica allows",
         )
@@ -66,8 +69,7 @@ def optimal_intervals(
     if simulate_grid:
         grid = sorted({max(cluster.step_s, best * f) for f in (0.5, 0.71, 1.0, 1.41, 2.0)} | {young, daly})
         scores = [
-            simulate(cluster, replace(policy, checkpoint_interval_s=g), years=1.0, runs=4, seed=seed).ettr
-            for g in grid
+            simulate(cluster, replace(policy, checkpoint_interval_s=g), years=1.0, runs=4, seed=seed).ettr for g in grid
         ]
         pick = int(np.argmax(scores))
         simulated_s, simulated_ettr = grid[pick], scores[pick]

@@ -115,12 +115,8 @@ def read_figures(bench_dir: Path) -> dict[str, Figure]:
 def _mean_detect(data: dict[str, Any] | None) -> float | None:
     if data is None or not isinstance(data.get("scenarios"), list):
         return None
-    values = [
-        _number(s.get("detect_s"))
-        for s in data["scenarios"]
-        if isinstance(s, dict) and not s.get("clean", False)
-    ]
-    values = [v for v in values if v is not None]
+    found = [_number(s.get("detect_s")) for s in data["scenarios"] if isinstance(s, dict) and not s.get("clean", False)]
+    values = [v for v in found if v is not None]
     return sum(values) / len(values) if values else None
 
 

@@ -99,9 +99,7 @@ class Cluster:
         _check_number("burst_prob", self.burst_prob)
         if self.burst_prob > 1:
             raise ValueError(f"burst_prob is a probability in [0, 1], got {self.burst_prob!r}")
-        if self.spare_nodes is not None and (
-            not isinstance(self.spare_nodes, int) or self.spare_nodes < 0
-        ):
+        if self.spare_nodes is not None and (not isinstance(self.spare_nodes, int) or self.spare_nodes < 0):
             raise ValueError(f"spare_nodes must be None or a whole number >= 0, got {self.spare_nodes!r}")
         if self.replicas < self.min_replicas:
             raise ValueError(

@@ -211,9 +211,7 @@ def _replica_run(
     return _finish(policy, mean_work * ckpt_keep, lost, horizon)
 
 
-def _finish(
-    policy: Policy, kept: float, lost: dict[str, float], horizon: float
-) -> tuple[float, dict[str, float]]:
+def _finish(policy: Policy, kept: float, lost: dict[str, float], horizon: float) -> tuple[float, dict[str, float]]:
     keep = 1.0 / (1.0 + policy.steady_overhead)
     lost[STEADY_OVERHEAD] = kept * (1 - keep)
     fractions = {key: value / horizon for key, value in lost.items()}

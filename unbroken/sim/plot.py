@@ -18,7 +18,9 @@ from unbroken.sim.presets import Preset  # noqa: E402
 SIZES = (1024, 2048, 4096, 8192, 16_384, 32_768, 65_536, 100_000, 131_072, 262_144)
 
 
-def ettr_by_size(preset: Preset, sizes: tuple[int, ...] = SIZES, *, seed: int = 0) -> dict[str, list[tuple[int, float, float]]]:
+def ettr_by_size(
+    preset: Preset, sizes: tuple[int, ...] = SIZES, *, seed: int = 0
+) -> dict[str, list[tuple[int, float, float]]]:
     """Per policy: (GPUs, closed-form ETTR, Monte Carlo ETTR) at each size, failure rate per node kept."""
     curves: dict[str, list[tuple[int, float, float]]] = {}
     for name, policy in preset.policies.items():
@@ -35,7 +37,7 @@ def plot_ettr(preset: Preset, path: Path, *, seed: int = 0) -> Path:
     """Writes the PNG and returns its path."""
     curves = ettr_by_size(preset, seed=seed)
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
-    for (name, points), color in zip(curves.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
+    for (name, points), color in zip(curves.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False):
         gpus = np.array([p[0] for p in points])
         ax.plot(gpus, [100 * p[1] for p in points], color=color, label=f"{name} (closed form)")
         ax.scatter(gpus, [100 * p[2] for p in points], color=color, s=18, marker="o")

@@ -152,16 +152,20 @@ def _ft_hsdp_policies(figures: dict[str, Figure], step_s: float) -> dict[str, Po
             replica_level=False,
             stall_s={"restart (published total)": 10 * MINUTE},
             checkpoint_interval_s=step_s,
-            notes=("FT-HSDP's 10 min stall per failure includes reloading the last checkpoint; "
-                   "lost work is folded into it, so the model checkpoints every step",),
+            notes=(
+                "FT-HSDP's 10 min stall per failure includes reloading the last checkpoint; "
+                "lost work is folded into it, so the model checkpoints every step",
+            ),
         ),
         "ft-hsdp": Policy(
             "ft-hsdp",
             replica_level=True,
             stall_s={"detect + reconfigure (published)": 3 * MINUTE - step_s / 2},
             degraded_s={"replica restart (published)": 7 * MINUTE},
-            notes=("3 min global stall (the model adds half a step of redone work inside it), "
-                   "7 min with one replica out; catch-up costs under one step",),
+            notes=(
+                "3 min global stall (the model adds half a step of redone work inside it), "
+                "7 min with one replica out; catch-up costs under one step",
+            ),
         ),
         "unbroken": unbroken_policy(figures, step_s),
     }
@@ -169,12 +173,12 @@ def _ft_hsdp_policies(figures: dict[str, Figure], step_s: float) -> dict[str, Po
 
 def _ft_hsdp(figures: dict[str, Figure], name: str, title: str) -> Preset:
     cluster = Cluster.from_job_mtbf(FT_HSDP_GPUS, FT_HSDP_MTBF_S, replicas=FT_HSDP_REPLICAS, step_s=10.0)
-    source = ("FT-HSDP, arXiv 2602.00277 (https://arxiv.org/abs/2602.00277): 44% synchronous, 80% "
-              "FT-HSDP at O(100K) GPUs, a failure every ~18 min")
+    source = (
+        "FT-HSDP, arXiv 2602.00277 (https://arxiv.org/abs/2602.00277): 44% synchronous, 80% "
+        "FT-HSDP at O(100K) GPUs, a failure every ~18 min"
+    )
     targets = (
-        {"synchronous": Target(0.44, 0.03, source), "ft-hsdp": Target(0.80, 0.03, source)}
-        if name == "ft-hsdp"
-        else {}
+        {"synchronous": Target(0.44, 0.03, source), "ft-hsdp": Target(0.80, 0.03, source)} if name == "ft-hsdp" else {}
     )
     return Preset(
         name=name,
@@ -195,11 +199,15 @@ def _llama3(figures: dict[str, Figure]) -> Preset:
         replica_level=False,
         stall_s={"restart (assumed)": 10 * MINUTE},
         checkpoint_stall_s=10.0,
-        notes=("assumed: 10 min restart and a 10 s blocking checkpoint at Daly's interval; Llama 3 "
-               "publishes neither (405B x 16 B = 6.5 TB at Tectonic's published 2 TB/s is ~3 s)",),
+        notes=(
+            "assumed: 10 min restart and a 10 s blocking checkpoint at Daly's interval; Llama 3 "
+            "publishes neither (405B x 16 B = 6.5 TB at Tectonic's published 2 TB/s is ~3 s)",
+        ),
     )
-    source = ("Llama 3, arXiv 2407.21783 sec. 3.3.4 (https://arxiv.org/abs/2407.21783): 419 unexpected "
-              "interruptions in 54 days on 16,384 GPUs, higher than 90% effective training time")
+    source = (
+        "Llama 3, arXiv 2407.21783 sec. 3.3.4 (https://arxiv.org/abs/2407.21783): 419 unexpected "
+        "interruptions in 54 days on 16,384 GPUs, higher than 90% effective training time"
+    )
     return Preset(
         name="llama3",
         title="Llama 3 405B pre-training, 16,384 H100 GPUs",
@@ -215,8 +223,9 @@ def _llama3(figures: dict[str, Figure]) -> Preset:
     )
 
 
-def _kokolis_point(label: str, cluster: Cluster, interval_s: float | None, write_s: float,
-                   published: float) -> Reproduction:
+def _kokolis_point(
+    label: str, cluster: Cluster, interval_s: float | None, write_s: float, published: float
+) -> Reproduction:
     policy = Policy(
         "synchronous",
         replica_level=False,
@@ -239,23 +248,31 @@ def _kokolis_point(label: str, cluster: Cluster, interval_s: float | None, write
 def _meta16k(figures: dict[str, Figure]) -> Preset:
     cluster = _meta_fleet(META_GPUS)
     hourly, five_min = (
-        _kokolis_point(f"16,384 GPUs, checkpoint every {m:g} min, non-blocking writes",
-                       cluster, m * MINUTE, 0.0, published)
-        for m, published in zip(META_INTERVALS_MIN, (0.70, 0.93))
+        _kokolis_point(
+            f"16,384 GPUs, checkpoint every {m:g} min, non-blocking writes", cluster, m * MINUTE, 0.0, published
+        )
+        for m, published in zip(META_INTERVALS_MIN, (0.70, 0.93), strict=False)
     )
     twelve_k = _meta_fleet(12_000)
     points = (
         hourly,
         five_min,
         _kokolis_point("12,000 GPUs, 10 s checkpoint writes at the optimal interval", twelve_k, None, 10.0, 0.90),
-        _kokolis_point("12,000 GPUs, r_f 1 per 1000 node-days, 5 min writes at the optimal interval",
-                       _meta_fleet(12_000, 1.0), None, 5 * MINUTE, 0.90),
+        _kokolis_point(
+            "12,000 GPUs, r_f 1 per 1000 node-days, 5 min writes at the optimal interval",
+            _meta_fleet(12_000, 1.0),
+            None,
+            5 * MINUTE,
+            0.90,
+        ),
     )
     policies = _ft_hsdp_policies(figures, cluster.step_s)
     policies["synchronous"] = hourly.policy
-    source = ("Kokolis et al., arXiv 2410.21680 (https://arxiv.org/abs/2410.21680): r_f = 6.5 failures / "
-              "1000 node-days, MTTF 1.8 h at 16K GPUs; E[ETTR] 0.7 at a 60-min checkpoint interval, "
-              "0.93 at 5 min, u0 = 5 min")
+    source = (
+        "Kokolis et al., arXiv 2410.21680 (https://arxiv.org/abs/2410.21680): r_f = 6.5 failures / "
+        "1000 node-days, MTTF 1.8 h at 16K GPUs; E[ETTR] 0.7 at a 60-min checkpoint interval, "
+        "0.93 at 5 min, u0 = 5 min"
+    )
     return Preset(
         name="meta-16k",
         title="Meta research cluster, 16,384 GPUs (Kokolis et al.)",

@@ -20,8 +20,9 @@ def _round(values: dict[str, float]) -> dict[str, float]:
     return {key: round(value, 5) for key, value in values.items()}
 
 
-def evaluate(preset: Preset, *, years: float = 1.0, runs: int = 20, seed: int = 0,
-             intervals: bool = True) -> dict[str, Any]:
+def evaluate(
+    preset: Preset, *, years: float = 1.0, runs: int = 20, seed: int = 0, intervals: bool = True
+) -> dict[str, Any]:
     """Closed form, Monte Carlo, checkpoint intervals and targets for every policy of a preset."""
     cluster = preset.cluster
     policies: dict[str, Any] = {}
@@ -61,8 +62,9 @@ def evaluate(preset: Preset, *, years: float = 1.0, runs: int = 20, seed: int = 
         "simulation": {"years_per_run": years, "runs": runs, "seed": seed},
     }
     if preset.reproductions:
-        result["reproductions"] = [_reproduce(point, years=years, runs=runs, seed=seed)
-                                   for point in preset.reproductions]
+        result["reproductions"] = [
+            _reproduce(point, years=years, runs=runs, seed=seed) for point in preset.reproductions
+        ]
     if preset.name == "llama3":
         restart = max_restart_for(0.90, cluster, preset.policies["synchronous"])
         result["max_restart_min_for_90pct"] = None if math.isnan(restart) else round(restart / 60, 2)
@@ -95,14 +97,19 @@ def _judge(target: Any, ettr: float, lost: dict[str, float]) -> dict[str, Any]:
         got, ok = ettr, ettr > target.value
     else:
         got, ok = ettr, abs(ettr - target.value) <= target.tolerance
-    return {"kind": target.kind, "published": target.value, "tolerance": target.tolerance,
-            "got": round(got, 5), "met": bool(ok), "source": target.source}
+    return {
+        "kind": target.kind,
+        "published": target.value,
+        "tolerance": target.tolerance,
+        "got": round(got, 5),
+        "met": bool(ok),
+        "source": target.source,
+    }
 
 
 def render(result: dict[str, Any]) -> Group:
     """Rich tables: ETTR per policy with its breakdown, then the preset's extras."""
-    main = Table(title=f"{result['title']} — {result['gpus']:,} GPUs, a failure every "
-                 f"{result['mtbf_min']:.1f} min")
+    main = Table(title=f"{result['title']} — {result['gpus']:,} GPUs, a failure every " f"{result['mtbf_min']:.1f} min")
     main.add_column("policy")
     main.add_column("ETTR (MC ±95%)", justify="right")
     main.add_column("closed form", justify="right")
@@ -112,9 +119,13 @@ def render(result: dict[str, Any]) -> Group:
     for name, entry in result["policies"].items():
         lost = sorted(((v, k) for k, v in entry["lost"].items() if v >= 0.0005), reverse=True)
         target = entry.get("target")
-        target_text = "" if target is None else (
-            f"{'>' if target['kind'] == 'at_least' else ''}{target['published']:.1%} "
-            f"{'ok' if target['met'] else 'MISSED'}"
+        target_text = (
+            ""
+            if target is None
+            else (
+                f"{'>' if target['kind'] == 'at_least' else ''}{target['published']:.1%} "
+                f"{'ok' if target['met'] else 'MISSED'}"
+            )
         )
         main.add_row(
             name,
@@ -130,9 +141,14 @@ def render(result: dict[str, Any]) -> Group:
         for column in ("setting", "published", "ETTR (MC)", "closed form", "source's formula", ""):
             table.add_column(column, justify="right")
         for row in result["reproductions"]:
-            table.add_row(row["setting"], f"{row['published']:.0%} ± {row['tolerance']:.0%}",
-                          f"{row['ettr']:.1%}", f"{row['ettr_closed_form']:.1%}",
-                          f"{row['source_formula']:.1%}", "ok" if row["met"] else "MISSED")
+            table.add_row(
+                row["setting"],
+                f"{row['published']:.0%} ± {row['tolerance']:.0%}",
+                f"{row['ettr']:.1%}",
+                f"{row['ettr_closed_form']:.1%}",
+                f"{row['source_formula']:.1%}",
+                "ok" if row["met"] else "MISSED",
+            )
         parts.append(table)
     figures = Table(title="unbroken figures (cluster-scale assumptions in --json 'assumptions')")
     figures.add_column("figure")

@@ -48,39 +48,56 @@ def checkpointer_for(manager: Manager, keep_last: int = 3, **kwargs: object) -> 
         return None
     if kwargs.get("peer"):
         kwargs.setdefault("secret", manager.secret)  # a peer tier demands the job's key
-    return Checkpointer(c.checkpoint_dir, keep_last, replica=c.replica_id,
-                        replicas=max(c.num_replicas, c.replica_id + 1), rank=c.rank,
-                        world_size=c.world_size, **kwargs)  # type: ignore[arg-type]
+    return Checkpointer(
+        c.checkpoint_dir,
+        keep_last,
+        replica=c.replica_id,
+        replicas=max(c.num_replicas, c.replica_id + 1),
+        rank=c.rank,
+        world_size=c.world_size,
+        **kwargs,
+    )
 
 
 def resume(manager: Manager, checkpointer: Checkpointer | None) -> Restored | None:
     """Loads the checkpoint this process starts from, if any (see the module doc)."""
     if checkpointer is None:
         if manager.config.resume_step is not None:
-            raise ValueError("the supervisor rolled the job back to step "
-                             f"{manager.config.resume_step}, but this loop has no Checkpointer to load it")
+            raise ValueError(
+                "the supervisor rolled the job back to step "
+                f"{manager.config.resume_step}, but this loop has no Checkpointer to load it"
+            )
         return None
     preemption.install()
     step = manager.config.resume_step
     if step is not None:
         restored = checkpointer.load_latest(at_most=step)
         if restored.step != step:
-            log.warning("replica %d: the rollback's checkpoint of step %d did not load (%s); resuming from "
-                        "step %d", manager.config.replica_id, step, "; ".join(restored.skipped), restored.step)
+            log.warning(
+                "replica %d: the rollback's checkpoint of step %d did not load (%s); resuming from " "step %d",
+                manager.config.replica_id,
+                step,
+                "; ".join(restored.skipped),
+                restored.step,
+            )
     elif complete_steps(checkpointer.directory):
         try:
             restored = checkpointer.load_latest()
         except CheckpointError as exc:
             if manager.config.restart_count == 0:
                 raise  # a relaunched job must not silently start over: say what is damaged
-            log.error("replica %d: no checkpoint loads (%s); starting from a peer's state or step 0",
-                      manager.config.replica_id, exc)
+            log.error(
+                "replica %d: no checkpoint loads (%s); starting from a peer's state or step 0",
+                manager.config.replica_id,
+                exc,
+            )
             return None
     else:
         return None
     manager.load_state_dict(restored.state)
-    log.info("replica %d resumes at step %d from the %s checkpoint", manager.config.replica_id,
-             manager.step, restored.source)
+    log.info(
+        "replica %d resumes at step %d from the %s checkpoint", manager.config.replica_id, manager.step, restored.source
+    )
     return restored
 
 

@@ -132,12 +132,15 @@ class RankPlan:
     plan: StepPlan
 
 
-def rank_plan(plan: StepPlan, replica: int, rank: int, world_size: int, num_replicas: int,
-              samples_per_replica: int) -> RankPlan:
+def rank_plan(
+    plan: StepPlan, replica: int, rank: int, world_size: int, num_replicas: int, samples_per_replica: int
+) -> RankPlan:
     """Rank ``rank`` of ``world_size`` takes the ``rank``-th contiguous part of each slot."""
     if samples_per_replica % world_size:
-        raise ValueError(f"samples_per_replica ({samples_per_replica}) must be a multiple of the ranks per "
-                         f"replica ({world_size}): each rank takes an equal part of every slot")
+        raise ValueError(
+            f"samples_per_replica ({samples_per_replica}) must be a multiple of the ranks per "
+            f"replica ({world_size}): each rank takes an equal part of every slot"
+        )
     per_rank = samples_per_replica // world_size
     micro = []
     for slot in plan.slots.get(replica, ()):
@@ -166,8 +169,9 @@ class SampleAccount:
         if policy not in POLICIES:
             raise ValueError(f"unknown data policy {policy!r}: use one of {', '.join(POLICIES)}")
         if num_replicas < 1 or samples_per_replica < 1:
-            raise ValueError(f"need num_replicas >= 1 and samples_per_replica >= 1, got {num_replicas}, "
-                             f"{samples_per_replica}")
+            raise ValueError(
+                f"need num_replicas >= 1 and samples_per_replica >= 1, got {num_replicas}, " f"{samples_per_replica}"
+            )
         self.num_replicas = num_replicas
         self.samples_per_replica = samples_per_replica
         self.policy = policy
@@ -199,18 +203,26 @@ class SampleAccount:
         self.high_water = max(self.high_water, self.next_step)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"policy": self.policy, "num_replicas": self.num_replicas,
-                "samples_per_replica": self.samples_per_replica, "next_step": self.next_step,
-                "high_water": self.high_water, "samples_trained": self.samples_trained,
-                "samples_skipped": self.samples_skipped, "samples_repeated": self.samples_repeated}
+        return {
+            "policy": self.policy,
+            "num_replicas": self.num_replicas,
+            "samples_per_replica": self.samples_per_replica,
+            "next_step": self.next_step,
+            "high_water": self.high_water,
+            "samples_trained": self.samples_trained,
+            "samples_skipped": self.samples_skipped,
+            "samples_repeated": self.samples_repeated,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Loads a peer's or a checkpoint's account; one of another data layout is refused."""
         theirs = (state["policy"], int(state["num_replicas"]), int(state["samples_per_replica"]))
         ours = (self.policy, self.num_replicas, self.samples_per_replica)
         if theirs != ours:
-            raise ValueError(f"the loaded data account has (policy, replicas, samples_per_replica) = {theirs} but "
-                             f"this job is configured with {ours}: its sample order would not continue")
+            raise ValueError(
+                f"the loaded data account has (policy, replicas, samples_per_replica) = {theirs} but "
+                f"this job is configured with {ours}: its sample order would not continue"
+            )
         high_water = max(self.high_water, int(state["high_water"]))
         # The loaded counts are the job's; only a step this process already went past is new knowledge.
         self.next_step = int(state["next_step"])
@@ -233,8 +245,14 @@ class ReplicaBatches:
         self.manager = manager
         c = manager.config
         self.account = SampleAccount(c.num_replicas, samples_per_replica, policy)
-        self._check = rank_plan(plan_step(0, c.num_replicas, [c.replica_id], policy), c.replica_id, c.rank,
-                                c.world_size, c.num_replicas, samples_per_replica)  # fails early on bad sizes
+        self._check = rank_plan(
+            plan_step(0, c.num_replicas, [c.replica_id], policy),
+            c.replica_id,
+            c.rank,
+            c.world_size,
+            c.num_replicas,
+            samples_per_replica,
+        )  # fails early on bad sizes
         if policy == CONSTANT_GLOBAL_BATCH:
             manager.redo_failed_steps = True
             if c.lr_scaling:

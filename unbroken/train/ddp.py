@@ -67,11 +67,15 @@ class DistributedDataParallel(torch.nn.Module):
         self.module = module
         self.manager = manager
         seen: set[int] = set()
-        self._params = [p for p in module.parameters() if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]
+        self._params: list[torch.nn.Parameter] = []
+        for p in module.parameters():
+            if p.requires_grad and id(p) not in seen:  # a shared parameter is exchanged once
+                seen.add(id(p))
+                self._params.append(p)
         self._buckets = _buckets(self._params, max(1, int(bucket_cap_mb * 2**20)))
         self._bucket_of = {i: b for b, idx in enumerate(self._buckets) for i in idx}
         self._numel = [sum(self._params[i].numel() for i in idx) for idx in self._buckets]
-        self._buffers: list[torch.Tensor | None] = [None] * len(self._buckets)
+        self._bucket_buffers: list[torch.Tensor | None] = [None] * len(self._buckets)
         self._sync = True
         self._wrote = False
         self._reset()
@@ -122,7 +126,7 @@ class DistributedDataParallel(torch.nn.Module):
         if o.decision is None or o.failed:
             return  # exchanged after backward (a replica catches up), or redone after a failure
         n = self._numel[b]
-        buf = self._buffers[b]
+        buf = self._bucket_buffers[b]
         if buf is None:
             buf = torch.empty(n + METADATA, dtype=torch.float32, device=self._params[self._buckets[b][0]].device)
         offset = 0
@@ -134,7 +138,7 @@ class DistributedDataParallel(torch.nn.Module):
             else:
                 buf[offset : offset + k].copy_(p.grad.reshape(-1))
             offset += k
-        self._buffers[b] = buf
+        self._bucket_buffers[b] = buf
         self.manager.start_bucket(buf)
 
     def _end_backward(self) -> None:
@@ -143,20 +147,22 @@ class DistributedDataParallel(torch.nn.Module):
             while self._next < len(self._buckets):
                 self._start(self._next)
                 self._next += 1
+            grads: list[torch.Tensor] = []
             for p in self._params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
             self._wrote = False
-            self.manager.end_overlap([p.grad for p in self._params], self._write_back)  # type: ignore[misc]
+            self.manager.end_overlap(grads, self._write_back)
             if not self._wrote:
-                self._buffers = [None] * len(self._buckets)  # the backend may still write into them
+                self._bucket_buffers = [None] * len(self._buckets)  # the backend may still write into them
         finally:
             self._reset()
 
     def _write_back(self, scale: float) -> None:
         self._wrote = True
         for b, idx in enumerate(self._buckets):
-            buf = self._buffers[b]
+            buf = self._bucket_buffers[b]
             assert buf is not None
             offset = 0
             for i in idx:

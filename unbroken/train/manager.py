@@ -47,8 +47,8 @@ from unbroken.control.quorum import QuorumDecision
 from unbroken.diagnosis.metrics import parse_policy, wants_skip
 from unbroken.diagnosis.stacks import stack_path
 from unbroken.launch.chaos import WorkerChaos
-from unbroken.train.replica_group import init_replica_group
 from unbroken.train.overlap import METADATA, OverlappedExchange, busy_seconds
+from unbroken.train.replica_group import init_replica_group
 from unbroken.train.state import LoadStateDictFn, StateDictFn, as_local, as_shards
 from unbroken.wire.auth import JobSecret
 from unbroken.wire.store import StoreServer
@@ -95,8 +95,10 @@ class Manager:
         connect_timeout_s: float = 60.0,
     ) -> None:
         if (state_dict is None) != (load_state_dict is None):
-            raise ValueError("pass both state_dict and load_state_dict, or neither (and register states "
-                             "with manager.register_state_dict_fn)")
+            raise ValueError(
+                "pass both state_dict and load_state_dict, or neither (and register states "
+                "with manager.register_state_dict_fn)"
+            )
         self.config = config or ReplicaConfig.from_env()
         self.device = device or torch.device("cpu")
         self._state_fns: dict[str, tuple[LoadStateDictFn, StateDictFn]] = {}
@@ -113,10 +115,17 @@ class Manager:
         self.secret = JobSecret.required()  # the job's key: the store, the donors and peers demand it
         self.group = CrossReplicaGroup(self.secret)
         # Peers on other nodes fetch from here: listen on the address that reaches the coordinator.
-        self.transfer = TransferServer(self.secret,
-                                       host=local_address_towards(self.config.coordinator.rpartition(":")[0]))
-        self.stats: dict[str, float] = {"exchange_failures": 0, "recoveries": 0, "donations": 0,
-                                        "last_exchange_s": 0.0, "last_recovery_s": 0.0, "last_join_wait_s": 0.0}
+        self.transfer = TransferServer(
+            self.secret, host=local_address_towards(self.config.coordinator.rpartition(":")[0])
+        )
+        self.stats: dict[str, float] = {
+            "exchange_failures": 0,
+            "recoveries": 0,
+            "donations": 0,
+            "last_exchange_s": 0.0,
+            "last_recovery_s": 0.0,
+            "last_join_wait_s": 0.0,
+        }
         self._quorum: Future[dict[str, Any]] | None = None
         self._buffer: torch.Tensor | None = None
         self._snapshot: SnapshotCopy | None = None  # a donation still being copied
@@ -359,7 +368,7 @@ class Manager:
             return False
         finally:
             o.waited_s += time.perf_counter() - waiting
-        for buf in o.buffers[len(o.buffers) - len(pending):]:
+        for buf in o.buffers[len(o.buffers) - len(pending) :]:
             contributing = self._check_exchanged(buf, o.decision)
             if contributing is None:
                 o.failed = True
@@ -486,8 +495,9 @@ class Manager:
     def __enter__(self) -> Manager:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.shutdown(finished=exc_type is None)
 
     # -- state -----------------------------------------------------------------------------
@@ -608,8 +618,10 @@ class Manager:
         """Every registered state and the step, tensors as the state functions return them."""
         if not self._state_fns and not self._warned_stateless:
             self._warned_stateless = True
-            log.warning("no state is registered (manager.register_state_dict_fn): a replica that catches "
-                        "up or resumes gets only the step number, not the model")
+            log.warning(
+                "no state is registered (manager.register_state_dict_fn): a replica that catches "
+                "up or resumes gets only the step number, not the model"
+            )
         user = {key: save() for key, (_, save) in self._state_fns.items()}
         return {"user": user, "unbroken": {"step": self.step}}
 
@@ -636,9 +648,12 @@ class Manager:
         missing = [k for k in self._state_fns if k not in user]
         unknown = [k for k in user if k not in self._state_fns]
         if missing or unknown:
-            raise ValueError(f"the loaded state holds {sorted(user)} but this replica registered "
-                             f"{sorted(self._state_fns)}: register the same keys as the replica that saved it"
-                             + (f" (missing: {missing})" if missing else "") + (f" (unknown: {unknown})" if unknown else ""))
+            raise ValueError(
+                f"the loaded state holds {sorted(user)} but this replica registered "
+                f"{sorted(self._state_fns)}: register the same keys as the replica that saved it"
+                + (f" (missing: {missing})" if missing else "")
+                + (f" (unknown: {unknown})" if unknown else "")
+            )
         for key, (load, _) in self._state_fns.items():
             load(user[key])
 
@@ -690,8 +705,13 @@ class Manager:
         self.stats["last_fetch_s"] = box["fetched"] - box["start"]
         self.stats["last_load_s"] = now - loading
         self.stats["last_fetch_cpu_s"] = box["cpu_s"]
-        log.info("replica %d caught up to step %d: fetch %.3fs, load %.3fs", self.config.replica_id,
-                 self.step, self.stats["last_fetch_s"], self.stats["last_load_s"])
+        log.info(
+            "replica %d caught up to step %d: fetch %.3fs, load %.3fs",
+            self.config.replica_id,
+            self.step,
+            self.stats["last_fetch_s"],
+            self.stats["last_load_s"],
+        )
 
     def _exchange(self, grads: list[torch.Tensor], d: QuorumDecision, zero: bool) -> bool:
         locals_ = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
@@ -737,8 +757,9 @@ class Manager:
             return None
         return round(contributing)
 
-    def _apply_exchanged(self, locals_: list[torch.Tensor], buf: torch.Tensor, seconds: float,
-                         d: QuorumDecision, observe: bool = True) -> bool:
+    def _apply_exchanged(
+        self, locals_: list[torch.Tensor], buf: torch.Tensor, seconds: float, d: QuorumDecision, observe: bool = True
+    ) -> bool:
         """Checks the exchanged totals and writes the average into the gradients."""
         contributing = self._check_exchanged(buf, d)
         if contributing is None:
@@ -778,8 +799,9 @@ class Manager:
         thread.start()
         self._early = (d.epoch, thread, box)
 
-    def _finish_early_exchange(self, locals_: list[torch.Tensor], n: int, thread: threading.Thread,
-                               box: dict[str, Any], d: QuorumDecision) -> bool:
+    def _finish_early_exchange(
+        self, locals_: list[torch.Tensor], n: int, thread: threading.Thread, box: dict[str, Any], d: QuorumDecision
+    ) -> bool:
         thread.join()
         if "error" in box:
             log.warning("replica %d step %d: %s", self.config.replica_id, self.step, box["error"])
@@ -787,7 +809,8 @@ class Manager:
         if box["buf"].numel() != n + 3:
             raise RuntimeError(
                 f"expect_gradients() announced {box['buf'].numel() - 3} gradient elements but allreduce() "
-                f"got {n}: announce the same parameters the exchange averages (the unbroken wrappers do)")
+                f"got {n}: announce the same parameters the exchange averages (the unbroken wrappers do)"
+            )
         self._buffer = box["buf"]
         # Not observed by the deadline: it includes the wait for the peers' forward and backward.
         return self._apply_exchanged(locals_, box["buf"], box["seconds"], d, observe=False)
@@ -832,5 +855,13 @@ def init(
     default process group of the replica's own ranks is created only if the script has not
     created it. Use as ``with unbroken.init() as manager:`` to leave the job cleanly.
     """
-    return Manager(state_dict, load_state_dict, config=config, device=device, deadline=deadline,
-                   max_attempts=max_attempts, quorum_timeout_s=quorum_timeout_s, connect_timeout_s=connect_timeout_s)
+    return Manager(
+        state_dict,
+        load_state_dict,
+        config=config,
+        device=device,
+        deadline=deadline,
+        max_attempts=max_attempts,
+        quorum_timeout_s=quorum_timeout_s,
+        connect_timeout_s=connect_timeout_s,
+    )

@@ -134,7 +134,7 @@ class Optimizer(torch.optim.Optimizer):
         self.manager.start_step()
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Ends the gradient exchange and, if it succeeded, steps the wrapped optimizer.
 
         Returns what the wrapped optimizer's step returns (the closure's loss, or None); None
@@ -154,7 +154,7 @@ class Optimizer(torch.optim.Optimizer):
         try:
             loss = self.optimizer.step(closure)
         finally:
-            for g, lr in zip(self.optimizer.param_groups, saved):
+            for g, lr in zip(self.optimizer.param_groups, saved, strict=False):
                 g["lr"] = lr
         self.manager.commit()
         return loss

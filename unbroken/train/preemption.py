@@ -7,7 +7,8 @@ The handler only raises a flag; the training loop acts on it at the next step bo
 the periodic checkpoints, which may be the one that cannot finish its step because its peers
 already left) saves the state of the step it just committed, waits for the save to be durable
 (:meth:`~unbroken.checkpoint.Checkpointer.close`) and ends the process with
-:data:`EXIT_PREEMPTED` (:data:`EXIT_FLUSH_FAILED` when the save did not reach the disk). Relaunching the same command resumes from that checkpoint.
+:data:`EXIT_PREEMPTED` (:data:`EXIT_FLUSH_FAILED` when the save did not reach the disk).
+Relaunching the same command resumes from that checkpoint.
 
 The ranks of one replica must stop at the same step, or the one that goes on waits forever in
 the replica's collectives for the one that left. A signal reaches them at slightly different

@@ -37,14 +37,14 @@ class ManagedProcessGroup(dist.ProcessGroup):
     """The replicas of the current quorum as a process group (``allreduce`` only)."""
 
     def __init__(self, manager: Manager) -> None:
-        super().__init__(0, 1)
+        super().__init__(0, 1)  # type: ignore[call-arg, arg-type]  # torch's stub lacks the (rank, size) form
         self.manager = manager
 
-    def size(self) -> int:  # type: ignore[override]
+    def size(self) -> int:
         d = self.manager.decision
         return len(d.members) if d is not None else 1
 
-    def rank(self) -> int:  # type: ignore[override]
+    def rank(self) -> int:
         d = self.manager.decision
         return d.members.index(self.manager.config.replica_id) if d is not None else 0
 
@@ -109,7 +109,7 @@ class _Exchange(_Done):
         if contributing == 0:
             return True  # every replica sat the step out: sync_gradients says so
         scale = 1.0 / contributing if self._avg else 1.0
-        for t, buf in zip(self._tensors, self._bufs):
+        for t, buf in zip(self._tensors, self._bufs, strict=False):
             t.copy_((buf[: t.numel()] * scale).view_as(t))
         return True
 

@@ -23,21 +23,23 @@ from unbroken.wire.auth import JobSecret
 from unbroken.wire.store import StoreServer
 
 
-def replica_store(config: ReplicaConfig, secret: JobSecret, timeout_s: float = 60.0,
-                  env: Mapping[str, str] | None = None) -> tuple[AuthenticatedStore, StoreServer | None]:
+def replica_store(
+    config: ReplicaConfig, secret: JobSecret, timeout_s: float = 60.0, env: Mapping[str, str] | None = None
+) -> tuple[AuthenticatedStore, StoreServer | None]:
     """This rank's store for its replica group, and the server when this rank hosts it (rank 0).
 
     The other ranks wait, up to ``timeout_s``, for rank 0 to listen: ranks start in any order.
     """
     env = os.environ if env is None else env
     if ENV_MASTER_ADDR not in env or ENV_MASTER_PORT not in env:
-        raise ConfigError(f"{ENV_MASTER_ADDR} and {ENV_MASTER_PORT} must be set for a replica of "
-                          f"{config.world_size} ranks (`unbroken run` and `unbroken agent` set them)")
+        raise ConfigError(
+            f"{ENV_MASTER_ADDR} and {ENV_MASTER_PORT} must be set for a replica of "
+            f"{config.world_size} ranks (`unbroken run` and `unbroken agent` set them)"
+        )
     address = f"{env[ENV_MASTER_ADDR]}:{env[ENV_MASTER_PORT]}"
     host, port = parse_host_port(address, f"{ENV_MASTER_ADDR}:{ENV_MASTER_PORT}")
     server = StoreServer(host, secret, port=port) if config.rank == 0 else None
-    store = AuthenticatedStore(address, secret, timeout=datetime.timedelta(seconds=timeout_s),
-                               connect_timeout_s=5.0)
+    store = AuthenticatedStore(address, secret, timeout=datetime.timedelta(seconds=timeout_s), connect_timeout_s=5.0)
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -51,8 +53,9 @@ def replica_store(config: ReplicaConfig, secret: JobSecret, timeout_s: float = 6
             time.sleep(0.05)
 
 
-def init_replica_group(config: ReplicaConfig, secret: JobSecret,
-                       backend: str) -> tuple[AuthenticatedStore, StoreServer | None]:
+def init_replica_group(
+    config: ReplicaConfig, secret: JobSecret, backend: str
+) -> tuple[AuthenticatedStore, StoreServer | None]:
     """``init_process_group`` over :func:`replica_store`; returns the store and the server rank 0
     hosts. The caller must keep the store: torch holds only its C++ half, and once the Python
     object is collected every later call on the group's store fails ("Not implemented")."""

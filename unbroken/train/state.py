@@ -17,11 +17,9 @@ For a model and its optimizer, :func:`model_state` does this with PyTorch's
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -112,15 +110,23 @@ def like(loaded: Any, template: Any, strict: bool = True) -> Any:
         if tuple(local.shape) != tuple(mine.shape):
             if not strict:
                 return loaded
-            raise ValueError(f"a loaded shard has shape {tuple(local.shape)} but this rank's shard of the "
-                             f"{tuple(template.shape)} tensor has {tuple(mine.shape)}: the state comes from a "
-                             "job sharded differently")
-        return DTensor.from_local(local.to(device=mine.device), template.device_mesh, template.placements,
-                                  run_check=False, shape=template.shape, stride=template.stride())
+            raise ValueError(
+                f"a loaded shard has shape {tuple(local.shape)} but this rank's shard of the "
+                f"{tuple(template.shape)} tensor has {tuple(mine.shape)}: the state comes from a "
+                "job sharded differently"
+            )
+        return DTensor.from_local(
+            local.to(device=mine.device),
+            template.device_mesh,
+            template.placements,
+            run_check=False,
+            shape=template.shape,
+            stride=template.stride(),
+        )
     if isinstance(loaded, dict) and isinstance(template, dict):
         return {k: like(v, template[k], strict) if k in template else v for k, v in loaded.items()}
     if isinstance(loaded, (list, tuple)) and isinstance(template, (list, tuple)) and len(loaded) == len(template):
-        return type(loaded)(like(a, b, strict) for a, b in zip(loaded, template))
+        return type(loaded)(like(a, b, strict) for a, b in zip(loaded, template, strict=False))
     return loaded
 
 
@@ -164,8 +170,10 @@ class ModelState:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict, set_state_dict
 
         if not isinstance(state, dict) or "model" not in state or "optim" not in state:
-            raise ValueError("model_state() loads what its state_dict() returned: a dict with 'model' and "
-                             f"'optim', got {type(state).__name__} with {sorted(state) if isinstance(state, dict) else ''}")
+            raise ValueError(
+                "model_state() loads what its state_dict() returned: a dict with 'model' and "
+                f"'optim', got {type(state).__name__} with {sorted(state) if isinstance(state, dict) else ''}"
+            )
         params = get_model_state_dict(self.model)
         model_sd = like(state["model"], params)
         if state["optim"] is None or self.optimizer is None:
@@ -175,8 +183,11 @@ class ModelState:
         # name): the parameters are the template, not this optimizer's own state, which a
         # replica catching up does not have yet.
         optim = state["optim"]
-        per_param = {name: {k: params[name] for k in st} for name, st in optim.get("state", {}).items()
-                     if name in params and isinstance(st, dict)}
+        per_param = {
+            name: {k: params[name] for k in st}
+            for name, st in optim.get("state", {}).items()
+            if name in params and isinstance(st, dict)
+        }
         optim_sd = like(optim, {"state": per_param}, strict=False)
         set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 

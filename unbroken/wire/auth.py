@@ -188,8 +188,9 @@ def _recv(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def server_handshake(sock: socket.socket, secret: JobSecret, purpose: str,
-                     timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Session:
+def server_handshake(
+    sock: socket.socket, secret: JobSecret, purpose: str, timeout_s: float = HANDSHAKE_TIMEOUT_S
+) -> Session:
     """Authenticates a freshly accepted connection (and this listener to it); AuthError if not.
 
     ``purpose`` names the listener ("coordinator", "transfer", ...): a handshake made for one
@@ -212,8 +213,9 @@ def server_handshake(sock: socket.socket, secret: JobSecret, purpose: str,
         sock.settimeout(old)
 
 
-def client_handshake(sock: socket.socket, secret: JobSecret, purpose: str,
-                     timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Session:
+def client_handshake(
+    sock: socket.socket, secret: JobSecret, purpose: str, timeout_s: float = HANDSHAKE_TIMEOUT_S
+) -> Session:
     """Authenticates this client to a listener and the listener to it; AuthError if either fails."""
     old = sock.gettimeout()
     sock.settimeout(timeout_s)
@@ -221,7 +223,7 @@ def client_handshake(sock: socket.socket, secret: JobSecret, purpose: str,
         hello = _recv(sock, len(_MAGIC) + NONCE_BYTES)
         if hello[: len(_MAGIC)] != _MAGIC:
             raise AuthError(f"the {purpose} listener does not speak unbroken's authentication (version mismatch?)")
-        nonce_s, nonce_c = hello[len(_MAGIC):], secrets.token_bytes(NONCE_BYTES)
+        nonce_s, nonce_c = hello[len(_MAGIC) :], secrets.token_bytes(NONCE_BYTES)
         sock.sendall(nonce_c + _proof(secret.key, b"client", purpose, nonce_s, nonce_c))
         proof_s = _recv(sock, _PROOF_BYTES)
         if not hmac.compare_digest(proof_s, _proof(secret.key, b"server", purpose, nonce_s, nonce_c)):
@@ -233,10 +235,15 @@ def client_handshake(sock: socket.socket, secret: JobSecret, purpose: str,
         sock.settimeout(old)
 
 
-async def server_handshake_async(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                                 secret: JobSecret, purpose: str,
-                                 timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Session:
+async def server_handshake_async(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    secret: JobSecret,
+    purpose: str,
+    timeout_s: float = HANDSHAKE_TIMEOUT_S,
+) -> Session:
     """:func:`server_handshake` for an asyncio listener."""
+
     async def run() -> Session:
         nonce_s = secrets.token_bytes(NONCE_BYTES)
         writer.write(_MAGIC + nonce_s)
@@ -258,16 +265,21 @@ async def server_handshake_async(reader: asyncio.StreamReader, writer: asyncio.S
         raise AuthError(f"a client did not authenticate to the {purpose} listener in {timeout_s} s") from e
 
 
-async def client_handshake_async(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                                 secret: JobSecret, purpose: str,
-                                 timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Session:
+async def client_handshake_async(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    secret: JobSecret,
+    purpose: str,
+    timeout_s: float = HANDSHAKE_TIMEOUT_S,
+) -> Session:
     """:func:`client_handshake` for an asyncio connection."""
+
     async def run() -> Session:
         try:
             hello = await reader.readexactly(len(_MAGIC) + NONCE_BYTES)
             if hello[: len(_MAGIC)] != _MAGIC:
                 raise AuthError(f"the {purpose} listener does not speak unbroken's authentication")
-            nonce_s, nonce_c = hello[len(_MAGIC):], secrets.token_bytes(NONCE_BYTES)
+            nonce_s, nonce_c = hello[len(_MAGIC) :], secrets.token_bytes(NONCE_BYTES)
             writer.write(nonce_c + _proof(secret.key, b"client", purpose, nonce_s, nonce_c))
             await writer.drain()
             proof_s = await reader.readexactly(_PROOF_BYTES)

@@ -24,18 +24,20 @@ import torch
 
 # (module, name) of every global a skeleton may name. The two markers are referred to by name
 # so that this bottom layer imports nothing above it; they are plain frozen dataclasses.
-ALLOWED: frozenset[tuple[str, str]] = frozenset({
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-    ("builtins", "complex"),
-    ("builtins", "slice"),
-    ("_codecs", "encode"),  # how pickle protocols 0-2 spell bytes (a pure function, as in torch's list)
-    ("collections", "OrderedDict"),
-    ("torch", "Size"),
-    ("torch", "device"),
-    ("unbroken.checkpoint.snapshot", "TensorRef"),
-    ("unbroken.comm.transfer", "_TensorRef"),
-})
+ALLOWED: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("builtins", "complex"),
+        ("builtins", "slice"),
+        ("_codecs", "encode"),  # how pickle protocols 0-2 spell bytes (a pure function, as in torch's list)
+        ("collections", "OrderedDict"),
+        ("torch", "Size"),
+        ("torch", "device"),
+        ("unbroken.checkpoint.snapshot", "TensorRef"),
+        ("unbroken.comm.transfer", "_TensorRef"),
+    }
+)
 
 MAX_BYTES = 256 << 20  # a skeleton this large is no skeleton: refuse before unpickling
 
@@ -50,8 +52,9 @@ class _Unpickler(pickle.Unpickler):
             module = "builtins"
         if (module, name) in ALLOWED:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                          torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         raise UnsafeObjectError(
             f"refusing to load the global {module}.{name}: a state's non-tensor objects may only hold "

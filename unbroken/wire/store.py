@@ -151,8 +151,10 @@ class StoreServer:
         if op == "get":
             key = _key(req.get("key"))
             with self._cond:
-                if not self._cond.wait_for(lambda: key in self._data or self._closed, _timeout(req)) \
-                        or key not in self._data:
+                if (
+                    not self._cond.wait_for(lambda: key in self._data or self._closed, _timeout(req))
+                    or key not in self._data
+                ):
                     return {"timeout": True}
                 return {"value": base64.b64encode(self._data[key]).decode()}
         if op == "add":
@@ -179,8 +181,7 @@ class StoreServer:
         if op == "wait":
             keys = _keys(req.get("keys"))
             with self._cond:
-                ok = self._cond.wait_for(lambda: all(k in self._data for k in keys) or self._closed,
-                                         _timeout(req))
+                ok = self._cond.wait_for(lambda: all(k in self._data for k in keys) or self._closed, _timeout(req))
                 return {"timeout": not (ok and all(k in self._data for k in keys))}
         if op == "check":
             keys = _keys(req.get("keys"))
@@ -236,6 +237,6 @@ def _value(value: Any) -> bytes:
 
 def _timeout(req: dict[str, Any]) -> float:
     t = req.get("timeout_s")
-    if type(t) not in (int, float) or not math.isfinite(t) or t < 0:
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
         raise StoreRequestError(f"timeout_s must be a finite number >= 0, got {t!r}")
     return min(float(t), MAX_WAIT_S)

@@ -21,7 +21,6 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -87,12 +86,23 @@ def main() -> None:
                 batches.commit(plan)
                 d = manager.decision
                 assert d is not None
-                log.write(json.dumps({"step": plan.step, "ids": [i for mb in plan.micro_batches for i in mb],
-                                      "members": list(d.members), "behind": list(d.behind),
-                                      "account": batches.state_dict()}) + "\n")
+                log.write(
+                    json.dumps(
+                        {
+                            "step": plan.step,
+                            "ids": [i for mb in plan.micro_batches for i in mb],
+                            "members": list(d.members),
+                            "behind": list(d.behind),
+                            "account": batches.state_dict(),
+                        }
+                    )
+                    + "\n"
+                )
             time.sleep(max(0.0, args.pace_s - (time.perf_counter() - t0)))
-        torch.save({"step": manager.step, "model": net.state_dict(), "optim": opt.state_dict()},
-                   run_dir / f"final-r{cfg.replica_id}.pt")
+        torch.save(
+            {"step": manager.step, "model": net.state_dict(), "optim": opt.state_dict()},
+            run_dir / f"final-r{cfg.replica_id}.pt",
+        )
 
 
 if __name__ == "__main__":

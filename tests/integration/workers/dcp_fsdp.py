@@ -64,7 +64,7 @@ def assert_equal(a: Any, b: Any, where: str = "") -> None:
             assert_equal(a[k], b[k], f"{where}.{k}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), f"{where} lengths differ"
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):
             assert_equal(x, y, f"{where}[{i}]")
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"

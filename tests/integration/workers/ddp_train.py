@@ -35,12 +35,20 @@ MICRO = 2
 
 def build_model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN),
-                               torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh(),
-                               torch.nn.Linear(HIDDEN, OUT))
+    return torch.nn.Sequential(
+        torch.nn.Linear(IN, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, OUT),
+    )
 
 
-def build_optimizer(model: torch.nn.Module, manager: Any = None) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def build_optimizer(
+    model: torch.nn.Module, manager: Any = None
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW with a warm-up; wrapped in ``unbroken.Optimizer`` when a manager is given."""
     opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     if manager is not None:
@@ -67,8 +75,11 @@ def main() -> None:
     holder: dict[str, Any] = {}
 
     def state_dict() -> dict[str, Any]:
-        return {"model": holder["net"].state_dict(), "optim": holder["opt"].state_dict(),
-                "sched": holder["sched"].state_dict()}
+        return {
+            "model": holder["net"].state_dict(),
+            "optim": holder["opt"].state_dict(),
+            "sched": holder["sched"].state_dict(),
+        }
 
     def load_state_dict(state: dict[str, Any]) -> None:
         holder["net"].load_state_dict(state["model"])
@@ -90,7 +101,8 @@ def main() -> None:
         if armed and manager.step == args.fault_step and 0 < model.buckets_started:
             armed = False
             marker.write_text(
-                json.dumps({"buckets_started": model.buckets_started, "step": manager.step, "pid": os.getpid()}))
+                json.dumps({"buckets_started": model.buckets_started, "step": manager.step, "pid": os.getpid()})
+            )
             os.kill(os.getpid(), signal.SIGKILL if args.fault == "kill" else signal.SIGSTOP)
 
     # The first layer's gradient comes last: the other buckets are in flight by then. Registered
@@ -115,11 +127,24 @@ def main() -> None:
             sched.step()
         time.sleep(max(0.0, args.pace_s - (time.perf_counter() - t0)))
         d = manager.decision
-        metrics.write(json.dumps({"step": step, "loss": loss.item(), "norm": norm.item(), "committed": committed,
-                                  "members": list(d.members) if d else [], "behind": list(d.behind) if d else [],
-                                  "t": time.time()}) + "\n")
-    torch.save({"step": manager.step, "model": net.state_dict(), "optim": opt.state_dict()},
-               run_dir / f"final-r{cfg.replica_id}.pt")
+        metrics.write(
+            json.dumps(
+                {
+                    "step": step,
+                    "loss": loss.item(),
+                    "norm": norm.item(),
+                    "committed": committed,
+                    "members": list(d.members) if d else [],
+                    "behind": list(d.behind) if d else [],
+                    "t": time.time(),
+                }
+            )
+            + "\n"
+        )
+    torch.save(
+        {"step": manager.step, "model": net.state_dict(), "optim": opt.state_dict()},
+        run_dir / f"final-r{cfg.replica_id}.pt",
+    )
     manager.shutdown()
 
 

@@ -25,14 +25,26 @@ from unbroken.train.state import as_local
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--pace-s", type=float, default=0.2,
-                    help="Each step lasts at least this long (stands in for real compute), so a restarted "
-                         "replica has steps left to join.")
-    ap.add_argument("--restarted-first-step-s", type=float, default=0.0,
-                    help="A restarted process's first step lasts at least this long (a cold start: "
-                         "allocator warm-up, kernel autotuning), which its peers should not wait for.")
-    ap.add_argument("--checkpoint-every", type=int, default=0,
-                    help="Steps between checkpoints when the job has a checkpoint directory (0: only on SIGTERM).")
+    ap.add_argument(
+        "--pace-s",
+        type=float,
+        default=0.2,
+        help="Each step lasts at least this long (stands in for real compute), so a restarted "
+        "replica has steps left to join.",
+    )
+    ap.add_argument(
+        "--restarted-first-step-s",
+        type=float,
+        default=0.0,
+        help="A restarted process's first step lasts at least this long (a cold start: "
+        "allocator warm-up, kernel autotuning), which its peers should not wait for.",
+    )
+    ap.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="Steps between checkpoints when the job has a checkpoint directory (0: only on SIGTERM).",
+    )
     args = ap.parse_args()
 
     with unbroken.init() as manager:
@@ -49,8 +61,13 @@ def main() -> None:
         train(args, manager, model, opt, state)
 
 
-def train(args: argparse.Namespace, manager: unbroken.Manager, model: torch.nn.Module, opt: torch.optim.Optimizer,
-          state: unbroken.ModelState) -> None:
+def train(
+    args: argparse.Namespace,
+    manager: unbroken.Manager,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    state: unbroken.ModelState,
+) -> None:
     cfg = manager.config
     checkpointer = unbroken.checkpointer_for(manager)  # None unless `unbroken run --checkpoint-dir`
     unbroken.resume(manager, checkpointer)
@@ -76,13 +93,25 @@ def train(args: argparse.Namespace, manager: unbroken.Manager, model: torch.nn.M
             unbroken.save_if_due(manager, checkpointer, args.checkpoint_every)
         if metrics is not None:
             d = manager.decision
-            metrics.write(json.dumps({"step": step if not committed else manager.step - 1, "loss": loss.item(),
-                                      "committed": committed, "members": list(d.members) if d else [],
-                                      "behind": list(d.behind) if d else [], "step_s": time.perf_counter() - t0,
-                                      "t": time.time()}) + "\n")
+            metrics.write(
+                json.dumps(
+                    {
+                        "step": step if not committed else manager.step - 1,
+                        "loss": loss.item(),
+                        "committed": committed,
+                        "members": list(d.members) if d else [],
+                        "behind": list(d.behind) if d else [],
+                        "step_s": time.perf_counter() - t0,
+                        "t": time.time(),
+                    }
+                )
+                + "\n"
+            )
     final = as_local(state.state_dict())  # this rank's local shards, keyed by parameter name
-    torch.save({"step": manager.step, "model": final["model"], "optim": final["optim"]["state"]},
-               run_dir / f"final-r{cfg.replica_id}-rank{cfg.rank}.pt")
+    torch.save(
+        {"step": manager.step, "model": final["model"], "optim": final["optim"]["state"]},
+        run_dir / f"final-r{cfg.replica_id}-rank{cfg.rank}.pt",
+    )
 
 
 if __name__ == "__main__":

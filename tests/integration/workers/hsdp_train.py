@@ -48,9 +48,12 @@ def main() -> None:
 
     def state_dict() -> dict[str, Any]:
         model, opt = holder["model"], holder["opt"]
-        return {"model": {k: local(v) for k, v in model.state_dict().items()},
-                "optim": {i: {k: local(v) for k, v in opt.state[p].items()} for i, p in enumerate(model.parameters())},
-                "lr": [g["lr"] for g in opt.param_groups], "sched": holder["sched"].state_dict()}
+        return {
+            "model": {k: local(v) for k, v in model.state_dict().items()},
+            "optim": {i: {k: local(v) for k, v in opt.state[p].items()} for i, p in enumerate(model.parameters())},
+            "lr": [g["lr"] for g in opt.param_groups],
+            "sched": holder["sched"].state_dict(),
+        }
 
     def load_state_dict(state: dict[str, Any]) -> None:
         model, opt = holder["model"], holder["opt"]
@@ -60,11 +63,14 @@ def main() -> None:
             for i, p in enumerate(model.parameters()):
                 for k, v in state["optim"][i].items():
                     if k not in opt.state[p]:
-                        opt.state[p][k] = torch.distributed.tensor.DTensor.from_local(
-                            v.clone(), p.device_mesh, p.placements) if k != "step" else v.clone()
+                        opt.state[p][k] = (
+                            torch.distributed.tensor.DTensor.from_local(v.clone(), p.device_mesh, p.placements)
+                            if k != "step"
+                            else v.clone()
+                        )
                     else:
                         local(opt.state[p][k]).copy_(v)
-        for g, lr in zip(opt.param_groups, state["lr"]):
+        for g, lr in zip(opt.param_groups, state["lr"], strict=False):
             g["lr"] = lr
         holder["sched"].load_state_dict(state["sched"])
 
@@ -116,8 +122,17 @@ def main() -> None:
         time.sleep(max(0.0, args.pace_s - (time.perf_counter() - t0)))
         if metrics is not None:
             d = manager.decision
-            metrics.write(json.dumps({"step": step, "committed": committed, "members": list(d.members) if d else [],
-                                      "behind": list(d.behind) if d else []}) + "\n")
+            metrics.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "committed": committed,
+                        "members": list(d.members) if d else [],
+                        "behind": list(d.behind) if d else [],
+                    }
+                )
+                + "\n"
+            )
     torch.save({"step": manager.step, **state_dict()}, Path(cfg.run_dir) / f"final-r{cfg.replica_id}-rank{cfg.rank}.pt")
     manager.shutdown()
 

@@ -19,8 +19,8 @@ from torch.distributed.fsdp import fully_shard
 
 import unbroken
 from unbroken.comm.transfer import SnapshotCopy, TransferServer, fetch_state
-from unbroken.wire.auth import JobSecret
 from unbroken.train.state import as_local, as_shards
+from unbroken.wire.auth import JobSecret
 
 
 def build(seed: int, mesh: object) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

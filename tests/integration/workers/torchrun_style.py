@@ -21,8 +21,17 @@ import torch.distributed as dist
 
 import unbroken
 
-TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                 "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID")
+TORCHRUN_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 def main() -> None:
@@ -63,8 +72,13 @@ def main() -> None:
         while not caught and time.monotonic() < deadline:
             time.sleep(0.01)
         out = {
-            "env": seen, "same_group": dist.group.WORLD is world, "duplicate": duplicate, "caught": caught,
-            "keys": sorted(manager.state_dict()["user"]), "step": manager.step, "lr": optimizer.param_groups[0]["lr"],
+            "env": seen,
+            "same_group": dist.group.WORLD is world,
+            "duplicate": duplicate,
+            "caught": caught,
+            "keys": sorted(manager.state_dict()["user"]),
+            "step": manager.step,
+            "lr": optimizer.param_groups[0]["lr"],
             "weight": model.weight.detach().flatten().tolist(),
         }
         (Path(cfg.run_dir) / f"torchrun-r{cfg.replica_id}-rank{cfg.rank}.json").write_text(json.dumps(out))

@@ -5,8 +5,9 @@ import pytest
 from unbroken.bench.diagnosis import SCENARIOS, Scenario, score
 from unbroken.comm.recorder import LinkFault
 
-STRAGGLER = Scenario("s", "slow_rank", 100, ("slow_rank:replica=0,factor=2,step=40",),
-                     expect=frozenset({"straggler"}), culprit=0)
+STRAGGLER = Scenario(
+    "s", "slow_rank", 100, ("slow_rank:replica=0,factor=2,step=40",), expect=frozenset({"straggler"}), culprit=0
+)
 LINK = Scenario("l", "link_slow", 100, expect=frozenset({"comm_slow"}), culprit=(0, 2), onset_step=40)
 
 
@@ -53,8 +54,7 @@ def test_clean_run_counts_every_verdict() -> None:
 
 def test_crash_is_detected_by_the_process_exit() -> None:
     crash = next(s for s in SCENARIOS if s.name == "crash")
-    events = [{"kind": "fault_injected", "t": 140.0},
-              {"kind": "process_exited", "t": 140.02, "replica": 1, "rank": 0}]
+    events = [{"kind": "fault_injected", "t": 140.0}, {"kind": "process_exited", "t": 140.02, "replica": 1, "rank": 0}]
     r = score(crash, events, rows(60))
     assert r["detected"] and r["culprit_correct"] and r["class_correct"]
 
@@ -74,8 +74,10 @@ def test_link_fault_of_a_whole_node() -> None:
     assert f.delay_s(0, 2, 4, 10_000_000) is None
 
 
-@pytest.mark.parametrize(("spec", "msg"), [("2:stall", "a stall names one direction"),
-                                            ("1-2-3:mb_s=5", "A-B"), ("0-1", "give mb_s > 0 or stall")])
+@pytest.mark.parametrize(
+    ("spec", "msg"),
+    [("2:stall", "a stall names one direction"), ("1-2-3:mb_s=5", "A-B"), ("0-1", "give mb_s > 0 or stall")],
+)
 def test_bad_link_fault_specs(spec: str, msg: str) -> None:
     with pytest.raises(ValueError, match=msg):
         LinkFault.parse(spec)

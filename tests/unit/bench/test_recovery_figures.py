@@ -17,8 +17,18 @@ from unbroken.bench.recovery import digests_identical, fault_figures, median_ste
 def _steps(replica: int, steps: range, t_start: float, step_s: float, **extra: object) -> list[dict]:
     rows, t = [], t_start
     for s in steps:
-        rows.append({"step": s, "t0": t, "t1": t + step_s, "step_s": step_s, "committed": True,
-                     "behind": [], "donor": False, **extra})
+        rows.append(
+            {
+                "step": s,
+                "t0": t,
+                "t1": t + step_s,
+                "step_s": step_s,
+                "committed": True,
+                "behind": [],
+                "donor": False,
+                **extra,
+            }
+        )
         t += step_s
     return rows
 
@@ -43,8 +53,18 @@ def test_crash_figures_from_a_clean_rejoin() -> None:
         rows[r] = before + stalled + after
     victim = [{"event": "ready", "t": 0.0}] + _steps(2, range(20), 0.0, 0.1)
     victim += [{"event": "ready", "t": 5.25}]
-    victim += [{"step": 50, "t0": 5.3, "t1": 5.4, "step_s": 0.1, "committed": True, "behind": [2], "donor": False,
-                "fetch_s": 0.12}]
+    victim += [
+        {
+            "step": 50,
+            "t0": 5.3,
+            "t1": 5.4,
+            "step_s": 0.1,
+            "committed": True,
+            "behind": [2],
+            "donor": False,
+            "fetch_s": 0.12,
+        }
+    ]
     victim += _steps(2, range(51, 60), 5.4, 0.1)
     rows[2] = victim
 
@@ -62,8 +82,11 @@ def test_crash_figures_from_a_clean_rejoin() -> None:
 
 
 def test_no_rejoin_is_reported_as_missing_not_zero() -> None:
-    rows = {0: _steps(0, range(30), 0.0, 0.1), 1: _steps(1, range(30), 0.0, 0.1),
-            2: [{"event": "ready", "t": 0.0}] + _steps(2, range(15), 0.0, 0.1)}
+    rows = {
+        0: _steps(0, range(30), 0.0, 0.1),
+        1: _steps(1, range(30), 0.0, 0.1),
+        2: [{"event": "ready", "t": 0.0}] + _steps(2, range(15), 0.0, 0.1),
+    }
     f = fault_figures(rows, victim=2, fault_t=1.55)
     assert f.rejoin_steps is None and f.donor_slowdown is None and f.catch_up_step is None
     assert f.survivor_stall_s == pytest.approx(0.0)
@@ -85,8 +108,9 @@ def test_digests_identical_requires_every_replica(tmp_path: Path) -> None:
 
 
 def test_serving_figures_sum_what_the_donors_served(tmp_path: Path) -> None:
-    (tmp_path / "digest-r0.json").write_text(json.dumps({"step": 60, "digest": "a", "served": [
-        {"step": 50, "bytes": 200_000_000, "s": 0.5, "cpu_s": 0.04}]}))
+    (tmp_path / "digest-r0.json").write_text(
+        json.dumps({"step": 60, "digest": "a", "served": [{"step": 50, "bytes": 200_000_000, "s": 0.5, "cpu_s": 0.04}]})
+    )
     (tmp_path / "digest-r1.json").write_text(json.dumps({"step": 60, "digest": "a", "served": []}))
     got = serving_figures(tmp_path, 3, median_step_s=0.4)
     assert got == {"serve_s": 0.5, "serve_cpu_s": 0.04, "serve_mb": 200.0, "serve_cpu_step_share": 0.1}
@@ -97,8 +121,10 @@ def test_hidden_share_is_the_busy_exchange_not_waited_for() -> None:
     from unbroken.bench.recovery import hidden_share
 
     # The backend exchanged for 0.04 s a step; 0.01 s of it was left when backward ended.
-    rows = {0: _steps(0, range(10), 0.0, 0.1, busy_s=0.04, exchange_s=0.01),
-            1: _steps(1, range(10), 0.0, 0.1, busy_s=0.04, exchange_s=0.03)}
+    rows = {
+        0: _steps(0, range(10), 0.0, 0.1, busy_s=0.04, exchange_s=0.01),
+        1: _steps(1, range(10), 0.0, 0.1, busy_s=0.04, exchange_s=0.03),
+    }
     got = hidden_share(rows)
     assert got["exchange_hidden_share"] == pytest.approx(0.5)
     assert got["exchange_busy_s"] == pytest.approx(0.04) and got["exchange_exposed_s"] == pytest.approx(0.02)

@@ -8,10 +8,14 @@ from unbroken.bench.recovery import recovery, sample_account
 
 
 def test_sample_account_is_the_last_committed_steps_account() -> None:
-    rows = {0: [{"event": "ready", "t": 0.0},
-                {"step": 8, "step_s": 1.0, "committed": True, "samples_skipped": 0, "samples_repeated": 0},
-                {"step": 9, "step_s": 1.0, "committed": False, "samples_skipped": 99, "samples_repeated": 99}],
-            1: [{"step": 9, "step_s": 1.0, "committed": True, "samples_skipped": 8, "samples_repeated": 4}]}
+    rows = {
+        0: [
+            {"event": "ready", "t": 0.0},
+            {"step": 8, "step_s": 1.0, "committed": True, "samples_skipped": 0, "samples_repeated": 0},
+            {"step": 9, "step_s": 1.0, "committed": False, "samples_skipped": 99, "samples_repeated": 99},
+        ],
+        1: [{"step": 9, "step_s": 1.0, "committed": True, "samples_skipped": 8, "samples_repeated": 4}],
+    }
     assert sample_account(rows) == {"samples_skipped": 8, "samples_repeated": 4}
     assert sample_account({0: []}) == {}
 

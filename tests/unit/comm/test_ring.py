@@ -73,9 +73,12 @@ def run_ring(seq: int, delay_s: float = 0.0) -> tuple[list[torch.Tensor], list[H
     boxes = Mailboxes()
     tensors = [torch.arange(10, dtype=torch.float64) * (r + 1) for r in range(3)]
     hooks = [Hook(r, delay_s) for r in range(3)]
-    threads = [threading.Thread(target=ring_allreduce_sum,
-                                args=(boxes.group(r), tensors[r], r, 3, seq, lambda w: w.wait(), hooks[r]))
-               for r in range(3)]
+    threads = [
+        threading.Thread(
+            target=ring_allreduce_sum, args=(boxes.group(r), tensors[r], r, 3, seq, lambda w: w.wait(), hooks[r])
+        )
+        for r in range(3)
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -28,8 +28,11 @@ SECRET = JobSecret.generate()
 
 def _state() -> dict:
     g = torch.Generator().manual_seed(3)
-    return {"model": {"w": torch.randn(700, 700, generator=g), "b": torch.randn(7, generator=g)},
-            "optim": {"step": 12, "lr": [0.1, 0.2]}, "rng": torch.get_rng_state()}
+    return {
+        "model": {"w": torch.randn(700, 700, generator=g), "b": torch.randn(7, generator=g)},
+        "optim": {"step": 12, "lr": [0.1, 0.2]},
+        "rng": torch.get_rng_state(),
+    }
 
 
 def test_fetched_state_is_bitwise_the_snapshot_even_when_the_donor_moves_on() -> None:
@@ -151,31 +154,50 @@ def _fake_donor(secret: JobSecret, header: Callable[[], dict]) -> tuple[socket.s
             time.sleep(0.5)
 
     threading.Thread(target=serve, daemon=True).start()
-    return srv, "127.0.0.1:%d" % srv.getsockname()[1]
+    return srv, f"127.0.0.1:{srv.getsockname()[1]}"
 
 
 def test_a_donor_that_sends_code_to_run_is_refused_and_nothing_runs(tmp_path: Path) -> None:
     """Even a donor holding the key cannot make a replica run code: the objects of a state load
     through an allow-list (on main, pickle.loads ran os.system in the receiving replica)."""
     marker = tmp_path / "ran"
-    srv, address = _fake_donor(SECRET, lambda: {
-        "ok": True, "step": 3, "total": 0, "chunk": 4096, "entries": [],
-        "skeleton": base64.b64encode(pickle.dumps({"model": _RunsCode(marker)})).decode()})
+    srv, address = _fake_donor(
+        SECRET,
+        lambda: {
+            "ok": True,
+            "step": 3,
+            "total": 0,
+            "chunk": 4096,
+            "entries": [],
+            "skeleton": base64.b64encode(pickle.dumps({"model": _RunsCode(marker)})).decode(),
+        },
+    )
     with srv, pytest.raises(TransferError, match=r"refusing to load the global (posix|os)\.system"):
         fetch_state(address, 3, SECRET, timeout_s=5.0)
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("entries,total", [
-    ([["float32", [4], 0, 16]], 8),  # fewer bytes announced than the layout holds
-    ([["float32", [4], 64, 16]], 128),  # a tensor placed beyond where the layout puts it
-    ([["float32", [-4], 0, -16]], 0),  # a negative shape
-    ([["os.system", [4], 0, 16]], 64),  # not a dtype
-])
+@pytest.mark.parametrize(
+    "entries,total",
+    [
+        ([["float32", [4], 0, 16]], 8),  # fewer bytes announced than the layout holds
+        ([["float32", [4], 64, 16]], 128),  # a tensor placed beyond where the layout puts it
+        ([["float32", [-4], 0, -16]], 0),  # a negative shape
+        ([["os.system", [4], 0, 16]], 64),  # not a dtype
+    ],
+)
 def test_a_header_whose_layout_does_not_hold_together_is_refused(entries: list, total: int) -> None:
-    srv, address = _fake_donor(SECRET, lambda: {
-        "ok": True, "step": 3, "total": total, "chunk": 4096, "entries": entries,
-        "skeleton": base64.b64encode(pickle.dumps({"w": transfer._TensorRef(0)})).decode()})
+    srv, address = _fake_donor(
+        SECRET,
+        lambda: {
+            "ok": True,
+            "step": 3,
+            "total": total,
+            "chunk": 4096,
+            "entries": entries,
+            "skeleton": base64.b64encode(pickle.dumps({"w": transfer._TensorRef(0)})).decode(),
+        },
+    )
     with srv, pytest.raises(TransferError, match="donor"):
         fetch_state(address, 3, SECRET, timeout_s=5.0)
 
@@ -188,8 +210,11 @@ def test_a_donor_without_the_key_is_refused_before_anything_is_read() -> None:
 
 
 def _quick_handshake(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(transfer, "server_handshake",
-                        lambda sock, secret, purpose: server_handshake(sock, secret, purpose, timeout_s=0.5))
+    monkeypatch.setattr(
+        transfer,
+        "server_handshake",
+        lambda sock, secret, purpose: server_handshake(sock, secret, purpose, timeout_s=0.5),
+    )
 
 
 def test_nobody_without_the_key_downloads_a_donors_state(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -238,12 +263,16 @@ def test_optimizer_scheduler_and_module_state_round_trip_through_the_allow_list(
     lambdas, torch.Size, dtypes) passes the restricted loader unchanged."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9**s)
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
     sched.step()
-    state = {"model": model.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict(),
-             "extra": {"size": torch.Size([2, 3]), "dtype": torch.bfloat16, "set": {1, 2}, "none": None}}
+    state = {
+        "model": model.state_dict(),
+        "optim": opt.state_dict(),
+        "sched": sched.state_dict(),
+        "extra": {"size": torch.Size([2, 3]), "dtype": torch.bfloat16, "set": {1, 2}, "none": None},
+    }
     server = TransferServer(SECRET)
     try:
         server.publish(take_snapshot(5, state, server.pool))

@@ -26,7 +26,7 @@ class FakeCoordinator:
         self.secret = secret
         self.server = socket.create_server(("127.0.0.1", 0))
         self.server.settimeout(20)
-        self.address = "127.0.0.1:%d" % self.server.getsockname()[1]
+        self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
         self.conn: socket.socket | None = None
         self.session: Session | None = None
 
@@ -58,8 +58,9 @@ class FakeCoordinator:
 
     def answer(self, request: dict[str, Any]) -> None:
         decision = {"epoch": 4, "step": request["step"], "members": [0, 1], "behind": [], "donors": []}
-        self.send({"op": "quorum", "id": request["id"], "decision": decision, "transfer_addrs": {},
-                   "store": "127.0.0.1:1"})
+        self.send(
+            {"op": "quorum", "id": request["id"], "decision": decision, "transfer_addrs": {}, "store": "127.0.0.1:1"}
+        )
 
     def close(self) -> None:
         if self.conn is not None:
@@ -69,8 +70,9 @@ class FakeCoordinator:
 
 def test_a_bad_line_is_skipped_and_the_reader_keeps_serving() -> None:
     fake = FakeCoordinator()
-    client = CoordinatorClient(fake.address, SECRET, HELLO, on_abort=lambda epoch: None, heartbeat_s=0.1,
-                               reconnect_timeout_s=20)
+    client = CoordinatorClient(
+        fake.address, SECRET, HELLO, on_abort=lambda epoch: None, heartbeat_s=0.1, reconnect_timeout_s=20
+    )
     try:
         fake.accept()
         client.wait_connected(20)
@@ -87,8 +89,9 @@ def test_a_bad_line_is_skipped_and_the_reader_keeps_serving() -> None:
 
 def test_a_connection_that_keeps_sending_garbage_is_dropped_and_reconnected() -> None:
     fake = FakeCoordinator()
-    client = CoordinatorClient(fake.address, SECRET, HELLO, on_abort=lambda epoch: None, heartbeat_s=0.1,
-                               reconnect_timeout_s=20)
+    client = CoordinatorClient(
+        fake.address, SECRET, HELLO, on_abort=lambda epoch: None, heartbeat_s=0.1, reconnect_timeout_s=20
+    )
     try:
         fake.accept()
         client.wait_connected(20)

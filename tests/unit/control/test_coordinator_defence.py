@@ -77,13 +77,16 @@ def test_a_line_without_a_valid_mac_ends_the_connection(tmp_path: Path) -> None:
     run(tmp_path, scenario)
 
 
-@pytest.mark.parametrize("hello", [
-    {"replica": 3, "rank": 0, "world_size": 1},  # the job has replicas 0..2
-    {"replica": 0, "rank": 1, "world_size": 1},
-    {"replica": 0, "rank": 0, "world_size": 0},
-    {"replica": -1, "rank": 0, "world_size": 1},
-    {"replica": 0, "rank": 0, "world_size": 1, "node": "x" * 10_000},
-])
+@pytest.mark.parametrize(
+    "hello",
+    [
+        {"replica": 3, "rank": 0, "world_size": 1},  # the job has replicas 0..2
+        {"replica": 0, "rank": 1, "world_size": 1},
+        {"replica": 0, "rank": 0, "world_size": 0},
+        {"replica": -1, "rank": 0, "world_size": 1},
+        {"replica": 0, "rank": 0, "world_size": 1, "node": "x" * 10_000},
+    ],
+)
 def test_a_hello_out_of_the_jobs_ranges_is_refused(tmp_path: Path, hello: dict[str, Any]) -> None:
     async def scenario(c: Coordinator) -> None:
         link = await connect(c, SECRET)
@@ -147,8 +150,9 @@ def test_step_times_cannot_stretch_the_join_window(tmp_path: Path) -> None:
         a.send({"op": "quorum", "id": 2, "step": 6, "step_time": 1e308})
         assert "seconds" in (await next_op(a, "error"))["message"]
         for step in range(6, 12):  # a day per step, as long as a step may say it took
-            await asyncio.gather(quorum(a, step, step + 10, step_time=86400.0),
-                                 quorum(b, step, step + 10, step_time=86400.0))
+            await asyncio.gather(
+                quorum(a, step, step + 10, step_time=86400.0), quorum(b, step, step + 10, step_time=86400.0)
+            )
         await asyncio.sleep(2 * c.TICK_S)
         assert c.settings.join_window_floor_s <= c.quorum.join_window_s <= JOIN_WINDOW_MAX_S
 

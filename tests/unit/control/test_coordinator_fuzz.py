@@ -34,8 +34,12 @@ from unbroken.wire.auth import JobSecret
 
 T = TypeVar("T")
 SECRET = JobSecret.generate()
-FUZZ = settings(database=None, deadline=None, derandomize=True,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    database=None,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 # Every message a client may send, valid; the mutations start from these.
 VALID: list[dict[str, Any]] = [
@@ -43,8 +47,12 @@ VALID: list[dict[str, Any]] = [
     {"op": "heartbeat", "step": 3, "compute_s": 0.1},
     {"op": "quorum", "id": 1, "step": 0, "failed_epoch": None, "step_time": 0.2},
     {"op": "quorum", "id": 2, "step": 1, "failed_epoch": 1, "step_time": None},
-    {"op": "telemetry", "now_ns": 1, "records": [["g", 1, "allreduce", 8, 1, 2, True, [0, 1], 0, 0]],
-     "open": ["g", 2, "allreduce", 8, 3, [0, 1]]},
+    {
+        "op": "telemetry",
+        "now_ns": 1,
+        "records": [["g", 1, "allreduce", 8, 1, 2, True, [0, 1], 0, 0]],
+        "open": ["g", 2, "allreduce", 8, 3, [0, 1]],
+    },
     {"op": "bye"},
     {"op": "exited", "replica": 2, "exitcode": 1},
     {"op": "exited", "replica": 0, "exitcode": 9},
@@ -55,12 +63,19 @@ VALID: list[dict[str, Any]] = [
 ]
 
 json_scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(1 << 70), max_value=1 << 70),
-    st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([1e308, -0.0, 2 ** 62, 2 ** 63]),
-    st.text(max_size=20), st.sampled_from(["hello", "quorum", "exited", "bye", "status", "agent_hello"]),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(1 << 70), max_value=1 << 70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([1e308, -0.0, 2**62, 2**63]),
+    st.text(max_size=20),
+    st.sampled_from(["hello", "quorum", "exited", "bye", "status", "agent_hello"]),
 )
-json_values = st.recursive(json_scalars, lambda inner: st.one_of(
-    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)), max_leaves=8)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=8,
+)
 
 
 @st.composite
@@ -84,9 +99,38 @@ def line_of(msg: Any) -> bytes:
     return json.dumps(msg).encode()
 
 
-NASTY: list[Any] = [None, True, False, 0, -1, 1, 2, 3, 2 ** 62, 2 ** 63, -(2 ** 70), 0.5, 1e308, -1e308,
-                    float("inf"), float("-inf"), float("nan"), "", "x" * 300, "../../../etc/passwd", "\u0000",
-                    "hello", "quorum", "bye", "exited", "agent_hello", [], {}, [0, 1], {"op": "bye"}]
+NASTY: list[Any] = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    2,
+    3,
+    2**62,
+    2**63,
+    -(2**70),
+    0.5,
+    1e308,
+    -1e308,
+    float("inf"),
+    float("-inf"),
+    float("nan"),
+    "",
+    "x" * 300,
+    "../../../etc/passwd",
+    "\u0000",
+    "hello",
+    "quorum",
+    "bye",
+    "exited",
+    "agent_hello",
+    [],
+    {},
+    [0, 1],
+    {"op": "bye"},
+]
 
 
 def quick_value(rnd: random.Random, depth: int = 0) -> Any:
@@ -136,9 +180,18 @@ class Live:
         self.thread.start()
 
         async def start() -> Coordinator:
-            c = Coordinator(CoordinatorSettings(total_replicas=3, min_replicas=2, state_dir=state_dir,
-                                                startup_window_s=0.5, heartbeat_timeout_s=30.0,
-                                                suspect_after_s=10.0, hello_timeout_s=5.0), SECRET)
+            c = Coordinator(
+                CoordinatorSettings(
+                    total_replicas=3,
+                    min_replicas=2,
+                    state_dir=state_dir,
+                    startup_window_s=0.5,
+                    heartbeat_timeout_s=30.0,
+                    suspect_after_s=10.0,
+                    hello_timeout_s=5.0,
+                ),
+                SECRET,
+            )
             await c.start()
             return c
 
@@ -151,8 +204,10 @@ class Live:
 
     def read(self, fn: Callable[[Coordinator], T]) -> T:
         """Reads coordinator state on its own thread."""
+
         async def call() -> T:
             return fn(self.c)
+
         return self.run(call())
 
     def members(self) -> dict[int, list[int]]:
@@ -211,8 +266,10 @@ def test_fuzz_without_the_key(live: Any) -> None:
     sent = [0]
 
     @settings(FUZZ, max_examples=100)
-    @given(st.lists(st.one_of(payloads, payloads.map(lambda p: p + b"\n" + p)), min_size=1, max_size=3),
-           st.randoms(use_true_random=False))
+    @given(
+        st.lists(st.one_of(payloads, payloads.map(lambda p: p + b"\n" + p)), min_size=1, max_size=3),
+        st.randoms(use_true_random=False),
+    )
     def barrage(drawn: list[bytes], rnd: random.Random) -> None:
         batch = drawn + [quick_payload(rnd) for _ in range(8)]
         for payload in batch:  # each on a connection of its own: a keyless one is dropped at once

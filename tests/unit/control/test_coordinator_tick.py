@@ -11,8 +11,8 @@ from unbroken.wire.auth import JobSecret
 
 async def _evicted_although_every_tick_raises(state_dir: Path) -> bool:
     secret = JobSecret.generate()
-    async with live_coordinator(state_dir, secret, total_replicas=2, heartbeat_timeout_s=0.5,
-                                suspect_after_s=0.2) as c:
+    async with live_coordinator(state_dir, secret, total_replicas=2, heartbeat_timeout_s=0.5, suspect_after_s=0.2) as c:
+
         def broken() -> None:
             raise RuntimeError("a bug in one part of the tick")
 

@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from unbroken.control.protocol import connected_to_itself, decode, encode
-from unbroken.wire.auth import AuthError, JobSecret, Session
+from unbroken.wire.auth import AuthError, Session
 
 
 def test_a_socket_connected_to_its_own_port_is_recognised() -> None:
@@ -16,8 +16,7 @@ def test_a_socket_connected_to_its_own_port_is_recognised() -> None:
         s.bind(("127.0.0.1", 0))
         s.connect(s.getsockname())
         assert connected_to_itself(s)
-    with socket.create_server(("127.0.0.1", 0)) as server, \
-            socket.create_connection(server.getsockname()) as c:
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()) as c:
         assert not connected_to_itself(c)
 
 

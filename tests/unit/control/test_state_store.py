@@ -20,8 +20,10 @@ from unbroken.wire.auth import JobSecret
 
 
 def coordinator(state_dir: Path, **kw: object) -> Coordinator:
-    return Coordinator(CoordinatorSettings(total_replicas=1, state_dir=state_dir, **kw),  # type: ignore[arg-type]
-                       JobSecret.generate())
+    return Coordinator(
+        CoordinatorSettings(total_replicas=1, state_dir=state_dir, **kw),  # type: ignore[arg-type]
+        JobSecret.generate(),
+    )
 
 
 def test_the_database_uses_a_rollback_journal_unless_wal_is_asked_for(tmp_path: Path) -> None:
@@ -69,8 +71,9 @@ os._exit(9)  # ...and the coordinator dies before its history row is written
 
 
 def test_an_epoch_handed_out_just_before_a_crash_is_not_reused(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-c", CRASH_AFTER_ISSUING, str(tmp_path)], env=python_env(),
-                         capture_output=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", CRASH_AFTER_ISSUING, str(tmp_path)], env=python_env(), capture_output=True, timeout=120
+    )
     assert out.returncode == 9, out.stderr.decode()
     lost = int(out.stdout)
     c = coordinator(tmp_path)  # the lock died with the crashed process

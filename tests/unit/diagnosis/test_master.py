@@ -11,12 +11,27 @@ G = "rank0/epoch1"
 
 
 def batch(now: float, records=(), open_=None, links=(), steps=(), stalls=()) -> dict:
-    return {"now_ns": int(now * NS), "records": list(records), "open": open_, "links": list(links),
-            "open_links": [], "steps": list(steps), "flags": [], "memory": None, "stalls": list(stalls)}
+    return {
+        "now_ns": int(now * NS),
+        "records": list(records),
+        "open": open_,
+        "links": list(links),
+        "open_links": [],
+        "steps": list(steps),
+        "flags": [],
+        "memory": None,
+        "stalls": list(stalls),
+    }
 
 
-def run_steps(m: DiagnosisMaster, seqs: range, compute: dict[int, float], t: float = 0.0,
-              queued: dict[int, float] | None = None, rq: dict[int, int] | None = None) -> tuple[float, list]:
+def run_steps(
+    m: DiagnosisMaster,
+    seqs: range,
+    compute: dict[int, float],
+    t: float = 0.0,
+    queued: dict[int, float] | None = None,
+    rq: dict[int, int] | None = None,
+) -> tuple[float, list]:
     """Healthy collectives where replica r computes compute[r] seconds between them, of which
     queued[r] it waited for a CPU; ``rq`` carries each replica's cumulative run-queue wait (ns,
     what the recorder reads from the kernel) from one call to the next."""
@@ -28,8 +43,7 @@ def run_steps(m: DiagnosisMaster, seqs: range, compute: dict[int, float], t: flo
         done = max(enters.values()) + 0.01
         for r in compute:
             rq[r] = rq.get(r, 0) + int((queued or {}).get(r, 0.0) * NS)
-            rec = [G, seq, "allreduce", 400, int(enters[r] * NS), int(done * NS), True, sorted(compute),
-                   rq[r], rq[r]]
+            rec = [G, seq, "allreduce", 400, int(enters[r] * NS), int(done * NS), True, sorted(compute), rq[r], rq[r]]
             m.ingest((r, 0), f"n{r}", batch(done, records=[rec]), done)
             exits[r] = done
         t = done
@@ -172,9 +186,11 @@ def test_stalled_ring_names_the_link_whose_send_never_finished() -> None:
     members = [0, 1, 2]
     # 0 -> 1 is stuck: 0 sleeps in its send (its receive from 2 arrived but is never acknowledged),
     # 1 waits for 0, and 2 waits for 1 one ring step later.
-    open_ = {0: [["recv", 2, 1, int(t * NS)], ["send", 1, 1, int(t * NS)]],
-             1: [["recv", 0, 1, int(t * NS)]],
-             2: [["recv", 1, 2, int((t + 0.01) * NS)]]}
+    open_ = {
+        0: [["recv", 2, 1, int(t * NS)], ["send", 1, 1, int(t * NS)]],
+        1: [["recv", 0, 1, int(t * NS)]],
+        2: [["recv", 1, 2, int((t + 0.01) * NS)]],
+    }
     for r in members:
         rec = [G, 7, "allreduce", 4, int(t * NS), int((t + 0.5) * NS), False, members]
         m.ingest((r, 0), f"n{r}", batch(t + 0.6, records=[rec], stalls=[[G, 7, open_[r]]]), t + 0.6)
@@ -188,8 +204,11 @@ def stalled_collective(deadline: dict[int, bool]) -> list:
     """0 -> 1 stuck at ring step 0; which members gave up at their own deadline is ``deadline``."""
     m = DiagnosisMaster()
     t = 50.0
-    open_ = {0: [["send", 1, 0, int(t * NS)]], 1: [["recv", 0, 0, int(t * NS)], ["send", 2, 0, int(t * NS)]],
-             2: [["recv", 1, 1, int((t + 0.01) * NS)], ["send", 0, 1, int((t + 0.01) * NS)]]}
+    open_ = {
+        0: [["send", 1, 0, int(t * NS)]],
+        1: [["recv", 0, 0, int(t * NS)], ["send", 2, 0, int(t * NS)]],
+        2: [["recv", 1, 1, int((t + 0.01) * NS)], ["send", 0, 1, int((t + 0.01) * NS)]],
+    }
     for r in (0, 1, 2):
         rec = [G, 7, "allreduce", 4, int(t * NS), int((t + 0.5) * NS), False if deadline[r] else None, [0, 1, 2]]
         m.ingest((r, 0), f"n{r}", batch(t + 0.6, records=[rec], stalls=[[G, 7, open_[r], deadline[r]]]), t + 0.6)
@@ -309,7 +328,9 @@ def test_bursty_slowdown_of_a_busy_machine_is_no_step_time_change() -> None:
     verdicts = []
     for seq in range(40, 140):
         slow = seq % 3 != 0
-        t, got = run_noisy(m, range(seq, seq + 1), lambda r, g: jitter(0.13 if r == 0 and slow else 0.1, g), rng, t)
+        t, got = run_noisy(
+            m, range(seq, seq + 1), lambda r, g, slow=slow: jitter(0.13 if r == 0 and slow else 0.1, g), rng, t
+        )
         verdicts += got
         medians.append(m.detectors[(0, 0)].change_point())
     assert max(medians) >= 1.25, "the hog did not move the median: this test would prove nothing"

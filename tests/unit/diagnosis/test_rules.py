@@ -83,8 +83,12 @@ def test_even_noise_is_no_straggler() -> None:
 
 def cells(slow: set[tuple[int, int]], factor: float = 4.0, n: int = 3) -> dict:
     rng = random.Random(2)
-    return {(a, b): [0.01 * (factor if (a, b) in slow else 1.0) * rng.uniform(0.9, 1.1) for _ in range(8)]
-            for a in range(n) for b in range(n) if a != b}
+    return {
+        (a, b): [0.01 * (factor if (a, b) in slow else 1.0) * rng.uniform(0.9, 1.1) for _ in range(8)]
+        for a in range(n)
+        for b in range(n)
+        if a != b
+    }
 
 
 @pytest.mark.parametrize(

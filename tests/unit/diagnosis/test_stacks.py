@@ -20,13 +20,21 @@ ROOT = Path(__file__).resolve().parents[3]
 
 def test_the_owner_dumps_its_own_childs_stack(tmp_path: Path) -> None:
     path = stacks.stack_path(tmp_path, 2, 0)
-    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import signal, time
         from unbroken.comm.recorder import install_stack_dump
         install_stack_dump({path!r}, signal.SIGUSR2)
         print("ready", flush=True)
         time.sleep(60)
-    """)], stdout=subprocess.PIPE, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    """),
+        ],
+        stdout=subprocess.PIPE,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
     try:
         assert child.stdout is not None and child.stdout.readline() == b"ready\n"
         extra = asyncio.run(stacks.dump(child.pid, path, signal.SIGUSR2, wait_s=10))

@@ -44,8 +44,17 @@ async def _scenario(run_dir: Path, secret: JobSecret, fake_secret: JobSecret) ->
     secret_file = run_dir.parent / "secret"
     if not secret_file.exists():
         secret.write(secret_file)
-    agent = Agent(AgentSettings(command=("true",), coordinator=f"127.0.0.1:{port}", node="n0", run_dir=run_dir,
-                                finish_grace_s=0.1, secret_file=secret_file, connect_timeout_s=1.0))
+    agent = Agent(
+        AgentSettings(
+            command=("true",),
+            coordinator=f"127.0.0.1:{port}",
+            node="n0",
+            run_dir=run_dir,
+            finish_grace_s=0.1,
+            secret_file=secret_file,
+            connect_timeout_s=1.0,
+        )
+    )
     try:
         return await asyncio.wait_for(agent.run(), 20), hellos
     except ConnectionError:

@@ -14,11 +14,17 @@ from unbroken.launch.chaos import Fault, Schedule, ScheduleError, WorkerChaos, p
 
 
 def test_flags_parse_into_typed_faults() -> None:
-    s = Schedule.build(flags=[
-        "crash:replica=1,step=40", "hang:replica=2,step=80,duration_s=5", "slow_rank:replica=0,factor=3,at_s=10s",
-        "slow_link:link=0-2,mb_s=20,step=10", "nan_loss:replica=1,step=50,poison_grads=true",
-        "coordinator_kill:at_s=30", "disk_full:replica=0,step=20,limit_mb=1",
-    ])
+    s = Schedule.build(
+        flags=[
+            "crash:replica=1,step=40",
+            "hang:replica=2,step=80,duration_s=5",
+            "slow_rank:replica=0,factor=3,at_s=10s",
+            "slow_link:link=0-2,mb_s=20,step=10",
+            "nan_loss:replica=1,step=50,poison_grads=true",
+            "coordinator_kill:at_s=30",
+            "disk_full:replica=0,step=20,limit_mb=1",
+        ]
+    )
     crash, hang, slow, link, nan, coord, disk = s.faults
     assert (crash.kind, crash.replica, crash.rank, crash.step) == ("crash", 1, 0, 40)
     assert hang.duration_s == 5.0
@@ -33,30 +39,35 @@ def test_flags_parse_into_typed_faults() -> None:
 
 
 def test_file_and_flags_combine_and_round_trip(tmp_path: Path) -> None:
-    (tmp_path / "s.yaml").write_text("faults:\n  - {kind: crash, replica: 1, step: 40}\n  - kind: hang\n    replica: 2\n    at_s: 3\n")
+    (tmp_path / "s.yaml").write_text(
+        "faults:\n  - {kind: crash, replica: 1, step: 40}\n  - kind: hang\n    replica: 2\n    at_s: 3\n"
+    )
     (tmp_path / "s.json").write_text(json.dumps([{"kind": "slow_rank", "replica": 0, "factor": 2, "step": 5}]))
     s = Schedule.build(files=[tmp_path / "s.yaml", tmp_path / "s.json"], flags=["nan_loss:replica=0,step=9"])
     assert [f.kind for f in s] == ["crash", "hang", "slow_rank", "nan_loss"]
     assert Schedule.from_data(s.to_json()) == s
 
 
-@pytest.mark.parametrize(("flag", "message"), [
-    ("explode:replica=1,step=3", "unknown fault kind 'explode'"),
-    ("crash:step=3", "missing target, add replica=N"),
-    ("crash:replica=1", "exactly one trigger"),
-    ("crash:replica=1,step=3,at_s=2", "exactly one trigger"),
-    ("crash:replica=1,step=-3", "step must be an integer >= 0"),
-    ("crash:replica=1,step=two", "step='two' is not valid"),
-    ("crash:replica=1,step=3,factor=2", "crash does not take factor"),
-    ("crash:replica=1,step", "should be key=value"),
-    ("slow_rank:replica=1,step=3", "factor > 1"),
-    ("slow_rank:replica=1,step=3,factor=0.5", "factor > 1"),
-    ("slow_link:link=1-1,mb_s=3,step=3", "two different replicas"),
-    ("slow_link:link=0-1,step=3", "needs mb_s > 0"),
-    ("slow_link:link=zero,mb_s=3,step=3", "two replica ids"),
-    ("hang:replica=0,step=3,duration_s=0", "duration_s must be > 0"),
-    ("coordinator_kill:replica=0,at_s=3", "does not take replica"),
-])
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("explode:replica=1,step=3", "unknown fault kind 'explode'"),
+        ("crash:step=3", "missing target, add replica=N"),
+        ("crash:replica=1", "exactly one trigger"),
+        ("crash:replica=1,step=3,at_s=2", "exactly one trigger"),
+        ("crash:replica=1,step=-3", "step must be an integer >= 0"),
+        ("crash:replica=1,step=two", "step='two' is not valid"),
+        ("crash:replica=1,step=3,factor=2", "crash does not take factor"),
+        ("crash:replica=1,step", "should be key=value"),
+        ("slow_rank:replica=1,step=3", "factor > 1"),
+        ("slow_rank:replica=1,step=3,factor=0.5", "factor > 1"),
+        ("slow_link:link=1-1,mb_s=3,step=3", "two different replicas"),
+        ("slow_link:link=0-1,step=3", "needs mb_s > 0"),
+        ("slow_link:link=zero,mb_s=3,step=3", "two replica ids"),
+        ("hang:replica=0,step=3,duration_s=0", "duration_s must be > 0"),
+        ("coordinator_kill:replica=0,at_s=3", "does not take replica"),
+    ],
+)
 def test_bad_flags_say_what_to_fix(flag: str, message: str) -> None:
     with pytest.raises(ScheduleError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_flag(flag)

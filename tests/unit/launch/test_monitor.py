@@ -12,8 +12,9 @@ from unbroken.launch.launcher import Launcher, LaunchSettings
 
 
 async def _scenario(run_dir: Path) -> tuple[int, bool]:
-    launcher = Launcher(LaunchSettings(command=("true",), replicas=1, ranks_per_replica=2, run_dir=run_dir,
-                                       warm_spare=False))
+    launcher = Launcher(
+        LaunchSettings(command=("true",), replicas=1, ranks_per_replica=2, run_dir=run_dir, warm_spare=False)
+    )
     coordinator = Coordinator(CoordinatorSettings(total_replicas=1, state_dir=run_dir), launcher.secret)
     await coordinator.start()
     launcher.coordinator = coordinator

@@ -17,8 +17,12 @@ def test_lifecycle_follows_a_failure_through_recovery() -> None:
     assert [t.new for t in lc.on_quorum([0, 1], [1], 5.0)] == [State.CATCHING_UP]
     assert [t.new for t in lc.on_quorum([0, 1], [], 6.0)] == [State.TRAINING]
     assert [(t.old, t.new) for t in lc.history if t.replica == 1] == [
-        (State.LAUNCHING, State.TRAINING), (State.TRAINING, State.FAILED), (State.FAILED, State.RECOVERING),
-        (State.RECOVERING, State.CATCHING_UP), (State.CATCHING_UP, State.TRAINING)]
+        (State.LAUNCHING, State.TRAINING),
+        (State.TRAINING, State.FAILED),
+        (State.FAILED, State.RECOVERING),
+        (State.RECOVERING, State.CATCHING_UP),
+        (State.CATCHING_UP, State.TRAINING),
+    ]
     assert all(t.reason for t in lc.history)
 
 

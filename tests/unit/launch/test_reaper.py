@@ -16,8 +16,10 @@ from unbroken.launch import reaper, workers
 
 # The worker starts a child in a process group of its own (as a job-control shell or a daemonising
 # library would): a kill of the worker's group alone misses it.
-WORKER = ("import subprocess, sys, time; p = subprocess.Popen(['sleep', '600'], process_group=0); "
-          "print(p.pid, flush=True); time.sleep(600)")
+WORKER = (
+    "import subprocess, sys, time; p = subprocess.Popen(['sleep', '600'], process_group=0); "
+    "print(p.pid, flush=True); time.sleep(600)"
+)
 
 
 def state(pid: int) -> str | None:

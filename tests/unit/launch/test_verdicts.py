@@ -6,13 +6,23 @@ from unbroken.launch.verdicts import rollback_step, verdict_action
 
 
 def v(cls: str, replica: int | None = 1, link: list[int] | None = None, **evidence: object) -> dict:
-    return {"class": cls, "culprit": {"replica": replica, "rank": 0, "node": None, "link": link},
-            "confidence": 0.9, "evidence": dict(evidence)}
+    return {
+        "class": cls,
+        "culprit": {"replica": replica, "rank": 0, "node": None, "link": link},
+        "confidence": 0.9,
+        "evidence": dict(evidence),
+    }
 
 
-@pytest.mark.parametrize(("cls", "action"), [
-    ("noncomm_hang", "restart"), ("comm_hang", "restart"), ("straggler", "isolate"), ("comm_slow", "isolate"),
-])
+@pytest.mark.parametrize(
+    ("cls", "action"),
+    [
+        ("noncomm_hang", "restart"),
+        ("comm_hang", "restart"),
+        ("straggler", "isolate"),
+        ("comm_slow", "isolate"),
+    ],
+)
 def test_each_class_has_its_remedy(cls: str, action: str) -> None:
     assert verdict_action(v(cls), "isolate")[0] == action
 

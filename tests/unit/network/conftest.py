@@ -16,5 +16,4 @@ def fabric() -> Topology:
 
 @pytest.fixture
 def scattered_jobs() -> list[Job]:
-    return [Job("a", (0, 5, 2, 7), tp=8, dp_bytes=1e9, qps=1),
-            Job("b", (1, 4, 3, 6), tp=4, dp_bytes=1e9, qps=2)]
+    return [Job("a", (0, 5, 2, 7), tp=8, dp_bytes=1e9, qps=1), Job("b", (1, 4, 3, 6), tp=4, dp_bytes=1e9, qps=2)]

@@ -13,9 +13,21 @@ EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "network"
 
 
 def _plan(tmp_path: Path, *extra: str):
-    return CliRunner().invoke(main, [
-        "plan", "--topology", str(EXAMPLES / "fabric.yaml"), "--jobs", str(EXAMPLES / "jobs.yaml"),
-        "--out", str(tmp_path / "a.json"), "--adapter", str(tmp_path / "s.json"), *extra])
+    return CliRunner().invoke(
+        main,
+        [
+            "plan",
+            "--topology",
+            str(EXAMPLES / "fabric.yaml"),
+            "--jobs",
+            str(EXAMPLES / "jobs.yaml"),
+            "--out",
+            str(tmp_path / "a.json"),
+            "--adapter",
+            str(tmp_path / "s.json"),
+            *extra,
+        ],
+    )
 
 
 def test_plan_prints_table_and_writes_assignment_and_settings(tmp_path: Path) -> None:
@@ -40,16 +52,24 @@ def test_bad_failure_is_a_usage_error(tmp_path: Path) -> None:
 
 def test_bench_planner_json_fields(tmp_path: Path) -> None:
     out = tmp_path / "b.json"
-    result = CliRunner().invoke(main, ["bench", "planner", "--json", "--only", "gpu64-2job-2port",
-                                       "--out", str(out)])
+    result = CliRunner().invoke(main, ["bench", "planner", "--json", "--only", "gpu64-2job-2port", "--out", str(out)])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data == json.loads(out.read_text())
     names = [s["name"] for s in data["scenarios"]]
     assert names == ["gpu64-2job-2port", "gpu64-2job-2port-linkfail"]
     for s in data["scenarios"]:
-        assert {"name", "gpus", "jobs", "failure", "ecmp_time_s", "planner_time_s", "ideal_time_s",
-                "exact_time_s", "plan_s"} <= set(s)
+        assert {
+            "name",
+            "gpus",
+            "jobs",
+            "failure",
+            "ecmp_time_s",
+            "planner_time_s",
+            "ideal_time_s",
+            "exact_time_s",
+            "plan_s",
+        } <= set(s)
         assert s["gpus"] == 64 and s["jobs"] == 2
         assert s["exact_time_s"] <= s["planner_time_s"] * (1 + 1e-6)
     assert data["scenarios"][1]["failure"] is True

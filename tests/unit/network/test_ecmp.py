@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from unbroken.network.ecmp import (device_seeds, ecmp_routing, flow_hash, hashed_rows, sport_for_row,
-                                   spray_weights)
+from unbroken.network.ecmp import device_seeds, ecmp_routing, flow_hash, hashed_rows, sport_for_row, spray_weights
 from unbroken.network.paths import candidate_paths
 from unbroken.network.topology import Topology, rail_optimized
 from unbroken.network.traffic import Job, build_traffic
@@ -38,7 +37,7 @@ def test_ecmp_is_seeded_and_splits_bytes_over_qps(fabric: Topology, scattered_jo
     seeds = device_seeds(fabric)
     r1, rows1 = ecmp_routing(cands, tr, seeds, None, np.random.default_rng(5))
     r2, rows2 = ecmp_routing(cands, tr, seeds, None, np.random.default_rng(5))
-    assert all(np.array_equal(a, b) for a, b in zip(rows1, rows2))
+    assert all(np.array_equal(a, b) for a, b in zip(rows1, rows2, strict=False))
     assert [len(r) for r in rows1] == [j.qps for j in (scattered_jobs[k] for k in tr.job)]
     # each connection's fractions on its first hop add up to one
     for c in range(len(tr)):

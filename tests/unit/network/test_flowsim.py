@@ -58,11 +58,10 @@ def test_max_min_properties(net) -> None:
     rates = max_min_rates(routing, cap)
     a = routing.matrix.toarray()
     used = a @ rates
-    assert np.all(used <= cap * (1 + 1e-7))                       # no link over capacity
+    assert np.all(used <= cap * (1 + 1e-7))  # no link over capacity
     saturated = used >= cap * (1 - 1e-7)
     for f in range(a.shape[1]):
         # a flow can only grow by shrinking one no faster than itself: it has a full link on
         # which no other flow is faster
         on = np.flatnonzero((a[:, f] > 0) & saturated)
         assert any(rates[f] >= rates[a[e] > 0].max() * (1 - 1e-7) for e in on), (f, rates)
-

@@ -67,24 +67,32 @@ def test_local_reweight_moves_only_affected_connections(fabric: Topology, scatte
     before = plan(fabric, scattered_jobs)
     rows_before, _ = before.choices()
     # fail a link that the plan actually uses
-    used = {int(l) for c, r in zip(before.unit_conn, before.unit_row)
-            for l in before.cands.paths[c][r] if l != before.cands.pad}
-    link = next(l for l in sorted(used) if fabric.links[l][0].startswith("leaf")
-                and fabric.links[l][1].startswith("spine"))
+    used = {
+        int(link_id)
+        for c, r in zip(before.unit_conn, before.unit_row, strict=False)
+        for link_id in before.cands.paths[c][r]
+        if link_id != before.cands.pad
+    }
+    link = next(
+        i for i in sorted(used) if fabric.links[i][0].startswith("leaf") and fabric.links[i][1].startswith("spine")
+    )
     a, b = fabric.links[link]
     failed = fabric.with_failures([f"{a}:{b}"])
     local = replan_local(before, failed)
     full = plan(failed, scattered_jobs)
     dead = {i for i, s in enumerate(failed.state) if s == DOWN}
     for p in (local, full):
-        for c, r in zip(p.unit_conn, p.unit_row):
+        for c, r in zip(p.unit_conn, p.unit_row, strict=False):
             assert not dead & set(p.cands.paths[c][r].tolist())
     cap = failed.capacity_bytes()
     t_local = max(phase_times(local.routing(), local.traffic.nbytes, local.traffic.job, cap).values())
     t_full = max(phase_times(full.routing(), full.traffic.nbytes, full.traffic.job, cap).values())
     assert np.isfinite(t_local) and t_full <= t_local * (1 + 1e-9)
-    unaffected = [c for c in range(len(rows_before))
-                  if not any(dead & set(before.cands.paths[c][r].tolist()) for r in rows_before[c])]
+    unaffected = [
+        c
+        for c in range(len(rows_before))
+        if not any(dead & set(before.cands.paths[c][r].tolist()) for r in rows_before[c])
+    ]
     assert unaffected
     rows_local, _ = local.choices()
     for c in unaffected:
@@ -104,8 +112,9 @@ def test_adapter_source_ports_reproduce_the_plan(fabric: Topology, scattered_job
         if e.get("nvlink"):
             continue
         sports = np.array([q["sport"] for q in e["qps"]])
-        landed = set(hashed_rows(p.cands.paths[c], int(p.traffic.src[c]), int(p.traffic.dst[c]),
-                                 sports, seeds).tolist())
+        landed = set(
+            hashed_rows(p.cands.paths[c], int(p.traffic.src[c]), int(p.traffic.dst[c]), sports, seeds).tolist()
+        )
         assert landed == set(rows[c].tolist())
     rings = settings["jobs"]["a"]["rings"]
     assert len(rings) == 8 and sorted(rings[0]) == [0, 8, 16, 24]

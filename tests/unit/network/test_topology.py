@@ -12,10 +12,10 @@ from unbroken.network.topology import DOWN, Topology, from_description, load_top
 def test_generator_paths_match_the_fabric_shape() -> None:
     topo = rail_optimized(64, ports=2, hosts_per_leaf=4, leaves_per_pod=4, spines=3, core_per_spine=2)
     assert topo.n_gpus == 512
-    assert len(topo.gpu_paths(0, 1)) == 1                      # NVLink inside a host
-    assert len(topo.gpu_paths(0, 8)) == 2                      # same leaf, one per plane
-    assert len(topo.gpu_paths(0, 8 * 4)) == 2 * 3              # other leaf, same pod: spines
-    assert len(topo.gpu_paths(0, 8 * 16)) == 2 * 3 * 2         # other pod: spines x cores
+    assert len(topo.gpu_paths(0, 1)) == 1  # NVLink inside a host
+    assert len(topo.gpu_paths(0, 8)) == 2  # same leaf, one per plane
+    assert len(topo.gpu_paths(0, 8 * 4)) == 2 * 3  # other leaf, same pod: spines
+    assert len(topo.gpu_paths(0, 8 * 16)) == 2 * 3 * 2  # other pod: spines x cores
     # a cross-rail pair goes up to a spine even inside one block
     assert all(len(p) == 5 for p in topo.gpu_paths(0, 9))
 
@@ -42,27 +42,42 @@ def test_failures_remove_paths_and_degrade_capacity() -> None:
 
 
 def test_explicit_description_from_json(tmp_path) -> None:
-    desc = {"hosts": [{"name": "a", "gpus": 1}, {"name": "b", "gpus": 1}],
-            "switches": [{"name": "l0", "tier": 1}, {"name": "l1", "tier": 1},
-                         {"name": "s0", "tier": 2}, {"name": "s1", "tier": 2}],
-            "links": [["a.g0.p0", "l0"], ["b.g0.p0", "l1"], ["l0", "s0", 100], ["l0", "s1", 100],
-                      ["l1", "s0", 100], ["l1", "s1", 100]]}
+    desc = {
+        "hosts": [{"name": "a", "gpus": 1}, {"name": "b", "gpus": 1}],
+        "switches": [
+            {"name": "l0", "tier": 1},
+            {"name": "l1", "tier": 1},
+            {"name": "s0", "tier": 2},
+            {"name": "s1", "tier": 2},
+        ],
+        "links": [
+            ["a.g0.p0", "l0"],
+            ["b.g0.p0", "l1"],
+            ["l0", "s0", 100],
+            ["l0", "s1", 100],
+            ["l1", "s0", 100],
+            ["l1", "s1", 100],
+        ],
+    }
     path = tmp_path / "t.json"
     path.write_text(json.dumps(desc))
     topo = load_topology(path)
     assert topo.n_gpus == 2 and len(topo.gpu_paths(0, 1)) == 2
 
 
-@pytest.mark.parametrize("desc, message", [
-    ({"generator": "torus"}, "unknown topology generator"),
-    ({"generator": "rail_optimized", "hosts": 4, "bogus": 1}, "rail_optimized"),
-    ({"generator": "rail_optimized", "hosts": 0}, "hosts must be >= 1"),
-    ({"hosts": []}, "lacks"),
-    ({"hosts": [{"name": "a"}], "switches": [{"name": "x", "tier": 5}], "links": []}, "tier"),
-    ({"hosts": [{"name": "a"}], "switches": [], "links": [["a.g0.p0", "nowhere"]]}, "unknown node"),
-    ({"generator": "rail_optimized", "hosts": 2, "failures": ["nowhere"]}, "give a switch name"),
-    ({"generator": "rail_optimized", "hosts": 2, "failures": ["h0.g0.p0:leaf.p0.b0.r0@2"]}, "in \\(0, 1\\)"),
-])
+@pytest.mark.parametrize(
+    "desc, message",
+    [
+        ({"generator": "torus"}, "unknown topology generator"),
+        ({"generator": "rail_optimized", "hosts": 4, "bogus": 1}, "rail_optimized"),
+        ({"generator": "rail_optimized", "hosts": 0}, "hosts must be >= 1"),
+        ({"hosts": []}, "lacks"),
+        ({"hosts": [{"name": "a"}], "switches": [{"name": "x", "tier": 5}], "links": []}, "tier"),
+        ({"hosts": [{"name": "a"}], "switches": [], "links": [["a.g0.p0", "nowhere"]]}, "unknown node"),
+        ({"generator": "rail_optimized", "hosts": 2, "failures": ["nowhere"]}, "give a switch name"),
+        ({"generator": "rail_optimized", "hosts": 2, "failures": ["h0.g0.p0:leaf.p0.b0.r0@2"]}, "in \\(0, 1\\)"),
+    ],
+)
 def test_bad_descriptions_say_what_to_fix(desc: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         from_description(desc)

@@ -9,8 +9,17 @@ from unbroken.observe.status import status_rows
 
 
 def _rows(replica: int, steps: range, t0: float, step_s: float, committed: bool = True) -> list[dict]:
-    return [{"replica": replica, "step": s, "t": t0 + (i + 1) * step_s, "step_s": step_s, "committed": committed,
-             "loss": 1.0} for i, s in enumerate(steps)]
+    return [
+        {
+            "replica": replica,
+            "step": s,
+            "t": t0 + (i + 1) * step_s,
+            "step_s": step_s,
+            "committed": committed,
+            "loss": 1.0,
+        }
+        for i, s in enumerate(steps)
+    ]
 
 
 def test_a_fault_free_run_has_full_goodput() -> None:
@@ -45,11 +54,19 @@ def test_a_crashed_replica_costs_detection_and_recovery() -> None:
 
 
 def test_status_rows_join_the_coordinator_and_the_events() -> None:
-    status = {"epoch": 4, "members": [0, 1], "replicas": {"0": {"step": 7, "node": "a", "compute_s": 0.2},
-                                                          "1": {"step": 7, "node": "b"}}}
-    events = [{"kind": "replica_state", "replica": 1, "new": "catching_up", "reason": "joined behind"},
-              {"kind": "replica_state", "replica": 2, "new": "failed", "reason": "exit -9"}]
+    status = {
+        "epoch": 4,
+        "members": [0, 1],
+        "replicas": {"0": {"step": 7, "node": "a", "compute_s": 0.2}, "1": {"step": 7, "node": "b"}},
+    }
+    events = [
+        {"kind": "replica_state", "replica": 1, "new": "catching_up", "reason": "joined behind"},
+        {"kind": "replica_state", "replica": 2, "new": "failed", "reason": "exit -9"},
+    ]
     rows = status_rows(status, events)
     assert [(r["replica"], r["state"], r["epoch"], r["step"]) for r in rows] == [
-        (0, "member", 4, 7), (1, "catching_up", 4, 7), (2, "failed", None, None)]
+        (0, "member", 4, 7),
+        (1, "catching_up", 4, 7),
+        (2, "failed", None, None),
+    ]
     assert rows[2]["last_event"] == "failed: exit -9"

@@ -56,8 +56,9 @@ def test_replica_level_loss_is_stall_plus_one_replica_share() -> None:
 
 def test_no_failures_leaves_only_checkpoint_and_steady_costs() -> None:
     cluster = Cluster(gpus=64, node_failure_rate_per_h=0.0)
-    policy = Policy("sync", False, {"restart": 600.0}, checkpoint_interval_s=90.0,
-                    checkpoint_stall_s=10.0, steady_overhead=0.25)
+    policy = Policy(
+        "sync", False, {"restart": 600.0}, checkpoint_interval_s=90.0, checkpoint_stall_s=10.0, steady_overhead=0.25
+    )
     assert closed_form(cluster, policy).ettr == pytest.approx(0.9 / 1.25)
 
 

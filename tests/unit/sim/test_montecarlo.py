@@ -36,8 +36,15 @@ def test_replica_level_closed_form_lies_in_the_confidence_interval() -> None:
 
 def test_breakdown_and_ettr_account_for_all_time() -> None:
     cluster = Cluster.from_job_mtbf(100_000, 18 * 60, replicas=12, min_replicas=11, spare_nodes=1, repair_h=1.0)
-    policy = Policy("ft", True, {"stall": 180.0}, {"restart": 420.0}, checkpoint_stall_s=1.0,
-                    checkpoint_interval_s=600.0, steady_overhead=0.01)
+    policy = Policy(
+        "ft",
+        True,
+        {"stall": 180.0},
+        {"restart": 420.0},
+        checkpoint_stall_s=1.0,
+        checkpoint_interval_s=600.0,
+        steady_overhead=0.01,
+    )
     sim = simulate(cluster, policy, years=0.2, runs=3, seed=3)
     assert sim.ettr + sum(sim.lost.values()) == pytest.approx(1.0, abs=1e-9)
     assert sim.lost["quorum_loss"] > 0 and sim.lost["spare_wait"] > 0
@@ -53,7 +60,10 @@ def test_spare_exhaustion_costs_goodput() -> None:
 def test_same_seed_same_answer_and_bad_arguments() -> None:
     cluster = Cluster.from_job_mtbf(1024, 3600)
     policy = Policy("s", False, {"restart": 60.0})
-    assert simulate(cluster, policy, years=0.1, runs=2, seed=7).ettr == simulate(cluster, policy, years=0.1, runs=2, seed=7).ettr
+    assert (
+        simulate(cluster, policy, years=0.1, runs=2, seed=7).ettr
+        == simulate(cluster, policy, years=0.1, runs=2, seed=7).ettr
+    )
     with pytest.raises(ValueError, match="runs must be at least 2"):
         simulate(cluster, policy, runs=1)
     with pytest.raises(ValueError, match="years must be greater than 0"):

@@ -12,7 +12,6 @@ from unbroken.cli import main
 from unbroken.sim.model import HOUR, closed_form
 from unbroken.sim.presets import BUILDERS, load_preset
 
-
 # Each check names the published figure and the tolerance it is held to; sources are cited in
 # unbroken/sim/presets.py.
 
@@ -77,8 +76,7 @@ def _run(*args: str) -> tuple[int, str]:
 
 
 def test_json_output_has_the_documented_fields(tmp_path: Path) -> None:
-    code, out = _run("--preset", "ft-hsdp", "--json", "--years", "0.05", "--runs", "2",
-                     "--bench-dir", str(tmp_path))
+    code, out = _run("--preset", "ft-hsdp", "--json", "--years", "0.05", "--runs", "2", "--bench-dir", str(tmp_path))
     assert code == 0, out
     data = json.loads(out)
     assert data["preset"] == "ft-hsdp" and data["gpus"] == 100_000
@@ -91,8 +89,9 @@ def test_json_output_has_the_documented_fields(tmp_path: Path) -> None:
 
 def test_plot_is_written(tmp_path: Path) -> None:
     target = tmp_path / "ettr.png"
-    code, out = _run("--preset", "llama3", "--years", "0.05", "--runs", "2", "--plot", str(target),
-                     "--bench-dir", str(tmp_path))
+    code, out = _run(
+        "--preset", "llama3", "--years", "0.05", "--runs", "2", "--plot", str(target), "--bench-dir", str(tmp_path)
+    )
     assert code == 0, out
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -10,16 +10,29 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from unbroken.control.quorum import QuorumDecision
-from unbroken.train.data import (CONSTANT_GLOBAL_BATCH, SKIP, SampleAccount, contributing_of, plan_step, rank_plan,
-                                 slot_samples)
+from unbroken.train.data import (
+    CONSTANT_GLOBAL_BATCH,
+    SKIP,
+    SampleAccount,
+    contributing_of,
+    plan_step,
+    rank_plan,
+    slot_samples,
+)
 
 
-def step_ids(step: int, replicas: int, contributing: list[int], policy: str, per_replica: int,
-             world_size: int) -> list[int]:
+def step_ids(
+    step: int, replicas: int, contributing: list[int], policy: str, per_replica: int, world_size: int
+) -> list[int]:
     """Every sample id any rank of any replica trains at ``step``."""
     plan = plan_step(step, replicas, contributing, policy)
-    return [i for c in plan.slots for k in range(world_size)
-            for mb in rank_plan(plan, c, k, world_size, replicas, per_replica).micro_batches for i in mb]
+    return [
+        i
+        for c in plan.slots
+        for k in range(world_size)
+        for mb in rank_plan(plan, c, k, world_size, replicas, per_replica).micro_batches
+        for i in mb
+    ]
 
 
 def test_fault_free_run_reads_the_samples_in_order() -> None:
@@ -29,12 +42,15 @@ def test_fault_free_run_reads_the_samples_in_order() -> None:
 
 
 @given(replicas=st.integers(1, 6), step=st.integers(0, 1000), data=st.data(), world=st.sampled_from([1, 2, 4]))
-def test_constant_global_batch_trains_every_sample_of_the_step_exactly_once(replicas: int, step: int,
-                                                                            data: st.DataObject, world: int) -> None:
+def test_constant_global_batch_trains_every_sample_of_the_step_exactly_once(
+    replicas: int, step: int, data: st.DataObject, world: int
+) -> None:
     contributing = data.draw(st.lists(st.integers(0, replicas + 1), min_size=1, unique=True))
     ids = step_ids(step, replicas, contributing, CONSTANT_GLOBAL_BATCH, 4 * world, world)
     fault_free = step_ids(step, replicas, list(range(replicas)), CONSTANT_GLOBAL_BATCH, 4 * world, world)
-    assert sorted(ids) == sorted(fault_free) == list(range(step * replicas * 4 * world, (step + 1) * replicas * 4 * world))
+    assert (
+        sorted(ids) == sorted(fault_free) == list(range(step * replicas * 4 * world, (step + 1) * replicas * 4 * world))
+    )
 
 
 def test_missing_replicas_slots_are_taken_over_round_robin() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from unbroken.comm.process_group import PendingSum
-from unbroken.train.ddp import _buckets
+from unbroken.train.ddp import DistributedDataParallel, _buckets
 from unbroken.train.overlap import busy_seconds
 
 
@@ -25,3 +25,19 @@ def test_busy_seconds_counts_overlapping_sums_once() -> None:
 
     # Two sums queued behind each other, then one after a gap; an unfinished one counts nothing.
     assert busy_seconds([sum_(0.0, 1.0), sum_(0.5, 1.5), sum_(3.0, 3.25), sum_(4.0, None)]) == 1.75
+
+
+class _NoExchange:
+    """The one call the wrapper's constructor makes on its manager."""
+
+    def expect_gradients(self, numel: int) -> None:
+        pass
+
+
+def test_the_wrapper_is_a_module_whose_state_dict_buffers_and_to_work() -> None:
+    """Its bucket storage must not shadow ``nn.Module._buffers`` (state_dict and .to() read it)."""
+    inner = torch.nn.BatchNorm1d(3)
+    model = DistributedDataParallel(inner, _NoExchange())  # type: ignore[arg-type]
+    assert list(model.state_dict()) == [f"module.{k}" for k in inner.state_dict()]
+    assert len(list(model.buffers())) == len(list(inner.buffers()))
+    assert model.to(torch.float64).module.weight.dtype == torch.float64

@@ -32,7 +32,7 @@ def test_the_data_follows_a_sparse_chain() -> None:
     c = data.corpus.reshape(256, -1)  # independent chains
     successors = {int(x): set() for x in range(64)}
     for row in c:
-        for x, y in zip(row[:-1].tolist(), row[1:].tolist()):
+        for x, y in zip(row[:-1].tolist(), row[1:].tolist(), strict=False):
             successors[x].add(y)
     assert max(len(s) for s in successors.values()) <= 4  # learnable: the loss can fall towards ln(4)
 

@@ -42,8 +42,13 @@ def test_stack_signal_is_configurable() -> None:
 
 def run_python(code: str) -> subprocess.CompletedProcess[str]:
     root = Path(__file__).resolve().parents[3]
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=60, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+    )
 
 
 def test_the_stack_dump_chains_to_the_programs_own_handler(tmp_path: Path) -> None:

@@ -46,8 +46,9 @@ class FakeManager:
         self.step += 1
 
 
-def setup(commit: bool = True, lr_scale: float = 1.0, lr: float = 0.1) -> tuple[torch.nn.Linear, torch.optim.AdamW,
-                                                                               Optimizer, FakeManager]:
+def setup(
+    commit: bool = True, lr_scale: float = 1.0, lr: float = 0.1
+) -> tuple[torch.nn.Linear, torch.optim.AdamW, Optimizer, FakeManager]:
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 4)
     inner = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -84,7 +85,7 @@ def test_a_committed_step_is_the_wrapped_optimizers_step() -> None:
         backward(reference, seed)
         ref_opt.step()
     assert manager.calls == ["start_step", "sync_gradients", "commit"] * 3
-    for p, q in zip(model.parameters(), reference.parameters()):
+    for p, q in zip(model.parameters(), reference.parameters(), strict=False):
         assert torch.equal(p, q)
 
 
@@ -107,7 +108,7 @@ def test_a_step_that_fails_its_exchange_changes_nothing() -> None:
     assert manager.calls == ["start_step", "sync_gradients"]
     assert manager.last_step_committed is False
     assert not inner.state, "the wrapped optimizer stepped"
-    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=False))
 
 
 def test_a_parameter_without_a_gradient_is_exchanged_as_zeros() -> None:
@@ -131,14 +132,20 @@ def test_the_learning_rate_is_scaled_for_the_step_and_restored() -> None:
     assert inner.param_groups[0]["lr"] == 0.1
 
 
-@pytest.mark.parametrize("make", [
-    lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / 4)),
-    lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=5),
-    lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.5, total_steps=10),
-    lambda o: torch.optim.lr_scheduler.SequentialLR(
-        o, [torch.optim.lr_scheduler.LinearLR(o, 0.1, total_iters=2),
-            torch.optim.lr_scheduler.ExponentialLR(o, 0.9)], milestones=[2]),
-], ids=["LambdaLR", "CosineAnnealingLR", "OneCycleLR", "SequentialLR"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / 4)),
+        lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=5),
+        lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.5, total_steps=10),
+        lambda o: torch.optim.lr_scheduler.SequentialLR(
+            o,
+            [torch.optim.lr_scheduler.LinearLR(o, 0.1, total_iters=2), torch.optim.lr_scheduler.ExponentialLR(o, 0.9)],
+            milestones=[2],
+        ),
+    ],
+    ids=["LambdaLR", "CosineAnnealingLR", "OneCycleLR", "SequentialLR"],
+)
 def test_schedulers_drive_the_wrapped_optimizers_learning_rate(make: Any) -> None:
     model, inner, opt, _ = setup()
     reference = copy.deepcopy(model)
@@ -155,7 +162,7 @@ def test_schedulers_drive_the_wrapped_optimizers_learning_rate(make: Any) -> Non
         ref_sched.step()
         assert inner.param_groups[0]["lr"] == pytest.approx(ref_opt.param_groups[0]["lr"])
         assert sched.get_last_lr() == pytest.approx(ref_sched.get_last_lr())
-    for p, q in zip(model.parameters(), reference.parameters()):
+    for p, q in zip(model.parameters(), reference.parameters(), strict=False):
         assert torch.equal(p, q)
 
 

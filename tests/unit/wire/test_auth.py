@@ -48,8 +48,9 @@ def _both(server: Callable[[socket.socket], Any], client: Callable[[socket.socke
 
 def test_a_shared_secret_authenticates_both_sides_and_their_messages() -> None:
     secret = JobSecret.generate()
-    s, c = _both(lambda x: server_handshake(x, secret, "coordinator"),
-                 lambda x: client_handshake(x, secret, "coordinator"))
+    s, c = _both(
+        lambda x: server_handshake(x, secret, "coordinator"), lambda x: client_handshake(x, secret, "coordinator")
+    )
     assert isinstance(s, Session) and isinstance(c, Session)
     for payload in (b'{"op":"hello"}', b'{"op":"quorum","step":3}'):
         assert s.open_line(c.seal_line(payload)) == payload
@@ -57,34 +58,41 @@ def test_a_shared_secret_authenticates_both_sides_and_their_messages() -> None:
 
 
 def test_a_client_without_the_secret_is_refused_and_learns_nothing() -> None:
-    s, c = _both(lambda x: server_handshake(x, JobSecret.generate(), "coordinator"),
-                 lambda x: client_handshake(x, JobSecret.generate(), "coordinator"))
+    s, c = _both(
+        lambda x: server_handshake(x, JobSecret.generate(), "coordinator"),
+        lambda x: client_handshake(x, JobSecret.generate(), "coordinator"),
+    )
     assert isinstance(s, AuthError)
     assert isinstance(c, AuthError)  # the server hung up instead of proving itself
 
 
 def test_a_handshake_for_one_listener_does_not_open_another() -> None:
     secret = JobSecret.generate()
-    s, c = _both(lambda x: server_handshake(x, secret, "transfer"),
-                 lambda x: client_handshake(x, secret, "coordinator"))
+    s, c = _both(
+        lambda x: server_handshake(x, secret, "transfer"), lambda x: client_handshake(x, secret, "coordinator")
+    )
     assert isinstance(s, AuthError) and isinstance(c, AuthError)
 
 
 def test_a_silent_client_times_out() -> None:
     secret = JobSecret.generate()
-    s, _ = _both(lambda x: server_handshake(x, secret, "coordinator", timeout_s=0.2), lambda x: (x.recv(100), time.sleep(1.0)))
+    s, _ = _both(
+        lambda x: server_handshake(x, secret, "coordinator", timeout_s=0.2), lambda x: (x.recv(100), time.sleep(1.0))
+    )
     assert isinstance(s, AuthError) and "did not authenticate" in str(s)
 
 
 def test_forged_replayed_reordered_and_reflected_messages_fail() -> None:
     secret = JobSecret.generate()
-    s, c = _both(lambda x: server_handshake(x, secret, "coordinator"),
-                 lambda x: client_handshake(x, secret, "coordinator"))
+    s, c = _both(
+        lambda x: server_handshake(x, secret, "coordinator"), lambda x: client_handshake(x, secret, "coordinator")
+    )
     first, second = c.seal_line(b'{"n":1}'), c.seal_line(b'{"n":2}')
     with pytest.raises(AuthError):
         s.open_line(second)  # reordered: sealed as message 1, read as message 0
-    s2, c2 = _both(lambda x: server_handshake(x, secret, "coordinator"),
-                   lambda x: client_handshake(x, secret, "coordinator"))
+    s2, c2 = _both(
+        lambda x: server_handshake(x, secret, "coordinator"), lambda x: client_handshake(x, secret, "coordinator")
+    )
     with pytest.raises(AuthError):
         s2.open_line(first)  # replayed from another connection
     line = c2.seal_line(b'{"step":1}')

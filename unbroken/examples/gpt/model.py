@@ -19,6 +19,8 @@ class GPTConfig:
 
 
 class Block(nn.Module):
+    mask: torch.Tensor  # a buffer
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd)

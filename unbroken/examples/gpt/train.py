@@ -28,10 +28,18 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--checkpoint-every", type=int, default=10,
-                    help="Steps between checkpoints, when the job has a checkpoint directory (0: none).")
-    ap.add_argument("--pace-s", type=float, default=0.0,
-                    help="Make each step last at least this long, as a larger model would (tests and demos).")
+    ap.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=10,
+        help="Steps between checkpoints, when the job has a checkpoint directory (0: none).",
+    )
+    ap.add_argument(
+        "--pace-s",
+        type=float,
+        default=0.0,
+        help="Make each step last at least this long, as a larger model would (tests and demos).",
+    )
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)  # every replica starts from the same weights
@@ -54,8 +62,15 @@ def main() -> None:
             checkpointer.close()  # waits for the last checkpoint to reach the disk
 
 
-def train(args: argparse.Namespace, model: GPT, corpus: torch.Tensor, cfg: GPTConfig, optimizer: unbroken.Optimizer,
-          manager: unbroken.Manager, checkpointer: unbroken.Checkpointer | None) -> None:
+def train(
+    args: argparse.Namespace,
+    model: GPT,
+    corpus: torch.Tensor,
+    cfg: GPTConfig,
+    optimizer: unbroken.Optimizer,
+    manager: unbroken.Manager,
+    checkpointer: unbroken.Checkpointer | None,
+) -> None:
     cfg_r = manager.config
     run_dir = Path(cfg_r.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -78,16 +93,27 @@ def train(args: argparse.Namespace, model: GPT, corpus: torch.Tensor, cfg: GPTCo
         if args.pace_s > 0:
             time.sleep(max(0.0, args.pace_s - (time.perf_counter() - t0)))
         d = manager.decision
-        metrics.write(json.dumps({
-            "t": time.time(), "replica": cfg_r.replica_id, "step": manager.step - 1 if committed else step,
-            "loss": reported,
-            "committed": committed, "epoch": d.epoch if d else None,
-            "members": list(d.members) if d else [], "contributing": manager.contributing,
-            "recovered": cfg_r.replica_id in (d.behind if d else ()), "step_s": time.perf_counter() - t0,
-            "pid": os.getpid(),
-        }) + "\n")
+        metrics.write(
+            json.dumps(
+                {
+                    "t": time.time(),
+                    "replica": cfg_r.replica_id,
+                    "step": manager.step - 1 if committed else step,
+                    "loss": reported,
+                    "committed": committed,
+                    "epoch": d.epoch if d else None,
+                    "members": list(d.members) if d else [],
+                    "contributing": manager.contributing,
+                    "recovered": cfg_r.replica_id in (d.behind if d else ()),
+                    "step_s": time.perf_counter() - t0,
+                    "pid": os.getpid(),
+                }
+            )
+            + "\n"
+        )
     final = {"model": model.state_dict(), "optim": optimizer.state_dict(), "rng": torch.get_rng_state()}
     torch.save(final | {"step": manager.step}, run_dir / f"final-r{cfg_r.replica_id}.pt")
+
 
 if __name__ == "__main__":
     main()

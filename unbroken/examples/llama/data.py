@@ -20,7 +20,9 @@ class MarkovTokens:
 
     def __init__(self, vocab_size: int, seq_len: int, corpus_tokens: int = 1 << 18, seed: int = 1234) -> None:
         if seq_len < 2 or corpus_tokens <= seq_len * 2:
-            raise ValueError(f"need 2 <= seq_len <= corpus_tokens / 2, got seq_len={seq_len}, corpus_tokens={corpus_tokens}")
+            raise ValueError(
+                f"need 2 <= seq_len <= corpus_tokens / 2, got seq_len={seq_len}, corpus_tokens={corpus_tokens}"
+            )
         self.seq_len = seq_len
         g = torch.Generator().manual_seed(seed)
         succ = torch.randint(vocab_size, (vocab_size, SUCCESSORS), generator=g)

@@ -35,15 +35,20 @@ def _transformers() -> Any:
     return transformers
 
 
-def build_model(size: LlamaSize = LlamaSize(), seed: int = 0) -> torch.nn.Module:
+def build_model(size: LlamaSize | None = None, seed: int = 0) -> torch.nn.Module:
     """The model with weights drawn from ``seed`` (every replica draws the same ones)."""
+    size = LlamaSize() if size is None else size
     t = _transformers()
-    config = t.LlamaConfig(**dataclasses.asdict(size), tie_word_embeddings=False, attn_implementation="sdpa",
-                           use_cache=False)
+    config = t.LlamaConfig(
+        **dataclasses.asdict(size), tie_word_embeddings=False, attn_implementation="sdpa", use_cache=False
+    )
     torch.manual_seed(seed)
     return t.LlamaForCausalLM(config)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer blocks, each its own FSDP2 unit (as torchtitan shards a Llama)."""
-    return list(model.model.layers)  # type: ignore[union-attr]
+    layers = model.get_submodule("model.layers")
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise TypeError(f"a Llama's model.layers is a ModuleList, got {type(layers).__name__}")
+    return list(layers)

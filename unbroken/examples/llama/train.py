@@ -66,21 +66,33 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--bf16", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--checkpoint-every", type=int, default=10,
-                    help="Steps between unbroken checkpoints, when the job has a checkpoint directory.")
+    ap.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=10,
+        help="Steps between unbroken checkpoints, when the job has a checkpoint directory.",
+    )
     ap.add_argument("--dcp-dir", type=Path, default=None, help="Also save plain DCP checkpoints here (DCPWriter).")
     ap.add_argument("--dcp-every", type=int, default=10)
     ap.add_argument("--init-dcp", type=Path, default=None, help="Start from the model weights of this DCP checkpoint.")
-    ap.add_argument("--deadline-floor-s", type=float, default=1.5,
-                    help="The least time an all-reduce may take before its peer is presumed hung.")
+    ap.add_argument(
+        "--deadline-floor-s",
+        type=float,
+        default=1.5,
+        help="The least time an all-reduce may take before its peer is presumed hung.",
+    )
     ap.add_argument("--save-final", action="store_true", help="Tests: every rank saves its final shards.")
     ap.add_argument("--pace-s", type=float, default=0.0, help="Make each step last at least this long (tests).")
     ap.add_argument("--log-name", default="metrics", help="Per-step records go to {run_dir}/{name}-r{R}.jsonl.")
     ap.add_argument("--plain", action="store_true", help="A plain torch.distributed job (torchrun), no unbroken.")
     ap.add_argument("--ranks-per-replica", type=int, default=0, help="With --plain: ranks per replica (default all).")
     ap.add_argument("--run-dir", type=Path, default=None, help="With --plain: where records go (default .).")
-    ap.add_argument("--fault-step", type=int, default=-1,
-                    help="Tests: rank 1 of replica 1 kill -9s itself inside its all-reduce hook at this step (once).")
+    ap.add_argument(
+        "--fault-step",
+        type=int,
+        default=-1,
+        help="Tests: rank 1 of replica 1 kill -9s itself inside its all-reduce hook at this step (once).",
+    )
     args = ap.parse_args(argv)
     if args.steps < 0 or args.samples_per_replica < 1 or args.warmup < 0:
         ap.error("--steps and --warmup must be >= 0 and --samples-per-replica >= 1")
@@ -141,8 +153,14 @@ def state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> st
     return h.hexdigest()
 
 
-def forward_backward(model: torch.nn.Module, data: MarkovTokens, micro_batches: Sequence[Sequence[int]],
-                     loss_scale: float, device: torch.device, bf16: bool) -> float | None:
+def forward_backward(
+    model: torch.nn.Module,
+    data: MarkovTokens,
+    micro_batches: Sequence[Sequence[int]],
+    loss_scale: float,
+    device: torch.device,
+    bf16: bool,
+) -> float | None:
     """Accumulates the step's micro-batches; FSDP reduces (and the hook averages) after the last.
 
     Returns the mean loss over them, None for a step with none (a replica catching up)."""
@@ -183,9 +201,10 @@ def local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     def local(t: Any) -> Any:
         return (t.to_local() if hasattr(t, "to_local") else t).detach().cpu().clone()
 
-    return {"model": {n: local(p) for n, p in model.named_parameters()},
-            "optim": {n: {k: local(v) for k, v in optimizer.state.get(p, {}).items()}
-                      for n, p in model.named_parameters()}}
+    return {
+        "model": {n: local(p) for n, p in model.named_parameters()},
+        "optim": {n: {k: local(v) for k, v in optimizer.state.get(p, {}).items()} for n, p in model.named_parameters()},
+    }
 
 
 def load_initial_weights(model: torch.nn.Module, path: Path) -> None:
@@ -215,13 +234,15 @@ class Records:
 
     def finish(self, step: int, digest: str, served: list[Any], group: Any = None) -> None:
         (self.run_dir / f"digest-r{self.replica}-rank{self.rank}.json").write_text(
-            json.dumps({"step": step, "digest": digest}))
+            json.dumps({"step": step, "digest": digest})
+        )
         digests: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(digests, digest, group=group)  # this replica's ranks
         if self.rank == 0:
             whole = hashlib.sha256("".join(digests).encode()).hexdigest()
             (self.run_dir / f"digest-r{self.replica}.json").write_text(
-                json.dumps({"step": step, "digest": whole, "served": served}))
+                json.dumps({"step": step, "digest": whole, "served": served})
+            )
             self.file.close()  # type: ignore[union-attr]
 
 
@@ -250,15 +271,15 @@ def train_unbroken(args: argparse.Namespace) -> None:
     with unbroken.init(device=device, deadline=deadline) as manager:
         c = manager.config
         if not dist.is_initialized():  # a 1-rank replica: FSDP2 still wants a group
-            dist.init_process_group("gloo" if device.type == "cpu" else "nccl", store=dist.HashStore(), rank=0,
-                                    world_size=1)
+            dist.init_process_group(
+                "gloo" if device.type == "cpu" else "nccl", store=dist.HashStore(), rank=0, world_size=1
+            )
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device.type, (c.world_size,))
         pg = manager.process_group()  # the replicas of this step's quorum, for gradients only
         run_dir = Path(c.run_dir)
-        armed = (args.fault_step >= 0 and c.replica_id == 1 and c.rank == 1
-                 and not (run_dir / "fault.json").exists())
+        armed = args.fault_step >= 0 and c.replica_id == 1 and c.rank == 1 and not (run_dir / "fault.json").exists()
 
         def all_reduce_hook(t: torch.Tensor) -> None:
             nonlocal armed
@@ -309,24 +330,40 @@ def train_unbroken(args: argparse.Namespace) -> None:
             t1 = time.time()
             d = manager.decision
             st = manager.stats
-            records.write({
-                "step": plan.step, "committed": committed, "loss": loss, "norm": float(norm),
-                "lr": scheduler.get_last_lr()[0], "epoch": d.epoch if d else None,
-                "members": list(d.members) if d else [], "behind": list(d.behind) if d else [],
-                "donor": any(dn == c.replica_id for _, dn in (d.donors if d else ())),
-                "slots": list(plan.plan.slots.get(c.replica_id, ())), "loss_scale": plan.loss_scale,
-                "samples_skipped": batches.account.samples_skipped,
-                "samples_repeated": batches.account.samples_repeated,
-                "t0": t0, "t1": t1, "step_s": t1 - t0, "compute_s": t_exchange - t0,
-                "exchange_s": st["last_exchange_s"], "recovery_s": st["last_recovery_s"],
-                "fetch_s": st.get("last_fetch_s", 0.0), "snapshot_s": st.get("last_snapshot_s", 0.0),
-                "snapshot_early": bool(st.get("last_snapshot_early", 0.0)), "pid": os.getpid(),
-            })
+            records.write(
+                {
+                    "step": plan.step,
+                    "committed": committed,
+                    "loss": loss,
+                    "norm": float(norm),
+                    "lr": scheduler.get_last_lr()[0],
+                    "epoch": d.epoch if d else None,
+                    "members": list(d.members) if d else [],
+                    "behind": list(d.behind) if d else [],
+                    "donor": any(dn == c.replica_id for _, dn in (d.donors if d else ())),
+                    "slots": list(plan.plan.slots.get(c.replica_id, ())),
+                    "loss_scale": plan.loss_scale,
+                    "samples_skipped": batches.account.samples_skipped,
+                    "samples_repeated": batches.account.samples_repeated,
+                    "t0": t0,
+                    "t1": t1,
+                    "step_s": t1 - t0,
+                    "compute_s": t_exchange - t0,
+                    "exchange_s": st["last_exchange_s"],
+                    "recovery_s": st["last_recovery_s"],
+                    "fetch_s": st.get("last_fetch_s", 0.0),
+                    "snapshot_s": st.get("last_snapshot_s", 0.0),
+                    "snapshot_early": bool(st.get("last_snapshot_early", 0.0)),
+                    "pid": os.getpid(),
+                }
+            )
         if checkpointer is not None:
             checkpointer.close()
         if args.save_final:
-            torch.save({"step": manager.step, **local_state(model, optimizer)},
-                       run_dir / f"final-r{c.replica_id}-rank{c.rank}.pt")
+            torch.save(
+                {"step": manager.step, **local_state(model, optimizer)},
+                run_dir / f"final-r{c.replica_id}-rank{c.rank}.pt",
+            )
         records.finish(manager.step, state_digest(model, optimizer), manager.transfer.served if c.rank == 0 else [])
         dist.barrier()  # no rank tears its groups down while a sibling still uses them
     dist.destroy_process_group()
@@ -353,8 +390,9 @@ def train_plain(args: argparse.Namespace) -> None:
         dist.all_reduce(t, group=across)
         t.div_(replicas)
 
-    model = shard(build_model(LlamaSize(), args.seed).to(device), mesh["shard"],
-                  all_reduce_hook if across is not None else None)
+    model = shard(
+        build_model(LlamaSize(), args.seed).to(device), mesh["shard"], all_reduce_hook if across is not None else None
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.warmup, args.steps))
     data = MarkovTokens(LlamaSize().vocab_size, args.seq_len)
@@ -363,8 +401,14 @@ def train_plain(args: argparse.Namespace) -> None:
     records = Records(args.run_dir or Path("."), args.log_name, replica, local)
     for step in range(args.steps):
         t0 = time.time()
-        plan = rank_plan(plan_step(step, replicas, range(replicas), args.policy), replica, local, per, replicas,
-                         args.samples_per_replica)
+        plan = rank_plan(
+            plan_step(step, replicas, range(replicas), args.policy),
+            replica,
+            local,
+            per,
+            replicas,
+            args.samples_per_replica,
+        )
         optimizer.zero_grad(set_to_none=True)
         loss = forward_backward(model, data, plan.micro_batches, plan.loss_scale, device, bf16)
         t_exchange = time.time()
@@ -372,8 +416,18 @@ def train_plain(args: argparse.Namespace) -> None:
         optimizer.step()
         scheduler.step()
         t1 = time.time()
-        records.write({"step": step, "committed": True, "loss": loss, "norm": float(norm), "t0": t0, "t1": t1,
-                       "step_s": t1 - t0, "compute_s": t_exchange - t0})
+        records.write(
+            {
+                "step": step,
+                "committed": True,
+                "loss": loss,
+                "norm": float(norm),
+                "t0": t0,
+                "t1": t1,
+                "step_s": t1 - t0,
+                "compute_s": t_exchange - t0,
+            }
+        )
     records.finish(args.steps, state_digest(model, optimizer), [], group=mesh["shard"].get_group())
     dist.destroy_process_group()
 
