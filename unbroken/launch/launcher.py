@@ -746,7 +746,7 @@ class Launcher:
         ]
         port = free_port()
         base = [sys.executable, "-m", "unbroken.launch.selfcheck", "--port", str(port)]
-        extra = {**package_path(), "OMP_NUM_THREADS": "1"}
+        extra = {**package_path(), "OMP_NUM_THREADS": "1", env.ENV_SECRET_FILE: str(self.secret_file)}
         procs = []
         for role, fenv in (("checked", worker_env(still, now)), ("reference", {})):
             procs.append(

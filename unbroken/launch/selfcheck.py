@@ -31,9 +31,12 @@ def main() -> int:
     import torch.distributed as dist
 
     from unbroken.launch.chaos import WorkerChaos
+    from unbroken.train.replica_group import rendezvous_store
+    from unbroken.wire.auth import JobSecret
 
     rank = 0 if args.role == "checked" else 1
-    store = dist.TCPStore("127.0.0.1", args.port, 2, rank == 0, timeout=timedelta(seconds=20))
+    # The job's authenticated store on loopback, not a TCPStore listening on every interface.
+    store, server = rendezvous_store(f"127.0.0.1:{args.port}", JobSecret.required(), rank == 0, timeout_s=20.0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=20))
     chaos = WorkerChaos.from_env(-1) if rank == 0 else None
     torch.manual_seed(0)
@@ -63,6 +66,8 @@ def main() -> int:
     ref = flat.clone()
     dist.broadcast(ref, src=1)
     dist.destroy_process_group()
+    if server is not None:
+        server.close()
     checked, reference = float(both[0]), float(both[1])
     ok = torch.equal(flat, ref) and checked <= args.ratio * max(reference, 1e-4)
     print(json.dumps({"role": args.role, "ok": ok, "checked_compute_s": checked, "reference_compute_s": reference}))

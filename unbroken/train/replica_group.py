@@ -23,22 +23,15 @@ from unbroken.wire.auth import JobSecret
 from unbroken.wire.store import StoreServer
 
 
-def replica_store(
-    config: ReplicaConfig, secret: JobSecret, timeout_s: float = 60.0, env: Mapping[str, str] | None = None
+def rendezvous_store(
+    address: str, secret: JobSecret, host_it: bool, timeout_s: float = 60.0
 ) -> tuple[AuthenticatedStore, StoreServer | None]:
-    """This rank's store for its replica group, and the server when this rank hosts it (rank 0).
+    """A store at ``address`` for a fixed set of processes, hosted by the one with ``host_it``.
 
-    The other ranks wait, up to ``timeout_s``, for rank 0 to listen: ranks start in any order.
+    The others wait, up to ``timeout_s``, for the host to listen: processes start in any order.
     """
-    env = os.environ if env is None else env
-    if ENV_MASTER_ADDR not in env or ENV_MASTER_PORT not in env:
-        raise ConfigError(
-            f"{ENV_MASTER_ADDR} and {ENV_MASTER_PORT} must be set for a replica of "
-            f"{config.world_size} ranks (`unbroken run` and `unbroken agent` set them)"
-        )
-    address = f"{env[ENV_MASTER_ADDR]}:{env[ENV_MASTER_PORT]}"
-    host, port = parse_host_port(address, f"{ENV_MASTER_ADDR}:{ENV_MASTER_PORT}")
-    server = StoreServer(host, secret, port=port) if config.rank == 0 else None
+    host, port = parse_host_port(address, "store address")
+    server = StoreServer(host, secret, port=port) if host_it else None
     store = AuthenticatedStore(address, secret, timeout=datetime.timedelta(seconds=timeout_s), connect_timeout_s=5.0)
     deadline = time.monotonic() + timeout_s
     while True:
@@ -51,6 +44,21 @@ def replica_store(
                     server.close()
                 raise
             time.sleep(0.05)
+
+
+def replica_store(
+    config: ReplicaConfig, secret: JobSecret, timeout_s: float = 60.0, env: Mapping[str, str] | None = None
+) -> tuple[AuthenticatedStore, StoreServer | None]:
+    """This rank's store for its replica group, and the server when this rank hosts it (rank 0)."""
+    env = os.environ if env is None else env
+    if ENV_MASTER_ADDR not in env or ENV_MASTER_PORT not in env:
+        raise ConfigError(
+            f"{ENV_MASTER_ADDR} and {ENV_MASTER_PORT} must be set for a replica of "
+            f"{config.world_size} ranks (`unbroken run` and `unbroken agent` set them)"
+        )
+    address = f"{env[ENV_MASTER_ADDR]}:{env[ENV_MASTER_PORT]}"
+    parse_host_port(address, f"{ENV_MASTER_ADDR}:{ENV_MASTER_PORT}")
+    return rendezvous_store(address, secret, config.rank == 0, timeout_s)
 
 
 def init_replica_group(
