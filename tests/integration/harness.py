@@ -43,8 +43,8 @@ class Job:
         self.run_dir = run_dir
         self.replicas = replicas
         cmd = [sys.executable, "-m", "unbroken", "run", "--replicas", str(replicas), "--run-dir", str(run_dir)]
-        if coordinator:
-            cmd += ["--coordinator", coordinator]
+        if coordinator:  # started apart (python_env() hands it the tests' job secret)
+            cmd += ["--coordinator", coordinator, "--secret-file", str(job_secret_file())]
         cmd += (
             (extra or [])
             + ["--", sys.executable, str(script), "--steps", str(steps)]
@@ -85,8 +85,8 @@ class Job:
     def wait_for_step(self, replica: int, step: int, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            rows = self.metrics(replica)
-            if rows and rows[-1]["step"] >= step:
+            steps = [row["step"] for row in self.metrics(replica) if "step" in row]  # not the "ready" line
+            if steps and steps[-1] >= step:
                 return
             if self.proc.poll() is not None:
                 raise AssertionError(f"the job ended early with code {self.proc.returncode}")
