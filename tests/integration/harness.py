@@ -221,3 +221,40 @@ def load_finals(run_dir: Path, replicas: list[int]) -> dict[int, dict[str, Any]]
         for r in replicas
         if (run_dir / f"final-r{r}.pt").exists()
     }
+
+
+def run_ranks(worker: Path, out: Path, world_size: int = 2, timeout: float = 100.0) -> tuple[list[int], str]:
+    """Runs ``worker --out OUT`` as ``world_size`` torch.distributed ranks with torchrun's
+    variables (no unbroken launcher); returns their exit codes and the tails of their logs."""
+    from unbroken.launch.workers import free_port
+
+    port = free_port()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for rank in range(world_size):
+            env = {
+                **python_env(),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": str(rank),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
+            with open(out / f"rank{rank}.log", "wb") as log:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(worker), "--out", str(out)],
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        codes = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    logs = "\n".join((out / f"rank{r}.log").read_text()[-3000:] for r in range(world_size))
+    return codes, logs

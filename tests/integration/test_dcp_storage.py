@@ -4,10 +4,6 @@ process, one rank with no process group and no unbroken reader, loads each step 
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,9 +11,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from tests.integration.harness import python_env
+from tests.integration.harness import run_ranks
 from tests.integration.workers.dcp_fsdp import assert_equal, build
-from unbroken.launch.workers import free_port
 
 pytestmark = [
     pytest.mark.integration,
@@ -28,35 +23,7 @@ WORKER = Path(__file__).parent / "workers" / "dcp_fsdp.py"
 
 
 def test_fsdp2_checkpoint_saved_through_unbroken_loads_with_plain_dcp_at_one_rank(tmp_path: Path) -> None:
-    port = free_port()
-    procs = []
-    try:
-        for rank in (0, 1):
-            env = {
-                **python_env(),
-                "RANK": str(rank),
-                "WORLD_SIZE": "2",
-                "LOCAL_RANK": str(rank),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-            }
-            with open(tmp_path / f"rank{rank}.log", "wb") as log:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, str(WORKER), "--out", str(tmp_path)],
-                        env=env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
-        codes = [p.wait(timeout=100) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    logs = "\n".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in (0, 1))
+    codes, logs = run_ranks(WORKER, tmp_path)
     assert codes == [0, 0], logs
     assert (tmp_path / "ckpt" / "latest").read_text() == "step-00000003"
 
