@@ -10,6 +10,7 @@ import importlib
 
 import click
 
+from unbroken import fast_exit
 from unbroken.extras import MissingExtra
 
 # name -> "module:attribute" of a click command or group.
@@ -76,3 +77,4 @@ def _unavailable(name: str, error: MissingExtra) -> click.Command:
 @click.version_option(package_name="unbroken")
 def main() -> None:
     """Fault-tolerant training for PyTorch: run, watch, diagnose, checkpoint, plan."""
+    fast_exit.install()

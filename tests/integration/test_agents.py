@@ -138,6 +138,9 @@ def test_kill_9_of_an_agent_moves_its_replica_to_a_spare_slot(tmp_path: Path) ->
     assert_identical(finals)
 
 
+# The agent-loss path is covered by the spare-slot test above; without a spare the coordinator's
+# assignment simply has nowhere to place the replica (unit-tested in tests/unit/control). 17 s: a scenario.
+@pytest.mark.scenario
 def test_kill_9_of_an_agent_without_spares_trains_on_with_fewer_replicas(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()

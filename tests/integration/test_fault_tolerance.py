@@ -37,12 +37,23 @@ def tail_loss(run_dir: Path, replica: int = 0) -> float:
 
 
 @pytest.fixture(scope="module")
-def clean_loss(tmp_path_factory: pytest.TempPathFactory) -> float:
+def clean_run(tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """A fault-free run of the same job: the reference loss, and a run diagnosis must not blame."""
     run_dir = tmp_path_factory.mktemp("clean") / "run"
     with Job(run_dir, steps=STEPS) as job:
         assert job.wait(240) == 0
         assert_identical(job.final_states())
-    return tail_loss(run_dir)
+    return job
+
+
+@pytest.fixture(scope="module")
+def clean_loss(clean_run: Job) -> float:
+    return tail_loss(clean_run.run_dir)
+
+
+def test_a_clean_run_gets_no_verdict(clean_run: Job) -> None:
+    assert clean_run.events("verdict") == []
+    assert len(clean_run.events("replica_finished")) >= 3
 
 
 def test_kill_9_of_a_replica_mid_run(tmp_path: Path, clean_loss: float) -> None:

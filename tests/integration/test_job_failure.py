@@ -27,6 +27,11 @@ def test_every_replica_killed_at_once_resumes_from_the_newest_checkpoint(tmp_pat
     args = PACE + ["--checkpoint-every", "5"]
     with Job(tmp_path / "run", replicas=2, steps=40, extra=["--checkpoint-dir", str(ckpt)], train_args=args) as job:
         job.wait_for_step(0, 22)
+        # The step-20 checkpoint persists in the background: kill once it is on disk, so the
+        # newest checkpoint the relaunch must find is known (on a busy machine it lags a few steps).
+        deadline = time.monotonic() + 30
+        while max(complete_steps(str(ckpt)), default=0) < 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
         first = {e["pid"] for e in job.events("process_started")}
         for pid in first:  # a job-wide failure: nobody is left to catch up from
             os.kill(pid, signal.SIGKILL)

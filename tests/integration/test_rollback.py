@@ -74,6 +74,9 @@ def test_an_unwritable_checkpoint_directory_fails_before_training(tmp_path: Path
     assert not (tmp_path / "run" / "events.jsonl").exists() or not job.events("process_started")
 
 
+# The same fallback is checked without processes in tests/unit/train/test_resume.py; this end-to-end run
+# (20 s) is a scenario.
+@pytest.mark.scenario
 def test_a_rollback_target_that_does_not_load_gives_way_to_the_next_older(tmp_path: Path) -> None:
     # The newest checkpoint before the anomaly (15) is damaged after it was written: the rollback
     # must take 10, not restart the job from step 0, and must delete nothing before it knows.
