@@ -7,9 +7,13 @@ optimizer imports them) that is about a million objects, and the exit takes seco
 recovery path (a preempted replica flushing and leaving, a job ending, a supervisor restarting
 a replica that exited), so it is worth making cheap.
 
-At exit, one collection frees the real garbage (so cyclic objects with finalizers, such as
-unflushed files, are still finalized), then :func:`gc.freeze` moves the survivors out of the
-collector's sight: module teardown then frees them by reference counting alone.
+At exit, one collection frees the real garbage (so cyclic objects with finalizers are still
+finalized), then :func:`gc.freeze` moves the survivors out of the collector's sight: module
+teardown then frees them by reference counting alone. That is not always enough: a file left
+open in a global of the ``__main__`` script that also defines a class is never closed (the
+class's methods and ``__main__``'s globals form a cycle the frozen collector leaves alone), so its
+buffered writes are lost. Hence opt-in: unbroken's own processes (the CLI) and example scripts,
+which close what they open, install it; ``unbroken.init()`` does not do it to your script.
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from unbroken import fast_exit
+
 
 def build_mlp(params_m: float, width: int = 1024) -> torch.nn.Sequential:
     """An MLP of about ``params_m`` million parameters made of ``width``-wide layers."""
@@ -85,6 +87,7 @@ def batch_for(step: int, replica: int, batch_size: int, width: int) -> tuple[tor
 
 
 def main() -> None:
+    fast_exit.install()  # its exit is on the recovery path: see unbroken/fast_exit.py
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--mode", choices=("unbroken", "baseline", "ddp", "torch_ddp"), required=True)
     ap.add_argument("--model", choices=("mlp", "gpt"), default="mlp")

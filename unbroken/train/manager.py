@@ -28,7 +28,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unbroken import fast_exit
 from unbroken.comm.deadline import LearnedDeadline
 from unbroken.comm.process_group import CrossReplicaGroup, ExchangeFailed
 from unbroken.comm.recorder import FlightRecorder, install_stack_dump
@@ -854,10 +853,8 @@ def init(
     Register what a recovering peer needs with :meth:`Manager.register_state_dict_fn`
     (``state_dict``/``load_state_dict`` here register one state under ``"state"``). The
     default process group of the replica's own ranks is created only if the script has not
-    created it. Use as ``with unbroken.init() as manager:`` to leave the job cleanly. The
-    process's exit is made fast (:mod:`unbroken.fast_exit`).
+    created it. Use as ``with unbroken.init() as manager:`` to leave the job cleanly.
     """
-    fast_exit.install()
     return Manager(
         state_dict,
         load_state_dict,

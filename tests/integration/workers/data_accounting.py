@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 import unbroken
+from unbroken import fast_exit
 from unbroken.train.data import ReplicaBatches
 
 IN, HIDDEN, OUT = 16, 32, 4
@@ -106,4 +107,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    fast_exit.install()
     main()

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 import unbroken
+from unbroken import fast_exit
 
 IN, HIDDEN, OUT = 16, 32, 4
 MAX_NORM = 0.05  # small enough that every step clips
@@ -149,4 +150,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    fast_exit.install()
     main()

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import unbroken
+from unbroken import fast_exit
 from unbroken.train.state import as_local
 
 
@@ -115,4 +116,5 @@ def train(
 
 
 if __name__ == "__main__":
+    fast_exit.install()
     main()

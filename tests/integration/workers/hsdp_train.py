@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import ddp_train as w  # noqa: E402
 
 import unbroken  # noqa: E402
+from unbroken import fast_exit
 
 
 def local(t: Any) -> Any:
@@ -138,4 +139,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    fast_exit.install()
     main()

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import unbroken
+from unbroken import fast_exit
 from unbroken.comm.transfer import SnapshotCopy, TransferServer, fetch_state
 from unbroken.train.state import as_local, as_shards
 from unbroken.wire.auth import JobSecret
@@ -99,4 +100,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    fast_exit.install()
     main()

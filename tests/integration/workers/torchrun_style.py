@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import unbroken
+from unbroken import fast_exit
 
 TORCHRUN_VARS = (
     "RANK",
@@ -85,4 +86,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    fast_exit.install()
     main()

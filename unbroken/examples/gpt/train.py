@@ -18,11 +18,13 @@ from pathlib import Path
 import torch
 
 import unbroken
+from unbroken import fast_exit
 from unbroken.examples.gpt.data import batch, make_corpus
 from unbroken.examples.gpt.model import GPT, GPTConfig
 
 
 def main() -> None:
+    fast_exit.install()  # its exit is on the recovery path: see unbroken/fast_exit.py
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch-size", type=int, default=16)

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from unbroken import fast_exit
 from unbroken.examples.llama.data import MarkovTokens
 from unbroken.examples.llama.model import LlamaSize, build_model, decoder_layers
 from unbroken.train.data import CONSTANT_GLOBAL_BATCH, POLICIES, plan_step, rank_plan
@@ -247,6 +248,7 @@ class Records:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    fast_exit.install()  # its exit is on the recovery path: see unbroken/fast_exit.py
     args = parse_args(argv)
     if args.plain:
         train_plain(args)
