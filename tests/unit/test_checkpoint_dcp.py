@@ -187,3 +187,35 @@ def test_refuses_a_directory_of_unbroken_checkpointer(tmp_path: Path) -> None:
     with pytest.raises(CheckpointException) as exc:
         dcp.save(state(1), storage_writer=DCPWriter(tmp_path, step=2))
     assert "Checkpointer: give DCP checkpoints a directory of their own" in str(rank0_error(exc))
+
+
+def step_dirs(root: Path) -> list[str]:
+    return sorted(n for n in os.listdir(root) if n.startswith("step-"))
+
+
+def test_keep_last_deletes_old_checkpoints_but_never_for_a_damaged_newer_one(tmp_path: Path) -> None:
+    for step in (1, 2, 3):
+        dcp.save(state(step), storage_writer=DCPWriter(tmp_path, step=step, keep_last=2))
+    assert step_dirs(tmp_path) == ["step-00000002", "step-00000003"]
+    data = tmp_path / "step-00000003" / "__0_0.distcp"
+    blob = bytearray(data.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    data.write_bytes(bytes(blob))
+    writer = DCPWriter(tmp_path, step=4, keep_last=2)
+    dcp.save(state(4), storage_writer=writer)
+    # Step 3 does not verify, so it does not count: steps 4 and 2 are the two kept, 3 stays for
+    # inspection (newer than a kept one), and nothing was deleted.
+    assert writer.deleted == []
+    assert step_dirs(tmp_path) == ["step-00000002", "step-00000003", "step-00000004"]
+    writer = DCPWriter(tmp_path, step=5, keep_last=2)
+    dcp.save(state(5), storage_writer=writer)
+    assert writer.deleted == [2, 3]
+    assert step_dirs(tmp_path) == ["step-00000004", "step-00000005"]
+    restored = blank()
+    dcp.load(restored, storage_reader=DCPReader(tmp_path))
+    assert_same(restored, state(5))
+
+
+def test_keep_last_must_keep_something(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="keep_last must be at least 1"):
+        DCPWriter(tmp_path, step=1, keep_last=0)

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from unbroken.checkpoint import checksum, disk
+from unbroken.checkpoint import checksum, disk, retention
 from unbroken.checkpoint.dcp_layout import (
     METADATA_FILE,
     check,
@@ -50,9 +50,10 @@ from unbroken.checkpoint.dcp_layout import (
     read_checksums,
     resolve,
     staging_name,
+    verify,
     write_checksums,
 )
-from unbroken.checkpoint.manifest import step_dir_name
+from unbroken.checkpoint.manifest import parse_step_dir, step_dir_name
 
 
 @dataclass(frozen=True)
@@ -99,16 +100,30 @@ class DCPWriter(StorageWriter, BlockingAsyncStager):
             A ``path`` named ``step-N`` moves its parent's ``latest`` too.
         cache_staged_state_dict: for ``dcp.async_save``, keep the host copy between saves (see
             ``BlockingAsyncStager``): no allocation per save, at the cost of holding the memory.
+        keep_last: after each committed save into a root (``step`` given), delete older step
+            directories so that ``keep_last`` checkpoints that verify remain, by the rule of
+            :mod:`unbroken.checkpoint.retention` (only verified checkpoints count; nothing newer
+            than them and nothing at all while fewer exist). None keeps everything.
 
     Give DCP checkpoints a root of their own: unbroken's ``Checkpointer`` keeps its retention
     and ``latest`` in its directory and would treat these step directories as its own.
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, step: int | None = None, cache_staged_state_dict: bool = False
+        self,
+        path: str | os.PathLike[str],
+        *,
+        step: int | None = None,
+        cache_staged_state_dict: bool = False,
+        keep_last: int | None = None,
     ) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be at least 1 (or None to keep every checkpoint), got {keep_last}")
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
+        self.keep_last = keep_last
+        self.deleted: list[int] = []  # steps the last save's retention removed
+        self._verified: set[str] = set()  # directories read back whole once: not read again
         self.path = os.fspath(path) if step is None else os.path.join(os.fspath(path), step_dir_name(step))
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = False
@@ -204,6 +219,8 @@ class DCPWriter(StorageWriter, BlockingAsyncStager):
         os.makedirs(staging, exist_ok=True)
         write_checksums(staging, pickle.dumps(metadata), items)
         commit(root, name, staging)
+        if self.keep_last is not None and parse_step_dir(name) is not None:
+            self.deleted = apply_retention(root, self.keep_last, self._verified)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
@@ -215,6 +232,31 @@ class DCPWriter(StorageWriter, BlockingAsyncStager):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return FileSystem.validate_checkpoint_id(checkpoint_id)
+
+
+def apply_retention(root: str, keep_last: int, verified: set[str] | None = None) -> list[int]:
+    """Delete old DCP step directories of ``root``, keeping ``keep_last`` that verify (every
+    checksum read back); returns the deleted steps. ``verified`` caches directories already read."""
+    cache = set() if verified is None else verified
+    all_steps = disk.list_steps(root)
+    if len(all_steps) <= keep_last:
+        return []  # nothing to delete: spare the reading
+    good: list[int] = []
+    for step in all_steps:  # newest first
+        path = os.path.join(root, step_dir_name(step))
+        if path not in cache:
+            try:
+                verify(path)
+            except (disk.CorruptCheckpoint, OSError, ValueError):
+                continue
+            cache.add(path)
+        good.append(step)
+        if len(good) == keep_last:
+            break
+    doomed = retention.plan(all_steps, good, keep_last)
+    deleted = [s for s in doomed if retention.remove_step(root, s)]
+    cache.difference_update(os.path.join(root, step_dir_name(s)) for s in deleted)
+    return deleted
 
 
 class DCPReader(StorageReader):

@@ -59,10 +59,10 @@ def apply(root: str, keep_last: int) -> list[int]:
     if len(all_steps) <= keep_last:
         return []  # nothing to delete: spare the reading
     doomed = plan(all_steps, newest_verified(root, keep_last), keep_last)
-    return [s for s in doomed if _remove(root, s)]
+    return [s for s in doomed if remove_step(root, s)]
 
 
-def _remove(root: str, step: int) -> bool:
+def remove_step(root: str, step: int) -> bool:
     """Delete one step directory; False if another process got there first."""
     # Rename first so a crash mid-delete leaves no half-deleted step that looks real.
     trash = os.path.join(root, f".trash-{step_dir_name(step)}-{os.getpid()}")
@@ -87,4 +87,4 @@ def discard_newer(root: str, step: int) -> list[int]:
     disk.verify_step(root, step)
     disk.update_latest(root, step, backwards=True)  # first: never left naming a deleted step
     doomed = [s for s in disk.list_steps(root) if s > step]
-    return sorted(s for s in doomed if _remove(root, s))
+    return sorted(s for s in doomed if remove_step(root, s))

@@ -72,6 +72,11 @@ class MetricDetector:
             baseline's (see :meth:`floor_shift`).
         memory_window: steps over which memory growth is judged.
         memory_growth: relative growth over that window that is an anomaly.
+        memory_after_steps: training steps a rank reports before its memory samples count. Memory
+            rises steadily while a process warms up (imports, the model, the optimizer state made
+            at its first step): a 2-rank Llama replica on a busy machine spent 34 s between
+            connecting and its first step, long enough to fill the window with a clean rise and
+            get every replica isolated for memory_growth.
     """
 
     history: int = 64
@@ -84,12 +89,14 @@ class MetricDetector:
     change_floor: float = 1.15
     memory_window: int = 50
     memory_growth: float = 0.2
+    memory_after_steps: int = 20
 
     def __post_init__(self) -> None:
         self.loss: deque[float] = deque(maxlen=self.history)
         self.grad: deque[float] = deque(maxlen=self.history)
         self.compute: deque[float] = deque(maxlen=self.history)
         self.memory: deque[float] = deque(maxlen=self.memory_window)
+        self.steps_seen = 0
 
     def observe(
         self,
@@ -101,6 +108,8 @@ class MetricDetector:
     ) -> list[Anomaly]:
         """Judges one step; healthy values join the history, anomalous ones do not."""
         out: list[Anomaly] = []
+        if step >= 0:
+            self.steps_seen += 1
         if loss is not None:
             out += self._value("loss", step, loss, self.loss, self.spike_ratio)
         if grad_norm is not None:
@@ -110,7 +119,7 @@ class MetricDetector:
             ratio = self.change_point()
             if ratio is not None and ratio >= self.change_ratio and self.floor_shift() >= self.change_floor:
                 out.append(Anomaly("step_time_change", step, ratio, {"recent_over_baseline": round(ratio, 3)}))
-        if memory is not None:
+        if memory is not None and self.steps_seen >= self.memory_after_steps:
             self.memory.append(memory)
             growth = self.memory_trend()
             if growth is not None and growth >= self.memory_growth:

@@ -222,3 +222,14 @@ def test_everyone_silent_is_no_verdict() -> None:
 @given(st.lists(st.floats(0, 1e3), min_size=1, max_size=40), st.floats(0, 1))
 def test_quantile_matches_numpy(xs, q) -> None:
     assert links.quantile_of(xs, q) == pytest.approx(float(np.quantile(xs, q)), rel=1e-9, abs=1e-9)
+
+
+def test_memory_rising_while_a_rank_warms_up_is_not_growth() -> None:
+    # The master hands memory samples with step -1 between steps; before a rank has trained
+    # memory_after_steps steps, its rise is the process warming up (imports, model, optimizer).
+    d = MetricDetector(memory_window=20, memory_after_steps=5)
+    assert not any(d.observe(-1, memory=1e9 * (1 + 0.05 * i)) for i in range(60))
+    for s in range(5):
+        d.observe(s, loss=2.0)
+    kinds = [a.kind for i in range(20) for a in d.observe(-1, memory=4e9 * (1 + 0.02 * i))]
+    assert "memory_growth" in kinds  # a leak once training runs is still caught
