@@ -18,6 +18,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "plan": ("networkx", "scipy"),
     "sim": ("scipy",),
     "report": ("matplotlib",),
+    "examples": ("transformers",),
 }
 
 

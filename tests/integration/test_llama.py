@@ -257,3 +257,22 @@ def test_llama_coordinator_restart(tmp_path: Path, clean_loss: float) -> None:
     epochs = [r["epoch"] for r in metrics(run_dir, 0) if r.get("epoch") is not None]
     assert epochs == sorted(epochs) and epochs[-1] > epochs[0], "epochs must keep growing across the restart"
     assert abs(tail_loss(run_dir) - clean_loss) < 0.05
+
+
+@heavy
+def test_llama_demo_survives_a_crash_and_a_hang(tmp_path: Path) -> None:
+    """``unbroken demo --model llama``: the demo's story on 3 replicas x 2 FSDP2 ranks."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "unbroken", "demo", "--model", "llama", "--steps", "60", "--json"]
+    cmd += ["--run-dir", str(tmp_path / "run"), "--fault", "crash:replica=1,rank=1,step=15"]
+    cmd += ["--fault", "hang:replica=2,step=35"]
+    done = subprocess.run(cmd, env=python_env(), capture_output=True, timeout=900, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout)
+    assert summary["model"] == "llama" and summary["steps"] == 60
+    assert summary["replicas_identical"] is True
+    for fault in summary["faults"]:
+        assert fault["detected"] and fault["attributed_correctly"] and fault["recovered"], fault
+    assert summary["checkpoints_on_disk"][0] == 60

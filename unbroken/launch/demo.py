@@ -1,4 +1,8 @@
-"""``unbroken demo``: 3 GPT replicas on CPU through a crash, a hang and a slow rank, then a report.
+"""``unbroken demo``: 3 replicas on CPU through a crash, a hang and a slow rank, then a report.
+
+``--model gpt`` (the default, the faster) trains the example GPT, one process per replica;
+``--model llama`` the example Hugging Face Llama, each replica 2 ranks sharding it with FSDP2 and
+the cross-replica average in FSDP2's all-reduce hook (:mod:`unbroken.examples.llama.train`).
 
 Everything is real: the supervisor and coordinator run here, the replicas are separate
 processes exchanging gradients over Gloo, and the faults are a ``kill -9``, a ``SIGSTOP`` and a
@@ -11,6 +15,7 @@ slot and moves the replica to the spare. At the end: a summary table,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import shutil
 import statistics
@@ -28,18 +33,61 @@ from unbroken.launch.run_cli import supervisor_options, supervisor_settings
 from unbroken.observe import goodput as gp
 from unbroken.observe.events import read_events, read_jsonl
 
-# The example ships inside the package, so the demo runs from an installed wheel too.
-TRAIN_MODULE = "unbroken.examples.gpt.train"
 REPLICAS = 3
-DEFAULT_FAULTS = (
-    "crash:replica=1,step=50",
-    "hang:replica=2,step=130",
-    "slow_rank:replica=0,factor=4,step=210,duration_s=20",
-)
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoModel:
+    """What the demo trains: the example's module (shipped inside the package, so the demo runs
+    from an installed wheel too), its replica shape and a fault schedule that fits its speed."""
+
+    title: str
+    module: str
+    ranks_per_replica: int
+    steps: int
+    faults: tuple[str, ...]
+    has_reference: bool  # the fault-free reference can be computed in one process
+    # Silence before a replica counts as hung. A Llama rank holds the GIL for seconds at a time
+    # while it imports transformers and torch's compiler stack after connecting: at 1 s every
+    # replica was restarted as hung before its first step (seen on a busy 2-core machine).
+    heartbeat_timeout_s: float
+
+
+MODELS = {
+    "gpt": DemoModel(
+        title="GPT",
+        module="unbroken.examples.gpt.train",
+        ranks_per_replica=1,
+        steps=300,
+        faults=(
+            "crash:replica=1,step=50",
+            "hang:replica=2,step=130",
+            "slow_rank:replica=0,factor=4,step=210,duration_s=20",
+        ),
+        has_reference=True,
+        heartbeat_timeout_s=1.0,
+    ),
+    "llama": DemoModel(
+        title="Llama",
+        module="unbroken.examples.llama.train",
+        ranks_per_replica=2,
+        steps=120,
+        faults=(
+            "crash:replica=1,rank=1,step=25",
+            "hang:replica=2,step=55",
+            "slow_rank:replica=0,factor=3,step=85,duration_s=40",
+        ),
+        has_reference=False,
+        heartbeat_timeout_s=4.0,
+    ),
+}
+TRAIN_MODULE = MODELS["gpt"].module
+DEFAULT_FAULTS = MODELS["gpt"].faults
 
 
 def _metrics(run_dir: Path, replica: int) -> list[dict[str, Any]]:
-    return list(read_jsonl(run_dir / f"metrics-r{replica}.jsonl"))
+    """A replica's step records (the Llama example's file also holds a 'ready' line per process)."""
+    return [row for row in read_jsonl(run_dir / f"metrics-r{replica}.jsonl") if "step" in row]
 
 
 async def _progress(launcher: Launcher, console: Console, steps: int) -> None:
@@ -133,27 +181,42 @@ def fault_outcomes(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def replicas_identical(run_dir: Path) -> bool:
+    """Whether every replica ended at the same step with the same state: the GPT example's final
+    states (``final-r{R}.pt``), or the Llama example's digests of every rank's shards
+    (``digest-r{R}.json``)."""
+    import torch
+
+    finals = {
+        r: torch.load(run_dir / f"final-r{r}.pt", weights_only=False)
+        for r in range(REPLICAS)
+        if (run_dir / f"final-r{r}.pt").exists()
+    }
+    if finals:
+        ref = next(iter(finals.values()))
+        return len(finals) >= 2 and all(
+            s["step"] == ref["step"] and all(torch.equal(v, s["model"][k]) for k, v in ref["model"].items())
+            for s in finals.values()
+        )
+    digests = [
+        (d["step"], d["digest"])
+        for r in range(REPLICAS)
+        if (run_dir / f"digest-r{r}.json").exists()
+        for d in [json.loads((run_dir / f"digest-r{r}.json").read_text())]
+    ]
+    return len(digests) >= 2 and len(set(digests)) == 1
+
+
 def summarize(
     run_dir: Path, wall_s: float, reference: list[float] | None, checkpoint_dir: Path | None = None
 ) -> dict[str, Any]:
-    import torch
-
     from unbroken.checkpoint.disk import complete_steps
 
     events = list(read_events(run_dir / "events.jsonl"))
     events.sort(key=lambda e: e["t"])
     metrics = {r: _metrics(run_dir, r) for r in range(REPLICAS)}
     account = gp.account(events, metrics, REPLICAS)
-    finals = {
-        r: torch.load(run_dir / f"final-r{r}.pt", weights_only=False)
-        for r in range(REPLICAS)
-        if (run_dir / f"final-r{r}.pt").exists()
-    }
-    ref = next(iter(finals.values()), None)
-    identical = len(finals) >= 2 and all(
-        s["step"] == ref["step"] and all(torch.equal(v, s["model"][k]) for k, v in ref["model"].items())  # type: ignore[index]
-        for s in finals.values()
-    )
+    identical = replicas_identical(run_dir)
     rows = [row for rs in metrics.values() for row in rs if row["committed"]]
     by_step: dict[int, float] = {}
     for row in rows:
@@ -184,22 +247,50 @@ def summarize(
 
 
 @click.command()
-@click.option("--steps", type=int, default=300, show_default=True)
+@click.option(
+    "--model",
+    type=click.Choice(sorted(MODELS)),
+    default="gpt",
+    show_default=True,
+    help="The example GPT (one process per replica), or the example Llama (2 FSDP2 ranks per replica, "
+    "needs the examples extra).",
+)
+@click.option("--steps", type=int, default=None, help="[default: 300 for gpt, 120 for llama]")
 @click.option("--run-dir", type=click.Path(path_type=Path), default=Path("runs/demo"), show_default=True)
 @click.option("--report", type=click.Path(path_type=Path), default=None, help="[default: RUN_DIR/report.html]")
 @click.option("--no-reference", is_flag=True, help="Skip the fault-free reference run (no loss comparison).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
 @supervisor_options
-def demo(steps: int, run_dir: Path, report: Path | None, no_reference: bool, as_json: bool, **kw: Any) -> None:
-    """Train the example GPT as 3 replicas through a crash, a hang and a slow rank; report the cost.
+def demo(
+    model: str,
+    steps: int | None,
+    run_dir: Path,
+    report: Path | None,
+    no_reference: bool,
+    as_json: bool,
+    **kw: Any,
+) -> None:
+    """Train an example model as 3 replicas through a crash, a hang and a slow rank; report the cost.
 
-    Without --fault/--faults-file the default schedule runs: crash of replica 1 at step 50, hang
-    of replica 2 at step 130, replica 0 four times slower from step 210 for 20 s.
+    Without --fault/--faults-file the default schedule runs. GPT: crash of replica 1 at step 50,
+    hang of replica 2 at step 130, replica 0 four times slower from step 210 for 20 s. Llama:
+    crash of rank 1 of replica 1 at step 25 (its whole group restarts), hang of replica 2 at step
+    55, replica 0 three times slower from step 85 for 40 s.
     """
+    chosen = MODELS[model]
+    steps = chosen.steps if steps is None else steps
     if steps < 20:
         raise click.UsageError(f"--steps must be >= 20, got {steps}")
+    if model == "llama":
+        from unbroken.extras import MissingExtra, require
+
+        try:
+            require("transformers", "examples", "unbroken demo --model llama")
+        except MissingExtra as e:
+            raise click.ClickException(str(e)) from e
+        no_reference = True  # no one-process reference of a sharded model; the summary says so
     if not kw["faults"] and not kw["fault_files"]:
-        kw["faults"] = DEFAULT_FAULTS
+        kw["faults"] = chosen.faults
         kw["spares"] = kw["spares"] or 1
     if kw["readmit_after"] == 30.0:
         kw["readmit_after"] = 10.0
@@ -210,10 +301,11 @@ def demo(steps: int, run_dir: Path, report: Path | None, no_reference: bool, as_
         if late:
             raise ValueError(f"these faults would fire after the last step ({steps}): {', '.join(late)}")
         settings = LaunchSettings(
-            command=(sys.executable, "-m", TRAIN_MODULE, "--steps", str(steps)),
+            command=(sys.executable, "-m", chosen.module, "--steps", str(steps)),
             replicas=REPLICAS,
+            ranks_per_replica=chosen.ranks_per_replica,
             run_dir=run_dir,
-            heartbeat_timeout_s=1.0,
+            heartbeat_timeout_s=chosen.heartbeat_timeout_s,
             **extra,
         )
     except ValueError as e:
@@ -222,7 +314,8 @@ def demo(steps: int, run_dir: Path, report: Path | None, no_reference: bool, as_
     if run_dir.exists():
         shutil.rmtree(run_dir)
     console.print(
-        f"[bold]unbroken demo[/]: {REPLICAS} replicas of the example GPT, {steps} steps, "
+        f"[bold]unbroken demo[/]: {REPLICAS} replicas of the example {chosen.title}"
+        f"{f' ({chosen.ranks_per_replica} ranks each)' if chosen.ranks_per_replica > 1 else ''}, {steps} steps, "
         f"{settings.spares} spare slot(s); logs in {run_dir}"
     )
     for f in settings.schedule:
@@ -240,6 +333,9 @@ def demo(steps: int, run_dir: Path, report: Path | None, no_reference: bool, as_
             reference = reference_losses(steps)
             cache.write_text(json.dumps(reference))
     summary = summarize(run_dir, wall, reference, settings.checkpoint_dir)
+    summary["model"] = model
+    if not chosen.has_reference:
+        summary["reference_final_loss"] = "none: no one-process reference of a sharded model"
     summary["exit_code"] = code
     report = report or run_dir / "report.html"
     from unbroken.observe.report import write_report

@@ -41,7 +41,7 @@ def _loss_plot(run_dir: Path, replicas: int, reference: list[float] | None) -> s
 
     fig, ax = plt.subplots(figsize=(8, 3.2))
     for r in range(replicas):
-        rows = [x for x in read_jsonl(run_dir / f"metrics-r{r}.jsonl") if x["committed"]]
+        rows = [x for x in read_jsonl(run_dir / f"metrics-r{r}.jsonl") if x.get("committed")]  # not "ready" lines
         ax.plot([x["step"] for x in rows], [x["loss"] for x in rows], lw=0.8, label=f"replica {r} (with faults)")
     if reference:
         ax.plot(range(len(reference)), reference, "k--", lw=1, label="fault-free reference")

@@ -347,6 +347,8 @@ def train_unbroken(args: argparse.Namespace) -> None:
                     "loss_scale": plan.loss_scale,
                     "samples_skipped": batches.account.samples_skipped,
                     "samples_repeated": batches.account.samples_repeated,
+                    "t": t1,
+                    "recovered": c.replica_id in (d.behind if d else ()),
                     "t0": t0,
                     "t1": t1,
                     "step_s": t1 - t0,
