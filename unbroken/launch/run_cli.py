@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from unbroken.launch.chaos import Schedule
+from unbroken.faults.schedule import Schedule
 from unbroken.launch.launcher import (
     DEFAULT_TERM_GRACE_S,
     HANG_ACTIONS,
@@ -37,7 +37,7 @@ def supervisor_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             "faults",
             multiple=True,
             metavar="KIND:key=value,...",
-            help="Inject a fault, e.g. crash:replica=1,step=40 (repeatable; see unbroken.launch.chaos).",
+            help="Inject a fault, e.g. crash:replica=1,step=40 (repeatable; see unbroken.faults.schedule).",
         ),
         click.option(
             "--faults-file",

@@ -54,7 +54,7 @@ def run_python(code: str) -> subprocess.CompletedProcess[str]:
 def test_the_stack_dump_chains_to_the_programs_own_handler(tmp_path: Path) -> None:
     result = run_python(f"""
         import os, signal, time
-        from unbroken.comm.recorder import install_stack_dump
+        from unbroken.diagnosis.stack_dump import install_stack_dump
         caught = []
         signal.signal(signal.SIGUSR1, lambda s, f: caught.append(s))  # Slurm's, Lightning's
         install_stack_dump({str(tmp_path / "stacks.txt")!r})
@@ -72,7 +72,7 @@ def test_the_stack_dump_chains_to_the_programs_own_handler(tmp_path: Path) -> No
 def test_without_an_earlier_handler_the_dump_does_not_end_the_process(tmp_path: Path) -> None:
     result = run_python(f"""
         import os, signal, time
-        from unbroken.comm.recorder import install_stack_dump
+        from unbroken.diagnosis.stack_dump import install_stack_dump
         install_stack_dump({str(tmp_path / "stacks.txt")!r}, signal.SIGUSR2)
         os.kill(os.getpid(), signal.SIGUSR2)
         time.sleep(0.2)
