@@ -29,11 +29,11 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from unbroken.comm.catchup import CatchupServer, SnapshotCopy, fetch_state, snapshot_layout
 from unbroken.comm.deadline import LearnedDeadline
 from unbroken.comm.process_group import CrossReplicaGroup, ExchangeFailed
 from unbroken.comm.recorder import FlightRecorder, LinkDelay
 from unbroken.comm.store import AuthenticatedStore
-from unbroken.comm.transfer import SnapshotCopy, TransferServer, fetch_state, flatten_state, layout
 from unbroken.config import (
     ReplicaConfig,
     anomaly_policy,
@@ -124,7 +124,7 @@ class Manager:
         self.secret = JobSecret.required()  # the job's key: the store, the donors and peers demand it
         self.group = CrossReplicaGroup(self.secret)
         # Peers on other nodes fetch from here: listen on the address that reaches the coordinator.
-        self.transfer = TransferServer(
+        self.catchup = CatchupServer(
             self.secret, host=local_address_towards(self.config.coordinator.rpartition(":")[0])
         )
         self.stats: dict[str, float] = {
@@ -177,7 +177,7 @@ class Manager:
                 "replica": self.config.replica_id,
                 "rank": self.config.rank,
                 "world_size": self.config.world_size,
-                "transfer_addr": self.transfer.address,
+                "transfer_addr": self.catchup.address,
                 "node": self.config.node,
             },
             on_abort=self.group.abort,
@@ -480,7 +480,7 @@ class Manager:
         if not self._prewarmed:
             # The state is complete (optimizer state exists) only after the first commit.
             self._prewarmed = True
-            self.transfer.pool.prewarm(layout(flatten_state(self._local_state())[1])[1])
+            self.catchup.pool.prewarm(snapshot_layout(self._local_state())[3])
 
     def report_loss(self, loss: float, step: int | None = None) -> float:
         """The loss to report for ``step``; passes through injected faults (a NaN on purpose)."""
@@ -495,7 +495,7 @@ class Manager:
             return
         self._closed = True
         self.client.close(finished=finished)
-        self.transfer.close()
+        self.catchup.close()
         if self._replica_store is not None and self._replica_store[1] is not None:
             self._replica_store[1].close()
         if self._stack_tmp is not None:
@@ -566,7 +566,7 @@ class Manager:
         before it returns, that is, before the optimizer steps.
         """
         taken = time.perf_counter()
-        self._snapshot = SnapshotCopy(self.step, self._local_state(), self.transfer.pool, self.transfer.publish)
+        self._snapshot = SnapshotCopy(self.step, self._local_state(), self.catchup.pool, self.catchup.publish)
         self.stats["last_snapshot_s"] = time.perf_counter() - taken
         self.stats["last_snapshot_early"] = float(early)
 

@@ -365,7 +365,7 @@ def train_unbroken(args: argparse.Namespace) -> None:
                 {"step": manager.step, **local_state(model, optimizer)},
                 run_dir / f"final-r{c.replica_id}-rank{c.rank}.pt",
             )
-        records.finish(manager.step, state_digest(model, optimizer), manager.transfer.served if c.rank == 0 else [])
+        records.finish(manager.step, state_digest(model, optimizer), manager.catchup.served if c.rank == 0 else [])
         dist.barrier()  # no rank tears its groups down while a sibling still uses them
     dist.destroy_process_group()
 
