@@ -88,6 +88,23 @@ class Manager:
             False from :meth:`start_step` (``optimizer.zero_grad()``) until :meth:`commit`. After
             ``optimizer.step()`` it says whether the optimizer really stepped; a step that failed
             (a peer died mid-exchange, every replica sat it out) leaves ``step`` where it was.
+
+    Thread model (docs/architecture.md, "Threads of a replica process"). Every public method
+    runs on the training thread, which owns the step's state (``step``, ``decision``,
+    ``stats``, ``_quorum``, ``_buffer``, ``_overlap``, ``_snapshot``, ``_metrics``, the state
+    functions). Other threads touch only:
+
+    - ``unbroken-coordinator`` (the client's connection thread) runs :meth:`_prepare_soon`
+      and :meth:`_donate_soon`. :meth:`_prepare` writes ``group``'s epoch, ``_prepared_for``,
+      ``_fetch``, ``_early`` and ``_own_state`` under ``_prepare_lock``, on whichever thread
+      acts on a quorum answer first; the training thread reads them only after its own
+      :meth:`_prepare` of the same decision, which the lock orders after the other one.
+      ``_donate_next`` is a plain flag: a late hint is acted on a step later.
+    - ``unbroken-fetch`` and ``unbroken-catch-up-exchange`` (:func:`in_background`) read
+      ``secret``, ``deadline``, ``device`` and the group; their results come back in the
+      Futures held by ``_fetch`` and ``_early``, waited on by the training thread.
+    - the recorder is appended to by the training thread and drained by the connection
+      thread (bounded deques); ``client`` and ``catchup`` guard their own state.
     """
 
     def __init__(
