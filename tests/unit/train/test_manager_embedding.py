@@ -141,3 +141,26 @@ def test_the_stack_dump_never_lands_in_the_working_directory(monkeypatch: pytest
     Path(tmp).rmdir()
     m.config = ReplicaConfig(coordinator="127.0.0.1:1", replica_id=2, num_replicas=3, run_dir=str(tmp_path / "run"))
     assert m._stack_dump_path() == (str(tmp_path / "run" / "stacks" / "r2-rank0.txt"), None)
+
+
+def test_background_work_hands_back_its_result_or_its_error_in_a_future() -> None:
+    """The Manager's fetch and catch-up exchange: a daemon thread (never joined at exit) named
+    for the docs' thread table, whose outcome the training thread gets from a Future."""
+    import threading
+
+    from unbroken.train.manager import in_background
+
+    names: list[str] = []
+
+    def work() -> int:
+        names.append(threading.current_thread().name)
+        assert threading.current_thread().daemon
+        return 7
+
+    assert in_background("unbroken-fetch", work).result(timeout=10) == 7 and names == ["unbroken-fetch"]
+
+    def fail() -> int:
+        raise ConnectionError("the donor went away")
+
+    with pytest.raises(ConnectionError, match="the donor went away"):
+        in_background("unbroken-fetch", fail).result(timeout=10)
