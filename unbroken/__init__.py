@@ -40,19 +40,24 @@ __all__ = [
 
 if TYPE_CHECKING:
     from unbroken.checkpoint import Checkpointer
+    from unbroken.entry import init
     from unbroken.train.checkpointing import checkpointer_for, resume, save_if_due
     from unbroken.train.ddp import DistributedDataParallel
-    from unbroken.train.manager import Manager, init
+    from unbroken.train.manager import Manager
     from unbroken.train.optimizer import DataParallel, Optimizer, average_gradients, gradient_numel
     from unbroken.train.state import ModelState, model_state
 
 
 def __getattr__(name: str) -> Any:
     # Importing torch only when the training API is used keeps the CLI quick to start.
-    if name in ("Manager", "init"):
-        from unbroken.train import manager
+    if name == "init":
+        from unbroken.entry import init
 
-        return getattr(manager, name)
+        return init
+    if name == "Manager":
+        from unbroken.train.manager import Manager
+
+        return Manager
     if name == "DistributedDataParallel":
         from unbroken.train.ddp import DistributedDataParallel
 

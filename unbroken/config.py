@@ -1,7 +1,10 @@
 """Typed settings. Every environment variable unbroken reads or sets is named here.
 
 The launcher writes these into each worker's environment; ``unbroken.init()`` reads them back,
-so a training script needs no arguments of its own to join a fault-tolerant job.
+so a training script needs no arguments of its own to join a fault-tolerant job. Every read of
+the environment goes through a function here, which parses and checks the value and names the
+variable in its error; a module elsewhere only copies the whole environment on to a child
+process (which reads nothing).
 """
 
 from __future__ import annotations
@@ -22,8 +25,17 @@ ENV_RESTART_COUNT = "UNBROKEN_RESTART_COUNT"
 ENV_CHECKPOINT_DIR = "UNBROKEN_CHECKPOINT_DIR"
 # Set by the supervisor when it rolls the job back: load exactly this checkpoint step.
 ENV_RESUME_STEP = "UNBROKEN_RESUME_STEP"
-# The worker-side faults of this rank (JSON, see unbroken.launch.chaos); unset: no chaos.
+# The worker-side faults of this rank (JSON, see unbroken.faults.worker); unset: no chaos.
 ENV_CHAOS = "UNBROKEN_CHAOS"
+# A fault in the ring transport's links (see unbroken.faults.link), e.g. "0-2:mb_s=20:step=30".
+ENV_LINK_FAULT = "UNBROKEN_LINK_FAULT"
+# The cross-replica exchange: "backend" (the backend's all-reduce, the default) or "ring" (a
+# CPU-driven ring with per-connection timings for link diagnosis, unbroken.comm.ring).
+ENV_EXCHANGE = "UNBROKEN_EXCHANGE"
+EXCHANGES = ("backend", "ring")
+# Seconds a rank waits for its first connection to the coordinator; overrides
+# unbroken.init(connect_timeout_s=...).
+ENV_CONNECT_TIMEOUT = "UNBROKEN_CONNECT_TIMEOUT"
 # "0" turns the flight recorder off (measuring its overhead); diagnosis then sees nothing.
 ENV_RECORDER = "UNBROKEN_RECORDER"
 # "0" waits for the training thread before acting on a quorum answer (measuring what acting
@@ -51,6 +63,12 @@ ENV_ROLE_RANK = "ROLE_RANK"
 ENV_ROLE_WORLD_SIZE = "ROLE_WORLD_SIZE"
 ENV_TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 ENV_TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
+# Read, never set: Gloo's own choice of interface (a set one wins over unbroken's loopback
+# default) and the intra-op thread count a worker inherits.
+ENV_GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
+ENV_OMP_NUM_THREADS = "OMP_NUM_THREADS"
+# Extended (never replaced) for the helper processes that must import this very package.
+ENV_PYTHONPATH = "PYTHONPATH"
 
 
 class ConfigError(ValueError):
@@ -65,6 +83,104 @@ def parse_host_port(value: str, what: str = "address") -> tuple[str, int]:
     return host, int(port)
 
 
+def _environ(env: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if env is None else env
+
+
+def _switch(name: str, env: Mapping[str, str] | None) -> bool:
+    """An on/off variable that is on unless set to ``0``."""
+    return _environ(env).get(name, "1") != "0"
+
+
+def prepare_early(env: Mapping[str, str] | None = None) -> bool:
+    """``UNBROKEN_PREPARE_EARLY``: act on a quorum answer as soon as it arrives (default on)."""
+    return _switch(ENV_PREPARE_EARLY, env)
+
+
+def recorder_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """``UNBROKEN_RECORDER``: keep the flight recorder (default on)."""
+    return _switch(ENV_RECORDER, env)
+
+
+def anomaly_policy(env: Mapping[str, str] | None = None) -> str:
+    """``UNBROKEN_ANOMALY_POLICY``, unparsed (``unbroken.diagnosis.metrics.parse_policy``); '' unset."""
+    return _environ(env).get(ENV_ANOMALY_POLICY, "")
+
+
+def chaos_spec(env: Mapping[str, str] | None = None) -> str | None:
+    """``UNBROKEN_CHAOS``: this rank's worker faults as the launcher wrote them; None unset."""
+    return _environ(env).get(ENV_CHAOS) or None
+
+
+def link_fault_spec(env: Mapping[str, str] | None = None) -> str | None:
+    """``UNBROKEN_LINK_FAULT``, unparsed (``unbroken.faults.link.LinkFault.parse``); None unset."""
+    return _environ(env).get(ENV_LINK_FAULT) or None
+
+
+def exchange_mode(env: Mapping[str, str] | None = None) -> str:
+    """``UNBROKEN_EXCHANGE``: ``backend`` (default) or ``ring``."""
+    mode = _environ(env).get(ENV_EXCHANGE, "backend")
+    if mode not in EXCHANGES:
+        raise ConfigError(f"{ENV_EXCHANGE} must be 'backend' or 'ring', got {mode!r}")
+    return mode
+
+
+def connect_timeout_s(default: float, env: Mapping[str, str] | None = None) -> float:
+    """``UNBROKEN_CONNECT_TIMEOUT`` in seconds when set, else ``default``."""
+    raw = _environ(env).get(ENV_CONNECT_TIMEOUT)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ConfigError(f"{ENV_CONNECT_TIMEOUT} must be a number of seconds > 0, got {raw!r}")
+    return value
+
+
+def run_dir_given(env: Mapping[str, str] | None = None) -> bool:
+    """Whether ``UNBROKEN_RUN_DIR`` names a run directory (the launcher always sets it)."""
+    return bool(_environ(env).get(ENV_RUN_DIR))
+
+
+def secret_file(env: Mapping[str, str] | None = None) -> str | None:
+    """``UNBROKEN_SECRET_FILE``, stripped; None when unset or blank."""
+    return _environ(env).get(ENV_SECRET_FILE, "").strip() or None
+
+
+def gloo_socket_ifname(env: Mapping[str, str] | None = None) -> str | None:
+    """``GLOO_SOCKET_IFNAME`` when the user chose Gloo's interface; None otherwise."""
+    return _environ(env).get(ENV_GLOO_SOCKET_IFNAME) or None
+
+
+def omp_num_threads(default: int, env: Mapping[str, str] | None = None) -> str:
+    """The ``OMP_NUM_THREADS`` a worker gets: the one set around us wins over ``default``."""
+    return _environ(env).get(ENV_OMP_NUM_THREADS, str(default))
+
+
+def python_path(env: Mapping[str, str] | None = None) -> str | None:
+    """The ``PYTHONPATH`` set around us; None when unset or empty."""
+    return _environ(env).get(ENV_PYTHONPATH) or None
+
+
+def local_rank(env: Mapping[str, str] | None = None) -> int:
+    """torchrun's ``LOCAL_RANK`` (0 when unset): which of this node's devices a rank takes."""
+    raw = _environ(env).get(ENV_LOCAL_RANK, "0")
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{ENV_LOCAL_RANK} must be an integer, got {raw!r}") from None
+
+
+def master_address(env: Mapping[str, str] | None = None) -> tuple[str, str] | None:
+    """torch.distributed's ``(MASTER_ADDR, MASTER_PORT)``; None unless both are set."""
+    e = _environ(env)
+    if ENV_MASTER_ADDR not in e or ENV_MASTER_PORT not in e:
+        return None
+    return e[ENV_MASTER_ADDR], e[ENV_MASTER_PORT]
+
+
 def is_stack_signal(number: int) -> bool:
     """Whether ``number`` may be sent to ask for a stack dump: the user signals and the real-time
     ones, whose default action no program relies on (never one that stops or ends the process)."""
@@ -77,7 +193,7 @@ def stack_signal(env: Mapping[str, str] | None = None) -> int | None:
     Configurable because Slurm and Lightning use SIGUSR1 themselves; the handler chains to
     theirs either way.
     """
-    raw = (os.environ if env is None else env).get(ENV_STACK_SIGNAL, "").strip()
+    raw = _environ(env).get(ENV_STACK_SIGNAL, "").strip()
     if not raw:
         return int(signal.SIGUSR1)
     if raw.lower() in ("none", "off", "0"):
@@ -156,7 +272,7 @@ class ReplicaConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ReplicaConfig:
         """Reads the configuration the launcher put in the environment."""
-        env = os.environ if env is None else env
+        env = _environ(env)
         if ENV_COORDINATOR not in env:
             raise ConfigError(
                 f"{ENV_COORDINATOR} is not set: start the script with "

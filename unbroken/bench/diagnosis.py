@@ -28,18 +28,18 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+import unittest.mock
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import click
 
 from unbroken.bench.output import publish
-from unbroken.comm.process_group import ENV_EXCHANGE
-from unbroken.comm.recorder import ENV_LINK_FAULT, FlightRecorder
-from unbroken.config import ENV_RECORDER
+from unbroken.comm.recorder import FlightRecorder
+from unbroken.config import ENV_EXCHANGE, ENV_LINK_FAULT, ENV_RECORDER
 from unbroken.diagnosis.verdict import COMM_HANG, COMM_SLOW, METRIC_ANOMALY, NONCOMM_HANG, STRAGGLER
-from unbroken.launch.chaos import Schedule
+from unbroken.faults.schedule import Schedule
 from unbroken.launch.launcher import Launcher, LaunchSettings
 from unbroken.observe.events import read_events, read_jsonl
 
@@ -234,19 +234,9 @@ def median_step_s(rows: Sequence[Row], skip: int = 10) -> float | None:
 # -- running ---------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _environ(extra: dict[str, str]) -> Iterator[None]:
+def _environ(extra: dict[str, str]) -> contextlib.AbstractContextManager[Any]:
     """Workers inherit the launcher's environment; set the scenario's part for one run."""
-    old = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return unittest.mock.patch.dict(os.environ, extra)
 
 
 def _rows(run_dir: Path) -> list[Row]:

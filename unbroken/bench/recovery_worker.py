@@ -194,7 +194,7 @@ def main() -> None:
             )
             + "\n"
         )
-    served = manager.transfer.served if unbroken_loop else []
+    served = manager.catchup.served if unbroken_loop else []
     (args.out / f"digest-r{replica}.json").write_text(
         json.dumps({"step": step, "digest": state_digest(model, inner), "served": served})
     )

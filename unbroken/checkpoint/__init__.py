@@ -1,4 +1,4 @@
-"""Tiered asynchronous checkpoints: host-memory snapshot, peer copy, durable disk.
+"""Tiered asynchronous checkpoints: host-memory snapshot, peer tier (peer.py), durable disk.
 
 Names are imported lazily so that the persist process, which imports this package's disk
 modules, never pays for importing torch.

@@ -6,6 +6,8 @@ import os
 
 import click
 
+from unbroken.checkpoint.peer import DEFAULT_MAX_BYTES
+
 
 def _require_dir(directory: str) -> None:
     if not os.path.isdir(directory):
@@ -116,7 +118,7 @@ def export(directory: str, step: int | None, out: str) -> None:
 @click.option(
     "--max-gb",
     type=float,
-    default=64.0,
+    default=DEFAULT_MAX_BYTES / (1 << 30),
     show_default=True,
     help="The most memory the copies held (and arriving) may take.",
 )

@@ -113,7 +113,7 @@ class ShardManifest:
         the pure-Python indenting encoder held the GIL for ~14 ms per save of a 117-tensor state.
         """
         raw = {k: v for k, v in self.__dict__.items() if k != "tensors"}
-        raw["tensors"] = [_entry_dict(t) for t in self.tensors]
+        raw["tensors"] = entries_to_json(self.tensors)
         return json.dumps(raw, sort_keys=True)
 
     @classmethod
@@ -126,19 +126,7 @@ class ShardManifest:
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise ValueError(f"manifest format is not {FORMAT!r}")
         try:
-            tensors = [
-                TensorEntry(
-                    name=t["name"],
-                    dtype=t["dtype"],
-                    shape=_ints(t["shape"]),
-                    global_shape=_ints(t["global_shape"]),
-                    global_offset=_ints(t["global_offset"]),
-                    begin=int(t["begin"]),
-                    end=int(t["end"]),
-                    crc32=t.get("crc32"),
-                )
-                for t in raw["tensors"]
-            ]
+            tensors = entries_from_json(raw["tensors"])
             manifest = cls(
                 step=int(raw["step"]),
                 replica=int(raw["replica"]),
@@ -214,23 +202,72 @@ def validate(manifest: ShardManifest) -> None:
         raise ValueError("manifest step is negative")
     if not (0 <= manifest.replica < manifest.replicas and 0 <= manifest.rank < manifest.world_size):
         raise ValueError("manifest replica/rank outside replicas/world_size")
-    if len(manifest.tensors) > MAX_TENSORS:
-        raise ValueError(f"manifest lists {len(manifest.tensors)} tensors (at most {MAX_TENSORS})")
     if not 0 <= manifest.objects_len <= MAX_BYTES:
         raise ValueError(f"manifest objects_len {manifest.objects_len} is out of range")
+    check_entries(manifest.tensors)
+
+
+def check_entries(entries: list[TensorEntry]) -> int:
+    """Checks that ``entries`` tile their data section exactly; returns its length in bytes.
+
+    Each entry names a unique tensor of a known dtype and a plausible shape, at an offset that
+    is a multiple of its element size (so the bytes view as the dtype in place), and the
+    entries lie back to back from 0 with no hole and no overlap: every byte a reader writes or
+    views then lies inside the data section. A checkpoint's manifest and a catch-up donor's
+    header (:mod:`unbroken.comm.catchup`) are both checked here.
+
+    Raises:
+        ValueError: naming the first entry that breaks a rule.
+    """
+    if len(entries) > MAX_TENSORS:
+        raise ValueError(f"{len(entries)} tensors listed (at most {MAX_TENSORS})")
     names = set()
-    for t in manifest.tensors:
+    for t in entries:
         _check_entry(t)
         if t.name in names:
             raise ValueError(f"{t.name}: listed twice")
         names.add(t.name)
     offset = 0
-    for t in sorted(manifest.tensors, key=lambda t: t.begin):
+    for t in sorted(entries, key=lambda t: t.begin):
         if t.begin != offset:
             raise ValueError(f"{t.name}: data starts at {t.begin}, expected {offset} (hole or overlap)")
         if t.end - t.begin != math.prod(t.shape) * itemsize(t.dtype):
             raise ValueError(f"{t.name}: byte range does not match shape and dtype")
+        if t.begin % itemsize(t.dtype):
+            raise ValueError(f"{t.name}: data at byte {t.begin} is not aligned to its {t.dtype} elements")
         offset = t.end
+    return offset
+
+
+def entries_to_json(entries: list[TensorEntry]) -> list[dict[str, Any]]:
+    """The entries as JSON-ready dicts (a manifest's ``tensors``, a catch-up header's entries)."""
+    return [_entry_dict(e) for e in entries]
+
+
+def entries_from_json(raw: Any) -> list[TensorEntry]:
+    """Parses :func:`entries_to_json`'s output; unchecked (see :func:`check_entries`).
+
+    Raises:
+        ValueError: a field is missing or of the wrong type.
+    """
+    if not isinstance(raw, list):
+        raise ValueError(f"the tensor entries are not a list: {type(raw).__name__}")
+    try:
+        return [
+            TensorEntry(
+                name=t["name"],
+                dtype=t["dtype"],
+                shape=_ints(t["shape"]),
+                global_shape=_ints(t["global_shape"]),
+                global_offset=_ints(t["global_offset"]),
+                begin=int(t["begin"]),
+                end=int(t["end"]),
+                crc32=t.get("crc32"),
+            )
+            for t in raw
+        ]
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"a tensor entry is missing or mistypes a field ({exc!r})") from exc
 
 
 def _check_entry(t: TensorEntry) -> None:

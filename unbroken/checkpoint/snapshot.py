@@ -1,5 +1,12 @@
 """The snapshot tier: the training state copied into reused host buffers.
 
+One implementation for both copies of a replica's state that leave the training thread: a
+checkpoint (:class:`~unbroken.checkpoint.Checkpointer`) and a donor's catch-up snapshot for a
+recovering peer (:mod:`unbroken.comm.catchup`). Both flatten the state into named tensors and a
+pickled skeleton (:func:`flatten`), lay the tensors out back to back
+(:func:`unbroken.checkpoint.manifest.layout`) in a :class:`HostBuffer`, and copy with
+:func:`copy_tensor`.
+
 The buffer is an anonymous memory file (memfd) mapped into this process, so the persist process
 can map the same pages by receiving its file descriptor: nothing is copied or pickled on the way
 to disk. Buffers are allocated once, touched once (a fresh page costs a page fault, which makes
@@ -130,6 +137,12 @@ def unflatten(skeleton: Any, tensors: dict[str, torch.Tensor], shards: dict[str,
     return walk(skeleton)
 
 
+def view_bytes(data: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    """The bytes ``[entry.begin, entry.end)`` of the uint8 tensor ``data``, viewed as the
+    entry's tensor (no copy)."""
+    return data[entry.begin : entry.end].view(getattr(torch, entry.dtype)).view(entry.shape)
+
+
 class HostBuffer:
     """A shareable, pre-touched, optionally pinned host buffer that only ever grows."""
 
@@ -154,8 +167,7 @@ class HostBuffer:
 
     def view(self, entry: TensorEntry) -> torch.Tensor:
         """The region of one tensor, viewed as that tensor (no copy)."""
-        dtype = getattr(torch, entry.dtype)
-        return self.bytes[entry.begin : entry.end].view(dtype).view(entry.shape)
+        return view_bytes(self.bytes, entry)
 
     def views(self, entries: list[TensorEntry]) -> list[torch.Tensor]:
         """:meth:`view` of every entry, kept while the same layout object is passed again

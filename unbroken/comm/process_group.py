@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import datetime
-import os
 import threading
 import time
 from concurrent.futures import Future
@@ -33,12 +32,11 @@ import torch.distributed as dist
 from unbroken.comm.recorder import FlightRecorder
 from unbroken.comm.ring import ring_allreduce_sum
 from unbroken.comm.store import AuthenticatedStore
-from unbroken.config import parse_host_port
+from unbroken.config import exchange_mode, gloo_socket_ifname, parse_host_port
 from unbroken.wire.auth import JobSecret
 
 # "backend" (default): the backend's all-reduce; "ring": unbroken's CPU-driven ring, slower on
 # CPU but with per-connection timings (the diagnosis can then name a link).
-ENV_EXCHANGE = "UNBROKEN_EXCHANGE"
 
 
 def _keep_forever(pg: Any) -> None:
@@ -95,9 +93,7 @@ class CrossReplicaGroup:
         self.members: list[int] = []
         self.last_join_wait_s = 0.0  # how long the last exchange waited for its epoch's rendezvous
         self.tag = ""
-        self.mode = os.environ.get(ENV_EXCHANGE, "backend")
-        if self.mode not in ("backend", "ring"):
-            raise ValueError(f"{ENV_EXCHANGE} must be 'backend' or 'ring', got {self.mode!r}")
+        self.mode = exchange_mode()
 
     def configure(
         self,
@@ -390,7 +386,7 @@ class CrossReplicaGroup:
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stub lacks _Options
         options._timeout = self.timeout
         host = parse_host_port(store_address, "store address")[0]
-        if _is_loopback(host) and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        if _is_loopback(host) and gloo_socket_ifname() is None:
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         else:
             options._devices = [dist.ProcessGroupGloo.create_default_device()]

@@ -9,114 +9,32 @@ coordinator, never on the training thread or in the exchange.
 
 A collective record is ``[group, seq, op, nbytes, enter_ns, exit_ns, ok, members, rq_enter_ns,
 rq_exit_ns]`` (monotonic ns; ``rq_*`` is the training thread's cumulative run-queue wait, see
-:class:`RunQueueWait`); a transfer record ``[group, seq, direction, peer, ring_step, nbytes, post_ns, done_ns]``,
-the peer being a replica id. Each connection also feeds an ICCL window monitor.
+:class:`~unbroken.comm.runqueue.RunQueueWait`); a transfer record ``[group, seq, direction,
+peer, ring_step, nbytes, post_ns, done_ns]``, the peer being a replica id. Each connection
+also feeds an ICCL window monitor.
 
-Link faults for the scenario suite live here too, because only the transport knows a link:
-``UNBROKEN_LINK_FAULT="A-B:mb_s=20:step=30"`` slows both directions between replicas A and B
-to 20 MB/s from step 30; ``"A-B:stall:step=30"`` stops the transfer A -> B for good;
-``"A:mb_s=20:step=30"`` slows every connection of replica A (a slow node). The delay holds the
-send after it is posted, as a slow wire would (see :func:`unbroken.comm.ring.ring_allreduce_sum`).
+As the ring's :class:`~unbroken.comm.ring.LinkHook` the recorder also carries a link fault when
+one is injected (:class:`LinkDelay`, :mod:`unbroken.faults.link`): only the transport knows a
+link. The recorder is given it; it never reads the environment.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import faulthandler
 import os
-import signal
-import threading
 import time
 from collections import deque
-from pathlib import Path
-from typing import IO, Any
+from typing import Any, Protocol
 
+from unbroken.comm.runqueue import RunQueueWait
 from unbroken.diagnosis.window import WindowMonitor
 
-ENV_LINK_FAULT = "UNBROKEN_LINK_FAULT"
-STACK_SIGNAL = signal.SIGUSR1
 
-
-@dataclasses.dataclass(frozen=True)
-class LinkFault:
-    """A fault on the link between replicas ``a`` and ``b`` (``stall``: only a -> b).
-
-    ``b`` None: every connection of replica ``a`` (a slow node; not with ``stall``).
-    """
-
-    a: int
-    b: int | None
-    step: int = 0
-    mb_s: float | None = None
-    stall: bool = False
-
-    @classmethod
-    def parse(cls, spec: str) -> LinkFault:
-        try:
-            link, *opts = spec.split(":")
-            ends = [int(x) for x in link.split("-")]
-            if len(ends) not in (1, 2):
-                raise ValueError("the link is A-B (two replicas) or A (all of one replica's links)")
-            a, b = ends[0], (ends[1] if len(ends) == 2 else None)
-            kw: dict[str, Any] = {}
-            for o in opts:
-                if o == "stall":
-                    kw["stall"] = True
-                else:
-                    k, v = o.split("=")
-                    kw[k] = float(v) if k == "mb_s" else int(v)
-            fault = cls(a, b, **kw)
-        except (ValueError, TypeError) as e:
-            raise ValueError(
-                f"{ENV_LINK_FAULT}={spec!r}: write A-B:mb_s=MB:step=N, A:mb_s=MB:step=N " f"or A-B:stall:step=N ({e})"
-            ) from e
-        if not fault.stall and not (fault.mb_s and fault.mb_s > 0):
-            raise ValueError(f"{ENV_LINK_FAULT}={spec!r}: give mb_s > 0 or stall")
-        if fault.stall and fault.b is None:
-            raise ValueError(f"{ENV_LINK_FAULT}={spec!r}: a stall names one direction A-B, not a whole replica")
-        return fault
+class LinkDelay(Protocol):
+    """An injected link fault (:class:`unbroken.faults.link.LinkFault` is one)."""
 
     def delay_s(self, src: int, dst: int, step: int, nbytes: int) -> float | None:
-        """Seconds to hold a send src -> dst (inf: forever), or None when not affected."""
-        if step < self.step:
-            return None
-        if self.stall:
-            return float("inf") if (src, dst) == (self.a, self.b) else None
-        if {src, dst} == {self.a, self.b} or (self.b is None and self.a in (src, dst)):
-            return nbytes / (self.mb_s * 1e6)  # type: ignore[operator]
-        return None
-
-
-class RunQueueWait:
-    """The calling thread's cumulative time runnable but without a CPU (Linux schedstat), in ns.
-
-    This is what tells "this rank is slow" from "this machine is busy": a rank whose compute is
-    slow, or that sleeps, does not wait in the run queue; one whose CPU other processes hold
-    does. Subtracting it from the time between two collectives leaves the rank's own compute
-    time. Counts the training thread only (its intra-op helper threads are not read); 0 where
-    the kernel does not say (then nothing is subtracted). One ``pread`` of about 2 us.
-    """
-
-    def __init__(self) -> None:
-        self._fd: int | None = None
-        self._tid: int | None = None
-
-    def read(self) -> int:
-        tid = threading.get_native_id()
-        if tid != self._tid:
-            self._tid = tid
-            if self._fd is not None:
-                os.close(self._fd)
-            try:
-                self._fd = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
-            except OSError:
-                self._fd = None
-        if self._fd is None:
-            return 0
-        try:
-            return int(os.pread(self._fd, 64, 0).split()[1])
-        except (OSError, ValueError, IndexError):
-            return 0
+        """Seconds to hold a send from replica ``src`` to ``dst`` (inf: forever); None: unaffected."""
+        ...
 
 
 class FlightRecorder:
@@ -126,9 +44,12 @@ class FlightRecorder:
         capacity: entries kept for a post-mortem dump (the ring).
         batch_max: most entries shipped per batch.
         replica: this rank's replica id (transfers name peers by replica id).
+        link_fault: an injected link fault that delays this rank's sends; None in real jobs.
     """
 
-    def __init__(self, replica: int, capacity: int = 2048, batch_max: int = 256) -> None:
+    def __init__(
+        self, replica: int, capacity: int = 2048, batch_max: int = 256, link_fault: LinkDelay | None = None
+    ) -> None:
         self.replica = replica
         self.batch_max = batch_max
         self.ring: deque[list[Any]] = deque(maxlen=capacity)
@@ -145,8 +66,7 @@ class FlightRecorder:
         self.run_queue = RunQueueWait()
         self.members: list[int] = []
         self.group = ""
-        spec = os.environ.get(ENV_LINK_FAULT)
-        self.link_fault = LinkFault.parse(spec) if spec else None
+        self.link_fault = link_fault
 
     # -- training thread -------------------------------------------------------------------
 
@@ -259,31 +179,3 @@ def _drain(q: deque[Any], n: int) -> list[Any]:
     while q and len(out) < n:
         out.append(q.popleft())
     return out
-
-
-class StackDump:
-    """Writes every thread's Python stack to ``path`` when the process gets ``signum`` (hang verdicts).
-
-    faulthandler writes from the C signal handler, so a rank stuck in a blocking C call (a
-    sleep, a collective wait) still answers. A SIGSTOPped process cannot: the signal stays
-    pending until SIGCONT. A handler the program installed before (Slurm's and Lightning's
-    SIGUSR1 handlers) still runs after the dump: taking the signal over would break them. With
-    no earlier handler nothing is chained, since the default action of SIGUSR1 ends the process.
-    The handler stays for the life of the process: the diagnosis may still ask a finishing
-    process for its stack, and with SIGUSR1's default action back that would kill it.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], signum: int = STACK_SIGNAL) -> None:
-        self.path = Path(path)
-        self.signum = signum
-        previous = signal.getsignal(signum)
-        # None: a handler installed outside Python, which must keep working too.
-        chain = previous is None or callable(previous)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.file: IO[str] = open(self.path, "w")  # noqa: SIM115 - must stay open for the signal handler
-        faulthandler.register(signum, file=self.file, all_threads=True, chain=chain)
-
-
-def install_stack_dump(path: str | os.PathLike[str], signum: int = STACK_SIGNAL) -> StackDump:
-    """Makes ``signum`` write every thread's Python stack to ``path`` (see :class:`StackDump`)."""
-    return StackDump(path, signum)

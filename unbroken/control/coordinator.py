@@ -23,14 +23,13 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import os
 import statistics
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any
 
-from unbroken.config import ENV_ANOMALY_POLICY
+from unbroken.config import anomaly_policy
 from unbroken.control import protocol
 from unbroken.control.assignment import Assignment
 from unbroken.control.quorum import QuorumDecision, QuorumRequest, QuorumRules, QuorumState
@@ -143,7 +142,7 @@ class Coordinator:
             raise TypeError("the coordinator needs the job's JobSecret (there is no unauthenticated mode)")
         self.settings = settings
         self.secret = secret
-        policy = parse_policy(settings.anomaly_policy or os.environ.get(ENV_ANOMALY_POLICY, ""))
+        policy = parse_policy(settings.anomaly_policy or anomaly_policy())
         self.store = StateStore(settings.state_dir, settings.journal_mode, settings.keep_events)
         try:
             self.events = EventLog(Path(settings.state_dir) / "events.jsonl", "coordinator")

@@ -20,6 +20,10 @@ from unbroken.control.coordinator import Coordinator, CoordinatorSettings
 from unbroken.control.state_store import JOURNAL_MODES
 from unbroken.wire.auth import JobSecret
 
+# A standalone coordinator's port: a fixed one that agents and workers can be told in advance
+# (the coordinator inside `unbroken run` takes any free port, CoordinatorSettings.port).
+DEFAULT_PORT = 29510
+
 
 async def _serve(settings: CoordinatorSettings, secret: JobSecret, secret_path: Path) -> None:
     coordinator = Coordinator(settings, secret)
@@ -38,23 +42,27 @@ async def _serve(settings: CoordinatorSettings, secret: JobSecret, secret_path: 
 @click.command()
 @click.option("--replicas", type=int, required=True, help="Replicas the job is configured with.")
 @click.option("--min-replicas", type=int, default=None, help="Fewest replicas that may train [default: a majority].")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=int, default=29510, show_default=True)
+@click.option("--host", default=CoordinatorSettings.host, show_default=True)
+@click.option("--port", type=int, default=DEFAULT_PORT, show_default=True)
 @click.option("--state-dir", type=click.Path(path_type=Path), default=Path("runs/coordinator"), show_default=True)
 @click.option(
-    "--heartbeat-timeout", type=float, default=2.0, show_default=True, help="Seconds of silence before eviction."
+    "--heartbeat-timeout",
+    type=float,
+    default=CoordinatorSettings.heartbeat_timeout_s,
+    show_default=True,
+    help="Seconds of silence before eviction.",
 )
 @click.option(
     "--startup-window",
     type=float,
-    default=20.0,
+    default=CoordinatorSettings.startup_window_s,
     show_default=True,
     help="Seconds the first quorum waits for every replica.",
 )
 @click.option(
     "--journal-mode",
     type=click.Choice(JOURNAL_MODES),
-    default="delete",
+    default=CoordinatorSettings.journal_mode,
     show_default=True,
     help="SQLite journal of --state-dir: delete is safe on a shared filesystem; wal only on a local disk.",
 )

@@ -12,12 +12,12 @@ finds it from ``--secret-file``, then that variable, then the run/state director
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 
 import click
 
 from unbroken.config import ENV_SECRET_FILE, ConfigError
+from unbroken.config import secret_file as secret_file_from_env
 from unbroken.wire.auth import JobSecret
 
 SECRET_NAME = "secret"
@@ -44,7 +44,7 @@ def kept(directory: Path) -> tuple[JobSecret, Path]:
 def given(secret_file: Path | None) -> tuple[JobSecret, Path] | None:
     """The secret of ``--secret-file``, else of ``UNBROKEN_SECRET_FILE``; None if neither is set."""
     if secret_file is None:
-        raw = os.environ.get(ENV_SECRET_FILE, "").strip()
+        raw = secret_file_from_env()
         if not raw:
             return None
         secret_file = Path(raw)

@@ -1,2 +1,3 @@
-"""The supervisor: ``unbroken run``, ``unbroken agent``, restart and isolation policy, fault
-injection, worker processes, the demo (docs/operations.md)."""
+"""The supervisor: ``unbroken run``, ``unbroken agent``, restart and isolation policy, firing
+the faults of a schedule (the faults themselves: unbroken.faults), worker processes, the demo
+(docs/operations.md)."""

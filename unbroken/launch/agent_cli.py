@@ -29,15 +29,21 @@ from unbroken.launch.policy import RestartPolicy
 @click.option(
     "--slots",
     type=int,
-    default=1,
+    default=AgentSettings.slots,
     show_default=True,
     help="Replicas this node can run; slots beyond its share are spares for other nodes' replicas.",
 )
-@click.option("--ranks-per-replica", type=int, default=1, show_default=True, help="Processes per replica group.")
+@click.option(
+    "--ranks-per-replica",
+    type=int,
+    default=AgentSettings.ranks_per_replica,
+    show_default=True,
+    help="Processes per replica group.",
+)
 @click.option(
     "--run-dir",
     type=click.Path(path_type=Path),
-    default=Path("runs/latest"),
+    default=AgentSettings.run_dir,
     show_default=True,
     help="Logs and events (a shared filesystem on a cluster).",
 )
@@ -58,7 +64,7 @@ from unbroken.launch.policy import RestartPolicy
 @click.option(
     "--connect-timeout",
     type=float,
-    default=30.0,
+    default=AgentSettings.connect_timeout_s,
     show_default=True,
     help=(
         "Seconds to wait for the coordinator to answer, at start and after it went away "

@@ -43,8 +43,10 @@ from unbroken.control import secret_file
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings
 from unbroken.diagnosis import stacks
 from unbroken.diagnosis.metrics import parse_policy
-from unbroken.launch import injector, reaper, workers
-from unbroken.launch.chaos import Fault, Schedule, worker_env
+from unbroken.faults import supervisor as injector
+from unbroken.faults.schedule import Fault, Schedule
+from unbroken.faults.worker import worker_env
+from unbroken.launch import reaper, workers
 from unbroken.launch.lifecycle import RUNNING, Lifecycle, State
 from unbroken.launch.policy import Placement, RestartBook, RestartPolicy, Slot
 from unbroken.launch.verdicts import IGNORE, ISOLATE, ROLLBACK, VERDICT_ACTIONS, verdict_action
@@ -132,7 +134,7 @@ class LaunchSettings:
             )
         if self.coordinator is not None:
             env.parse_host_port(self.coordinator, "--coordinator")
-            if self.secret_file is None and not os.environ.get(env.ENV_SECRET_FILE):
+            if self.secret_file is None and env.secret_file() is None:
                 raise ValueError(
                     f"--coordinator needs the job's secret: --secret-file PATH (or {env.ENV_SECRET_FILE}), "
                     "the file `unbroken coordinator` wrote into its --state-dir"
@@ -323,7 +325,7 @@ class Launcher:
             **os.environ,
             **package_path(),
             "PYTHONUNBUFFERED": "1",
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(self._threads())),
+            env.ENV_OMP_NUM_THREADS: env.omp_num_threads(self._threads()),
         }
         self._warm = await asyncio.create_subprocess_exec(
             self.s.command[0],

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from unbroken.launch.chaos import Schedule
+from unbroken.faults.schedule import Schedule
 from unbroken.launch.launcher import (
     DEFAULT_TERM_GRACE_S,
     HANG_ACTIONS,
@@ -37,7 +37,7 @@ def supervisor_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             "faults",
             multiple=True,
             metavar="KIND:key=value,...",
-            help="Inject a fault, e.g. crash:replica=1,step=40 (repeatable; see unbroken.launch.chaos).",
+            help="Inject a fault, e.g. crash:replica=1,step=40 (repeatable; see unbroken.faults.schedule).",
         ),
         click.option(
             "--faults-file",
@@ -136,9 +136,15 @@ def supervisor_settings(kw: dict[str, Any]) -> dict[str, Any]:
 
 @click.command(context_settings={"ignore_unknown_options": True})
 @click.option("--replicas", type=int, required=True, help="Number of data-parallel replica groups.")
-@click.option("--ranks-per-replica", type=int, default=1, show_default=True, help="Processes per replica group.")
+@click.option(
+    "--ranks-per-replica",
+    type=int,
+    default=LaunchSettings.ranks_per_replica,
+    show_default=True,
+    help="Processes per replica group.",
+)
 @click.option("--min-replicas", type=int, default=None, help="Fewest replicas that may train [default: a majority].")
-@click.option("--run-dir", type=click.Path(path_type=Path), default=Path("runs/latest"), show_default=True)
+@click.option("--run-dir", type=click.Path(path_type=Path), default=LaunchSettings.run_dir, show_default=True)
 @click.option("--coordinator", default=None, help="HOST:PORT of an external coordinator (else one starts here).")
 @click.option("--port", type=int, default=0, help="Port of the in-process coordinator (0: a free one).")
 @click.option(
@@ -148,7 +154,9 @@ def supervisor_settings(kw: dict[str, Any]) -> dict[str, Any]:
     help="The job's secret (0600; `unbroken secret new PATH`) [default: a fresh one in --run-dir; "
     "with --coordinator, the one it was started with].",
 )
-@click.option("--max-restarts", type=int, default=10, show_default=True, help="Restarts per replica.")
+@click.option(
+    "--max-restarts", type=int, default=LaunchSettings.max_restarts, show_default=True, help="Restarts per replica."
+)
 @click.option(
     "--term-grace-s",
     type=float,

@@ -30,7 +30,7 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
-    from unbroken.launch.chaos import WorkerChaos
+    from unbroken.faults.worker import WorkerChaos
     from unbroken.train.replica_group import rendezvous_store
     from unbroken.wire.auth import JobSecret
 

@@ -52,7 +52,7 @@ def die_with_parent() -> Callable[[], None] | None:
 def package_path() -> dict[str, str]:
     """PYTHONPATH for helper processes (``python -m unbroken...``) to import this very package."""
     root = str(Path(__file__).resolve().parents[2])
-    return {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [root, env.python_path()]))}
 
 
 def free_port() -> int:
@@ -106,7 +106,7 @@ def worker_env(
         env.ENV_ROLE_WORLD_SIZE: str(world_size),
         env.ENV_TORCHELASTIC_RESTART_COUNT: str(restarts),
         env.ENV_TORCHELASTIC_RUN_ID: Path(run_dir).resolve().name,  # one id for the whole job
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads)),
+        env.ENV_OMP_NUM_THREADS: env.omp_num_threads(threads),
         "PYTHONUNBUFFERED": "1",
         "PYTHONFAULTHANDLER": "1",  # a crashing worker leaves its stack in the log
         **(extra or {}),

@@ -13,6 +13,7 @@ with :meth:`Manager.register_state_dict_fn` (see :mod:`unbroken.train.state`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -23,30 +24,32 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from unbroken.comm.catchup import CatchupServer, SnapshotCopy, fetch_state, snapshot_layout
 from unbroken.comm.deadline import LearnedDeadline
 from unbroken.comm.process_group import CrossReplicaGroup, ExchangeFailed
-from unbroken.comm.recorder import FlightRecorder, install_stack_dump
+from unbroken.comm.recorder import FlightRecorder, LinkDelay
 from unbroken.comm.store import AuthenticatedStore
-from unbroken.comm.transfer import SnapshotCopy, TransferServer, fetch_state, flatten_state, layout
 from unbroken.config import (
-    ENV_ANOMALY_POLICY,
-    ENV_PREPARE_EARLY,
-    ENV_RECORDER,
-    ENV_RUN_DIR,
     ReplicaConfig,
+    anomaly_policy,
     local_address_towards,
+    prepare_early,
+    recorder_enabled,
+    run_dir_given,
     stack_signal,
 )
+from unbroken.config import connect_timeout_s as connect_timeout_from_env
 from unbroken.control.client import CoordinatorClient
 from unbroken.control.quorum import QuorumDecision
 from unbroken.diagnosis.metrics import parse_policy, wants_skip
+from unbroken.diagnosis.stack_dump import install_stack_dump
 from unbroken.diagnosis.stacks import stack_path
-from unbroken.launch.chaos import WorkerChaos
+from unbroken.train.hooks import FaultHook
 from unbroken.train.overlap import METADATA, OverlappedExchange, busy_seconds
 from unbroken.train.replica_group import init_replica_group
 from unbroken.train.state import LoadStateDictFn, StateDictFn, as_local, as_shards
@@ -54,8 +57,12 @@ from unbroken.wire.auth import JobSecret
 from unbroken.wire.store import StoreServer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 LEGACY_STATE_KEY = "state"  # where init(state_dict=..., load_state_dict=...) registers its pair
+DEFAULT_MAX_ATTEMPTS = 8
+DEFAULT_QUORUM_TIMEOUT_S = 600.0
+DEFAULT_CONNECT_TIMEOUT_S = 60.0
 
 
 class Manager:
@@ -81,6 +88,23 @@ class Manager:
             False from :meth:`start_step` (``optimizer.zero_grad()``) until :meth:`commit`. After
             ``optimizer.step()`` it says whether the optimizer really stepped; a step that failed
             (a peer died mid-exchange, every replica sat it out) leaves ``step`` where it was.
+
+    Thread model (docs/architecture.md, "Threads of a replica process"). Every public method
+    runs on the training thread, which owns the step's state (``step``, ``decision``,
+    ``stats``, ``_quorum``, ``_buffer``, ``_overlap``, ``_snapshot``, ``_metrics``, the state
+    functions). Other threads touch only:
+
+    - ``unbroken-coordinator`` (the client's connection thread) runs :meth:`_prepare_soon`
+      and :meth:`_donate_soon`. :meth:`_prepare` writes ``group``'s epoch, ``_prepared_for``,
+      ``_fetch``, ``_early`` and ``_own_state`` under ``_prepare_lock``, on whichever thread
+      acts on a quorum answer first; the training thread reads them only after its own
+      :meth:`_prepare` of the same decision, which the lock orders after the other one.
+      ``_donate_next`` is a plain flag: a late hint is acted on a step later.
+    - ``unbroken-fetch`` and ``unbroken-catch-up-exchange`` (:func:`in_background`) read
+      ``secret``, ``deadline``, ``device`` and the group; their results come back in the
+      Futures held by ``_fetch`` and ``_early``, waited on by the training thread.
+    - the recorder is appended to by the training thread and drained by the connection
+      thread (bounded deques); ``client`` and ``catchup`` guard their own state.
     """
 
     def __init__(
@@ -90,9 +114,11 @@ class Manager:
         config: ReplicaConfig | None = None,
         device: torch.device | None = None,
         deadline: LearnedDeadline | None = None,
-        max_attempts: int = 8,
-        quorum_timeout_s: float = 600.0,
-        connect_timeout_s: float = 60.0,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        quorum_timeout_s: float = DEFAULT_QUORUM_TIMEOUT_S,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        fault_hook: FaultHook | None = None,
+        link_fault: LinkDelay | None = None,
     ) -> None:
         if (state_dict is None) != (load_state_dict is None):
             raise ValueError(
@@ -115,7 +141,7 @@ class Manager:
         self.secret = JobSecret.required()  # the job's key: the store, the donors and peers demand it
         self.group = CrossReplicaGroup(self.secret)
         # Peers on other nodes fetch from here: listen on the address that reaches the coordinator.
-        self.transfer = TransferServer(
+        self.catchup = CatchupServer(
             self.secret, host=local_address_towards(self.config.coordinator.rpartition(":")[0])
         )
         self.stats: dict[str, float] = {
@@ -130,7 +156,7 @@ class Manager:
         self._buffer: torch.Tensor | None = None
         self._snapshot: SnapshotCopy | None = None  # a donation still being copied
         self._grad_numel: int | None = None  # see expect_gradients
-        self._early: tuple[int, threading.Thread, dict[str, Any]] | None = None  # epoch, thread, result
+        self._early: tuple[int, Future[tuple[float, torch.Tensor]]] | None = None  # epoch, (seconds, sum)
         self._overlap: OverlappedExchange | None = None  # this step's exchange during backward
         # Whether a failed exchange goes back to the loop instead of being redone in place with
         # the same gradients (see wait_quorum): set when the batches depend on the quorum.
@@ -139,17 +165,17 @@ class Manager:
         self._donate_next = False  # the coordinator forecast that this replica serves a newcomer next
         self._last_commit: float | None = None
         self._step_time: float | None = None
-        self._fetch: tuple[threading.Thread, dict[str, Any]] | None = None
+        self._fetch: tuple[float, Future[_Fetched]] | None = None  # started at, the download
         self._prewarmed = False
         self._prepare_lock = threading.Lock()
         self._own_state: dict[str, Any] | None = None  # a fresh process's tensors, see start_step
-        self.prepare_early = os.environ.get(ENV_PREPARE_EARLY, "1") != "0"
-        self.chaos = WorkerChaos.from_env(self.config.replica_id)  # injected faults, usually None
+        self.prepare_early = prepare_early()
+        self.fault_hook = fault_hook  # injected faults (unbroken.init() installs them), usually None
         self._compute_t0 = time.perf_counter()
-        record = os.environ.get(ENV_RECORDER, "1") != "0"
-        self.recorder = FlightRecorder(self.config.replica_id) if record else None
+        record = recorder_enabled()
+        self.recorder = FlightRecorder(self.config.replica_id, link_fault=link_fault) if record else None
         self.group.recorder = self.recorder
-        self.anomaly_policy = parse_policy(os.environ.get(ENV_ANOMALY_POLICY, ""))
+        self.anomaly_policy = parse_policy(anomaly_policy())
         self._metrics: tuple[float | None, float | None] = (None, None)
         signum = stack_signal()
         stack_file, self._stack_tmp = self._stack_dump_path()
@@ -168,14 +194,14 @@ class Manager:
                 "replica": self.config.replica_id,
                 "rank": self.config.rank,
                 "world_size": self.config.world_size,
-                "transfer_addr": self.transfer.address,
+                "transfer_addr": self.catchup.address,
                 "node": self.config.node,
             },
             on_abort=self.group.abort,
             on_donate=self._donate_soon,
             telemetry=self.recorder.batch if self.recorder is not None else None,
         )
-        self.client.wait_connected(float(os.environ.get("UNBROKEN_CONNECT_TIMEOUT", connect_timeout_s)))
+        self.client.wait_connected(connect_timeout_from_env(connect_timeout_s))
 
     # -- the step ------------------------------------------------------------------------
 
@@ -198,8 +224,8 @@ class Manager:
                 self._donate_next = False
                 self._take_snapshot(early=True)
             self._compute_t0 = time.perf_counter()
-            if self.chaos is not None:
-                self.chaos.start_step(self.step)
+            if self.fault_hook is not None:
+                self.fault_hook.start_step(self.step)
 
     def wait_quorum(self) -> QuorumDecision:
         """This step's quorum decision: who trains it and who catches up; waits for it.
@@ -351,8 +377,8 @@ class Manager:
         assert o is not None and o.decision is not None
         if last:  # this rank's own time for the step, without waiting for peers
             self.client.compute_s = time.perf_counter() - self._compute_t0 - o.waited_s
-            if self.chaos is not None:
-                self.chaos.before_exchange(self.step, o.decision.members, 4 * (self._grad_numel or 0))
+            if self.fault_hook is not None:
+                self.fault_hook.before_exchange(self.step, o.decision.members, 4 * (self._grad_numel or 0))
         if o.failed:
             return False
         pending, o.pending = o.pending, []
@@ -429,8 +455,8 @@ class Manager:
         for _ in range(self.max_attempts):
             decision = self._await_quorum(failed)
             behind = self.config.replica_id in decision.behind
-            if self.chaos is not None:
-                self.chaos.before_exchange(self.step, decision.members, 4 * sum(g.numel() for g in grads), grads)
+            if self.fault_hook is not None:
+                self.fault_hook.before_exchange(self.step, decision.members, 4 * sum(g.numel() for g in grads), grads)
             if failed is None:  # this rank's own time for the step, without waiting for peers
                 self.client.compute_s = time.perf_counter() - self._compute_t0
             ok = self._vote(self._exchange(grads, decision, zero=behind))
@@ -471,11 +497,11 @@ class Manager:
         if not self._prewarmed:
             # The state is complete (optimizer state exists) only after the first commit.
             self._prewarmed = True
-            self.transfer.pool.prewarm(layout(flatten_state(self._local_state())[1])[1])
+            self.catchup.pool.prewarm(snapshot_layout(self._local_state())[3])
 
     def report_loss(self, loss: float, step: int | None = None) -> float:
         """The loss to report for ``step``; passes through injected faults (a NaN on purpose)."""
-        value = loss if self.chaos is None else self.chaos.loss(loss, self.step if step is None else step)
+        value = loss if self.fault_hook is None else self.fault_hook.loss(loss, self.step if step is None else step)
         self._metrics = (value, self._metrics[1])
         return value
 
@@ -486,7 +512,7 @@ class Manager:
             return
         self._closed = True
         self.client.close(finished=finished)
-        self.transfer.close()
+        self.catchup.close()
         if self._replica_store is not None and self._replica_store[1] is not None:
             self._replica_store[1].close()
         if self._stack_tmp is not None:
@@ -526,7 +552,7 @@ class Manager:
     def _stack_dump_path(self) -> tuple[str, str | None]:
         """Where this rank's stack dump goes: the run directory, or a private temporary one
         (removed at shutdown) for a process launched without one, never the working directory."""
-        if os.environ.get(ENV_RUN_DIR) or self.config.run_dir not in (".", ""):
+        if run_dir_given() or self.config.run_dir not in (".", ""):
             return stack_path(self.config.run_dir, self.config.replica_id, self.config.rank), None
         tmp = tempfile.mkdtemp(prefix="unbroken-stacks-")
         return os.path.join(tmp, os.path.basename(stack_path(tmp, self.config.replica_id, self.config.rank))), tmp
@@ -557,7 +583,7 @@ class Manager:
         before it returns, that is, before the optimizer steps.
         """
         taken = time.perf_counter()
-        self._snapshot = SnapshotCopy(self.step, self._local_state(), self.transfer.pool, self.transfer.publish)
+        self._snapshot = SnapshotCopy(self.step, self._local_state(), self.catchup.pool, self.catchup.publish)
         self.stats["last_snapshot_s"] = time.perf_counter() - taken
         self.stats["last_snapshot_early"] = float(early)
 
@@ -671,40 +697,36 @@ class Manager:
         return bool(up) and self.config.replica_id == min(up)
 
     def _start_fetch(self, address: str, step: int) -> None:
-        box: dict[str, Any] = {"start": time.perf_counter()}
+        """Starts downloading the donor's state of ``step`` (runs on the connection thread
+        when prepared early); the training thread waits for it in :meth:`_finish_recovery`."""
         into, self._own_state = self._own_state, None
 
-        def run() -> None:
-            try:
-                cpu = time.thread_time()
-                box["state"] = fetch_state(address, step, self.secret, into=into)
-                box["fetched"] = time.perf_counter()
-                box["cpu_s"] = time.thread_time() - cpu
-            except Exception as e:  # surfaces on the training thread in _finish_recovery
-                box["error"] = e
+        def run() -> _Fetched:
+            cpu = time.thread_time()
+            state = fetch_state(address, step, self.secret, into=into)
+            return _Fetched(state, time.perf_counter(), time.thread_time() - cpu)
 
-        thread = threading.Thread(target=run, name="unbroken-fetch", daemon=True)
-        thread.start()
-        self._fetch = (thread, box)
+        self._fetch = (time.perf_counter(), in_background("unbroken-fetch", run))
 
     def _finish_recovery(self, decision: QuorumDecision) -> None:
         assert self._fetch is not None
-        thread, box = self._fetch
+        started, download = self._fetch
         self._fetch = None
-        thread.join()
-        if "error" in box:
-            raise RuntimeError(f"catch-up from a donor failed: {box['error']}") from box["error"]
-        state = box["state"]
+        try:
+            fetched = download.result()
+        except Exception as e:
+            raise RuntimeError(f"catch-up from a donor failed: {e}") from e
+        state = fetched.state
         loading = time.perf_counter()
         self._load_user(state["user"])
         self.step = int(state["unbroken"]["step"])
         assert self.step == decision.step, (self.step, decision.step)
         self.stats["recoveries"] += 1
         now = time.perf_counter()
-        self.stats["last_recovery_s"] = now - box["start"]
-        self.stats["last_fetch_s"] = box["fetched"] - box["start"]
+        self.stats["last_recovery_s"] = now - started
+        self.stats["last_fetch_s"] = fetched.done_at - started
         self.stats["last_load_s"] = now - loading
-        self.stats["last_fetch_cpu_s"] = box["cpu_s"]
+        self.stats["last_fetch_cpu_s"] = fetched.cpu_s
         log.info(
             "replica %d caught up to step %d: fetch %.3fs, load %.3fs",
             self.config.replica_id,
@@ -718,7 +740,7 @@ class Manager:
         n = sum(g.numel() for g in locals_)
         early, self._early = self._early, None
         if zero and early is not None and early[0] == d.epoch:
-            return self._finish_early_exchange(locals_, n, early[1], early[2], d)
+            return self._finish_early_exchange(locals_, n, early[1], d)
         buf = self._buffer
         if buf is None or buf.numel() != n + 3:
             buf = self._buffer = torch.empty(n + 3, dtype=torch.float32, device=self.device)
@@ -784,36 +806,30 @@ class Manager:
         survivors then find it already in the exchange instead of waiting for a forward and
         backward pass of a process that has just started (the slowest of the step).
         """
-        box: dict[str, Any] = {}
 
-        def run() -> None:
+        def run() -> tuple[float, torch.Tensor]:
             buf = torch.zeros(numel + 3, dtype=torch.float32, device=self.device)
             buf[numel + 1] = float(d.step)
-            try:
-                box["seconds"] = self.group.allreduce_sum(buf, self.deadline.seconds)
-                box["buf"] = buf
-            except ExchangeFailed as e:
-                box["error"] = e
+            return self.group.allreduce_sum(buf, self.deadline.seconds), buf
 
-        thread = threading.Thread(target=run, name="unbroken-catch-up-exchange", daemon=True)
-        thread.start()
-        self._early = (d.epoch, thread, box)
+        self._early = (d.epoch, in_background("unbroken-catch-up-exchange", run))
 
     def _finish_early_exchange(
-        self, locals_: list[torch.Tensor], n: int, thread: threading.Thread, box: dict[str, Any], d: QuorumDecision
+        self, locals_: list[torch.Tensor], n: int, exchange: Future[tuple[float, torch.Tensor]], d: QuorumDecision
     ) -> bool:
-        thread.join()
-        if "error" in box:
-            log.warning("replica %d step %d: %s", self.config.replica_id, self.step, box["error"])
+        try:
+            seconds, buf = exchange.result()
+        except ExchangeFailed as e:
+            log.warning("replica %d step %d: %s", self.config.replica_id, self.step, e)
             return False
-        if box["buf"].numel() != n + 3:
+        if buf.numel() != n + 3:
             raise RuntimeError(
-                f"expect_gradients() announced {box['buf'].numel() - 3} gradient elements but allreduce() "
+                f"expect_gradients() announced {buf.numel() - 3} gradient elements but allreduce() "
                 f"got {n}: announce the same parameters the exchange averages (the unbroken wrappers do)"
             )
-        self._buffer = box["buf"]
+        self._buffer = buf
         # Not observed by the deadline: it includes the wait for the peers' forward and backward.
-        return self._apply_exchanged(locals_, box["buf"], box["seconds"], d, observe=False)
+        return self._apply_exchanged(locals_, buf, seconds, d, observe=False)
 
     def _vote(self, ok: bool) -> bool:
         """Whether every rank of this replica group exchanged successfully (a MIN all-reduce on
@@ -823,6 +839,36 @@ class Manager:
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self._vote_device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fetched:
+    """A donor's state as downloaded, with when the download ended and the CPU it took."""
+
+    state: Any
+    done_at: float
+    cpu_s: float
+
+
+def in_background(name: str, fn: Callable[[], T]) -> Future[T]:
+    """Runs ``fn`` on a new daemon thread called ``name``; its result or exception in a Future.
+
+    Not a ``ThreadPoolExecutor``: its workers are joined when the interpreter exits, and a
+    fetch from a dead donor or an exchange with a hung peer (each bounded, but by tens of
+    seconds) must not hold up a replica that is failing or finishing.
+    """
+    fut: Future[T] = Future()
+
+    def run() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return fut
 
 
 def vote_device(backend: str) -> torch.device:
@@ -835,33 +881,3 @@ def vote_device(backend: str) -> torch.device:
     if any(e.startswith("cpu:") for e in entries) or all(e.rpartition(":")[2] != "nccl" for e in entries):
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
-
-
-def init(
-    state_dict: StateDictFn | None = None,
-    load_state_dict: LoadStateDictFn | None = None,
-    *,
-    config: ReplicaConfig | None = None,
-    device: torch.device | None = None,
-    deadline: LearnedDeadline | None = None,
-    max_attempts: int = 8,
-    quorum_timeout_s: float = 600.0,
-    connect_timeout_s: float = 60.0,
-) -> Manager:
-    """Joins the fault-tolerant job this process was launched into (see ``unbroken run``).
-
-    Register what a recovering peer needs with :meth:`Manager.register_state_dict_fn`
-    (``state_dict``/``load_state_dict`` here register one state under ``"state"``). The
-    default process group of the replica's own ranks is created only if the script has not
-    created it. Use as ``with unbroken.init() as manager:`` to leave the job cleanly.
-    """
-    return Manager(
-        state_dict,
-        load_state_dict,
-        config=config,
-        device=device,
-        deadline=deadline,
-        max_attempts=max_attempts,
-        quorum_timeout_s=quorum_timeout_s,
-        connect_timeout_s=connect_timeout_s,
-    )

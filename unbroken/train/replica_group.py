@@ -11,14 +11,20 @@ rank 0 hosts unbroken's :class:`~unbroken.wire.store.StoreServer` instead, bound
 from __future__ import annotations
 
 import datetime
-import os
 import time
 from collections.abc import Mapping
 
 import torch.distributed as dist
 
 from unbroken.comm.store import AuthenticatedStore, StoreError
-from unbroken.config import ENV_MASTER_ADDR, ENV_MASTER_PORT, ConfigError, ReplicaConfig, parse_host_port
+from unbroken.config import (
+    ENV_MASTER_ADDR,
+    ENV_MASTER_PORT,
+    ConfigError,
+    ReplicaConfig,
+    master_address,
+    parse_host_port,
+)
 from unbroken.wire.auth import JobSecret
 from unbroken.wire.store import StoreServer
 
@@ -50,13 +56,13 @@ def replica_store(
     config: ReplicaConfig, secret: JobSecret, timeout_s: float = 60.0, env: Mapping[str, str] | None = None
 ) -> tuple[AuthenticatedStore, StoreServer | None]:
     """This rank's store for its replica group, and the server when this rank hosts it (rank 0)."""
-    env = os.environ if env is None else env
-    if ENV_MASTER_ADDR not in env or ENV_MASTER_PORT not in env:
+    master = master_address(env)
+    if master is None:
         raise ConfigError(
             f"{ENV_MASTER_ADDR} and {ENV_MASTER_PORT} must be set for a replica of "
             f"{config.world_size} ranks (`unbroken run` and `unbroken agent` set them)"
         )
-    address = f"{env[ENV_MASTER_ADDR]}:{env[ENV_MASTER_PORT]}"
+    address = f"{master[0]}:{master[1]}"
     parse_host_port(address, f"{ENV_MASTER_ADDR}:{ENV_MASTER_PORT}")
     return rendezvous_store(address, secret, config.rank == 0, timeout_s)
 

@@ -31,6 +31,7 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
+from unbroken import config
 from unbroken.config import ENV_SECRET_FILE, ConfigError
 
 SECRET_BYTES = 32
@@ -107,7 +108,7 @@ class JobSecret:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> JobSecret | None:
         """The secret named by ``UNBROKEN_SECRET_FILE``, or None when that is unset."""
-        path = (os.environ if env is None else env).get(ENV_SECRET_FILE, "").strip()
+        path = config.secret_file(env)
         return cls.load(path) if path else None
 
     @classmethod

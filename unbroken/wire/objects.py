@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-# (module, name) of every global a skeleton may name. The two markers are referred to by name
-# so that this bottom layer imports nothing above it; they are plain frozen dataclasses.
+# (module, name) of every global a skeleton may name. The tensor marker is referred to by name
+# so that this bottom layer imports nothing above it; it is a plain frozen dataclass.
 ALLOWED: frozenset[tuple[str, str]] = frozenset(
     {
         ("builtins", "set"),
@@ -35,7 +35,6 @@ ALLOWED: frozenset[tuple[str, str]] = frozenset(
         ("torch", "Size"),
         ("torch", "device"),
         ("unbroken.checkpoint.snapshot", "TensorRef"),
-        ("unbroken.comm.transfer", "_TensorRef"),
     }
 )
 

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import fully_shard
 
 import unbroken
 from unbroken import fast_exit
-from unbroken.comm.transfer import SnapshotCopy, TransferServer, fetch_state
+from unbroken.comm.catchup import CatchupServer, SnapshotCopy, fetch_state
 from unbroken.train.state import as_local, as_shards
 from unbroken.wire.auth import JobSecret
 
@@ -65,7 +65,7 @@ def main() -> None:
 
     # A peer: the state as local shards, over the real transfer, into a fresh copy.
     secret = JobSecret.generate()
-    server = TransferServer(secret)
+    server = CatchupServer(secret)
     try:
         SnapshotCopy(7, as_local({"train": original.state_dict()}), server.pool, server.publish).wait()
         fetched = fetch_state(server.address, 7, secret)

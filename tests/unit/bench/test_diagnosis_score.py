@@ -3,7 +3,6 @@ from __future__ import annotations
 import pytest
 
 from unbroken.bench.diagnosis import SCENARIOS, Scenario, score
-from unbroken.comm.recorder import LinkFault
 
 STRAGGLER = Scenario(
     "s", "slow_rank", 100, ("slow_rank:replica=0,factor=2,step=40",), expect=frozenset({"straggler"}), culprit=0
@@ -64,23 +63,6 @@ def test_scenario_suite_covers_the_issue() -> None:
     assert {"crash", "hang", "link_stall", "slow_rank", "link_slow", "node_slow", "nan_loss", "clean"} <= kinds
     assert sum(s.steps for s in SCENARIOS if s.clean) >= 1000
     assert any(s.hog for s in SCENARIOS if s.clean)
-
-
-def test_link_fault_of_a_whole_node() -> None:
-    f = LinkFault.parse("2:mb_s=10:step=5")
-    assert f.delay_s(0, 2, 5, 10_000_000) == pytest.approx(1.0)
-    assert f.delay_s(2, 1, 5, 10_000_000) == pytest.approx(1.0)
-    assert f.delay_s(0, 1, 5, 10_000_000) is None
-    assert f.delay_s(0, 2, 4, 10_000_000) is None
-
-
-@pytest.mark.parametrize(
-    ("spec", "msg"),
-    [("2:stall", "a stall names one direction"), ("1-2-3:mb_s=5", "A-B"), ("0-1", "give mb_s > 0 or stall")],
-)
-def test_bad_link_fault_specs(spec: str, msg: str) -> None:
-    with pytest.raises(ValueError, match=msg):
-        LinkFault.parse(spec)
 
 
 def test_overhead_ratio_is_paired_so_drifting_load_cancels() -> None:

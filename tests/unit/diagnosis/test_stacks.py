@@ -26,7 +26,7 @@ def test_the_owner_dumps_its_own_childs_stack(tmp_path: Path) -> None:
             "-c",
             textwrap.dedent(f"""
         import signal, time
-        from unbroken.comm.recorder import install_stack_dump
+        from unbroken.diagnosis.stack_dump import install_stack_dump
         install_stack_dump({path!r}, signal.SIGUSR2)
         print("ready", flush=True)
         time.sleep(60)

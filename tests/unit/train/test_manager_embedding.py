@@ -54,7 +54,7 @@ def run_python(code: str) -> subprocess.CompletedProcess[str]:
 def test_the_stack_dump_chains_to_the_programs_own_handler(tmp_path: Path) -> None:
     result = run_python(f"""
         import os, signal, time
-        from unbroken.comm.recorder import install_stack_dump
+        from unbroken.diagnosis.stack_dump import install_stack_dump
         caught = []
         signal.signal(signal.SIGUSR1, lambda s, f: caught.append(s))  # Slurm's, Lightning's
         install_stack_dump({str(tmp_path / "stacks.txt")!r})
@@ -72,7 +72,7 @@ def test_the_stack_dump_chains_to_the_programs_own_handler(tmp_path: Path) -> No
 def test_without_an_earlier_handler_the_dump_does_not_end_the_process(tmp_path: Path) -> None:
     result = run_python(f"""
         import os, signal, time
-        from unbroken.comm.recorder import install_stack_dump
+        from unbroken.diagnosis.stack_dump import install_stack_dump
         install_stack_dump({str(tmp_path / "stacks.txt")!r}, signal.SIGUSR2)
         os.kill(os.getpid(), signal.SIGUSR2)
         time.sleep(0.2)
@@ -141,3 +141,26 @@ def test_the_stack_dump_never_lands_in_the_working_directory(monkeypatch: pytest
     Path(tmp).rmdir()
     m.config = ReplicaConfig(coordinator="127.0.0.1:1", replica_id=2, num_replicas=3, run_dir=str(tmp_path / "run"))
     assert m._stack_dump_path() == (str(tmp_path / "run" / "stacks" / "r2-rank0.txt"), None)
+
+
+def test_background_work_hands_back_its_result_or_its_error_in_a_future() -> None:
+    """The Manager's fetch and catch-up exchange: a daemon thread (never joined at exit) named
+    for the docs' thread table, whose outcome the training thread gets from a Future."""
+    import threading
+
+    from unbroken.train.manager import in_background
+
+    names: list[str] = []
+
+    def work() -> int:
+        names.append(threading.current_thread().name)
+        assert threading.current_thread().daemon
+        return 7
+
+    assert in_background("unbroken-fetch", work).result(timeout=10) == 7 and names == ["unbroken-fetch"]
+
+    def fail() -> int:
+        raise ConnectionError("the donor went away")
+
+    with pytest.raises(ConnectionError, match="the donor went away"):
+        in_background("unbroken-fetch", fail).result(timeout=10)

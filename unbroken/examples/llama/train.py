@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unbroken import fast_exit
+from unbroken import config, fast_exit
 from unbroken.examples.llama.data import MarkovTokens
 from unbroken.examples.llama.model import LlamaSize, build_model, decoder_layers
 from unbroken.train.data import CONSTANT_GLOBAL_BATCH, POLICIES, plan_step, rank_plan
@@ -114,7 +114,7 @@ def warmup_cosine(warmup: int, total: int, floor: float = 0.1) -> Callable[[int]
 
 def pick_device(choice: str) -> torch.device:
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count()))
+        return torch.device("cuda", config.local_rank() % max(1, torch.cuda.device_count()))
     return torch.device("cpu")
 
 
@@ -368,7 +368,7 @@ def train_unbroken(args: argparse.Namespace) -> None:
                 {"step": manager.step, **local_state(model, optimizer)},
                 run_dir / f"final-r{c.replica_id}-rank{c.rank}.pt",
             )
-        records.finish(manager.step, state_digest(model, optimizer), manager.transfer.served if c.rank == 0 else [])
+        records.finish(manager.step, state_digest(model, optimizer), manager.catchup.served if c.rank == 0 else [])
         dist.barrier()  # no rank tears its groups down while a sibling still uses them
     dist.destroy_process_group()
 

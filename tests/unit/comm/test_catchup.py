@@ -1,4 +1,4 @@
-"""Catch-up transfer: what arrives is what the donor snapshotted, or a clear error."""
+"""Live catch-up: what arrives is what the donor snapshotted, or a clear error."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from unbroken.comm import transfer
-from unbroken.comm.transfer import TransferError, TransferServer, fetch_state, take_snapshot
+from unbroken.checkpoint.manifest import TensorEntry, entries_to_json, layout
+from unbroken.checkpoint.snapshot import HostBuffer, TensorRef, copy_into, flatten
+from unbroken.comm import catchup as transfer
+from unbroken.comm.catchup import CatchupServer, TransferError, fetch_state, take_snapshot
 from unbroken.wire.auth import JobSecret, server_handshake
 from unbroken.wire.framing import recv_sealed, send_sealed
 
@@ -36,7 +38,7 @@ def _state() -> dict:
 
 
 def test_fetched_state_is_bitwise_the_snapshot_even_when_the_donor_moves_on() -> None:
-    server = TransferServer(SECRET)
+    server = CatchupServer(SECRET)
     try:
         state = _state()
         server.publish(take_snapshot(5, state, server.pool))
@@ -55,7 +57,7 @@ def test_received_into_the_receivers_own_tensors_where_they_fit(monkeypatch: pyt
     """A behind replica's tensors take the donor's bytes in place (nothing to fault in or copy
     on load); a tensor that does not fit, or that the receiver lacks, arrives in new memory."""
     monkeypatch.setattr(transfer, "CHUNK", chunk)  # small chunks: pieces cross chunk boundaries
-    server = TransferServer(SECRET)
+    server = CatchupServer(SECRET)
     try:
         donor = _state()
         donor["optim"]["momentum"] = torch.randn(300, 5)
@@ -74,7 +76,7 @@ def test_received_into_the_receivers_own_tensors_where_they_fit(monkeypatch: pyt
 
 def test_a_corrupted_chunk_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(transfer, "CHUNK", 1 << 18)  # several chunks, so the damaged one is named
-    server = TransferServer(SECRET)
+    server = CatchupServer(SECRET)
     try:
         server.publish(take_snapshot(5, _state(), server.pool))
         real = transfer.checksum
@@ -93,8 +95,22 @@ def test_a_corrupted_chunk_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         server.close()
 
 
+def test_a_donors_snapshot_is_laid_out_byte_for_byte_as_a_checkpoint_shard() -> None:
+    """One snapshot implementation: catch-up flattens, lays out and copies a state as the
+    checkpoint tier does, so its buffer is the data section of that state's checkpoint."""
+    state = _state()
+    snap = take_snapshot(5, state, transfer.SnapshotPool())
+    tensors, _ = flatten(state)
+    entries = layout([spec for _, spec in tensors.values()])
+    assert snap.entries == entries and snap.total == max(e.end for e in entries)
+    shard = HostBuffer(snap.total)
+    copy_into(shard, entries, tensors)
+    assert torch.equal(snap.buffer.bytes[: snap.total], shard.bytes[: snap.total])
+    shard.close()
+
+
 def test_missing_step_and_unreachable_donor_are_clear_errors() -> None:
-    server = TransferServer(SECRET)
+    server = CatchupServer(SECRET)
     try:
         server.publish(take_snapshot(5, _state(), server.pool))
         with pytest.raises(TransferError, match="no snapshot of step 6"):
@@ -111,11 +127,13 @@ def test_a_snapshot_copied_in_the_background_is_served_only_when_complete() -> N
     big = torch.randn(1 << 20)  # 4 MB: copied off the calling thread
     state = {"w": big, "b": torch.randn(3), "data_position": 7}
     expected = big.clone()
-    server = TransferServer(SECRET)
+    server = CatchupServer(SECRET)
     complete_when_published = []
 
     def publish(snap: transfer.Snapshot) -> None:
-        complete_when_published.append(torch.equal(transfer._view(snap.buffer, snap.entries[0]), expected))
+        complete_when_published.append(
+            torch.equal(snap.buffer.view(next(e for e in snap.entries if e.name == "w")), expected)
+        )
         server.publish(snap)
 
     try:
@@ -177,13 +195,30 @@ def test_a_donor_that_sends_code_to_run_is_refused_and_nothing_runs(tmp_path: Pa
     assert not marker.exists()
 
 
+def _entries(*specs: tuple[str, tuple[int, ...], int, int]) -> list[dict]:
+    return entries_to_json([TensorEntry("w", d, s, s, (0,) * len(s), b, e) for d, s, b, e in specs])
+
+
 @pytest.mark.parametrize(
     "entries,total",
     [
-        ([["float32", [4], 0, 16]], 8),  # fewer bytes announced than the layout holds
-        ([["float32", [4], 64, 16]], 128),  # a tensor placed beyond where the layout puts it
-        ([["float32", [-4], 0, -16]], 0),  # a negative shape
-        ([["os.system", [4], 0, 16]], 64),  # not a dtype
+        (_entries(("float32", (4,), 0, 16)), 8),  # fewer bytes announced than the layout holds
+        (_entries(("float32", (4,), 64, 80)), 80),  # a tensor placed beyond where the layout puts it
+        (_entries(("float32", (-4,), 0, -16)), 0),  # a negative shape
+        (_entries(("os.system", (4,), 0, 16)), 16),  # not a dtype
+        (_entries(("float32", (4,), 0, 16)) * 2, 32),  # one name twice
+        ([{"name": "w", "dtype": "float32"}], 16),  # fields missing
+        ("w", 16),  # not a list
+        ([], 0),  # the skeleton refers to a tensor that is not listed
+        (  # float32 elements at an odd byte: they would not view in place
+            entries_to_json(
+                [
+                    TensorEntry("b", "uint8", (1,), (1,), (0,), 0, 1),
+                    TensorEntry("w", "float32", (4,), (4,), (0,), 1, 17),
+                ]
+            ),
+            17,
+        ),
     ],
 )
 def test_a_header_whose_layout_does_not_hold_together_is_refused(entries: list, total: int) -> None:
@@ -195,7 +230,7 @@ def test_a_header_whose_layout_does_not_hold_together_is_refused(entries: list, 
             "total": total,
             "chunk": 4096,
             "entries": entries,
-            "skeleton": base64.b64encode(pickle.dumps({"w": transfer._TensorRef(0)})).decode(),
+            "skeleton": base64.b64encode(pickle.dumps({"w": TensorRef("w", False)})).decode(),
         },
     )
     with srv, pytest.raises(TransferError, match="donor"):
@@ -219,7 +254,7 @@ def _quick_handshake(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_nobody_without_the_key_downloads_a_donors_state(monkeypatch: pytest.MonkeyPatch) -> None:
     _quick_handshake(monkeypatch)
-    server = TransferServer(SECRET)
+    server = CatchupServer(SECRET)
     try:
         server.publish(take_snapshot(5, _state(), server.pool))
         with pytest.raises(TransferError, match="failed authentication"):
@@ -242,7 +277,7 @@ def test_silent_clients_neither_hold_a_serving_thread_nor_block_a_real_fetch(mon
     bound on concurrent connections they are closed at once."""
     monkeypatch.setattr(transfer, "MAX_CONNECTIONS", 2)
     _quick_handshake(monkeypatch)
-    server = TransferServer(SECRET)
+    server = CatchupServer(SECRET)
     host, port = server.address.rsplit(":", 1)
     silent = [socket.create_connection((host, int(port)), timeout=5.0) for _ in range(4)]
     try:
@@ -273,7 +308,7 @@ def test_optimizer_scheduler_and_module_state_round_trip_through_the_allow_list(
         "sched": sched.state_dict(),
         "extra": {"size": torch.Size([2, 3]), "dtype": torch.bfloat16, "set": {1, 2}, "none": None},
     }
-    server = TransferServer(SECRET)
+    server = CatchupServer(SECRET)
     try:
         server.publish(take_snapshot(5, state, server.pool))
         got = fetch_state(server.address, 5, SECRET)

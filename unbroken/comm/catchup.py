@@ -1,22 +1,28 @@
-"""Peer-to-peer state transfer for catch-up: snapshot at the step boundary, serve in the back.
+"""Live catch-up: a recovering replica fetches a donor replica's state of this very step.
+
+Not to be confused with the checkpoint tier's peer copy (:mod:`unbroken.checkpoint.peer`),
+which holds saved shards for a restart: catch-up moves the live state between two running
+replicas, while the donor keeps training.
 
 At the step boundary the donor's training thread takes its state's structure and small
 tensors and hands the large host tensors to a background thread, which copies them into a
 reused host buffer while the step computes and exchanges (the forward and backward pass read
 parameters but do not change them; the exchange touches only gradients); the training thread
-waits for that copy only before the optimizer moves the state, by which time it is done.
-Another background thread serves the buffer over TCP in checksummed chunks while the donor
-keeps training. The recovering replica verifies every chunk's CRC-32C and
-rebuilds the nested state dict (tensors plus plain Python objects). The checksum is CRC-32C on
-the CPU's crc32 instruction (the checkpoint tiers' checksum), several times cheaper than zlib's
-CRC-32 for a donor whose cores are also training.
+waits for that copy only before the optimizer moves the state, by which time it is done. The
+snapshot is the checkpoint tier's (:mod:`unbroken.checkpoint.snapshot`): the same flattening
+into named tensors and a skeleton, the same layout, the same host buffers and copy; only when
+the bulk is copied differs. Another background thread serves the buffer over TCP in
+checksummed chunks while the donor keeps training. The recovering replica verifies every
+chunk's CRC-32C and rebuilds the nested state dict (tensors plus plain Python objects). The
+checksum is CRC-32C on the CPU's crc32 instruction (the checkpoint tiers' checksum), several
+times cheaper than zlib's CRC-32 for a donor whose cores are also training.
 
 Trust: anyone who can reach the port could otherwise download the model and optimizer, or pose
 as a donor. Both sides prove they hold the job's secret (:func:`~unbroken.wire.auth.server_handshake`,
 purpose ``"transfer"``) before anything else; the request and the header are MACed; the bulk
 bytes are bound to that connection and CRC-checked (an on-path attacker injecting packets into
 an established connection is out of scope, as for Gloo). The header is bounded and validated
-(its layout must be the one :func:`layout` computes), and the non-tensor objects load through
+(its entries must tile the data as a checkpoint manifest's must), and the non-tensor objects load through
 the allow-list unpickler of :mod:`unbroken.wire.objects`: even a donor holding the key cannot
 make a replica run code. Every connection has a timeout, and the number being served at once
 is bounded, so silent clients cannot pin the donor's threads.
@@ -41,7 +47,15 @@ from typing import Any
 import torch
 
 from unbroken.checkpoint.checksum import update as checksum
-from unbroken.checkpoint.snapshot import copy_tensor
+from unbroken.checkpoint.manifest import (
+    TensorEntry,
+    TensorSpec,
+    check_entries,
+    entries_from_json,
+    entries_to_json,
+    layout,
+)
+from unbroken.checkpoint.snapshot import HostBuffer, TensorRef, copy_tensor, flatten, unflatten, view_bytes
 from unbroken.wire import objects
 from unbroken.wire.auth import AuthError, JobSecret, client_handshake, server_handshake
 from unbroken.wire.framing import FrameError, recv_exact_into, recv_sealed, send_sealed
@@ -53,13 +67,10 @@ SOCKET_BUFFER = 8 << 20
 OWN_STORAGE_BELOW = 1 << 20
 BACKGROUND_COPY_MIN = 1 << 20  # host tensors this large are copied off the training thread
 SERVE_NICE = 19
-ALIGN = 64
 _CRC = struct.Struct("!I")
 PURPOSE = "transfer"
 MAX_REQUEST = 1024
 MAX_HEADER = 256 << 20  # entries and the skeleton of a state with a million tensors fit
-MAX_ENTRIES = 1 << 20
-MAX_DIMS = 64
 MAX_WAIT_S = 600.0  # the longest a request may ask the donor to wait for its snapshot
 IO_TIMEOUT_S = 60.0  # any single read or write of a connection, once the snapshot is there
 MAX_SERVED_RECORDS = 256
@@ -70,67 +81,13 @@ class TransferError(RuntimeError):
     """A state transfer failed or arrived corrupt."""
 
 
-@dataclasses.dataclass(frozen=True)
-class _TensorRef:
-    index: int
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorEntry:
-    """Where one tensor sits in a snapshot buffer."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-def _map_tensors(obj: Any, fn: Any) -> Any:
-    """Rebuilds a nested dict/list/tuple, replacing every leaf that ``fn`` handles."""
-    if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_map_tensors(v, fn) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_map_tensors(v, fn) for v in obj)
-    return fn(obj)
-
-
-def flatten_state(state: Any) -> tuple[Any, list[torch.Tensor]]:
-    """Splits a nested state into a picklable skeleton and the list of its tensors."""
-    tensors: list[torch.Tensor] = []
-
-    def leaf(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            tensors.append(obj)
-            return _TensorRef(len(tensors) - 1)
-        return obj
-
-    return _map_tensors(state, leaf), tensors
-
-
-def unflatten_state(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
-    def leaf(o: Any) -> Any:
-        if not isinstance(o, _TensorRef):
-            return o
-        if type(o.index) is not int or not 0 <= o.index < len(tensors):
-            raise TransferError(f"the state refers to tensor {o.index!r} of {len(tensors)}")
-        return tensors[o.index]
-
-    return _map_tensors(skeleton, leaf)
-
-
-def layout(tensors: list[torch.Tensor]) -> tuple[list[TensorEntry], int]:
-    entries, offset = [], 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        entries.append(TensorEntry(str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
-        offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
-    return entries, offset
-
-
-def _view(buf: torch.Tensor, e: TensorEntry) -> torch.Tensor:
-    return buf[e.offset : e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape)
+def snapshot_layout(state: Any) -> tuple[dict[str, tuple[torch.Tensor, TensorSpec]], Any, list[TensorEntry], int]:
+    """``(tensors, skeleton, entries, total)`` of a state: the checkpoint tier's flattening and
+    layout (:mod:`unbroken.checkpoint.snapshot`), so a donor's snapshot and a checkpoint hold a
+    state the same way."""
+    tensors, skeleton = flatten(state)
+    entries = layout([spec for _, spec in tensors.values()])
+    return tensors, skeleton, entries, max((e.end for e in entries), default=0)
 
 
 @dataclasses.dataclass
@@ -138,7 +95,7 @@ class Snapshot:
     """A copy of the state of one step, in host memory."""
 
     step: int
-    buffer: torch.Tensor
+    buffer: HostBuffer
     entries: list[TensorEntry]
     skeleton: bytes
     total: int
@@ -152,18 +109,15 @@ class SnapshotPool:
     """
 
     def __init__(self) -> None:
-        self._free: list[torch.Tensor] = []
+        self._free: list[HostBuffer] = []
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int) -> torch.Tensor:
+    def take(self, nbytes: int) -> HostBuffer:
         with self._lock:
             for i, b in enumerate(self._free):
-                if b.numel() >= nbytes:
+                if b.capacity >= nbytes:
                     return self._free.pop(i)
-        pin = torch.cuda.is_available()
-        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
-        buf.fill_(0)  # pre-touch: page faults now, not during the copy
-        return buf
+        return HostBuffer(nbytes)  # pre-touched: page faults now, not during the copy
 
     def prewarm(self, nbytes: int) -> None:
         """Allocates and touches a buffer of ``nbytes`` on a background thread.
@@ -172,15 +126,11 @@ class SnapshotPool:
         against 13-20 GB/s into touched memory); doing that ahead of time keeps it off the
         donor's training thread when a peer needs its state.
         """
+        threading.Thread(
+            target=lambda: self.give_back(HostBuffer(nbytes)), name="unbroken-snapshot-prewarm", daemon=True
+        ).start()
 
-        def run() -> None:
-            buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-            buf.fill_(0)
-            self.give_back(buf)
-
-        threading.Thread(target=run, name="unbroken-snapshot-prewarm", daemon=True).start()
-
-    def give_back(self, buf: torch.Tensor) -> None:
+    def give_back(self, buf: HostBuffer) -> None:
         with self._lock:
             self._free.append(buf)
 
@@ -199,16 +149,16 @@ class SnapshotCopy:
     def __init__(
         self, step: int, state: Any, pool: SnapshotPool, publish: Callable[[Snapshot], None] | None = None
     ) -> None:
-        skeleton, tensors = flatten_state(state)
-        entries, total = layout(tensors)
+        tensors, skeleton, entries, total = snapshot_layout(state)
         buf = pool.take(total)
         later: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for t, e in zip(tensors, entries, strict=False):
-            if t.device.type == "cpu" and e.nbytes >= BACKGROUND_COPY_MIN:
-                later.append((_view(buf, e), t.detach()))
+        for e, dst in zip(entries, buf.views(entries), strict=True):
+            t = tensors[e.name][0].detach()
+            if t.device.type == "cpu" and e.end - e.begin >= BACKGROUND_COPY_MIN:
+                later.append((dst, t))
             else:
-                copy_tensor(_view(buf, e), t.detach(), non_blocking=t.is_cuda)
-        if any(t.is_cuda for t in tensors):
+                copy_tensor(dst, t, non_blocking=t.is_cuda)
+        if any(t.is_cuda for t, _ in tensors.values()):
             torch.cuda.synchronize()
         self.snapshot = Snapshot(step, buf, entries, objects.dumps(skeleton), total)
         self._publish = publish
@@ -232,13 +182,13 @@ def take_snapshot(step: int, state: Any, pool: SnapshotPool) -> Snapshot:
     return SnapshotCopy(step, state, pool).wait()
 
 
-class TransferServer:
+class CatchupServer:
     """Serves published snapshots to recovering peers that hold the job's ``secret``, from
     background threads."""
 
     def __init__(self, secret: JobSecret, host: str = "127.0.0.1", keep: int = 2) -> None:
         if not isinstance(secret, JobSecret):
-            raise TypeError(f"TransferServer needs the job's JobSecret, got {type(secret).__name__}")
+            raise TypeError(f"CatchupServer needs the job's JobSecret, got {type(secret).__name__}")
         self.pool = SnapshotPool()
         self._secret = secret
         self._snapshots: dict[int, Snapshot] = {}
@@ -329,12 +279,12 @@ class TransferServer:
                     "step": snap.step,
                     "total": snap.total,
                     "chunk": CHUNK,
-                    "entries": [[e.dtype, list(e.shape), e.offset, e.nbytes] for e in snap.entries],
+                    "entries": entries_to_json(snap.entries),
                     "skeleton": base64.b64encode(snap.skeleton).decode(),
                 }
             ).encode()
             send_sealed(conn, session, header)
-            view = memoryview(snap.buffer.numpy())[: snap.total]  # type: ignore[arg-type]  # numpy types __buffer__ from 3.12 only
+            view = memoryview(snap.buffer.bytes.numpy())[: snap.total]  # type: ignore[arg-type]  # numpy types __buffer__ from 3.12 only
             for off in range(0, snap.total, CHUNK):
                 chunk = view[off : off + CHUNK]
                 conn.sendall(chunk)
@@ -364,18 +314,13 @@ def _parse_request(payload: bytes) -> tuple[int, float]:
     return req["step"], min(float(wait_s), MAX_WAIT_S)
 
 
-def _dtype(name: Any) -> torch.dtype:
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(dtype, torch.dtype):
-        raise TransferError(f"the donor named an unknown dtype {name!r}")
-    return dtype
-
-
 def parse_header(header: Any, step: int) -> tuple[int, int, list[TensorEntry], Any]:
     """``(total, chunk, entries, skeleton)`` of a donor's header, each checked.
 
-    The layout must be exactly the one :func:`layout` computes for those tensors: every byte
-    the receiver writes then lies inside the buffer it allocated or a tensor of the same size.
+    The entries must tile the data exactly as a checkpoint's manifest must
+    (:func:`~unbroken.checkpoint.manifest.check_entries`): every byte the receiver writes then
+    lies inside the buffer it allocated or a tensor of the same size, and every tensor the
+    skeleton refers to is listed.
 
     Raises:
         TransferError: a field is missing, of the wrong type, out of range or inconsistent.
@@ -384,25 +329,19 @@ def parse_header(header: Any, step: int) -> tuple[int, int, list[TensorEntry], A
         if not isinstance(header, dict) or header.get("step") != step:
             got = header.get("step") if isinstance(header, dict) else header
             raise TransferError(f"the donor answered for step {got!r}, not {step}")
-        total, chunk, raw = header["total"], header["chunk"], header["entries"]
+        total, chunk = header["total"], header["chunk"]
         if type(total) is not int or type(chunk) is not int or not 1 <= chunk <= 1 << 30:
             raise TransferError(f"the donor sent a bad total {total!r} or chunk size {chunk!r}")
-        if not isinstance(raw, list) or len(raw) > MAX_ENTRIES:
-            raise TransferError(f"the donor sent {len(raw) if isinstance(raw, list) else raw!r} entries")
-        entries, offset = [], 0
-        for item in raw:
-            dtype, shape, off, nbytes = item
-            if not isinstance(shape, list) or len(shape) > MAX_DIMS or any(type(d) is not int or d < 0 for d in shape):
-                raise TransferError(f"the donor sent a bad tensor shape {shape!r}")
-            size = math.prod(shape) * _dtype(dtype).itemsize
-            if off != offset or nbytes != size:
-                raise TransferError(f"the donor's layout is inconsistent at byte {off!r} ({nbytes!r} bytes)")
-            entries.append(TensorEntry(dtype, tuple(shape), off, nbytes))
-            offset += (nbytes + ALIGN - 1) // ALIGN * ALIGN
-        if total != offset:
-            raise TransferError(f"the donor announced {total} bytes for a layout of {offset}")
+        entries = entries_from_json(header["entries"])
+        try:
+            laid_out = check_entries(entries)
+        except ValueError as e:
+            raise TransferError(f"the donor's layout does not hold together: {e}") from e
+        if total != laid_out:
+            raise TransferError(f"the donor announced {total} bytes for a layout of {laid_out}")
         skeleton = objects.loads(base64.b64decode(header["skeleton"], validate=True))
-        unflatten_state(skeleton, [torch.empty(0)] * len(entries))  # every reference in range
+        placeholder = torch.empty(0)
+        unflatten(skeleton, {e.name: placeholder for e in entries})  # every reference is listed
     except TransferError:
         raise
     except objects.UnsafeObjectError as e:
@@ -412,7 +351,8 @@ def parse_header(header: Any, step: int) -> tuple[int, int, list[TensorEntry], A
     return total, chunk, entries, skeleton
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    """:func:`~unbroken.wire.framing.recv_exact_into`, its error said as a transfer's."""
     try:
         recv_exact_into(sock, view)
     except FrameError as e:
@@ -460,13 +400,15 @@ def fetch_state(address: str, step: int, secret: JobSecret, timeout_s: float = 1
         raise TransferError(f"the transfer from the donor at {address} failed: {e}") from e
 
 
-def receive_targets(skeleton: Any, entries: list[TensorEntry], into: Any) -> list[torch.Tensor | None]:
-    """For each entry, the receiver's own tensor at the same place that can take its bytes."""
-    targets: list[torch.Tensor | None] = [None] * len(entries)
+def receive_targets(skeleton: Any, entries: list[TensorEntry], into: Any) -> dict[str, torch.Tensor]:
+    """The receiver's own tensors that can take an entry's bytes: the one at the same place in
+    ``into``, with the same dtype and shape, by entry name."""
+    by_name = {e.name: e for e in entries}
+    targets: dict[str, torch.Tensor] = {}
 
     def walk(theirs: Any, ours: Any) -> None:
-        if isinstance(theirs, _TensorRef):
-            e = entries[theirs.index]
+        if isinstance(theirs, TensorRef):
+            e = by_name[theirs.name]
             # Plain tensors only: a subclass (DTensor) may not own the memory its shape says.
             if (
                 type(ours) in (torch.Tensor, torch.nn.Parameter)
@@ -476,7 +418,7 @@ def receive_targets(skeleton: Any, entries: list[TensorEntry], into: Any) -> lis
                 and str(ours.dtype).removeprefix("torch.") == e.dtype
                 and tuple(ours.shape) == e.shape
             ):
-                targets[theirs.index] = ours
+                targets[e.name] = ours
         elif isinstance(theirs, dict) and isinstance(ours, dict):
             for k, v in theirs.items():
                 if k in ours:
@@ -490,21 +432,22 @@ def receive_targets(skeleton: Any, entries: list[TensorEntry], into: Any) -> lis
 
 
 def _segments(
-    entries: list[TensorEntry], targets: list[torch.Tensor | None], buf: torch.Tensor, total: int
+    entries: list[TensorEntry], targets: dict[str, torch.Tensor], buf: torch.Tensor, total: int
 ) -> list[tuple[int, memoryview]]:
     """The stream cut into (start, destination) pieces: a target tensor's own bytes, or the
     receive buffer for everything else (padding, tensors with no target)."""
     whole = memoryview(buf.numpy())  # type: ignore[arg-type]  # numpy types __buffer__ from 3.12 only
     out: list[tuple[int, memoryview]] = []
     pos = 0
-    for e, t in sorted(zip(entries, targets, strict=False), key=lambda p: p[0].offset):
-        if t is None or e.nbytes == 0:
+    for e in sorted(entries, key=lambda e: e.begin):
+        t = targets.get(e.name)
+        if t is None or e.end == e.begin:
             continue
-        if e.offset > pos:
-            out.append((pos, whole[pos : e.offset]))
+        if e.begin > pos:
+            out.append((pos, whole[pos : e.begin]))
         flat = t.detach().reshape(-1).view(torch.uint8).numpy()
-        out.append((e.offset, memoryview(flat)))  # type: ignore[arg-type]  # numpy types __buffer__ from 3.12 only
-        pos = e.offset + e.nbytes
+        out.append((e.begin, memoryview(flat)))  # type: ignore[arg-type]  # numpy types __buffer__ from 3.12 only
+        pos = e.end
     if pos < total:
         out.append((pos, whole[pos:total]))
     return out
@@ -512,7 +455,7 @@ def _segments(
 
 def _receive(sock: socket.socket, address: str, parsed: tuple[int, int, list[TensorEntry], Any], into: Any) -> Any:
     total, chunk_size, entries, skeleton = parsed
-    targets = receive_targets(skeleton, entries, into) if into is not None else [None] * len(entries)
+    targets = receive_targets(skeleton, entries, into) if into is not None else {}
     # Pages of this buffer that only targeted tensors cover are never touched, so never faulted in.
     buf = torch.empty(max(total, 1), dtype=torch.uint8)
     segments = _segments(entries, targets, buf, total)
@@ -527,17 +470,21 @@ def _receive(sock: socket.socket, address: str, parsed: tuple[int, int, list[Ten
                 seg += 1
                 continue
             piece = dest[pos - start : min(end, start + len(dest)) - start]
-            _recv_exact(sock, piece)
+            _recv_into(sock, piece)
             value = checksum(piece, value)
             pos += len(piece)
-        _recv_exact(sock, memoryview(crc))
+        _recv_into(sock, memoryview(crc))
         if value != _CRC.unpack(crc)[0]:
             raise TransferError(f"checksum mismatch in the chunk at byte {off} from {address}")
     # Small tensors get their own storage: some consumers (torch.set_rng_state) misread
     # views at an offset. Large ones stay views of the receive buffer; copying them again
     # would double the memory traffic of a catch-up for nothing.
-    tensors = [
-        t if t is not None else (_view(buf, e).clone() if e.nbytes < OWN_STORAGE_BELOW else _view(buf, e))
-        for t, e in zip(targets, entries, strict=False)
-    ]
-    return unflatten_state(skeleton, tensors)
+    tensors: dict[str, torch.Tensor] = {}
+    for e in entries:
+        t = targets.get(e.name)
+        if t is None:
+            t = view_bytes(buf, e)
+            tensors[e.name] = t.clone() if e.end - e.begin < OWN_STORAGE_BELOW else t
+        else:
+            tensors[e.name] = t
+    return unflatten(skeleton, tensors)
