@@ -33,6 +33,7 @@ from typing import Any
 from unbroken.config import ENV_ANOMALY_POLICY
 from unbroken.control import protocol
 from unbroken.control.assignment import Assignment
+from unbroken.control.groups import MAX_NODES_PER_REPLICA, GroupLaunch, advertised_address
 from unbroken.control.quorum import QuorumDecision, QuorumRequest, QuorumRules, QuorumState
 from unbroken.control.state_store import KEEP_EVENTS, StateStore
 from unbroken.diagnosis.master import DiagnosisMaster
@@ -171,6 +172,7 @@ class Coordinator:
         self.pending: dict[int, dict[int, tuple[_RankConn, int, int, int | None]]] = {}
         self.step_times: deque[float] = deque(maxlen=200)
         self.assignment = Assignment(settings.total_replicas)
+        self.groups: GroupLaunch | None = None  # replica groups spanning nodes (agents' --nodes-per-replica)
         self.agents: dict[str, _AgentConn] = {}
         self.finished: set[int] = set()
         self._first_finish: float | None = None
@@ -379,6 +381,10 @@ class Coordinator:
         elif agent is not None:
             if op == "agent_heartbeat":
                 self._agent_heartbeat(agent)
+            elif self.groups is not None and op in ("exited", "group_port", "group_release"):
+                {"exited": self.groups.exited, "group_port": self.groups.port, "group_release": self.groups.released}[
+                    op
+                ](agent.node, msg)
             elif op == "exited":
                 replica = protocol.count(msg, "replica")
                 if self.assignment.owner.get(replica) != agent.node:
@@ -483,6 +489,21 @@ class Coordinator:
         running = msg.get("running", [])
         if not node or not 1 <= slots <= MAX_SLOTS or not isinstance(running, list) or len(running) > MAX_SLOTS:
             raise Refused(f"an agent_hello needs a node name, 1 to {MAX_SLOTS} slots and a list of running replicas")
+        nodes_per_replica = protocol.count(msg, "nodes_per_replica", 1)
+        if not 1 <= nodes_per_replica <= MAX_NODES_PER_REPLICA:
+            raise Refused(f"nodes_per_replica must be 1 to {MAX_NODES_PER_REPLICA}, got {nodes_per_replica}")
+        expected = self.groups.nodes_per_replica if self.groups else 1 if self.agents else nodes_per_replica
+        if expected != nodes_per_replica:
+            link.send(
+                {
+                    "op": "error",
+                    "message": f"this job's agents run replica groups of {expected} node(s), not "
+                    f"{nodes_per_replica}: give every agent the same --nodes-per-replica",
+                }
+            )
+            return None
+        if nodes_per_replica > 1:
+            return self._group_agent_hello(msg, link, node, slots, nodes_per_replica)
         try:
             busy = {r for r, conns in self.replicas.items() if conns}
             replicas = self.assignment.join(
@@ -497,12 +518,28 @@ class Coordinator:
         link.send({"op": "assign", "replicas": replicas, "num_replicas": self.settings.total_replicas})
         return agent
 
+    def _group_agent_hello(
+        self, msg: dict[str, Any], link: protocol.Link, node: str, slots: int, nodes_per_replica: int
+    ) -> _AgentConn | None:
+        """An agent of a job whose replica groups span nodes (:mod:`unbroken.control.groups`)."""
+        addr = advertised_address(msg)
+        if self.groups is None:
+            self.groups = GroupLaunch(self, nodes_per_replica)
+        if node in self.groups.assignment.slots:
+            link.send({"op": "error", "message": f"an agent for node {node!r} is already connected"})
+            return None
+        agent = _AgentConn(node=node, link=link, last_heartbeat=time.monotonic())
+        self.agents[node] = agent
+        link.send({"op": "assign", "replicas": [], "num_replicas": self.settings.total_replicas})
+        replicas = self.groups.hello(node, slots, addr)
+        self.events.emit("agent_joined", node=node, slots=slots, replicas=replicas, addr=addr)
+        return agent
+
     def _agent_heartbeat(self, agent: _AgentConn) -> None:
         agent.last_heartbeat = time.monotonic()
+        mine = self.groups.replicas_of(agent.node) if self.groups else self.assignment.replicas_of(agent.node)
         steps = {
-            str(r): max((c.step for c in self.replicas[r].values()), default=0)
-            for r in self.assignment.replicas_of(agent.node)
-            if r in self.replicas
+            str(r): max((c.step for c in self.replicas[r].values()), default=0) for r in mine if r in self.replicas
         }
         agent.link.send({"op": "agent_status", "steps": steps})
 
@@ -513,6 +550,8 @@ class Coordinator:
         directory; its answer lands in this log as a ``stack`` event.
         """
         node = self.assignment.owner.get(replica)
+        if self.groups is not None:
+            node, rank = self.groups.stack_target(replica, rank) or (None, rank)
         agent = self.agents.get(node) if node is not None else None
         if agent is None:
             return {"stack_note": "no supervisor or agent runs this replica: no stack"}
@@ -521,7 +560,9 @@ class Coordinator:
 
     def _agent_stack_report(self, agent: _AgentConn, msg: dict[str, Any]) -> None:
         replica, rank = protocol.count(msg, "replica"), protocol.count(msg, "rank")
-        if self.assignment.owner.get(replica) != agent.node:
+        if not (
+            self.groups.runs(replica, agent.node) if self.groups else self.assignment.owner.get(replica) == agent.node
+        ):
             raise ValueError(f"replica {replica} does not run on node {agent.node}")
         stack = msg.get("stack")
         self.events.emit(
@@ -540,6 +581,11 @@ class Coordinator:
             return
         del self.agents[agent.node]
         agent.link.close()
+        if self.groups is not None:
+            self.events.emit("agent_lost", node=agent.node, replicas=self.groups.replicas_of(agent.node), reason=reason)
+            self.groups.gone(agent.node, reason)
+            self._check_job_finished()
+            return
         lost, moves = self.assignment.leave(agent.node, done=self.finished)
         self.events.emit("agent_lost", node=agent.node, replicas=lost, reason=reason)
         for r in lost:
@@ -566,7 +612,8 @@ class Coordinator:
         if self._job_finished_sent or not self.agents or self._first_finish is None:
             return
         late = time.monotonic() - self._first_finish > self.settings.finish_grace_s
-        if not late and any(r not in self.finished for r in self.assignment.owner):
+        assigned = self.groups.assigned() if self.groups else self.assignment.owner
+        if not late and any(r not in self.finished for r in assigned):
             return
         self._job_finished_sent = True
         self.events.emit("job_finished", finished=sorted(self.finished))
