@@ -67,6 +67,9 @@ class GroupLaunch:
     def gone(self, node: str, reason: str) -> None:
         """``node``'s agent is gone: every group it was in stops, and restarts on a spare if one is free."""
         self.addrs.pop(node, None)
+        if self.c._job_finished_sent:  # agents leave as the job ends: nothing to restart
+            self.assignment.leave(node, done=set(range(self.c.settings.total_replicas)))
+            return
         hit, started = self.assignment.leave(node, done=self.c.finished)
         for r in hit:
             if r in self.c.finished:

@@ -448,11 +448,18 @@ class Agent:
                 secret_file=self.secret_file,
                 group=place,
             )
-            log = self.s.run_dir / "logs" / f"replica{r.replica}-rank{rank}.log"
+            global_rank = int(environ[env.ENV_RANK])  # the rank in the whole group, across its nodes
+            log = self.s.run_dir / "logs" / f"replica{r.replica}-rank{global_rank}.log"
             proc = await workers.start_worker(self.s.command, environ, log, self._guardian)
             r.procs.append(proc)
             self.events.emit(
-                "process_started", replica=r.replica, rank=rank, pid=proc.pid, restart=r.restarts, node=self.s.node
+                "process_started",
+                replica=r.replica,
+                rank=global_rank,
+                local_rank=rank,
+                pid=proc.pid,
+                restart=r.restarts,
+                node=self.s.node,
             )
             self._tasks.append(asyncio.create_task(self._watch(r, rank, proc)))
 
