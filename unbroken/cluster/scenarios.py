@@ -205,7 +205,7 @@ def coordinator_cut(root: Path, quick: bool = False, majority: bool = False) -> 
 def peer_partition(root: Path, quick: bool = False) -> Record:
     """h1 reaches the coordinator but neither peer: its exchanges fail; it must not block the
     quorum forever (the coordinator sets aside a replica whose epochs keep failing)."""
-    tail, cut_s = (5, 8.0) if quick else (30, 12.0)
+    tail, cut_s = (5, 16.0) if quick else (30, 25.0)
     box, job = _three(root, "peer_partition", min_replicas=2)
     try:
         t0 = time.time()
@@ -224,16 +224,20 @@ def peer_partition(root: Path, quick: bool = False) -> Record:
     finally:
         box.close()
     ev = job.events()
-    t_aside = _first(ev, t0, lambda e: e["kind"] == "quorum" and 1 not in e["members"] and len(e["members"]) >= 2)
+    t_aside = _first(ev, t0, lambda e: e["kind"] == "replica_set_aside")
+    aside = [e["replica"] for e in ev if e["kind"] == "replica_set_aside"]
     t_back = _first(ev, t_heal, lambda e: e["kind"] == "quorum" and 1 in e["members"])
     inv = consistency(job, [0, 1, 2])
     checks = {
         "agents_finished": all(c == 0 for c in codes.values()),
         "others_trained_on": trained_on,
+        "set_aside": bool(aside),
         "rejoined_after_heal": t_back is not None,
         **{k: v for k, v in inv.items() if isinstance(v, bool)},
     }
-    return _record("peer_partition", checks, detection_s=_since(t_aside, t0), recovery_s=_since(t_back, t_heal))
+    return _record(
+        "peer_partition", checks, detection_s=_since(t_aside, t0), recovery_s=_since(t_back, t_heal), set_aside=aside
+    )
 
 
 def slow_link(root: Path, quick: bool = False, clean: bool = False) -> Record:

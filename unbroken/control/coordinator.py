@@ -35,6 +35,7 @@ from unbroken.control import protocol
 from unbroken.control.assignment import Assignment
 from unbroken.control.groups import MAX_NODES_PER_REPLICA, GroupLaunch, advertised_address
 from unbroken.control.quorum import QuorumDecision, QuorumRequest, QuorumRules, QuorumState
+from unbroken.control.setaside import SetAside
 from unbroken.control.state_store import KEEP_EVENTS, StateStore
 from unbroken.diagnosis.master import DiagnosisMaster
 from unbroken.diagnosis.metrics import parse_policy
@@ -173,6 +174,8 @@ class Coordinator:
         self.step_times: deque[float] = deque(maxlen=200)
         self.assignment = Assignment(settings.total_replicas)
         self.groups: GroupLaunch | None = None  # replica groups spanning nodes (agents' --nodes-per-replica)
+        self.setaside = SetAside()  # replicas whose epochs keep failing (cut off from their peers)
+        self._held: dict[int, dict[int, tuple[_RankConn, int, int, int | None]]] = {}  # their requests
         self.agents: dict[str, _AgentConn] = {}
         self.finished: set[int] = set()
         self._first_finish: float | None = None
@@ -475,6 +478,7 @@ class Coordinator:
         for conn in list(self.replicas.pop(replica, {}).values()):
             conn.link.close()
         self.pending.pop(replica, None)
+        self._held.pop(replica, None)
         was_member = self.quorum.current is not None and replica in self.quorum.current.members
         self.diagnosis.forget(replica)
         self.events.emit("replica_evicted", replica=replica, reason=reason, member=was_member)
@@ -661,12 +665,38 @@ class Coordinator:
             failed = None  # not this replica's exchange to fail, or a stale report
         if step_time:
             self.step_times.append(step_time)
+        if member and cur is not None and step > cur.step:
+            self.setaside.progressed()
         conn.step = step
         ranks = self.pending.setdefault(conn.replica, {})
         ranks[conn.rank] = (conn, req_id, conn.step, failed)
         if len(ranks) < conn.world_size:
             return
         del self.pending[conn.replica]
+        self._submit(conn.replica, ranks)
+
+    def _submit(self, replica: int, ranks: dict[int, tuple[_RankConn, int, int, int | None]]) -> None:
+        """A replica's request, once all its ranks asked: answered, forming, or held (set aside)."""
+        now = time.monotonic()
+        cur = self.quorum.current
+        failed_epochs = [f for (_, _, _, f) in ranks.values() if f is not None]
+        if failed_epochs and cur is not None and max(failed_epochs) == cur.epoch:
+            victim = self.setaside.failed(cur.epoch, cur.members, self.settings.min_replicas, now)
+            if victim is not None:
+                self.events.emit(
+                    "replica_set_aside",
+                    replica=victim,
+                    failed_epochs=list(self.setaside.streak),
+                    hold_s=round(self.setaside.until[victim] - now, 3),
+                    reason="its epochs keep failing: cut off from its peers?",
+                )
+                self.quorum.waiting.pop(victim, None)
+                if victim in self.pending and victim != replica:
+                    self._held[victim] = self.pending.pop(victim)
+        if replica in self.setaside.held(now):
+            self._held[replica] = ranks
+            return
+        conn = next(iter(ranks.values()))[0]
         failures = [f for (_, _, _, f) in ranks.values() if f is not None]
         req = QuorumRequest(
             replica=conn.replica,
@@ -702,6 +732,7 @@ class Coordinator:
 
     def _deliver(self, decisions: list[QuorumDecision]) -> None:
         for d in decisions:
+            self.setaside.formed(d.epoch, d.members)
             self.store.record_epoch(d.epoch, d.step, list(d.members), list(d.behind))
             self.events.emit(
                 "quorum",
@@ -772,6 +803,12 @@ class Coordinator:
                 self._evict(replica, f"no heartbeat for {self.settings.heartbeat_timeout_s:.1f}s (hung or stopped)")
             elif quiet > self.settings.suspect_after_s:
                 suspects.add(replica)
+        held = self.setaside.held(now)
+        for replica in [r for r in self._held if r not in held]:
+            asked = {k: v for k, v in self._held.pop(replica).items() if self.replicas.get(replica, {}).get(k) is v[0]}
+            if asked and len(asked) == next(iter(asked.values()))[0].world_size:
+                self._submit(replica, asked)
+        suspects |= held & self.quorum.alive
         if suspects != self.quorum.silent:
             if suspects - self.quorum.silent:
                 self.events.emit(
