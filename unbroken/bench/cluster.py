@@ -1,8 +1,9 @@
 """``unbroken bench cluster``: replica groups and real network faults in the cluster box.
 
 One record per scenario of :mod:`unbroken.cluster.scenarios` (its checks, detection and
-recovery seconds); root is needed (network namespaces). ``--slurm`` adds the README's Slurm
-example run by hand in the namespaces (see docs/operations.md for why not under slurmd).
+recovery seconds); root is needed (network namespaces). ``slurm_by_hand`` is the README's Slurm
+example, its ``srun`` lines' commands run by hand in the namespaces (docs/operations.md says why
+not under ``slurmd``).
 """
 
 from __future__ import annotations

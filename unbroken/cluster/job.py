@@ -50,6 +50,10 @@ class JobSpec:
     pace_s: float = 0.1
     heartbeat_timeout_s: float = 2.0
     worker_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Where the coordinator runs and what it binds: its own host by default; the Slurm example
+    # runs it on the first node, next to that node's agent, bound to 0.0.0.0.
+    coordinator_host: str = "ctl"
+    coordinator_bind: str | None = None
 
 
 class BoxJob:
@@ -59,7 +63,7 @@ class BoxJob:
         self.box, self.run_dir, self.spec = box, run_dir, spec
         run_dir.mkdir(parents=True, exist_ok=True)
         self.secret_file = JobSecret.generate().write(run_dir / "secret")
-        self.address = f"{box.coordinator.addr}:{COORDINATOR_PORT}"
+        self.address = f"{box.host(spec.coordinator_host).addr}:{COORDINATOR_PORT}"
         self.agents: dict[str, Any] = {}
         self.coordinator: Any = None
         self.target = spec.steps  # the step the job ends at
@@ -75,11 +79,12 @@ class BoxJob:
 
     def start_coordinator(self) -> None:
         s = self.spec
-        argv = [sys.executable, "-m", "unbroken", "coordinator", "--host", self.box.coordinator.addr]
+        bind = s.coordinator_bind or self.box.host(s.coordinator_host).addr
+        argv = [sys.executable, "-m", "unbroken", "coordinator", "--host", bind]
         argv += ["--port", str(COORDINATOR_PORT), "--replicas", str(s.replicas), "--min-replicas", str(s.min_replicas)]
         argv += ["--state-dir", str(self.run_dir), "--startup-window", "3"]
         argv += ["--heartbeat-timeout", str(s.heartbeat_timeout_s)]
-        self.coordinator = self.box.spawn("ctl", argv, self.run_dir / "coordinator.log", self.env)
+        self.coordinator = self.box.spawn(s.coordinator_host, argv, self.run_dir / "coordinator.log", self.env)
         wait_until("the coordinator to listen", lambda: self.events("coordinator_started"), 60)
 
     def agent_argv(self, host: str) -> list[str]:

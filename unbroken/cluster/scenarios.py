@@ -288,6 +288,35 @@ def slow_link(root: Path, quick: bool = False, clean: bool = False) -> Record:
     return _record(name, checks, **figures)
 
 
+def slurm_by_hand(root: Path, quick: bool = False) -> Record:
+    """The README's Slurm example, its ``srun`` lines' commands run by hand in the namespaces:
+    the coordinator on the first node (``--host 0.0.0.0``) next to its agent, 4 replicas
+    (``--min-replicas 3``) on 4 nodes and a spare; a power cut of a node ends with the job
+    continuing on the spare."""
+    tail = 5 if quick else 30
+    spec = JobSpec(replicas=4, min_replicas=3, steps=CAP, coordinator_host="h0", coordinator_bind="0.0.0.0")
+    with Box(5) as box:
+        job = BoxJob(box, root / "slurm_by_hand", spec)
+        job.start(["h0", "h1", "h2", "h3", "h4"])
+        job.wait_for_step(3, 8, 240)
+        t0 = time.time()
+        box.power_cut("h2")
+        _settle(job, "the spare to catch up", lambda: any(2 in q["behind"] for q in job.events("quorum")), 150, tail)
+        codes = job.wait_agents(["h0", "h1", "h3", "h4"], 120)
+    ev = job.events()
+    moved = [(e["replica"], e["to_node"]) for e in ev if e["kind"] == "replica_reassigned"]
+    t_back = _first(ev, t0, lambda e: e["kind"] == "quorum" and 2 in e["behind"])
+    inv = consistency(job, [0, 1, 2, 3])
+    checks = {
+        "agents_finished": all(c == 0 for c in codes.values()),
+        "moved_to_spare": moved == [(2, "h4")],
+        "caught_up": t_back is not None,
+        **{k: v for k, v in inv.items() if isinstance(v, bool)},
+    }
+    t_detect = _first(ev, t0, lambda e: e["kind"] == "replica_evicted" and e["replica"] == 2)
+    return _record("slurm_by_hand", checks, detection_s=_since(t_detect, t0), recovery_s=_since(t_back, t0))
+
+
 @dataclasses.dataclass(frozen=True)
 class Scenario:
     name: str
@@ -302,4 +331,5 @@ SCENARIOS = (
     Scenario("peer_partition", peer_partition),
     Scenario("slow_link_tbf", lambda root, quick: slow_link(root, quick, clean=False)),
     Scenario("slow_link_clean", lambda root, quick: slow_link(root, quick, clean=True)),
+    Scenario("slurm_by_hand", slurm_by_hand),
 )
