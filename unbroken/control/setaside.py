@@ -8,7 +8,8 @@ consecutive failed epochs with no step committed in between, one member is set a
 while (its quorum requests are held, and forming does not wait for it); the members left then
 train on. Which member: the one that entered the membership last (a replica coming back from a
 partition is the likeliest to be cut off still), highest id on a tie, and one not tried yet in
-this streak, so that a wrong guess is corrected by the next failure. The hold doubles each time
+this streak, so that a wrong guess is corrected by the next failure (the wrongly held replica
+is given back at once). The hold doubles each time
 the same replica is set aside again; once it ends, the replica is admitted as a newcomer and
 catches up, and if its epochs fail again it is set aside again.
 """
@@ -58,13 +59,19 @@ class SetAside:
         if epoch in self.streak:
             return None
         self.streak.append(epoch)
-        members = sorted(members)
-        if len(self.streak) < self.after_failures or len(members) - 1 < max(1, min_replicas):
+        if len(self.streak) < self.after_failures:
             return None
-        left = [m for m in members if m not in self.tried]
+        # Epochs fail still: whoever this streak set aside was a wrong guess, and is given back.
+        wrong = [r for r in self.tried if r in self.until]
+        for r in wrong:
+            del self.until[r]
+        pool = sorted(set(members) | set(wrong))
+        if len(pool) - 1 < max(1, min_replicas):
+            return None
+        left = [m for m in pool if m not in self.tried]
         if not left:
             self.tried.clear()
-            left = members
+            left = pool
         victim = max(left, key=lambda m: (self.joined.get(m, 0), m))
         self.tried.add(victim)
         n = self.times.get(victim, 0)
