@@ -243,7 +243,7 @@ def peer_partition(root: Path, quick: bool = False) -> Record:
 def slow_link(root: Path, quick: bool = False, clean: bool = False) -> Record:
     """``tbf`` at 20 Mbit/s on h1's veth (both ways), ring exchange: diagnosis names replica 1's
     node or one of its links within 30 steps; a clean run of the same length gets no verdict."""
-    onset, after = (15, 35) if quick else (30, 40)
+    onset, after = (15, 60) if quick else (30, 60)
     env = {"UNBROKEN_EXCHANGE": "ring"}
     name = "slow_link_clean" if clean else "slow_link_tbf"
     box, job = _three(root, name, min_replicas=2, width=1024, worker_env=env)
