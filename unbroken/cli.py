@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, str] = {
     "recovery": "unbroken.bench.recovery:recovery",
     "diagnosis": "unbroken.bench.diagnosis:diagnosis",
     "auth": "unbroken.bench.auth:auth",
+    "cluster": "unbroken.bench.cluster:cluster",
 }
 
 

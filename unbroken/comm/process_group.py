@@ -12,8 +12,8 @@ job had finished, when the garbage collector reached a Manager).
 The groups rendezvous on the job's authenticated store (:mod:`unbroken.comm.store`), so nobody
 without the job's secret can read or write their keys. Gloo's own pair connections, which
 carry the all-reduce, cannot be authenticated by us (nor are NCCL's): on a single-machine job
-(a loopback store) they bind loopback only; across machines they use Gloo's default interface
-(``GLOO_SOCKET_IFNAME`` picks another), and the network between the nodes must be trusted, as
+(a loopback store) they bind loopback only; across machines the address on the route to the store
+(``GLOO_SOCKET_IFNAME`` picks an interface instead), and the network between the nodes must be trusted, as
 for any torch.distributed job.
 """
 
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from unbroken.comm.recorder import FlightRecorder
 from unbroken.comm.ring import ring_allreduce_sum
 from unbroken.comm.store import AuthenticatedStore
-from unbroken.config import exchange_mode, gloo_socket_ifname, parse_host_port
+from unbroken.config import exchange_mode, gloo_socket_ifname, local_address_towards, parse_host_port
 from unbroken.wire.auth import JobSecret
 
 # "backend" (default): the backend's all-reduce; "ring": unbroken's CPU-driven ring, slower on
@@ -386,10 +386,15 @@ class CrossReplicaGroup:
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stub lacks _Options
         options._timeout = self.timeout
         host = parse_host_port(store_address, "store address")[0]
-        if _is_loopback(host) and gloo_socket_ifname() is None:
+        ifname = gloo_socket_ifname()
+        if ifname:
+            options._devices = [dist.ProcessGroupGloo.create_device(interface=ifname.split(",")[0])]
+        elif _is_loopback(host):
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         else:
-            options._devices = [dist.ProcessGroupGloo.create_default_device()]
+            # Not the default device: it binds what the host name resolves to, often loopback,
+            # which the other nodes cannot dial; the address on the route to the store they can.
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(host))]
         return options
 
     def _store(self, address: str) -> AuthenticatedStore:

@@ -32,7 +32,9 @@ from typing import Any
 from unbroken.config import anomaly_policy
 from unbroken.control import protocol
 from unbroken.control.assignment import Assignment
+from unbroken.control.groups import MAX_NODES_PER_REPLICA, GroupLaunch, advertised_address
 from unbroken.control.quorum import QuorumDecision, QuorumRequest, QuorumRules, QuorumState
+from unbroken.control.setaside import SetAside
 from unbroken.control.state_store import KEEP_EVENTS, StateStore
 from unbroken.diagnosis.master import DiagnosisMaster
 from unbroken.diagnosis.metrics import parse_policy
@@ -170,6 +172,9 @@ class Coordinator:
         self.pending: dict[int, dict[int, tuple[_RankConn, int, int, int | None]]] = {}
         self.step_times: deque[float] = deque(maxlen=200)
         self.assignment = Assignment(settings.total_replicas)
+        self.groups: GroupLaunch | None = None  # replica groups spanning nodes (agents' --nodes-per-replica)
+        self.setaside = SetAside()  # replicas whose epochs keep failing (cut off from their peers)
+        self._held: dict[int, dict[int, tuple[_RankConn, int, int, int | None]]] = {}  # their requests
         self.agents: dict[str, _AgentConn] = {}
         self.finished: set[int] = set()
         self._first_finish: float | None = None
@@ -378,6 +383,10 @@ class Coordinator:
         elif agent is not None:
             if op == "agent_heartbeat":
                 self._agent_heartbeat(agent)
+            elif self.groups is not None and op in ("exited", "group_port", "group_release"):
+                {"exited": self.groups.exited, "group_port": self.groups.port, "group_release": self.groups.released}[
+                    op
+                ](agent.node, msg)
             elif op == "exited":
                 replica = protocol.count(msg, "replica")
                 if self.assignment.owner.get(replica) != agent.node:
@@ -468,6 +477,7 @@ class Coordinator:
         for conn in list(self.replicas.pop(replica, {}).values()):
             conn.link.close()
         self.pending.pop(replica, None)
+        self._held.pop(replica, None)
         was_member = self.quorum.current is not None and replica in self.quorum.current.members
         self.diagnosis.forget(replica)
         self.events.emit("replica_evicted", replica=replica, reason=reason, member=was_member)
@@ -482,6 +492,21 @@ class Coordinator:
         running = msg.get("running", [])
         if not node or not 1 <= slots <= MAX_SLOTS or not isinstance(running, list) or len(running) > MAX_SLOTS:
             raise Refused(f"an agent_hello needs a node name, 1 to {MAX_SLOTS} slots and a list of running replicas")
+        nodes_per_replica = protocol.count(msg, "nodes_per_replica", 1)
+        if not 1 <= nodes_per_replica <= MAX_NODES_PER_REPLICA:
+            raise Refused(f"nodes_per_replica must be 1 to {MAX_NODES_PER_REPLICA}, got {nodes_per_replica}")
+        expected = self.groups.nodes_per_replica if self.groups else 1 if self.agents else nodes_per_replica
+        if expected != nodes_per_replica:
+            link.send(
+                {
+                    "op": "error",
+                    "message": f"this job's agents run replica groups of {expected} node(s), not "
+                    f"{nodes_per_replica}: give every agent the same --nodes-per-replica",
+                }
+            )
+            return None
+        if nodes_per_replica > 1:
+            return self._group_agent_hello(msg, link, node, slots, nodes_per_replica)
         try:
             busy = {r for r, conns in self.replicas.items() if conns}
             replicas = self.assignment.join(
@@ -496,12 +521,28 @@ class Coordinator:
         link.send({"op": "assign", "replicas": replicas, "num_replicas": self.settings.total_replicas})
         return agent
 
+    def _group_agent_hello(
+        self, msg: dict[str, Any], link: protocol.Link, node: str, slots: int, nodes_per_replica: int
+    ) -> _AgentConn | None:
+        """An agent of a job whose replica groups span nodes (:mod:`unbroken.control.groups`)."""
+        addr = advertised_address(msg)
+        if self.groups is None:
+            self.groups = GroupLaunch(self, nodes_per_replica)
+        if node in self.groups.assignment.slots:
+            link.send({"op": "error", "message": f"an agent for node {node!r} is already connected"})
+            return None
+        agent = _AgentConn(node=node, link=link, last_heartbeat=time.monotonic())
+        self.agents[node] = agent
+        link.send({"op": "assign", "replicas": [], "num_replicas": self.settings.total_replicas})
+        replicas = self.groups.hello(node, slots, addr)
+        self.events.emit("agent_joined", node=node, slots=slots, replicas=replicas, addr=addr)
+        return agent
+
     def _agent_heartbeat(self, agent: _AgentConn) -> None:
         agent.last_heartbeat = time.monotonic()
+        mine = self.groups.replicas_of(agent.node) if self.groups else self.assignment.replicas_of(agent.node)
         steps = {
-            str(r): max((c.step for c in self.replicas[r].values()), default=0)
-            for r in self.assignment.replicas_of(agent.node)
-            if r in self.replicas
+            str(r): max((c.step for c in self.replicas[r].values()), default=0) for r in mine if r in self.replicas
         }
         agent.link.send({"op": "agent_status", "steps": steps})
 
@@ -512,6 +553,8 @@ class Coordinator:
         directory; its answer lands in this log as a ``stack`` event.
         """
         node = self.assignment.owner.get(replica)
+        if self.groups is not None:
+            node, rank = self.groups.stack_target(replica, rank) or (None, rank)
         agent = self.agents.get(node) if node is not None else None
         if agent is None:
             return {"stack_note": "no supervisor or agent runs this replica: no stack"}
@@ -520,7 +563,9 @@ class Coordinator:
 
     def _agent_stack_report(self, agent: _AgentConn, msg: dict[str, Any]) -> None:
         replica, rank = protocol.count(msg, "replica"), protocol.count(msg, "rank")
-        if self.assignment.owner.get(replica) != agent.node:
+        if not (
+            self.groups.runs(replica, agent.node) if self.groups else self.assignment.owner.get(replica) == agent.node
+        ):
             raise ValueError(f"replica {replica} does not run on node {agent.node}")
         stack = msg.get("stack")
         self.events.emit(
@@ -539,6 +584,11 @@ class Coordinator:
             return
         del self.agents[agent.node]
         agent.link.close()
+        if self.groups is not None:
+            self.events.emit("agent_lost", node=agent.node, replicas=self.groups.replicas_of(agent.node), reason=reason)
+            self.groups.gone(agent.node, reason)
+            self._check_job_finished()
+            return
         lost, moves = self.assignment.leave(agent.node, done=self.finished)
         self.events.emit("agent_lost", node=agent.node, replicas=lost, reason=reason)
         for r in lost:
@@ -565,7 +615,8 @@ class Coordinator:
         if self._job_finished_sent or not self.agents or self._first_finish is None:
             return
         late = time.monotonic() - self._first_finish > self.settings.finish_grace_s
-        if not late and any(r not in self.finished for r in self.assignment.owner):
+        assigned = self.groups.assigned() if self.groups else self.assignment.owner
+        if not late and any(r not in self.finished for r in assigned):
             return
         self._job_finished_sent = True
         self.events.emit("job_finished", finished=sorted(self.finished))
@@ -613,12 +664,38 @@ class Coordinator:
             failed = None  # not this replica's exchange to fail, or a stale report
         if step_time:
             self.step_times.append(step_time)
+        if member and cur is not None and step > cur.step:
+            self.setaside.progressed()
         conn.step = step
         ranks = self.pending.setdefault(conn.replica, {})
         ranks[conn.rank] = (conn, req_id, conn.step, failed)
         if len(ranks) < conn.world_size:
             return
         del self.pending[conn.replica]
+        self._submit(conn.replica, ranks)
+
+    def _submit(self, replica: int, ranks: dict[int, tuple[_RankConn, int, int, int | None]]) -> None:
+        """A replica's request, once all its ranks asked: answered, forming, or held (set aside)."""
+        now = time.monotonic()
+        cur = self.quorum.current
+        failed_epochs = [f for (_, _, _, f) in ranks.values() if f is not None]
+        if failed_epochs and cur is not None and max(failed_epochs) == cur.epoch:
+            victim = self.setaside.failed(cur.epoch, cur.members, self.settings.min_replicas, now)
+            if victim is not None:
+                self.events.emit(
+                    "replica_set_aside",
+                    replica=victim,
+                    failed_epochs=list(self.setaside.streak),
+                    hold_s=round(self.setaside.until[victim] - now, 3),
+                    reason="its epochs keep failing: cut off from its peers?",
+                )
+                self.quorum.waiting.pop(victim, None)
+                if victim in self.pending and victim != replica:
+                    self._held[victim] = self.pending.pop(victim)
+        if replica in self.setaside.held(now):
+            self._held[replica] = ranks
+            return
+        conn = next(iter(ranks.values()))[0]
         failures = [f for (_, _, _, f) in ranks.values() if f is not None]
         req = QuorumRequest(
             replica=conn.replica,
@@ -654,6 +731,7 @@ class Coordinator:
 
     def _deliver(self, decisions: list[QuorumDecision]) -> None:
         for d in decisions:
+            self.setaside.formed(d.epoch, d.members)
             self.store.record_epoch(d.epoch, d.step, list(d.members), list(d.behind))
             self.events.emit(
                 "quorum",
@@ -724,6 +802,12 @@ class Coordinator:
                 self._evict(replica, f"no heartbeat for {self.settings.heartbeat_timeout_s:.1f}s (hung or stopped)")
             elif quiet > self.settings.suspect_after_s:
                 suspects.add(replica)
+        held = self.setaside.held(now)
+        for replica in [r for r in self._held if r not in held]:
+            asked = {k: v for k, v in self._held.pop(replica).items() if self.replicas.get(replica, {}).get(k) is v[0]}
+            if asked and len(asked) == next(iter(asked.values()))[0].world_size:
+                self._submit(replica, asked)
+        suspects |= held & self.quorum.alive
         if suspects != self.quorum.silent:
             if suspects - self.quorum.silent:
                 self.events.emit(

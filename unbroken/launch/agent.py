@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import logging
 import os
 import signal
@@ -41,7 +42,7 @@ from unbroken import config as env
 from unbroken.control import protocol
 from unbroken.diagnosis import stacks
 from unbroken.launch import reaper, workers
-from unbroken.launch.policy import RestartBook, RestartPolicy
+from unbroken.launch.policy import Decision, RestartBook, RestartPolicy
 from unbroken.observe.events import EventLog
 from unbroken.train.preemption import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
 from unbroken.wire.auth import AuthError, JobSecret
@@ -66,6 +67,11 @@ class AgentSettings:
         secret_file: the job's secret, as the coordinator has it.
         term_grace_s: on SIGTERM, how long the workers have to finish their step and flush a
             checkpoint before what is left is killed.
+        nodes_per_replica: nodes each replica group spans (FT-HSDP's shape: a replica sharded
+            over hosts); this node then runs ``ranks_per_replica / nodes_per_replica`` of its ranks.
+        advertise_addr: the address the group's other nodes reach this one at (its ranks'
+            rendezvous binds it when it is group rank 0); None: the address this node uses to
+            reach the coordinator.
     """
 
     command: tuple[str, ...]
@@ -81,6 +87,8 @@ class AgentSettings:
     finish_grace_s: float = 10.0
     secret_file: Path | None = None
     term_grace_s: float = 25.0
+    nodes_per_replica: int = 1
+    advertise_addr: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.term_grace_s < float("inf"):
@@ -97,6 +105,18 @@ class AgentSettings:
             raise ValueError(f"--slots must be >= 1 (replicas this node can run), got {self.slots}")
         if self.ranks_per_replica < 1:
             raise ValueError(f"--ranks-per-replica must be >= 1, got {self.ranks_per_replica}")
+        if self.nodes_per_replica < 1:
+            raise ValueError(f"--nodes-per-replica must be >= 1, got {self.nodes_per_replica}")
+        if self.ranks_per_replica % self.nodes_per_replica:
+            raise ValueError(
+                f"--ranks-per-replica {self.ranks_per_replica} must be a multiple of --nodes-per-replica "
+                f"{self.nodes_per_replica}: every node of a replica group runs as many ranks"
+            )
+        if self.advertise_addr is not None:
+            try:
+                ipaddress.ip_address(self.advertise_addr)
+            except ValueError:
+                raise ValueError(f"--advertise-addr must be an IP address, got {self.advertise_addr!r}") from None
         if self.connect_timeout_s <= 0:
             raise ValueError(f"--connect-timeout must be > 0, got {self.connect_timeout_s}")
         if self.secret_file is None:
@@ -109,6 +129,8 @@ class AgentSettings:
 @dataclasses.dataclass
 class _Replica(workers.ReplicaProcs):
     done: bool = False  # finished, or given up
+    incarnation: int = 0  # of a replica group spanning nodes: the coordinator's start it runs
+    failed: Decision | None = None  # the restart policy's word on this node's last exit in that group
 
 
 class Agent:
@@ -136,6 +158,11 @@ class Agent:
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self._guardian: reaper.Guardian | None = None
+        host = env.parse_host_port(settings.coordinator, "--coordinator")[0]
+        self.addr = settings.advertise_addr or env.local_address_towards(host)
+        self._ifname = workers.interface_of(self.addr)
+        if settings.nodes_per_replica > 1 and self._ifname is None:
+            raise ValueError(f"--advertise-addr {self.addr} is not an address of this node")
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -145,7 +172,7 @@ class Agent:
             with reaper.supervising() as self._guardian:
                 try:
                     self._link = await self._connect()
-                    self._send({"op": "agent_hello", "node": self.s.node, "slots": self.s.slots})
+                    self._send(self._hello())
                     self.events.emit(
                         "agent_started", node=self.s.node, slots=self.s.slots, coordinator=self.s.coordinator
                     )
@@ -213,6 +240,12 @@ class Agent:
                     ) from e
                 await asyncio.sleep(0.2)
 
+    def _hello(self) -> dict[str, Any]:
+        hello: dict[str, Any] = {"op": "agent_hello", "node": self.s.node, "slots": self.s.slots}
+        if self.s.nodes_per_replica > 1:
+            hello.update(nodes_per_replica=self.s.nodes_per_replica, addr=self.addr)
+        return hello
+
     def _send(self, msg: dict[str, Any]) -> None:
         if self._link is not None:
             self._link.send(msg)
@@ -264,6 +297,14 @@ class Agent:
             self.events.emit("replicas_assigned", replicas=msg["replicas"])
             for r in msg["replicas"]:
                 await self._spawn(self.replicas.setdefault(int(r), _Replica(int(r))))  # running ones stay
+        elif msg["op"] == "group_assign":
+            await self._group_assign(msg)
+        elif msg["op"] == "group_stop":
+            r = self.replicas.get(protocol.count(msg, "replica"))
+            if r is not None and r.procs:
+                self.events.emit("group_stopped", replica=r.replica, incarnation=r.incarnation)
+                procs, r.procs = r.procs, []
+                await workers.kill_groups(procs, self._guardian)
         elif msg["op"] == "agent_status":
             self._progress({int(r): int(s) for r, s in msg["steps"].items()})
         elif msg["op"] == "dump_stack":
@@ -279,6 +320,55 @@ class Agent:
             self._stop.set()
             return False
         return True
+
+    async def _group_assign(self, msg: dict[str, Any]) -> None:
+        """Starts this node's ranks of a replica group spanning nodes, as the coordinator says.
+
+        Group rank 0 (``master`` empty) picks the rendezvous port on this node's advertised
+        address and tells the coordinator, which passes it to the group's other nodes.
+        """
+        replica, incarnation = protocol.count(msg, "replica"), protocol.count(msg, "incarnation")
+        group_rank = protocol.count(msg, "group_rank")
+        nodes = protocol.count(msg, "nodes_per_replica")
+        num_replicas = protocol.count(msg, "num_replicas")
+        master = protocol.text(msg, "master", 80)
+        if nodes != self.s.nodes_per_replica or not group_rank < nodes or not replica < num_replicas:
+            raise ValueError(f"a group_assign for {nodes} nodes per replica, group rank {group_rank}")
+        self.num_replicas = num_replicas
+        r = self.replicas.setdefault(replica, _Replica(replica))
+        if r.procs:  # an older start of the group: ended before the new one begins
+            procs, r.procs = r.procs, []
+            await workers.kill_groups(procs, self._guardian)
+        r.incarnation = incarnation
+        failed, r.failed = r.failed, None
+        if failed is not None and msg.get("blamed") is True:
+            # The group failed here first: this node's restart policy applies (its peers' do not).
+            if failed.action != "restart":
+                r.done = True
+                self._send({"op": "group_release", "replica": replica})
+                self.events.emit("replica_given_up", replica=replica, reason=failed.reason)
+                return
+            r.restarts += 1
+            self.book.restarted(replica)
+            self.events.emit("replica_restarting", replica=replica, restart=r.restarts, delay_s=failed.delay_s)
+            await asyncio.sleep(failed.delay_s)
+            if r.incarnation != incarnation or self._stop.is_set():
+                return
+        if master:
+            host, port = env.parse_host_port(master, "master")
+            ipaddress.ip_address(host)
+        else:
+            host, port = self.addr, workers.free_port(self.addr)
+            self._send({"op": "group_port", "replica": replica, "incarnation": incarnation, "port": port})
+        place = workers.GroupPlace(group_rank, nodes, host, port, self._ifname)
+        self.events.emit(
+            "replicas_assigned",
+            replicas=[replica],
+            group_rank=group_rank,
+            incarnation=incarnation,
+            master=f"{host}:{port}",
+        )
+        await self._spawn(r, place)
 
     async def _dump_stack(self, replica: int, rank: int) -> None:
         """The coordinator's request for a hung rank's stack: dumped from our own child, if it is one."""
@@ -320,7 +410,7 @@ class Agent:
         except ConnectionError:
             return False
         running = sorted(r.replica for r in self.replicas.values() if r.procs)
-        self._send({"op": "agent_hello", "node": self.s.node, "slots": self.s.slots, "running": running})
+        self._send({**self._hello(), "running": running})
         # Reported when the coordinator answers: a connect can also reach a dying coordinator's
         # listening socket in the instant before the kernel closes it, and be reset at once.
         self._rejoining = running
@@ -337,13 +427,13 @@ class Agent:
     def _threads(self) -> int:
         return self.s.threads_per_rank or max(1, (os.cpu_count() or 1) // (self.s.slots * self.s.ranks_per_replica))
 
-    async def _spawn(self, r: _Replica) -> None:
+    async def _spawn(self, r: _Replica, place: workers.GroupPlace | None = None) -> None:
         if r.procs:
             return
         r.done = False
         r.step_at_start = self.steps.get(r.replica, 0)
         master_port = workers.free_port()
-        for rank in range(self.s.ranks_per_replica):
+        for rank in range(self.s.ranks_per_replica // self.s.nodes_per_replica):
             environ = workers.worker_env(
                 coordinator=self.s.coordinator,
                 replica=r.replica,
@@ -356,12 +446,20 @@ class Agent:
                 master_port=master_port,
                 threads=self._threads(),
                 secret_file=self.secret_file,
+                group=place,
             )
-            log = self.s.run_dir / "logs" / f"replica{r.replica}-rank{rank}.log"
+            global_rank = int(environ[env.ENV_RANK])  # the rank in the whole group, across its nodes
+            log = self.s.run_dir / "logs" / f"replica{r.replica}-rank{global_rank}.log"
             proc = await workers.start_worker(self.s.command, environ, log, self._guardian)
             r.procs.append(proc)
             self.events.emit(
-                "process_started", replica=r.replica, rank=rank, pid=proc.pid, restart=r.restarts, node=self.s.node
+                "process_started",
+                replica=r.replica,
+                rank=global_rank,
+                local_rank=rank,
+                pid=proc.pid,
+                restart=r.restarts,
+                node=self.s.node,
             )
             self._tasks.append(asyncio.create_task(self._watch(r, rank, proc)))
 
@@ -387,7 +485,7 @@ class Agent:
                 self.events.emit("replica_finished", replica=r.replica)
                 self._maybe_done()
             return
-        self._send({"op": "exited", "replica": r.replica, "exitcode": code})
+        self._send({"op": "exited", "replica": r.replica, "exitcode": code, "incarnation": r.incarnation})
         decision = self.book.decide(r.replica)
         if self._job_finished or self._coordinator_lost:
             decision = dataclasses.replace(decision, action="stop", reason="the job is over: nothing to rejoin")
@@ -402,6 +500,11 @@ class Agent:
         )
         procs, r.procs = r.procs, []
         await workers.kill_groups(procs, self._guardian)
+        if self.s.nodes_per_replica > 1:
+            # The coordinator restarts the whole group; if it blames this node (its report came
+            # first), the decision applies when the group starts again (see _group_assign).
+            r.failed = decision
+            return
         if decision.action != "restart":
             # This node cannot end the job (the coordinator's quorum decides whether it goes on).
             r.done = True

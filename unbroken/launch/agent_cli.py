@@ -38,7 +38,22 @@ from unbroken.launch.policy import RestartPolicy
     type=int,
     default=AgentSettings.ranks_per_replica,
     show_default=True,
-    help="Processes per replica group.",
+    help="Processes per replica group (its WORLD_SIZE), over all the nodes it spans.",
+)
+@click.option(
+    "--nodes-per-replica",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Nodes each replica group spans (every agent of the job says the same); each node runs "
+    "ranks-per-replica / nodes-per-replica of its ranks. Losing any of them restarts the whole group.",
+)
+@click.option(
+    "--advertise-addr",
+    default=None,
+    metavar="IP",
+    help="The address the other nodes of a replica group reach this node at; its group's rendezvous "
+    "binds it [default: the address this node uses to reach the coordinator].",
 )
 @click.option(
     "--run-dir",
@@ -109,6 +124,8 @@ def agent(**kw: Any) -> None:
             node=kw.pop("node"),
             slots=kw.pop("slots"),
             ranks_per_replica=kw.pop("ranks_per_replica"),
+            nodes_per_replica=kw.pop("nodes_per_replica"),
+            advertise_addr=kw.pop("advertise_addr"),
             run_dir=kw.pop("run_dir"),
             policy=policy,
             connect_timeout_s=kw.pop("connect_timeout"),

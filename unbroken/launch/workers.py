@@ -36,6 +36,25 @@ class ReplicaProcs:
     step_at_start: int = 0  # the job's step when they were started: progress is measured from it
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupPlace:
+    """Where this node's ranks sit in a replica group that spans ``nodes`` nodes.
+
+    Attributes:
+        group_rank: this node's index in the group (``GROUP_RANK``).
+        nodes: nodes in the group (``GROUP_WORLD_SIZE``).
+        master_addr: the address of group rank 0's node, where the group rendezvouses.
+        master_port: the port group rank 0 picked there.
+        ifname: the interface of this node's advertised address, for Gloo (None: Gloo's default).
+    """
+
+    group_rank: int
+    nodes: int
+    master_addr: str
+    master_port: int
+    ifname: str | None = None
+
+
 def _die_with_parent() -> None:
     """Runs in the child between fork and exec: SIGKILL this process when its parent dies."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -55,10 +74,33 @@ def package_path() -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(filter(None, [root, env.python_path()]))}
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+_SIOCGIFADDR = 0x8915
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface that holds ``address`` (Linux), None if none does.
+
+    Gloo binds its pairs to one interface (``GLOO_SOCKET_IFNAME``); without it, it takes the one
+    the host name resolves to, often loopback, which peers on other nodes cannot dial.
+    """
+    import fcntl
+    import struct
+
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+        if socket.inet_ntoa(raw[20:24]) == address:
+            return name
+    return None
 
 
 def worker_env(
@@ -75,16 +117,34 @@ def worker_env(
     threads: int,
     secret_file: Path,
     extra: dict[str, str] | None = None,
+    group: GroupPlace | None = None,
 ) -> dict[str, str]:
     """What a worker sees: PyTorch's variables inside its replica group, plus unbroken's own.
 
     The job's secret travels as the path of its 0600 file (``UNBROKEN_SECRET_FILE``), never as
     the key itself: an environment shows in ``/proc/PID/environ``, core dumps and scheduler logs.
 
-    A replica group lives on one node, so its rendezvous (MASTER_ADDR) is this node's loopback,
-    and torchrun's view of it is one node (``GROUP_RANK`` 0) of ``world_size`` local ranks, whose
-    restarts are this replica's restarts.
+    A replica group on one node (``group`` None) rendezvouses on this node's loopback, and
+    torchrun's view of it is one node (``GROUP_RANK`` 0) of ``world_size`` local ranks, whose
+    restarts are this replica's restarts. A group spanning nodes (``group``) rendezvouses at the
+    address its group rank 0 node advertised, and ``rank`` is then the index on this node
+    (``LOCAL_RANK``); Gloo is pinned to the interface of this node's advertised address.
     """
+    local_world = world_size
+    place: dict[str, str] = {}
+    if group is not None:
+        local_world = world_size // group.nodes
+        place = {
+            env.ENV_RANK: str(group.group_rank * local_world + rank),
+            env.ENV_GROUP_RANK: str(group.group_rank),
+            env.ENV_GROUP_WORLD_SIZE: str(group.nodes),
+            env.ENV_ROLE_RANK: str(group.group_rank * local_world + rank),
+            env.ENV_LOCAL_WORLD_SIZE: str(local_world),
+            env.ENV_MASTER_ADDR: group.master_addr,
+            env.ENV_MASTER_PORT: str(group.master_port),
+        }
+        if group.ifname and env.gloo_socket_ifname() is None:
+            place[env.ENV_GLOO_SOCKET_IFNAME] = group.ifname
     return {
         **os.environ,
         env.ENV_COORDINATOR: coordinator,
@@ -109,6 +169,7 @@ def worker_env(
         env.ENV_OMP_NUM_THREADS: env.omp_num_threads(threads),
         "PYTHONUNBUFFERED": "1",
         "PYTHONFAULTHANDLER": "1",  # a crashing worker leaves its stack in the log
+        **place,
         **(extra or {}),
     }
 

@@ -61,3 +61,35 @@ def test_after_a_coordinator_restart_agents_keep_what_they_run() -> None:
     assert a.join("a", 1, running=[0]) == [0]
     # a claim beyond the job's replicas, or of a replica another agent holds, is not granted
     assert a.join("c", 2, running=[1, 7]) == []
+
+
+def test_replica_groups_take_k_distinct_nodes_and_a_spare_replaces_a_lost_one() -> None:
+    from unbroken.control.assignment import GroupAssignment
+
+    a = GroupAssignment(total_replicas=2, nodes_per_replica=2)
+    assert a.join("a", 1) == []  # half a group: not started
+    assert a.join("b", 1) == [0]
+    assert a.join("c", 1) == []
+    assert a.join("d", 1) == [1]
+    assert a.join("e", 1) == []  # a spare
+    assert a.members == {0: ["a", "b"], 1: ["c", "d"]}
+    first = a.incarnation[1]
+    hit, started = a.leave("d")
+    assert hit == [1] and started == [1]
+    assert a.members[1] == ["c", "e"]  # c keeps group rank 0: it is not blamed
+    assert a.incarnation[1] > first
+
+
+def test_a_group_without_a_spare_waits_with_a_hole_and_a_released_node_is_not_matched_again() -> None:
+    from unbroken.control.assignment import GroupAssignment
+
+    a = GroupAssignment(total_replicas=1, nodes_per_replica=2)
+    a.join("a", 1)
+    a.join("b", 1)
+    assert a.leave("b") == ([0], [])
+    assert a.members[0] == ["a", None] and not a.complete(0)
+    assert a.join("c", 1) == [0] and a.members[0] == ["a", "c"]
+    a.join("d", 1)
+    assert a.release("c", 0) == [0] and a.members[0] == ["a", "d"]
+    a.leave("d")
+    assert a.members[0] == ["a", None]  # c gave up on replica 0: never matched to it again

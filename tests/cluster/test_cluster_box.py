@@ -1,0 +1,56 @@
+"""Replica groups across hosts, and real network faults, in the cluster box (root needed).
+
+Each test runs one scenario of ``unbroken bench cluster`` in its short form and asserts every
+check it makes; the box (namespaces, links, every process in them) is gone afterwards even when
+a check fails. The suite runs the node loss of a 2-node replica group; the partitions and the
+tbf-slowed link are ``scenario``-marked (``make scenarios``).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from unbroken.cluster import scenarios
+from unbroken.cluster.box import Box
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("box_available")]
+
+
+def assert_passed(record: dict[str, object]) -> None:
+    failed = [k for k, ok in record["checks"].items() if not ok]  # type: ignore[attr-defined]
+    assert not failed, f"{record['scenario']}: failed checks {failed}; record {record}"
+
+
+def test_the_box_cuts_links_for_real_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    with Box(2) as box:
+        tag = box.tag
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert f"{tag}-h0" in names and f"{tag}-ctl" in names
+        box.cut("h0", "h1")
+        with pytest.raises(TimeoutError):
+            box.wait_reachable("h0", "h1", 22, timeout=0.5)
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
+    assert tag not in names and tag not in links
+
+
+def test_node_loss_in_a_two_node_replica_group_restarts_the_group_on_the_spare(tmp_path: Path) -> None:
+    assert_passed(scenarios.group_node_loss(tmp_path, quick=True))
+
+
+@pytest.mark.scenario
+def test_a_host_cut_off_from_everyone_is_evicted_and_catches_up_after_healing(tmp_path: Path) -> None:
+    assert_passed(scenarios.partition_host(tmp_path, quick=True))
+
+
+@pytest.mark.scenario
+def test_coordinator_cut_from_a_majority_stops_training_and_loses_no_step(tmp_path: Path) -> None:
+    assert_passed(scenarios.coordinator_cut(tmp_path, quick=True, majority=True))
+
+
+@pytest.mark.scenario
+def test_coordinator_cut_from_a_minority_the_majority_trains_on(tmp_path: Path) -> None:
+    assert_passed(scenarios.coordinator_cut(tmp_path, quick=True, majority=False))

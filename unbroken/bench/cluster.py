@@ -1,0 +1,46 @@
+"""``unbroken bench cluster``: replica groups and real network faults in the cluster box.
+
+One record per scenario of :mod:`unbroken.cluster.scenarios` (its checks, detection and
+recovery seconds); root is needed (network namespaces). ``slurm_by_hand`` is the README's Slurm
+example, its ``srun`` lines' commands run by hand in the namespaces (docs/operations.md says why
+not under ``slurmd``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+
+from unbroken.bench.output import publish
+from unbroken.cluster import scenarios
+from unbroken.cluster.box import unavailable
+
+
+@click.command()
+@click.option("--scenario", "names", multiple=True, help="Run only these (repeatable); default: all.")
+@click.option("--quick", is_flag=True, help="The short forms the test suite runs.")
+@click.option("--run-dir", type=click.Path(path_type=Path), default=Path("runs/bench/cluster-run"), show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on stdout.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("runs/bench/cluster.json"), show_default=True)
+def cluster(names: tuple[str, ...], quick: bool, run_dir: Path, as_json: bool, out: Path) -> None:
+    """Run the cluster-in-a-box scenarios (root needed) and check what must hold under each fault."""
+    why = unavailable()
+    if why is not None:
+        raise click.UsageError(f"cannot build the cluster box: {why}")
+    known = {s.name: s for s in scenarios.SCENARIOS}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise click.UsageError(f"unknown scenario(s) {unknown}; known: {', '.join(known)}")
+    records = []
+    for sc in [known[n] for n in names] if names else scenarios.SCENARIOS:
+        t = time.monotonic()
+        try:
+            record = sc.run(run_dir, quick)
+        except Exception as e:  # one scenario's harness failure is its record, not the end of the run
+            record = {"scenario": sc.name, "passed": False, "checks": {}, "error": repr(e)[:500]}
+        record["wall_s"] = round(time.monotonic() - t, 1)
+        records.append(record)
+        click.echo(f"{sc.name}: {'passed' if record['passed'] else 'FAILED'}", err=True)
+    publish({"scenarios": records, "passed": all(r["passed"] for r in records)}, out, as_json)
