@@ -38,6 +38,7 @@ from unbroken.control.state_store import KEEP_EVENTS, StateStore
 from unbroken.diagnosis.master import DiagnosisMaster
 from unbroken.diagnosis.metrics import parse_policy
 from unbroken.diagnosis.service import DiagnosisService, StackSource
+from unbroken.observe import schema as ev
 from unbroken.observe.events import EventLog
 from unbroken.wire.auth import AuthError, JobSecret, server_handshake_async
 
@@ -150,7 +151,7 @@ class Coordinator:
         except BaseException:
             self.store.close()
             raise
-        self.events.subscribe(self.store.record_event)
+        self.events.subscribe(lambda e: self.store.record_event(e.to_json()))
         self.diagnosis = DiagnosisService(self.events, DiagnosisMaster(policy=policy), stacks or self._agent_stack)
         self.tick_errors = 0  # ticks that raised: logged, and the next tick runs all the same
         # Synced SQLite commits take tens of milliseconds on some disks: a thread of their own.
@@ -185,7 +186,7 @@ class Coordinator:
         self._tcp_store: Any = None
         self.store_address = ""
         if first_epoch:
-            self.events.emit("coordinator_restarted", continue_after_epoch=first_epoch)
+            self.events.emit(ev.CoordinatorRestarted(continue_after_epoch=first_epoch))
 
     @property
     def address(self) -> str:
@@ -216,7 +217,7 @@ class Coordinator:
                 f"{e.strerror}; pick another port with --port (0 picks a free one)"
             ) from e
         self._tick_task = asyncio.create_task(self._tick())
-        self.events.emit("coordinator_started", address=self.address, store=self.store_address)
+        self.events.emit(ev.CoordinatorStarted(address=self.address, store=self.store_address))
 
     async def stop(self) -> None:
         if self._tick_task:
@@ -244,7 +245,7 @@ class Coordinator:
     def replica_exited(self, replica: int, exitcode: int | None = None) -> None:
         """The supervisor saw a process of ``replica`` exit: evict it now, not on a timeout."""
         if replica in self.quorum.alive or replica in self.replicas:
-            self._evict(replica, f"process exited with code {exitcode}")
+            self._evict(replica, ev.EvictCause.PROCESS_EXITED, f"process exited with code {exitcode}")
 
     def status(self) -> dict[str, Any]:
         cur = self.quorum.current
@@ -301,7 +302,9 @@ class Coordinator:
             if conn is not None:
                 self._connection_closed(conn)
             if agent is not None:
-                self._agent_gone(agent, "its connection closed (the agent or its node died)")
+                self._agent_gone(
+                    agent, ev.AgentLostCause.CONNECTION_CLOSED, "its connection closed (the agent or its node died)"
+                )
 
     async def _converse(self, link: protocol.Link, who: list[Any]) -> None:
         """Serves one authenticated connection until it ends; ``who`` holds the rank connection
@@ -403,7 +406,7 @@ class Coordinator:
             if not conn.finished:
                 conn.finished = True
                 self.diagnosis.forget(conn.replica)  # its last, half-shipped collective is no hang
-                self.events.emit("replica_finished", replica=conn.replica, rank=conn.rank)
+                self.events.emit(ev.ReplicaFinished(replica=conn.replica, rank=conn.rank))
                 self._replica_done(conn)
         elif op == "exited":
             replica = protocol.count(msg, "replica")
@@ -449,7 +452,7 @@ class Coordinator:
         link.send({"op": "welcome", "store": self._store_for(link), "epoch": self.quorum.epoch})
         if len(ranks) == conn.world_size:
             self.quorum.connect(conn.replica)
-            self.events.emit("replica_connected", replica=conn.replica, node=conn.node, step=conn.step)
+            self.events.emit(ev.ReplicaConnected(replica=conn.replica, node=conn.node, step=conn.step))
         return conn
 
     def _connection_closed(self, conn: _RankConn) -> None:
@@ -463,15 +466,17 @@ class Coordinator:
             self.pending.pop(conn.replica, None)
             self.quorum.alive.discard(conn.replica)
             return
-        self._evict(conn.replica, "connection closed (process died or lost its network)")
+        self._evict(
+            conn.replica, ev.EvictCause.CONNECTION_CLOSED, "connection closed (process died or lost its network)"
+        )
 
-    def _evict(self, replica: int, reason: str) -> None:
+    def _evict(self, replica: int, cause: ev.EvictCause, reason: str) -> None:
         for conn in list(self.replicas.pop(replica, {}).values()):
             conn.link.close()
         self.pending.pop(replica, None)
         was_member = self.quorum.current is not None and replica in self.quorum.current.members
         self.diagnosis.forget(replica)
-        self.events.emit("replica_evicted", replica=replica, reason=reason, member=was_member)
+        self.events.emit(ev.ReplicaEvicted(replica=replica, cause=cause, reason=reason, member=was_member))
         self._deliver(self.quorum.disconnect(replica, time.monotonic()))
         self._push_aborts()
 
@@ -493,7 +498,7 @@ class Coordinator:
             return None
         agent = _AgentConn(node=node, link=link, last_heartbeat=time.monotonic())
         self.agents[node] = agent
-        self.events.emit("agent_joined", node=node, slots=self.assignment.slots[node], replicas=replicas)
+        self.events.emit(ev.AgentJoined(node=node, slots=self.assignment.slots[node], replicas=replicas))
         link.send({"op": "assign", "replicas": replicas, "num_replicas": self.settings.total_replicas})
         return agent
 
@@ -525,29 +530,30 @@ class Coordinator:
             raise ValueError(f"replica {replica} does not run on node {agent.node}")
         stack = msg.get("stack")
         self.events.emit(
-            "stack",
-            replica=replica,
-            rank=rank,
-            node=agent.node,
-            process_state=protocol.text(msg, "process_state", 4),
-            stack=stack[-8000:] if isinstance(stack, str) else None,
-            stack_note=protocol.text(msg, "stack_note", 500),
+            ev.Stack(
+                replica=replica,
+                rank=rank,
+                node=agent.node,
+                process_state=protocol.text(msg, "process_state", 4),
+                stack=stack[-8000:] if isinstance(stack, str) else None,
+                stack_note=protocol.text(msg, "stack_note", 500),
+            )
         )
 
-    def _agent_gone(self, agent: _AgentConn, reason: str) -> None:
+    def _agent_gone(self, agent: _AgentConn, cause: ev.AgentLostCause, reason: str) -> None:
         """All of the agent's replicas are gone with it: evict them now, move them to spare slots."""
         if self.agents.get(agent.node) is not agent:
             return
         del self.agents[agent.node]
         agent.link.close()
         lost, moves = self.assignment.leave(agent.node, done=self.finished)
-        self.events.emit("agent_lost", node=agent.node, replicas=lost, reason=reason)
+        self.events.emit(ev.AgentLost(node=agent.node, replicas=lost, cause=cause, reason=reason))
         for r in lost:
             if r not in self.finished and (r in self.quorum.alive or r in self.replicas):
-                self._evict(r, f"its agent on node {agent.node} is gone: {reason}")
+                self._evict(r, ev.EvictCause.AGENT_LOST, f"its agent on node {agent.node} is gone: {reason}")
         for node, replicas in moves.items():
             for r in replicas:
-                self.events.emit("replica_reassigned", replica=r, from_node=agent.node, to_node=node)
+                self.events.emit(ev.ReplicaReassigned(replica=r, from_node=agent.node, to_node=node))
             self.agents[node].link.send(
                 {"op": "assign", "replicas": replicas, "num_replicas": self.settings.total_replicas}
             )
@@ -569,7 +575,7 @@ class Coordinator:
         if not late and any(r not in self.finished for r in self.assignment.owner):
             return
         self._job_finished_sent = True
-        self.events.emit("job_finished", finished=sorted(self.finished))
+        self.events.emit(ev.JobFinished(finished=sorted(self.finished)))
         for agent in self.agents.values():
             agent.link.send({"op": "job_finished"})
 
@@ -607,6 +613,7 @@ class Coordinator:
         if cur is not None and member and step < cur.step:
             self._evict(
                 conn.replica,
+                ev.EvictCause.STEP_WENT_BACK,
                 f"rank {conn.rank} asked for step {step}, below step {cur.step} that its " f"epoch {cur.epoch} trains",
             )
             return
@@ -627,7 +634,7 @@ class Coordinator:
             failed_epoch=max(failures) if failures else None,
         )
         if req.failed_epoch is not None:
-            self.events.emit("exchange_failed", replica=req.replica, epoch=req.failed_epoch, step=req.step)
+            self.events.emit(ev.ExchangeFailed(replica=req.replica, epoch=req.failed_epoch, step=req.step))
         answer, formed = self.quorum.request(req, time.monotonic())
         if answer is not None:
             self._reply(answer, {req.replica: ranks})
@@ -649,7 +656,7 @@ class Coordinator:
             if self._hinted.get(joiner) == epoch:
                 continue
             self._hinted[joiner] = epoch
-            self.events.emit("donor_told", newcomer=joiner, donor=donor, epoch=epoch)
+            self.events.emit(ev.DonorTold(newcomer=joiner, donor=donor, epoch=epoch))
             for conn in self.replicas.get(donor, {}).values():
                 conn.link.send({"op": "donate", "to": joiner})
 
@@ -657,12 +664,13 @@ class Coordinator:
         for d in decisions:
             self.store.record_epoch(d.epoch, d.step, list(d.members), list(d.behind))
             self.events.emit(
-                "quorum",
-                epoch=d.epoch,
-                step=d.step,
-                members=list(d.members),
-                behind=list(d.behind),
-                donors=[list(p) for p in d.donors],
+                ev.Quorum(
+                    epoch=d.epoch,
+                    step=d.step,
+                    members=list(d.members),
+                    behind=list(d.behind),
+                    donors=[list(p) for p in d.donors],
+                )
             )
             waiting = {m: self.pending.pop(m) for m in d.members if m in self.pending}
             self._reply(d, waiting)
@@ -714,7 +722,11 @@ class Coordinator:
     def _tick_once(self, now: float) -> None:
         for agent in list(self.agents.values()):
             if now - agent.last_heartbeat > 2 * self.settings.heartbeat_timeout_s:
-                self._agent_gone(agent, f"no heartbeat for {2 * self.settings.heartbeat_timeout_s:.1f}s")
+                self._agent_gone(
+                    agent,
+                    ev.AgentLostCause.NO_HEARTBEAT,
+                    f"no heartbeat for {2 * self.settings.heartbeat_timeout_s:.1f}s",
+                )
         self._check_job_finished()
         suspects = set()
         for replica, ranks in list(self.replicas.items()):
@@ -722,15 +734,19 @@ class Coordinator:
                 continue
             quiet = max((now - c.last_heartbeat for c in ranks.values()), default=0.0)
             if quiet > self.settings.heartbeat_timeout_s:
-                self._evict(replica, f"no heartbeat for {self.settings.heartbeat_timeout_s:.1f}s (hung or stopped)")
+                self._evict(
+                    replica,
+                    ev.EvictCause.NO_HEARTBEAT,
+                    f"silent for {self.settings.heartbeat_timeout_s:.1f}s (hung or stopped)",
+                )
             elif quiet > self.settings.suspect_after_s:
                 suspects.add(replica)
         if suspects != self.quorum.silent:
             if suspects - self.quorum.silent:
                 self.events.emit(
-                    "replica_silent",
-                    replicas=sorted(suspects - self.quorum.silent),
-                    after_s=self.settings.suspect_after_s,
+                    ev.ReplicaSilent(
+                        replicas=sorted(suspects - self.quorum.silent), after_s=self.settings.suspect_after_s
+                    )
                 )
             self._deliver(self.quorum.set_silent(suspects, now))
         if len(self.step_times) >= 5:

@@ -45,11 +45,12 @@ from unbroken.diagnosis import stacks
 from unbroken.diagnosis.metrics import parse_policy
 from unbroken.launch import injector, reaper, workers
 from unbroken.launch.chaos import Fault, Schedule, worker_env
-from unbroken.launch.lifecycle import RUNNING, Lifecycle, State
+from unbroken.launch.lifecycle import RUNNING, Lifecycle, State, Transition
 from unbroken.launch.policy import Placement, RestartBook, RestartPolicy, Slot
 from unbroken.launch.verdicts import IGNORE, ISOLATE, ROLLBACK, VERDICT_ACTIONS, verdict_action
 from unbroken.launch.workers import free_port, package_path
-from unbroken.observe.events import Event, EventLog
+from unbroken.observe import schema as ev
+from unbroken.observe.events import EventLog
 from unbroken.train.preemption import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
 
 HANG_ACTIONS = ("restart", "wait")
@@ -221,11 +222,12 @@ class Launcher:
                     self.address = await self._start_coordinator()
                     self.job_start = time.time()
                     self.events.emit(
-                        "job_started",
-                        replicas=self.s.replicas,
-                        spares=self.s.spares,
-                        schedule=self.s.schedule.to_json(),
-                        coordinator=self.address,
+                        ev.JobStarted(
+                            replicas=self.s.replicas,
+                            spares=self.s.spares,
+                            schedule=self.s.schedule.to_json(),
+                            coordinator=self.address,
+                        )
                     )
                     for r in self.replicas.values():
                         await self._spawn(r)
@@ -276,7 +278,7 @@ class Launcher:
     def _move(self, replica: int, state: State, reason: str) -> None:
         t = self.lifecycle.try_move(replica, state, reason, time.time())
         if t is not None:
-            self.events.emit("replica_state", **t.to_event())
+            self.events.emit(_state_event(t))
             self._changed.set()
 
     # -- processes -------------------------------------------------------------------------
@@ -496,30 +498,28 @@ class Launcher:
 
     # -- what the coordinator and diagnosis say ---------------------------------------------
 
-    def _on_coordinator_event(self, e: Event) -> None:
-        kind = e["kind"]
-        if kind == "replica_connected" and e["replica"] in self.replicas:
-            self._move(e["replica"], State.WARMING_UP, "connected to the coordinator")
-        elif kind == "quorum":
-            self._behind_at.update({r: e["step"] for r in e["behind"]})
-            for t in self.lifecycle.on_quorum(e["members"], e["behind"], time.time()):
-                self.events.emit("replica_state", **t.to_event())
-        elif kind == "replica_evicted" and e["replica"] in self.replicas:
-            r = self.replicas[e["replica"]]
-            silent = "no heartbeat" in str(e.get("reason"))  # not a closed connection: that is an exit
+    def _on_coordinator_event(self, e: ev.Event) -> None:
+        if isinstance(e, ev.ReplicaConnected) and e.replica in self.replicas:
+            self._move(e.replica, State.WARMING_UP, "connected to the coordinator")
+        elif isinstance(e, ev.Quorum):
+            self._behind_at.update({r: e.step for r in e.behind})
+            for t in self.lifecycle.on_quorum(e.members, e.behind, time.time()):
+                self.events.emit(_state_event(t))
+        elif isinstance(e, ev.ReplicaEvicted) and e.replica in self.replicas:
+            r = self.replicas[e.replica]
             if (
-                silent
+                e.cause == ev.EvictCause.NO_HEARTBEAT  # not a closed connection: that is an exit
                 and self.s.on_hang == "restart"
                 and r.procs
                 and all(p.returncode is None for p in r.procs)
                 and self.lifecycle.state[r.replica] in RUNNING
             ):
                 # Its processes run but it stopped answering: a hang. Kill it, restart it.
-                self._failed(r, f"hang: {e['reason']}", time.monotonic())
-        elif kind == "verdict":
-            self._on_verdict(e)
+                self._failed(r, f"hang: {e.reason}", time.monotonic())
+        elif isinstance(e, ev.Verdict):
+            self._on_verdict(e.to_json())
 
-    def _on_verdict(self, e: Event) -> None:
+    def _on_verdict(self, e: dict[str, Any]) -> None:
         """Applies :func:`unbroken.launch.verdicts.verdict_action` to the culprit replica."""
         replica = (e.get("culprit") or {}).get("replica")
         action, why = verdict_action(e, self.s.on_verdict)
@@ -552,7 +552,7 @@ class Launcher:
             blame=False,
         )
 
-    def _roll_back(self, e: Event, why: str) -> None:
+    def _roll_back(self, e: dict[str, Any], why: str) -> None:
         """Restarts every replica from the newest checkpoint before the anomalous step that loads.
 
         The target is verified (manifests and every checksum, in a thread: it reads the whole
@@ -580,7 +580,9 @@ class Launcher:
         self._choosing_rollback = True
         self._tasks.append(asyncio.create_task(self._roll_back_to_verified(e, why, replica, anomaly_step, ignore)))
 
-    async def _roll_back_to_verified(self, e: Event, why: str, replica: Any, anomaly_step: int, ignore: Any) -> None:
+    async def _roll_back_to_verified(
+        self, e: dict[str, Any], why: str, replica: Any, anomaly_step: int, ignore: Any
+    ) -> None:
         assert self.s.checkpoint_dir is not None
         root = str(self.s.checkpoint_dir)
         try:
@@ -867,3 +869,7 @@ class Launcher:
 
 def run(settings: LaunchSettings) -> int:
     return asyncio.run(Launcher(settings).run())
+
+
+def _state_event(t: Transition) -> ev.ReplicaState:
+    return ev.ReplicaState(replica=t.replica, old=t.old.value, new=t.new.value, reason=t.reason)

@@ -1,0 +1,64 @@
+"""The event schema: every kind is a dataclass, written as one JSON line with a version, and
+read back into the same dataclass; a writer with a wrong field fails where it writes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from unbroken.observe import schema
+from unbroken.observe.events import EventLog, read_jsonl, read_typed
+
+
+def test_an_event_round_trips_through_its_json_line_with_the_schema_version(tmp_path: Path) -> None:
+    log = EventLog(tmp_path / "events.jsonl", "coordinator")
+    seen: list[schema.Event] = []
+    log.subscribe(seen.append)
+    log.emit(schema.ReplicaEvicted(replica=2, cause=schema.EvictCause.NO_HEARTBEAT, reason="silent", member=True))
+    log.emit("verdict", culprit={"replica": 1}, **{"class": "straggler"}, confidence=0.9)
+    log.close()
+    lines = list(read_jsonl(tmp_path / "events.jsonl"))
+    assert [line["schema"] for line in lines] == [schema.SCHEMA_VERSION] * 2
+    assert lines[0]["cause"] == "no_heartbeat" and lines[0]["source"] == "coordinator"
+    assert lines[1]["class"] == "straggler"  # the JSON name, as readers of the log have always used
+    typed = list(read_typed(tmp_path / "events.jsonl"))
+    assert typed == seen
+    assert isinstance(typed[0], schema.ReplicaEvicted) and typed[0].cause is schema.EvictCause.NO_HEARTBEAT
+    assert isinstance(typed[1], schema.Verdict) and typed[1].verdict_class == "straggler"
+
+
+def test_a_field_the_kind_does_not_have_fails_at_the_writer(tmp_path: Path) -> None:
+    log = EventLog(None, "launcher")
+    with pytest.raises(TypeError):
+        log.emit("replica_evicted", replica=1, reson="typo")
+    with pytest.raises(TypeError):
+        log.emit("quorum", epoch=1)  # step and members missing
+    with pytest.raises(KeyError, match="no event kind"):
+        log.emit("made_up_kind")
+
+
+def test_a_version_0_line_reads_with_an_unknown_cause_and_unknown_kinds_are_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    old = {"t": 1.0, "source": "coordinator", "kind": "replica_evicted", "replica": 0, "reason": "no heartbeat for 2s"}
+    path.write_text(
+        "\n".join(
+            json.dumps(x)
+            for x in (old, {"t": 2.0, "kind": "from_the_future", "x": 1}, {"t": 3.0, "kind": "quorum", "epoch": 1})
+        )
+        + "\n"
+    )
+    (event,) = read_typed(path)  # the future kind and the quorum without its fields are skipped
+    assert isinstance(event, schema.ReplicaEvicted) and event.cause is schema.EvictCause.UNKNOWN
+
+
+def test_every_kind_the_code_writes_has_a_class() -> None:
+    """The kinds emitted by name (emit("kind", ...)) anywhere in the package exist in the schema."""
+    import re
+
+    root = Path(schema.__file__).parents[1]
+    named = set()
+    for path in root.rglob("*.py"):
+        named |= set(re.findall(r"\.emit\(\s*\"([a-z_]+)\"", path.read_text()))
+    assert named and named <= set(schema.KINDS), sorted(named - set(schema.KINDS))
