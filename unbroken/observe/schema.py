@@ -45,6 +45,16 @@ class EvictCause(str, enum.Enum):
     UNKNOWN = "unknown"  # a version-0 log, which kept only the prose
 
 
+class FailureCause(str, enum.Enum):
+    """What failed a replica, as the supervisor decides its restart (restarts are counted by it)."""
+
+    PROCESS_EXIT = "process_exit"  # a process of it exited (a crash, an OOM kill)
+    HANG = "hang"  # evicted for silence while its processes ran
+    VERDICT = "verdict"  # a diagnosis verdict named it
+    ROLLBACK = "rollback"  # restarted with every replica onto an older checkpoint
+    UNKNOWN = "unknown"
+
+
 class AgentLostCause(str, enum.Enum):
     CONNECTION_CLOSED = "connection_closed"
     NO_HEARTBEAT = "no_heartbeat"
@@ -291,8 +301,9 @@ class RestartDecision(Event):
     action: str
     delay_s: float
     reason: str
-    cause: str
+    cause: str  # the failure in words
     decision_ms: float
+    failure: FailureCause = FailureCause.UNKNOWN
 
 
 @_kind("node_isolated")
@@ -543,4 +554,5 @@ def parse(record: Mapping[str, Any]) -> Event | None:
 _ENUM_FIELDS: dict[tuple[type[Event], str], type[enum.Enum]] = {
     (ReplicaEvicted, "cause"): EvictCause,
     (AgentLost, "cause"): AgentLostCause,
+    (RestartDecision, "failure"): FailureCause,
 }
