@@ -235,6 +235,8 @@ class JobView:
         committed = bool(row.get("committed"))
         if committed:
             points = self.points.setdefault(r, collections.deque(maxlen=self.max_points))
+            while points and points[-1][0] >= step:  # a restarted process redoes steps: a plot goes forward
+                points.pop()
             points.append((step, loss, float(step_s)))
         rows = self._goodput_rows.setdefault(r, [])
         rows.append({"t": t, "step_s": float(step_s), "committed": committed, "recovered": bool(row.get("recovered"))})
