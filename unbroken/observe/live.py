@@ -78,7 +78,7 @@ class JsonlTail:
 @dataclasses.dataclass
 class ReplicaView:
     replica: int
-    state: str = "launching"
+    state: str = ""  # no lifecycle event yet (or none at all: a coordinator run on its own)
     since: float = 0.0
     history: list[tuple[float, str]] = dataclasses.field(default_factory=list)
     node: str = ""
@@ -266,10 +266,11 @@ class JobView:
             for r in sorted(set(self._known_replicas()) | set(live)):
                 view = self.replicas.get(r) or ReplicaView(r)
                 info = live.get(r, {})
+                state = view.state or ("member" if r in members else ("connected" if info else "launching"))
                 replicas.append(
                     {
                         "replica": r,
-                        "state": view.state,
+                        "state": state,
                         "history": [s for _, s in view.history],
                         "since": view.since,
                         "node": info.get("node") or view.node,
