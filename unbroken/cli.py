@@ -33,6 +33,7 @@ BENCHMARKS: dict[str, str] = {
     "recovery": "unbroken.bench.recovery:recovery",
     "diagnosis": "unbroken.bench.diagnosis:diagnosis",
     "auth": "unbroken.bench.auth:auth",
+    "metrics": "unbroken.bench.metrics:metrics",
 }
 
 
