@@ -473,6 +473,7 @@ class AgentTerminated(Event):
     grace_s: float
     killed: int
     exit_codes: dict[Any, list[int | None]]
+    drain_s: float | None = None
 
 
 @_kind("agent_stopped")
