@@ -77,9 +77,9 @@ class Event:
         """The JSON line's object: ``schema``, ``t``, ``source``, ``kind``, then the fields."""
         out: dict[str, Any] = {"schema": SCHEMA_VERSION, "t": self.t, "source": self.source, "kind": self.KIND}
         for f in dataclasses.fields(self):
-            if f.name in ("t", "source"):
-                continue
             value = getattr(self, f.name)
+            if f.name in ("t", "source") or (value is None and f.default is None):
+                continue  # an optional field left out is absent, as in the untyped log ("rank" in e)
             out[_RENAMED_BACK.get(f.name, f.name)] = value.value if isinstance(value, enum.Enum) else value
         return out
 

@@ -25,6 +25,7 @@ def test_an_event_round_trips_through_its_json_line_with_the_schema_version(tmp_
     assert [line["schema"] for line in lines] == [schema.SCHEMA_VERSION] * 2
     assert lines[0]["cause"] == "no_heartbeat" and lines[0]["source"] == "coordinator"
     assert lines[1]["class"] == "straggler"  # the JSON name, as readers of the log have always used
+    assert "detect_s" not in lines[1]  # an optional field not given is absent, as before the schema
     typed = list(read_typed(tmp_path / "events.jsonl"))
     assert typed == seen
     assert isinstance(typed[0], schema.ReplicaEvicted) and typed[0].cause is schema.EvictCause.NO_HEARTBEAT
