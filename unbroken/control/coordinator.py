@@ -335,7 +335,7 @@ class Coordinator:
                         return
                     continue
                 except Refused as e:
-                    link.send({"op": "error", "message": str(e)})
+                    link.send(protocol.Error(str(e)).to_msg())
                     log.warning("refused: %s", e)
                     return
                 except Exception as e:
@@ -347,7 +347,7 @@ class Coordinator:
                 log.debug("malformed message skipped: %s", error)
             else:
                 log.error("a message could not be handled; skipped", exc_info=error)
-            link.send({"op": "error", "message": f"malformed message skipped: {error}"[:500]})
+            link.send(protocol.Error(f"malformed message skipped: {error}").to_msg())
             if bad >= MAX_BAD_MESSAGES:
                 return
 
@@ -372,36 +372,40 @@ class Coordinator:
                 raise ValueError("a connection speaks for one replica rank or agent: it said hello already")
             try:
                 if op == "agent_hello":
-                    agent = self._agent_hello(msg, link)
+                    agent = self._agent_hello(protocol.AgentHello.from_msg(msg, MAX_SLOTS), link)
                     if agent is None:
                         return "stop", conn, agent
                 else:
-                    conn = self._hello(msg, link)
+                    conn = self._hello(protocol.Hello.from_msg(msg), link)
             except (ValueError, TypeError) as e:  # who it is cannot be malformed and skipped
                 raise Refused(f"a malformed {op}: {e}") from e
         elif agent is not None:
             if op == "agent_heartbeat":
                 self._agent_heartbeat(agent)
             elif op == "exited":
-                replica = protocol.count(msg, "replica")
-                if self.assignment.owner.get(replica) != agent.node:
-                    raise ValueError(f"replica {replica} does not run on node {agent.node}: not its exit to report")
-                self.replica_exited(replica, _exitcode(msg))
+                exited = protocol.Exited.from_msg(msg)
+                if self.assignment.owner.get(exited.replica) != agent.node:
+                    raise ValueError(
+                        f"replica {exited.replica} does not run on node {agent.node}: not its exit to report"
+                    )
+                self.replica_exited(exited.replica, exited.exitcode)
             elif op == "stack":
-                self._agent_stack_report(agent, msg)
+                self._agent_stack_report(agent, protocol.StackReport.from_msg(msg))
         elif conn is None:
-            link.send({"op": "error", "message": "say hello first"})
+            link.send(protocol.Error("say hello first").to_msg())
         elif op == "heartbeat":
-            step = protocol.count(msg, "step", conn.step)
-            compute_s = protocol.seconds(msg, "compute_s", conn.compute_s)
+            beat = protocol.Heartbeat.from_msg(msg)
             conn.last_heartbeat = time.monotonic()
-            conn.step, conn.compute_s = max(conn.step, step), compute_s
+            if beat.step is not None:
+                conn.step = max(conn.step, beat.step)
+            if beat.compute_s is not None:
+                conn.compute_s = beat.compute_s
         elif op == "telemetry":
             conn.last_heartbeat = time.monotonic()
             self.diagnosis.telemetry(conn.replica, conn.rank, conn.node, msg)
         elif op == "quorum":
             conn.last_heartbeat = time.monotonic()
-            self._quorum_request(conn, msg)
+            self._quorum_request(conn, protocol.QuorumAsk.from_msg(msg))
         elif op == "bye":
             if not conn.finished:
                 conn.finished = True
@@ -409,20 +413,18 @@ class Coordinator:
                 self.events.emit(ev.ReplicaFinished(replica=conn.replica, rank=conn.rank))
                 self._replica_done(conn)
         elif op == "exited":
-            replica = protocol.count(msg, "replica")
-            if replica != conn.replica:
-                raise ValueError(f"replica {conn.replica} may report only its own exit, not replica {replica}'s")
-            self.replica_exited(replica, _exitcode(msg))
+            exited = protocol.Exited.from_msg(msg)
+            if exited.replica != conn.replica:
+                raise ValueError(f"replica {conn.replica} may report only its own exit, not replica {exited.replica}'s")
+            self.replica_exited(exited.replica, exited.exitcode)
         return op, conn, agent
 
-    def _hello(self, msg: dict[str, Any], link: protocol.Link) -> _RankConn:
-        replica = protocol.count(msg, "replica")
+    def _hello(self, hello: protocol.Hello, link: protocol.Link) -> _RankConn:
+        replica, world_size, rank = hello.replica, hello.world_size, hello.rank
         if replica >= self.settings.total_replicas:
             raise Refused(f"replica {replica} is not one of this job's {self.settings.total_replicas} replicas")
-        world_size = protocol.count(msg, "world_size")
         if not 1 <= world_size <= self.settings.max_world_size:
             raise Refused(f"world_size must be 1 to {self.settings.max_world_size}, got {world_size}")
-        rank = protocol.count(msg, "rank")
         if rank >= world_size:
             raise Refused(f"rank {rank} is not below world_size {world_size}")
         ranks = self.replicas.get(replica, {})
@@ -442,14 +444,14 @@ class Coordinator:
             rank=rank,
             world_size=world_size,
             link=link,
-            transfer_addr=protocol.text(msg, "transfer_addr"),
-            node=protocol.text(msg, "node"),
+            transfer_addr=hello.transfer_addr,
+            node=hello.node,
             last_heartbeat=time.monotonic(),
-            step=protocol.count(msg, "step", 0),
+            step=hello.step,
         )
         ranks = self.replicas.setdefault(replica, {})
         ranks[rank] = conn
-        link.send({"op": "welcome", "store": self._store_for(link), "epoch": self.quorum.epoch})
+        link.send(protocol.Welcome(store=self._store_for(link), epoch=self.quorum.epoch).to_msg())
         if len(ranks) == conn.world_size:
             self.quorum.connect(conn.replica)
             self.events.emit(ev.ReplicaConnected(replica=conn.replica, node=conn.node, step=conn.step))
@@ -482,24 +484,18 @@ class Coordinator:
 
     # -- node agents -----------------------------------------------------------------------
 
-    def _agent_hello(self, msg: dict[str, Any], link: protocol.Link) -> _AgentConn | None:
-        node = protocol.text(msg, "node")
-        slots = protocol.count(msg, "slots", 1)
-        running = msg.get("running", [])
-        if not node or not 1 <= slots <= MAX_SLOTS or not isinstance(running, list) or len(running) > MAX_SLOTS:
-            raise Refused(f"an agent_hello needs a node name, 1 to {MAX_SLOTS} slots and a list of running replicas")
+    def _agent_hello(self, hello: protocol.AgentHello, link: protocol.Link) -> _AgentConn | None:
+        node = hello.node
         try:
             busy = {r for r, conns in self.replicas.items() if conns}
-            replicas = self.assignment.join(
-                node, slots, running=[protocol.count({"r": r}, "r") for r in running], busy=busy
-            )
+            replicas = self.assignment.join(node, hello.slots, running=list(hello.running), busy=busy)
         except ValueError as e:
-            link.send({"op": "error", "message": str(e)})
+            link.send(protocol.Error(str(e)).to_msg())
             return None
         agent = _AgentConn(node=node, link=link, last_heartbeat=time.monotonic())
         self.agents[node] = agent
         self.events.emit(ev.AgentJoined(node=node, slots=self.assignment.slots[node], replicas=replicas))
-        link.send({"op": "assign", "replicas": replicas, "num_replicas": self.settings.total_replicas})
+        link.send(protocol.Assign(replicas=replicas, num_replicas=self.settings.total_replicas).to_msg())
         return agent
 
     def _agent_heartbeat(self, agent: _AgentConn) -> None:
@@ -509,7 +505,7 @@ class Coordinator:
             for r in self.assignment.replicas_of(agent.node)
             if r in self.replicas
         }
-        agent.link.send({"op": "agent_status", "steps": steps})
+        agent.link.send(protocol.AgentStatus(steps=steps).to_msg())
 
     async def _agent_stack(self, replica: int, rank: int) -> dict[str, Any]:
         """A hung rank's stack when no supervisor runs here: its node agent is asked to dump it.
@@ -521,22 +517,20 @@ class Coordinator:
         agent = self.agents.get(node) if node is not None else None
         if agent is None:
             return {"stack_note": "no supervisor or agent runs this replica: no stack"}
-        agent.link.send({"op": "dump_stack", "replica": replica, "rank": rank})
+        agent.link.send(protocol.DumpStack(replica=replica, rank=rank).to_msg())
         return {"stack_note": f"asked the agent on node {node} for the stack (a `stack` event follows)"}
 
-    def _agent_stack_report(self, agent: _AgentConn, msg: dict[str, Any]) -> None:
-        replica, rank = protocol.count(msg, "replica"), protocol.count(msg, "rank")
-        if self.assignment.owner.get(replica) != agent.node:
-            raise ValueError(f"replica {replica} does not run on node {agent.node}")
-        stack = msg.get("stack")
+    def _agent_stack_report(self, agent: _AgentConn, report: protocol.StackReport) -> None:
+        if self.assignment.owner.get(report.replica) != agent.node:
+            raise ValueError(f"replica {report.replica} does not run on node {agent.node}")
         self.events.emit(
             ev.Stack(
-                replica=replica,
-                rank=rank,
+                replica=report.replica,
+                rank=report.rank,
                 node=agent.node,
-                process_state=protocol.text(msg, "process_state", 4),
-                stack=stack[-8000:] if isinstance(stack, str) else None,
-                stack_note=protocol.text(msg, "stack_note", 500),
+                process_state=report.process_state,
+                stack=report.stack,
+                stack_note=report.stack_note,
             )
         )
 
@@ -555,7 +549,7 @@ class Coordinator:
             for r in replicas:
                 self.events.emit(ev.ReplicaReassigned(replica=r, from_node=agent.node, to_node=node))
             self.agents[node].link.send(
-                {"op": "assign", "replicas": replicas, "num_replicas": self.settings.total_replicas}
+                protocol.Assign(replicas=replicas, num_replicas=self.settings.total_replicas).to_msg()
             )
         self._check_job_finished()
 
@@ -588,7 +582,7 @@ class Coordinator:
 
     # -- quorum ----------------------------------------------------------------------------
 
-    def _quorum_request(self, conn: _RankConn, msg: dict[str, Any]) -> None:
+    def _quorum_request(self, conn: _RankConn, ask: protocol.QuorumAsk) -> None:
         """Validates a rank's quorum request, and forms or answers what it can.
 
         A member may not ask for a step below the one its epoch trains (steps it has committed):
@@ -597,11 +591,7 @@ class Coordinator:
         epoch. A failure report counts only from a member of the current epoch about that epoch:
         anything else would let one replica abort exchanges it is not part of.
         """
-        step_time = protocol.seconds(msg, "step_time", None)
-        step = protocol.count(msg, "step")
-        req_id = protocol.count(msg, "id")
-        failed = msg.get("failed_epoch")
-        failed = None if failed is None else protocol.count(msg, "failed_epoch")
+        step_time, step, req_id, failed = ask.step_time, ask.step, ask.id, ask.failed_epoch
         if conn.finished:
             raise ValueError("a replica that said bye asks for no quorum")
         if failed is not None and failed > self.quorum.epoch:
@@ -658,7 +648,7 @@ class Coordinator:
             self._hinted[joiner] = epoch
             self.events.emit(ev.DonorTold(newcomer=joiner, donor=donor, epoch=epoch))
             for conn in self.replicas.get(donor, {}).values():
-                conn.link.send({"op": "donate", "to": joiner})
+                conn.link.send(protocol.Donate(to=joiner).to_msg())
 
     def _deliver(self, decisions: list[QuorumDecision]) -> None:
         for d in decisions:
@@ -685,13 +675,9 @@ class Coordinator:
                     if m in self.replicas and rank in self.replicas[m]
                 }
                 conn.link.send(
-                    {
-                        "op": "quorum",
-                        "id": req_id,
-                        "decision": d.to_json(),
-                        "transfer_addrs": addrs,
-                        "store": self._store_for(conn.link),
-                    }
+                    protocol.QuorumAnswer(
+                        id=req_id, decision=d.to_json(), transfer_addrs=addrs, store=self._store_for(conn.link)
+                    ).to_msg()
                 )
 
     def _push_aborts(self) -> None:
@@ -703,7 +689,7 @@ class Coordinator:
                 continue
             self._aborted[replica] = cur.epoch
             for conn in self.replicas.get(replica, {}).values():
-                conn.link.send({"op": "abort", "epoch": cur.epoch})
+                conn.link.send(protocol.Abort(epoch=cur.epoch).to_msg())
 
     async def _tick(self) -> None:
         """Evicts the silent, forms epochs on time, persists: one exception must not end it, or
@@ -771,10 +757,3 @@ class Coordinator:
     def _persisted(self, done: asyncio.Future[int]) -> None:
         if not done.cancelled() and done.exception() is None:
             self.quorum.epoch_limit = done.result()
-
-
-def _exitcode(msg: dict[str, Any]) -> int | None:
-    code = msg.get("exitcode")
-    if code is not None and (type(code) is not int or not -256 <= code <= 255):
-        raise ValueError(f"exitcode must be an integer from -256 to 255, got {code!r:.40}")
-    return code
