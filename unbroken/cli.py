@@ -35,6 +35,7 @@ BENCHMARKS: dict[str, str] = {
     "diagnosis": "unbroken.bench.diagnosis:diagnosis",
     "auth": "unbroken.bench.auth:auth",
     "cluster": "unbroken.bench.cluster:cluster",
+    "metrics": "unbroken.bench.metrics:metrics",
 }
 
 

@@ -39,6 +39,7 @@ from unbroken.control.state_store import KEEP_EVENTS, StateStore
 from unbroken.diagnosis.master import DiagnosisMaster
 from unbroken.diagnosis.metrics import parse_policy
 from unbroken.diagnosis.service import DiagnosisService, StackSource
+from unbroken.observe import schema as ev
 from unbroken.observe.events import EventLog
 from unbroken.wire.auth import AuthError, JobSecret, server_handshake_async
 
@@ -151,7 +152,7 @@ class Coordinator:
         except BaseException:
             self.store.close()
             raise
-        self.events.subscribe(self.store.record_event)
+        self.events.subscribe(lambda e: self.store.record_event(e.to_json()))
         self.diagnosis = DiagnosisService(self.events, DiagnosisMaster(policy=policy), stacks or self._agent_stack)
         self.tick_errors = 0  # ticks that raised: logged, and the next tick runs all the same
         # Synced SQLite commits take tens of milliseconds on some disks: a thread of their own.
@@ -189,7 +190,7 @@ class Coordinator:
         self._tcp_store: Any = None
         self.store_address = ""
         if first_epoch:
-            self.events.emit("coordinator_restarted", continue_after_epoch=first_epoch)
+            self.events.emit(ev.CoordinatorRestarted(continue_after_epoch=first_epoch))
 
     @property
     def address(self) -> str:
@@ -220,7 +221,7 @@ class Coordinator:
                 f"{e.strerror}; pick another port with --port (0 picks a free one)"
             ) from e
         self._tick_task = asyncio.create_task(self._tick())
-        self.events.emit("coordinator_started", address=self.address, store=self.store_address)
+        self.events.emit(ev.CoordinatorStarted(address=self.address, store=self.store_address))
 
     async def stop(self) -> None:
         if self._tick_task:
@@ -248,7 +249,7 @@ class Coordinator:
     def replica_exited(self, replica: int, exitcode: int | None = None) -> None:
         """The supervisor saw a process of ``replica`` exit: evict it now, not on a timeout."""
         if replica in self.quorum.alive or replica in self.replicas:
-            self._evict(replica, f"process exited with code {exitcode}")
+            self._evict(replica, ev.EvictCause.PROCESS_EXITED, f"process exited with code {exitcode}")
 
     def status(self) -> dict[str, Any]:
         cur = self.quorum.current
@@ -305,7 +306,9 @@ class Coordinator:
             if conn is not None:
                 self._connection_closed(conn)
             if agent is not None:
-                self._agent_gone(agent, "its connection closed (the agent or its node died)")
+                self._agent_gone(
+                    agent, ev.AgentLostCause.CONNECTION_CLOSED, "its connection closed (the agent or its node died)"
+                )
 
     async def _converse(self, link: protocol.Link, who: list[Any]) -> None:
         """Serves one authenticated connection until it ends; ``who`` holds the rank connection
@@ -336,7 +339,7 @@ class Coordinator:
                         return
                     continue
                 except Refused as e:
-                    link.send({"op": "error", "message": str(e)})
+                    link.send(protocol.Error(str(e)).to_msg())
                     log.warning("refused: %s", e)
                     return
                 except Exception as e:
@@ -348,7 +351,7 @@ class Coordinator:
                 log.debug("malformed message skipped: %s", error)
             else:
                 log.error("a message could not be handled; skipped", exc_info=error)
-            link.send({"op": "error", "message": f"malformed message skipped: {error}"[:500]})
+            link.send(protocol.Error(f"malformed message skipped: {error}").to_msg())
             if bad >= MAX_BAD_MESSAGES:
                 return
 
@@ -373,11 +376,11 @@ class Coordinator:
                 raise ValueError("a connection speaks for one replica rank or agent: it said hello already")
             try:
                 if op == "agent_hello":
-                    agent = self._agent_hello(msg, link)
+                    agent = self._agent_hello(protocol.AgentHello.from_msg(msg, MAX_SLOTS, MAX_NODES_PER_REPLICA), link)
                     if agent is None:
                         return "stop", conn, agent
                 else:
-                    conn = self._hello(msg, link)
+                    conn = self._hello(protocol.Hello.from_msg(msg), link)
             except (ValueError, TypeError) as e:  # who it is cannot be malformed and skipped
                 raise Refused(f"a malformed {op}: {e}") from e
         elif agent is not None:
@@ -388,46 +391,48 @@ class Coordinator:
                     op
                 ](agent.node, msg)
             elif op == "exited":
-                replica = protocol.count(msg, "replica")
-                if self.assignment.owner.get(replica) != agent.node:
-                    raise ValueError(f"replica {replica} does not run on node {agent.node}: not its exit to report")
-                self.replica_exited(replica, _exitcode(msg))
+                exited = protocol.Exited.from_msg(msg)
+                if self.assignment.owner.get(exited.replica) != agent.node:
+                    raise ValueError(
+                        f"replica {exited.replica} does not run on node {agent.node}: not its exit to report"
+                    )
+                self.replica_exited(exited.replica, exited.exitcode)
             elif op == "stack":
-                self._agent_stack_report(agent, msg)
+                self._agent_stack_report(agent, protocol.StackReport.from_msg(msg))
         elif conn is None:
-            link.send({"op": "error", "message": "say hello first"})
+            link.send(protocol.Error("say hello first").to_msg())
         elif op == "heartbeat":
-            step = protocol.count(msg, "step", conn.step)
-            compute_s = protocol.seconds(msg, "compute_s", conn.compute_s)
+            beat = protocol.Heartbeat.from_msg(msg)
             conn.last_heartbeat = time.monotonic()
-            conn.step, conn.compute_s = max(conn.step, step), compute_s
+            if beat.step is not None:
+                conn.step = max(conn.step, beat.step)
+            if beat.compute_s is not None:
+                conn.compute_s = beat.compute_s
         elif op == "telemetry":
             conn.last_heartbeat = time.monotonic()
             self.diagnosis.telemetry(conn.replica, conn.rank, conn.node, msg)
         elif op == "quorum":
             conn.last_heartbeat = time.monotonic()
-            self._quorum_request(conn, msg)
+            self._quorum_request(conn, protocol.QuorumAsk.from_msg(msg))
         elif op == "bye":
             if not conn.finished:
                 conn.finished = True
                 self.diagnosis.forget(conn.replica)  # its last, half-shipped collective is no hang
-                self.events.emit("replica_finished", replica=conn.replica, rank=conn.rank)
+                self.events.emit(ev.ReplicaFinished(replica=conn.replica, rank=conn.rank))
                 self._replica_done(conn)
         elif op == "exited":
-            replica = protocol.count(msg, "replica")
-            if replica != conn.replica:
-                raise ValueError(f"replica {conn.replica} may report only its own exit, not replica {replica}'s")
-            self.replica_exited(replica, _exitcode(msg))
+            exited = protocol.Exited.from_msg(msg)
+            if exited.replica != conn.replica:
+                raise ValueError(f"replica {conn.replica} may report only its own exit, not replica {exited.replica}'s")
+            self.replica_exited(exited.replica, exited.exitcode)
         return op, conn, agent
 
-    def _hello(self, msg: dict[str, Any], link: protocol.Link) -> _RankConn:
-        replica = protocol.count(msg, "replica")
+    def _hello(self, hello: protocol.Hello, link: protocol.Link) -> _RankConn:
+        replica, world_size, rank = hello.replica, hello.world_size, hello.rank
         if replica >= self.settings.total_replicas:
             raise Refused(f"replica {replica} is not one of this job's {self.settings.total_replicas} replicas")
-        world_size = protocol.count(msg, "world_size")
         if not 1 <= world_size <= self.settings.max_world_size:
             raise Refused(f"world_size must be 1 to {self.settings.max_world_size}, got {world_size}")
-        rank = protocol.count(msg, "rank")
         if rank >= world_size:
             raise Refused(f"rank {rank} is not below world_size {world_size}")
         ranks = self.replicas.get(replica, {})
@@ -447,17 +452,17 @@ class Coordinator:
             rank=rank,
             world_size=world_size,
             link=link,
-            transfer_addr=protocol.text(msg, "transfer_addr"),
-            node=protocol.text(msg, "node"),
+            transfer_addr=hello.transfer_addr,
+            node=hello.node,
             last_heartbeat=time.monotonic(),
-            step=protocol.count(msg, "step", 0),
+            step=hello.step,
         )
         ranks = self.replicas.setdefault(replica, {})
         ranks[rank] = conn
-        link.send({"op": "welcome", "store": self._store_for(link), "epoch": self.quorum.epoch})
+        link.send(protocol.Welcome(store=self._store_for(link), epoch=self.quorum.epoch).to_msg())
         if len(ranks) == conn.world_size:
             self.quorum.connect(conn.replica)
-            self.events.emit("replica_connected", replica=conn.replica, node=conn.node, step=conn.step)
+            self.events.emit(ev.ReplicaConnected(replica=conn.replica, node=conn.node, step=conn.step))
         return conn
 
     def _connection_closed(self, conn: _RankConn) -> None:
@@ -471,71 +476,62 @@ class Coordinator:
             self.pending.pop(conn.replica, None)
             self.quorum.alive.discard(conn.replica)
             return
-        self._evict(conn.replica, "connection closed (process died or lost its network)")
+        self._evict(
+            conn.replica, ev.EvictCause.CONNECTION_CLOSED, "connection closed (process died or lost its network)"
+        )
 
-    def _evict(self, replica: int, reason: str) -> None:
+    def _evict(self, replica: int, cause: ev.EvictCause, reason: str) -> None:
         for conn in list(self.replicas.pop(replica, {}).values()):
             conn.link.close()
         self.pending.pop(replica, None)
         self._held.pop(replica, None)
         was_member = self.quorum.current is not None and replica in self.quorum.current.members
         self.diagnosis.forget(replica)
-        self.events.emit("replica_evicted", replica=replica, reason=reason, member=was_member)
+        self.events.emit(ev.ReplicaEvicted(replica=replica, cause=cause, reason=reason, member=was_member))
         self._deliver(self.quorum.disconnect(replica, time.monotonic()))
         self._push_aborts()
 
     # -- node agents -----------------------------------------------------------------------
 
-    def _agent_hello(self, msg: dict[str, Any], link: protocol.Link) -> _AgentConn | None:
-        node = protocol.text(msg, "node")
-        slots = protocol.count(msg, "slots", 1)
-        running = msg.get("running", [])
-        if not node or not 1 <= slots <= MAX_SLOTS or not isinstance(running, list) or len(running) > MAX_SLOTS:
-            raise Refused(f"an agent_hello needs a node name, 1 to {MAX_SLOTS} slots and a list of running replicas")
-        nodes_per_replica = protocol.count(msg, "nodes_per_replica", 1)
-        if not 1 <= nodes_per_replica <= MAX_NODES_PER_REPLICA:
-            raise Refused(f"nodes_per_replica must be 1 to {MAX_NODES_PER_REPLICA}, got {nodes_per_replica}")
-        expected = self.groups.nodes_per_replica if self.groups else 1 if self.agents else nodes_per_replica
-        if expected != nodes_per_replica:
+    def _agent_hello(self, hello: protocol.AgentHello, link: protocol.Link) -> _AgentConn | None:
+        node = hello.node
+        expected = self.groups.nodes_per_replica if self.groups else 1 if self.agents else hello.nodes_per_replica
+        if expected != hello.nodes_per_replica:
             link.send(
-                {
-                    "op": "error",
-                    "message": f"this job's agents run replica groups of {expected} node(s), not "
-                    f"{nodes_per_replica}: give every agent the same --nodes-per-replica",
-                }
+                protocol.Error(
+                    f"this job's agents run replica groups of {expected} node(s), not "
+                    f"{hello.nodes_per_replica}: give every agent the same --nodes-per-replica"
+                ).to_msg()
             )
             return None
-        if nodes_per_replica > 1:
-            return self._group_agent_hello(msg, link, node, slots, nodes_per_replica)
+        if hello.nodes_per_replica > 1:
+            return self._group_agent_hello(hello, link)
         try:
             busy = {r for r, conns in self.replicas.items() if conns}
-            replicas = self.assignment.join(
-                node, slots, running=[protocol.count({"r": r}, "r") for r in running], busy=busy
-            )
+            replicas = self.assignment.join(node, hello.slots, running=list(hello.running), busy=busy)
         except ValueError as e:
-            link.send({"op": "error", "message": str(e)})
+            link.send(protocol.Error(str(e)).to_msg())
             return None
         agent = _AgentConn(node=node, link=link, last_heartbeat=time.monotonic())
         self.agents[node] = agent
-        self.events.emit("agent_joined", node=node, slots=self.assignment.slots[node], replicas=replicas)
-        link.send({"op": "assign", "replicas": replicas, "num_replicas": self.settings.total_replicas})
+        self.events.emit(ev.AgentJoined(node=node, slots=self.assignment.slots[node], replicas=replicas))
+        link.send(protocol.Assign(replicas=replicas, num_replicas=self.settings.total_replicas).to_msg())
         return agent
 
-    def _group_agent_hello(
-        self, msg: dict[str, Any], link: protocol.Link, node: str, slots: int, nodes_per_replica: int
-    ) -> _AgentConn | None:
+    def _group_agent_hello(self, hello: protocol.AgentHello, link: protocol.Link) -> _AgentConn | None:
         """An agent of a job whose replica groups span nodes (:mod:`unbroken.control.groups`)."""
-        addr = advertised_address(msg)
+        node = hello.node
+        addr = advertised_address({"addr": hello.addr})
         if self.groups is None:
-            self.groups = GroupLaunch(self, nodes_per_replica)
+            self.groups = GroupLaunch(self, hello.nodes_per_replica)
         if node in self.groups.assignment.slots:
-            link.send({"op": "error", "message": f"an agent for node {node!r} is already connected"})
+            link.send(protocol.Error(f"an agent for node {node!r} is already connected").to_msg())
             return None
         agent = _AgentConn(node=node, link=link, last_heartbeat=time.monotonic())
         self.agents[node] = agent
-        link.send({"op": "assign", "replicas": [], "num_replicas": self.settings.total_replicas})
-        replicas = self.groups.hello(node, slots, addr)
-        self.events.emit("agent_joined", node=node, slots=slots, replicas=replicas, addr=addr)
+        link.send(protocol.Assign(replicas=[], num_replicas=self.settings.total_replicas).to_msg())
+        replicas = self.groups.hello(node, hello.slots, addr)
+        self.events.emit(ev.AgentJoined(node=node, slots=hello.slots, replicas=replicas, addr=addr))
         return agent
 
     def _agent_heartbeat(self, agent: _AgentConn) -> None:
@@ -544,7 +540,7 @@ class Coordinator:
         steps = {
             str(r): max((c.step for c in self.replicas[r].values()), default=0) for r in mine if r in self.replicas
         }
-        agent.link.send({"op": "agent_status", "steps": steps})
+        agent.link.send(protocol.AgentStatus(steps=steps).to_msg())
 
     async def _agent_stack(self, replica: int, rank: int) -> dict[str, Any]:
         """A hung rank's stack when no supervisor runs here: its node agent is asked to dump it.
@@ -558,47 +554,50 @@ class Coordinator:
         agent = self.agents.get(node) if node is not None else None
         if agent is None:
             return {"stack_note": "no supervisor or agent runs this replica: no stack"}
-        agent.link.send({"op": "dump_stack", "replica": replica, "rank": rank})
+        agent.link.send(protocol.DumpStack(replica=replica, rank=rank).to_msg())
         return {"stack_note": f"asked the agent on node {node} for the stack (a `stack` event follows)"}
 
-    def _agent_stack_report(self, agent: _AgentConn, msg: dict[str, Any]) -> None:
-        replica, rank = protocol.count(msg, "replica"), protocol.count(msg, "rank")
+    def _agent_stack_report(self, agent: _AgentConn, report: protocol.StackReport) -> None:
         if not (
-            self.groups.runs(replica, agent.node) if self.groups else self.assignment.owner.get(replica) == agent.node
+            self.groups.runs(report.replica, agent.node)
+            if self.groups
+            else self.assignment.owner.get(report.replica) == agent.node
         ):
-            raise ValueError(f"replica {replica} does not run on node {agent.node}")
-        stack = msg.get("stack")
+            raise ValueError(f"replica {report.replica} does not run on node {agent.node}")
         self.events.emit(
-            "stack",
-            replica=replica,
-            rank=rank,
-            node=agent.node,
-            process_state=protocol.text(msg, "process_state", 4),
-            stack=stack[-8000:] if isinstance(stack, str) else None,
-            stack_note=protocol.text(msg, "stack_note", 500),
+            ev.Stack(
+                replica=report.replica,
+                rank=report.rank,
+                node=agent.node,
+                process_state=report.process_state,
+                stack=report.stack,
+                stack_note=report.stack_note,
+            )
         )
 
-    def _agent_gone(self, agent: _AgentConn, reason: str) -> None:
+    def _agent_gone(self, agent: _AgentConn, cause: ev.AgentLostCause, reason: str) -> None:
         """All of the agent's replicas are gone with it: evict them now, move them to spare slots."""
         if self.agents.get(agent.node) is not agent:
             return
         del self.agents[agent.node]
         agent.link.close()
         if self.groups is not None:
-            self.events.emit("agent_lost", node=agent.node, replicas=self.groups.replicas_of(agent.node), reason=reason)
+            self.events.emit(
+                ev.AgentLost(node=agent.node, replicas=self.groups.replicas_of(agent.node), cause=cause, reason=reason)
+            )
             self.groups.gone(agent.node, reason)
             self._check_job_finished()
             return
         lost, moves = self.assignment.leave(agent.node, done=self.finished)
-        self.events.emit("agent_lost", node=agent.node, replicas=lost, reason=reason)
+        self.events.emit(ev.AgentLost(node=agent.node, replicas=lost, cause=cause, reason=reason))
         for r in lost:
             if r not in self.finished and (r in self.quorum.alive or r in self.replicas):
-                self._evict(r, f"its agent on node {agent.node} is gone: {reason}")
+                self._evict(r, ev.EvictCause.AGENT_LOST, f"its agent on node {agent.node} is gone: {reason}")
         for node, replicas in moves.items():
             for r in replicas:
-                self.events.emit("replica_reassigned", replica=r, from_node=agent.node, to_node=node)
+                self.events.emit(ev.ReplicaReassigned(replica=r, from_node=agent.node, to_node=node))
             self.agents[node].link.send(
-                {"op": "assign", "replicas": replicas, "num_replicas": self.settings.total_replicas}
+                protocol.Assign(replicas=replicas, num_replicas=self.settings.total_replicas).to_msg()
             )
         self._check_job_finished()
 
@@ -619,7 +618,7 @@ class Coordinator:
         if not late and any(r not in self.finished for r in assigned):
             return
         self._job_finished_sent = True
-        self.events.emit("job_finished", finished=sorted(self.finished))
+        self.events.emit(ev.JobFinished(finished=sorted(self.finished)))
         for agent in self.agents.values():
             agent.link.send({"op": "job_finished"})
 
@@ -632,7 +631,7 @@ class Coordinator:
 
     # -- quorum ----------------------------------------------------------------------------
 
-    def _quorum_request(self, conn: _RankConn, msg: dict[str, Any]) -> None:
+    def _quorum_request(self, conn: _RankConn, ask: protocol.QuorumAsk) -> None:
         """Validates a rank's quorum request, and forms or answers what it can.
 
         A member may not ask for a step below the one its epoch trains (steps it has committed):
@@ -641,11 +640,7 @@ class Coordinator:
         epoch. A failure report counts only from a member of the current epoch about that epoch:
         anything else would let one replica abort exchanges it is not part of.
         """
-        step_time = protocol.seconds(msg, "step_time", None)
-        step = protocol.count(msg, "step")
-        req_id = protocol.count(msg, "id")
-        failed = msg.get("failed_epoch")
-        failed = None if failed is None else protocol.count(msg, "failed_epoch")
+        step_time, step, req_id, failed = ask.step_time, ask.step, ask.id, ask.failed_epoch
         if conn.finished:
             raise ValueError("a replica that said bye asks for no quorum")
         if failed is not None and failed > self.quorum.epoch:
@@ -657,6 +652,7 @@ class Coordinator:
         if cur is not None and member and step < cur.step:
             self._evict(
                 conn.replica,
+                ev.EvictCause.STEP_WENT_BACK,
                 f"rank {conn.rank} asked for step {step}, below step {cur.step} that its " f"epoch {cur.epoch} trains",
             )
             return
@@ -703,7 +699,7 @@ class Coordinator:
             failed_epoch=max(failures) if failures else None,
         )
         if req.failed_epoch is not None:
-            self.events.emit("exchange_failed", replica=req.replica, epoch=req.failed_epoch, step=req.step)
+            self.events.emit(ev.ExchangeFailed(replica=req.replica, epoch=req.failed_epoch, step=req.step))
         answer, formed = self.quorum.request(req, time.monotonic())
         if answer is not None:
             self._reply(answer, {req.replica: ranks})
@@ -725,21 +721,22 @@ class Coordinator:
             if self._hinted.get(joiner) == epoch:
                 continue
             self._hinted[joiner] = epoch
-            self.events.emit("donor_told", newcomer=joiner, donor=donor, epoch=epoch)
+            self.events.emit(ev.DonorTold(newcomer=joiner, donor=donor, epoch=epoch))
             for conn in self.replicas.get(donor, {}).values():
-                conn.link.send({"op": "donate", "to": joiner})
+                conn.link.send(protocol.Donate(to=joiner).to_msg())
 
     def _deliver(self, decisions: list[QuorumDecision]) -> None:
         for d in decisions:
             self.setaside.formed(d.epoch, d.members)
             self.store.record_epoch(d.epoch, d.step, list(d.members), list(d.behind))
             self.events.emit(
-                "quorum",
-                epoch=d.epoch,
-                step=d.step,
-                members=list(d.members),
-                behind=list(d.behind),
-                donors=[list(p) for p in d.donors],
+                ev.Quorum(
+                    epoch=d.epoch,
+                    step=d.step,
+                    members=list(d.members),
+                    behind=list(d.behind),
+                    donors=[list(p) for p in d.donors],
+                )
             )
             waiting = {m: self.pending.pop(m) for m in d.members if m in self.pending}
             self._reply(d, waiting)
@@ -754,13 +751,9 @@ class Coordinator:
                     if m in self.replicas and rank in self.replicas[m]
                 }
                 conn.link.send(
-                    {
-                        "op": "quorum",
-                        "id": req_id,
-                        "decision": d.to_json(),
-                        "transfer_addrs": addrs,
-                        "store": self._store_for(conn.link),
-                    }
+                    protocol.QuorumAnswer(
+                        id=req_id, decision=d.to_json(), transfer_addrs=addrs, store=self._store_for(conn.link)
+                    ).to_msg()
                 )
 
     def _push_aborts(self) -> None:
@@ -772,7 +765,7 @@ class Coordinator:
                 continue
             self._aborted[replica] = cur.epoch
             for conn in self.replicas.get(replica, {}).values():
-                conn.link.send({"op": "abort", "epoch": cur.epoch})
+                conn.link.send(protocol.Abort(epoch=cur.epoch).to_msg())
 
     async def _tick(self) -> None:
         """Evicts the silent, forms epochs on time, persists: one exception must not end it, or
@@ -791,7 +784,11 @@ class Coordinator:
     def _tick_once(self, now: float) -> None:
         for agent in list(self.agents.values()):
             if now - agent.last_heartbeat > 2 * self.settings.heartbeat_timeout_s:
-                self._agent_gone(agent, f"no heartbeat for {2 * self.settings.heartbeat_timeout_s:.1f}s")
+                self._agent_gone(
+                    agent,
+                    ev.AgentLostCause.NO_HEARTBEAT,
+                    f"no heartbeat for {2 * self.settings.heartbeat_timeout_s:.1f}s",
+                )
         self._check_job_finished()
         suspects = set()
         for replica, ranks in list(self.replicas.items()):
@@ -799,7 +796,11 @@ class Coordinator:
                 continue
             quiet = max((now - c.last_heartbeat for c in ranks.values()), default=0.0)
             if quiet > self.settings.heartbeat_timeout_s:
-                self._evict(replica, f"no heartbeat for {self.settings.heartbeat_timeout_s:.1f}s (hung or stopped)")
+                self._evict(
+                    replica,
+                    ev.EvictCause.NO_HEARTBEAT,
+                    f"silent for {self.settings.heartbeat_timeout_s:.1f}s (hung or stopped)",
+                )
             elif quiet > self.settings.suspect_after_s:
                 suspects.add(replica)
         held = self.setaside.held(now)
@@ -811,9 +812,9 @@ class Coordinator:
         if suspects != self.quorum.silent:
             if suspects - self.quorum.silent:
                 self.events.emit(
-                    "replica_silent",
-                    replicas=sorted(suspects - self.quorum.silent),
-                    after_s=self.settings.suspect_after_s,
+                    ev.ReplicaSilent(
+                        replicas=sorted(suspects - self.quorum.silent), after_s=self.settings.suspect_after_s
+                    )
                 )
             self._deliver(self.quorum.set_silent(suspects, now))
         if len(self.step_times) >= 5:
@@ -838,10 +839,3 @@ class Coordinator:
     def _persisted(self, done: asyncio.Future[int]) -> None:
         if not done.cancelled() and done.exception() is None:
             self.quorum.epoch_limit = done.result()
-
-
-def _exitcode(msg: dict[str, Any]) -> int | None:
-    code = msg.get("exitcode")
-    if code is not None and (type(code) is not int or not -256 <= code <= 255):
-        raise ValueError(f"exitcode must be an integer from -256 to 255, got {code!r:.40}")
-    return code

@@ -25,10 +25,19 @@ from unbroken.wire.auth import JobSecret
 DEFAULT_PORT = 29510
 
 
-async def _serve(settings: CoordinatorSettings, secret: JobSecret, secret_path: Path) -> None:
+async def _serve(settings: CoordinatorSettings, secret: JobSecret, secret_path: Path, http_port: int | None) -> None:
     coordinator = Coordinator(settings, secret)
     await coordinator.start()
     click.echo(f"coordinator listening on {coordinator.address}", err=True)
+    server = None
+    if http_port is not None:
+        from unbroken.observe import http
+        from unbroken.observe.live import JobView
+
+        view = JobView(settings.state_dir, replicas=settings.total_replicas)
+        status = http.on_loop(asyncio.get_running_loop(), coordinator.status)
+        server = http.ObserveServer(settings.host, http_port, view, status, http.read_token(secret.key)).start()
+        click.echo(f"dashboard {server.url} (metrics: /metrics, same token)", err=True)
     click.echo(f"job secret: {secret_path} (agents and workers on other nodes need it: --secret-file)", err=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -36,6 +45,8 @@ async def _serve(settings: CoordinatorSettings, secret: JobSecret, secret_path: 
         loop.add_signal_handler(sig, stop.set)
     with contextlib.suppress(asyncio.CancelledError):
         await stop.wait()
+    if server is not None:
+        server.close()
     await coordinator.stop()
 
 
@@ -73,6 +84,12 @@ async def _serve(settings: CoordinatorSettings, secret: JobSecret, secret_path: 
     help="The job's secret (0600; `unbroken secret new PATH`) [default: $UNBROKEN_SECRET_FILE, else "
     "--state-dir/secret, made if missing].",
 )
+@click.option(
+    "--http-port",
+    type=int,
+    default=None,
+    help="Serve /metrics and the live dashboard on --host at this port (0: a free one) [default: none].",
+)
 def coordinator(
     replicas: int,
     min_replicas: int | None,
@@ -83,6 +100,7 @@ def coordinator(
     startup_window: float,
     journal_mode: str,
     secret_file: Path | None,
+    http_port: int | None,
 ) -> None:
     """Serve membership and quorum epochs for a job; state persists in --state-dir."""
     try:
@@ -98,6 +116,6 @@ def coordinator(
         )
         found = secrets.given(secret_file)
         secret, path = found if found is not None else secrets.kept(state_dir)
-        asyncio.run(_serve(settings, secret, path))
+        asyncio.run(_serve(settings, secret, path, http_port))
     except (ValueError, OSError) as e:
         raise click.UsageError(str(e)) from e

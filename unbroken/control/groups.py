@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from unbroken.control import protocol
 from unbroken.control.assignment import GroupAssignment
+from unbroken.observe.schema import EvictCause
 
 if TYPE_CHECKING:
     from unbroken.control.coordinator import Coordinator, _AgentConn
@@ -74,7 +75,7 @@ class GroupLaunch:
         for r in hit:
             if r in self.c.finished:
                 continue
-            self._fail(r, f"its agent on node {node} is gone: {reason}", blamed=node)
+            self._fail(r, f"its agent on node {node} is gone: {reason}", blamed=node, cause=EvictCause.AGENT_LOST)
         for r in started:
             self.c.events.emit("group_moved", replica=r, lost_node=node, nodes=self.assignment.nodes_of(r))
             self._start(r)
@@ -161,11 +162,11 @@ class GroupLaunch:
         )
         self._send(nodes[0], self._assign(replica, 0, ""))  # it answers group_port
 
-    def _fail(self, replica: int, reason: str, blamed: str) -> None:
+    def _fail(self, replica: int, reason: str, blamed: str, cause: EvictCause = EvictCause.PROCESS_EXITED) -> None:
         """The group leaves the quorum at once, and every node of it still up ends its ranks."""
         self.c.events.emit("group_failed", replica=replica, blamed=blamed, reason=reason)
         if replica in self.c.quorum.alive or replica in self.c.replicas:
-            self.c._evict(replica, reason)
+            self.c._evict(replica, cause, reason)
         for n in self.assignment.nodes_of(replica):
             if n != blamed:
                 self._send(n, {"op": "group_stop", "replica": replica})

@@ -15,6 +15,12 @@ Client -> coordinator ops: ``hello``, ``heartbeat``, ``quorum``, ``bye``, ``exit
 Coordinator -> client ops: ``welcome``, ``quorum`` (the answer, same ``id``), ``abort``,
 ``error``.
 
+Each incoming op is parsed into a frozen dataclass below (:class:`Hello`, :class:`QuorumAsk`,
+:class:`Heartbeat`, :class:`Exited`, :class:`AgentHello`, :class:`StackReport`) with the bounds
+of :func:`count`, :func:`seconds` and :func:`text`; what the coordinator sends is built from
+the dataclasses of its ops (:class:`Welcome`, :class:`QuorumAnswer`, :class:`Abort`, ...).
+Telemetry batches are parsed by the diagnosis master.
+
 Node agents (``unbroken agent``) keep a connection of their own: agent -> coordinator
 ``agent_hello`` (node, slots), ``agent_heartbeat``, ``exited``, ``stack``; coordinator -> agent
 ``assign`` (replica ids to start), ``agent_status`` (their steps), ``dump_stack``,
@@ -24,6 +30,7 @@ Node agents (``unbroken agent``) keep a connection of their own: agent -> coordi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import socket
@@ -182,3 +189,205 @@ def connected_to_itself(sock: socket.socket) -> bool:
         return bool(sock.getsockname() == sock.getpeername())
     except OSError:
         return False
+
+
+# -- typed messages --------------------------------------------------------------------------
+#
+# What a peer sends is parsed once, at the coordinator's edge, into one of these: every field
+# validated by the functions above (types, bounds, lengths), so the handlers past
+# :meth:`Coordinator._dispatch` work with named, typed fields and never with the raw dict. The
+# job-relative checks (a replica id below the job's count, a rank below its world size) stay
+# with the coordinator, which knows the job. What the coordinator sends is built from these
+# too (:meth:`to_msg`), so both sides of a line are spelt in one place.
+
+MAX_STACK = 8000  # characters of a stack kept in an event
+
+
+@dataclasses.dataclass(frozen=True)
+class Hello:
+    """A rank says who it is (the first line of a replica's connection)."""
+
+    replica: int
+    rank: int
+    world_size: int
+    transfer_addr: str
+    node: str
+    step: int
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> Hello:
+        return cls(
+            replica=count(msg, "replica"),
+            rank=count(msg, "rank"),
+            world_size=count(msg, "world_size"),
+            transfer_addr=text(msg, "transfer_addr"),
+            node=text(msg, "node"),
+            step=count(msg, "step", 0),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Heartbeat:
+    """A rank is alive; its step and compute time, when it sends them."""
+
+    step: int | None
+    compute_s: float | None
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> Heartbeat:
+        step = None if msg.get("step") is None else count(msg, "step")
+        return cls(step=step, compute_s=seconds(msg, "compute_s", None))
+
+
+@dataclasses.dataclass(frozen=True)
+class QuorumAsk:
+    """A rank's quorum request for ``step`` (``failed_epoch``: its exchange in that epoch failed)."""
+
+    id: int
+    step: int
+    step_time: float | None
+    failed_epoch: int | None
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> QuorumAsk:
+        failed = None if msg.get("failed_epoch") is None else count(msg, "failed_epoch")
+        return cls(
+            id=count(msg, "id"),
+            step=count(msg, "step"),
+            step_time=seconds(msg, "step_time", None),
+            failed_epoch=failed,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Exited:
+    """A process of ``replica`` exited (reported by its supervisor, agent, or a sibling rank)."""
+
+    replica: int
+    exitcode: int | None
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> Exited:
+        code = msg.get("exitcode")
+        if code is not None and (type(code) is not int or not -256 <= code <= 255):
+            raise ValueError(f"exitcode must be an integer from -256 to 255, got {code!r:.40}")
+        return cls(replica=count(msg, "replica"), exitcode=code)
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentHello:
+    """A node agent says which node it is, how many replicas it can run and which run already."""
+
+    node: str
+    slots: int
+    running: tuple[int, ...]
+    nodes_per_replica: int = 1  # nodes each replica group spans (every agent of a job says the same)
+    addr: str = ""  # where the group's other nodes reach this one (checked when groups span nodes)
+
+    @classmethod
+    def from_msg(cls, msg: Message, max_slots: int, max_nodes_per_replica: int = 1024) -> AgentHello:
+        node, slots, running = text(msg, "node"), count(msg, "slots", 1), msg.get("running", [])
+        if not node or not 1 <= slots <= max_slots or not isinstance(running, list) or len(running) > max_slots:
+            raise ValueError(f"an agent_hello needs a node name, 1 to {max_slots} slots and a list of running replicas")
+        nodes_per_replica = count(msg, "nodes_per_replica", 1)
+        if not 1 <= nodes_per_replica <= max_nodes_per_replica:
+            raise ValueError(f"nodes_per_replica must be 1 to {max_nodes_per_replica}, got {nodes_per_replica}")
+        return cls(
+            node=node,
+            slots=slots,
+            running=tuple(count({"r": r}, "r") for r in running),
+            nodes_per_replica=nodes_per_replica,
+            addr=text(msg, "addr", 64),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class StackReport:
+    """A node agent's answer to ``dump_stack``: the hung rank's stack, or why there is none."""
+
+    replica: int
+    rank: int
+    process_state: str
+    stack: str | None
+    stack_note: str
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> StackReport:
+        stack = msg.get("stack")
+        return cls(
+            replica=count(msg, "replica"),
+            rank=count(msg, "rank"),
+            process_state=text(msg, "process_state", 4),
+            stack=stack[-MAX_STACK:] if isinstance(stack, str) else None,
+            stack_note=text(msg, "stack_note", 500),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Welcome:
+    store: str
+    epoch: int
+
+    def to_msg(self) -> Message:
+        return {"op": "welcome", **dataclasses.asdict(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class QuorumAnswer:
+    id: int
+    decision: dict[str, Any]
+    transfer_addrs: dict[str, str]
+    store: str
+
+    def to_msg(self) -> Message:
+        return {"op": "quorum", **dataclasses.asdict(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Abort:
+    epoch: int
+
+    def to_msg(self) -> Message:
+        return {"op": "abort", "epoch": self.epoch}
+
+
+@dataclasses.dataclass(frozen=True)
+class Donate:
+    to: int
+
+    def to_msg(self) -> Message:
+        return {"op": "donate", "to": self.to}
+
+
+@dataclasses.dataclass(frozen=True)
+class Assign:
+    replicas: list[int]
+    num_replicas: int
+
+    def to_msg(self) -> Message:
+        return {"op": "assign", "replicas": list(self.replicas), "num_replicas": self.num_replicas}
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentStatus:
+    steps: dict[str, int]
+
+    def to_msg(self) -> Message:
+        return {"op": "agent_status", "steps": dict(self.steps)}
+
+
+@dataclasses.dataclass(frozen=True)
+class DumpStack:
+    replica: int
+    rank: int
+
+    def to_msg(self) -> Message:
+        return {"op": "dump_stack", "replica": self.replica, "rank": self.rank}
+
+
+@dataclasses.dataclass(frozen=True)
+class Error:
+    message: str
+
+    def to_msg(self) -> Message:
+        return {"op": "error", "message": self.message[:500]}

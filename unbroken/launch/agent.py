@@ -34,9 +34,10 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from unbroken import config as env
 from unbroken.control import protocol
@@ -46,6 +47,9 @@ from unbroken.launch.policy import Decision, RestartBook, RestartPolicy
 from unbroken.observe.events import EventLog
 from unbroken.train.preemption import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
 from unbroken.wire.auth import AuthError, JobSecret
+
+if TYPE_CHECKING:
+    from unbroken.observe.http import ObserveServer
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +93,8 @@ class AgentSettings:
     term_grace_s: float = 25.0
     nodes_per_replica: int = 1
     advertise_addr: str | None = None
+    http_port: int | None = None
+    http_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if not 0 <= self.term_grace_s < float("inf"):
@@ -151,6 +157,7 @@ class Agent:
         self.error: str | None = None
         self.exit_code = 1
         self._link: protocol.Link | None = None
+        self.http: ObserveServer | None = None
         self._terminated: float | None = None  # when SIGTERM came (monotonic)
         self._job_finished = False
         self._coordinator_lost = False
@@ -171,6 +178,8 @@ class Agent:
         try:
             with reaper.supervising() as self._guardian:
                 try:
+                    if self.s.http_port is not None:
+                        self._serve_http()
                     self._link = await self._connect()
                     self._send(self._hello())
                     self.events.emit(
@@ -540,7 +549,20 @@ class Agent:
                 await workers.kill_groups(procs, self._guardian)
         self._maybe_done()
 
+    def _serve_http(self) -> None:
+        """``/metrics`` and the dashboard for this node's replicas, from its own events and rows."""
+        from unbroken.observe import http
+        from unbroken.observe.live import JobView
+
+        view = JobView(self.s.run_dir, events_name=f"events-{self.s.node}.jsonl")
+        token = http.read_token(self.secret.key)
+        self.http = http.ObserveServer(self.s.http_host, self.s.http_port or 0, view, None, token, self.s.node)
+        self.http.start()
+        print(f"unbroken agent: dashboard {self.http.url} (metrics: /metrics, same token)", file=sys.stderr, flush=True)
+
     async def _cleanup(self) -> None:
+        if self.http is not None:
+            self.http.close()
         for t in self._tasks:
             t.cancel()
         for r in self.replicas.values():

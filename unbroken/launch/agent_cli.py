@@ -102,6 +102,13 @@ from unbroken.launch.policy import RestartPolicy
     "and flush a checkpoint before the rest is killed.",
 )
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
+@click.option(
+    "--http-port",
+    type=int,
+    default=None,
+    help="Serve /metrics and a dashboard of this node's replicas at this port (0: a free one) [default: none].",
+)
+@click.option("--http-host", default="127.0.0.1", show_default=True, help="Address --http-port binds.")
 def agent(**kw: Any) -> None:
     """Run this node's share of a job: `unbroken agent --coordinator HOST:PORT --secret-file S -- python train.py`.
 
@@ -131,6 +138,8 @@ def agent(**kw: Any) -> None:
             connect_timeout_s=kw.pop("connect_timeout"),
             secret_file=found[1] if found is not None else None,
             term_grace_s=kw.pop("term_grace_s"),
+            http_port=kw.pop("http_port"),
+            http_host=kw.pop("http_host"),
         )
         code = run_agent(settings)
     except (ValueError, OSError) as e:

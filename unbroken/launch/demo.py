@@ -260,6 +260,13 @@ def summarize(
 @click.option("--report", type=click.Path(path_type=Path), default=None, help="[default: RUN_DIR/report.html]")
 @click.option("--no-reference", is_flag=True, help="Skip the fault-free reference run (no loss comparison).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on stdout.")
+@click.option(
+    "--http-port",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Port of the live dashboard and /metrics on 127.0.0.1 (0: a free one); its URL is printed.",
+)
 @supervisor_options
 def demo(
     model: str,
@@ -268,6 +275,7 @@ def demo(
     report: Path | None,
     no_reference: bool,
     as_json: bool,
+    http_port: int,
     **kw: Any,
 ) -> None:
     """Train an example model as 3 replicas through a crash, a hang and a slow rank; report the cost.
@@ -306,6 +314,7 @@ def demo(
             ranks_per_replica=chosen.ranks_per_replica,
             run_dir=run_dir,
             heartbeat_timeout_s=chosen.heartbeat_timeout_s,
+            http_port=http_port,
             **extra,
         )
     except ValueError as e:

@@ -33,8 +33,9 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from unbroken import config as env
 from unbroken.checkpoint.disk import CorruptCheckpoint, check_writable, newest_verified_step
@@ -47,12 +48,16 @@ from unbroken.faults import supervisor as injector
 from unbroken.faults.schedule import Fault, Schedule
 from unbroken.faults.worker import worker_env
 from unbroken.launch import reaper, workers
-from unbroken.launch.lifecycle import RUNNING, Lifecycle, State
+from unbroken.launch.lifecycle import RUNNING, Lifecycle, State, Transition
 from unbroken.launch.policy import Placement, RestartBook, RestartPolicy, Slot
 from unbroken.launch.verdicts import IGNORE, ISOLATE, ROLLBACK, VERDICT_ACTIONS, verdict_action
 from unbroken.launch.workers import free_port, package_path
-from unbroken.observe.events import Event, EventLog
+from unbroken.observe import schema as ev
+from unbroken.observe.events import EventLog
 from unbroken.train.preemption import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
+
+if TYPE_CHECKING:
+    from unbroken.observe.http import ObserveServer
 
 HANG_ACTIONS = ("restart", "wait")
 EXIT_TERMINATED = 143  # 128 + SIGTERM: stopped by SIGTERM after the workers' flush (or the grace period)
@@ -95,6 +100,8 @@ class LaunchSettings:
             checkpoint (:mod:`unbroken.train.preemption`) before what is left is killed.
         secret_file: the job's secret; None makes a fresh one in ``run_dir`` (required with an
             external ``coordinator``: the one it was started with).
+        http_port: serve ``/metrics`` and the live dashboard on loopback at this port (0: a
+            free one); None serves nothing (:mod:`unbroken.observe.http`).
     """
 
     command: tuple[str, ...]
@@ -118,6 +125,7 @@ class LaunchSettings:
     anomaly_policy: str = ""
     term_grace_s: float = DEFAULT_TERM_GRACE_S
     secret_file: Path | None = None
+    http_port: int | None = None
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -187,6 +195,7 @@ class Launcher:
         self.events = EventLog(self.run_dir / "events.jsonl", "launcher")
         self.coordinator: Coordinator | None = None
         self.address = ""
+        self.http: ObserveServer | None = None
         self.replicas = {r: _Replica(r) for r in range(settings.replicas)}
         policy = dataclasses.replace(settings.policy, max_restarts_per_replica=settings.max_restarts)
         self.book = RestartBook(policy)
@@ -221,13 +230,16 @@ class Launcher:
             with reaper.supervising() as self._guardian:
                 try:
                     self.address = await self._start_coordinator()
+                    if self.s.http_port is not None:
+                        self._serve_http(self.s.http_port)
                     self.job_start = time.time()
                     self.events.emit(
-                        "job_started",
-                        replicas=self.s.replicas,
-                        spares=self.s.spares,
-                        schedule=self.s.schedule.to_json(),
-                        coordinator=self.address,
+                        ev.JobStarted(
+                            replicas=self.s.replicas,
+                            spares=self.s.spares,
+                            schedule=self.s.schedule.to_json(),
+                            coordinator=self.address,
+                        )
                     )
                     for r in self.replicas.values():
                         await self._spawn(r)
@@ -252,6 +264,29 @@ class Launcher:
         self.coordinator.events.subscribe(self._on_coordinator_event)
         await self.coordinator.start()
         return self.coordinator.address
+
+    def _serve_http(self, port: int) -> None:
+        """``/metrics`` and the dashboard, from this run directory's events and rows and the
+        coordinator's status: asked on this loop when it runs here, over its port when not."""
+        from unbroken.observe import http
+        from unbroken.observe.live import JobView
+        from unbroken.observe.status import fetch_status
+
+        view = JobView(self.run_dir, replicas=self.s.replicas)
+        status: http.Status
+        if self.s.coordinator is not None:
+            address, secret = self.s.coordinator, self.secret
+
+            def status() -> dict[str, Any] | None:
+                return _or_none(fetch_status, address, secret)
+
+        else:
+            status = http.on_loop(asyncio.get_running_loop(), self._status)
+        self.http = http.ObserveServer("127.0.0.1", port, view, status, http.read_token(self.secret.key)).start()
+        print(f"unbroken: dashboard {self.http.url} (metrics: /metrics, same token)", file=sys.stderr, flush=True)
+
+    def _status(self) -> dict[str, Any] | None:
+        return self.coordinator.status() if self.coordinator is not None else None
 
     def _coordinator_settings(self, port: int) -> CoordinatorSettings:
         return CoordinatorSettings(
@@ -278,7 +313,7 @@ class Launcher:
     def _move(self, replica: int, state: State, reason: str) -> None:
         t = self.lifecycle.try_move(replica, state, reason, time.time())
         if t is not None:
-            self.events.emit("replica_state", **t.to_event())
+            self.events.emit(_state_event(t))
             self._changed.set()
 
     # -- processes -------------------------------------------------------------------------
@@ -416,6 +451,7 @@ class Launcher:
             return
         self._failed(
             r,
+            ev.FailureCause.PROCESS_EXIT,
             f"rank {rank} (pid {proc.pid}) exited with code {code}",
             t_exit,
             process_exited={"rank": rank, "pid": proc.pid, "exitcode": code},
@@ -424,6 +460,7 @@ class Launcher:
     def _failed(
         self,
         r: _Replica,
+        failure: ev.FailureCause,
         reason: str,
         t_detect: float,
         blame: bool = True,
@@ -451,6 +488,7 @@ class Launcher:
             reason=decision.reason,
             cause=reason,
             decision_ms=decision_ms,
+            failure=failure,
         )
         if isolated_now and slot is not None:
             self.events.emit(
@@ -498,30 +536,28 @@ class Launcher:
 
     # -- what the coordinator and diagnosis say ---------------------------------------------
 
-    def _on_coordinator_event(self, e: Event) -> None:
-        kind = e["kind"]
-        if kind == "replica_connected" and e["replica"] in self.replicas:
-            self._move(e["replica"], State.WARMING_UP, "connected to the coordinator")
-        elif kind == "quorum":
-            self._behind_at.update({r: e["step"] for r in e["behind"]})
-            for t in self.lifecycle.on_quorum(e["members"], e["behind"], time.time()):
-                self.events.emit("replica_state", **t.to_event())
-        elif kind == "replica_evicted" and e["replica"] in self.replicas:
-            r = self.replicas[e["replica"]]
-            silent = "no heartbeat" in str(e.get("reason"))  # not a closed connection: that is an exit
+    def _on_coordinator_event(self, e: ev.Event) -> None:
+        if isinstance(e, ev.ReplicaConnected) and e.replica in self.replicas:
+            self._move(e.replica, State.WARMING_UP, "connected to the coordinator")
+        elif isinstance(e, ev.Quorum):
+            self._behind_at.update({r: e.step for r in e.behind})
+            for t in self.lifecycle.on_quorum(e.members, e.behind, time.time()):
+                self.events.emit(_state_event(t))
+        elif isinstance(e, ev.ReplicaEvicted) and e.replica in self.replicas:
+            r = self.replicas[e.replica]
             if (
-                silent
+                e.cause == ev.EvictCause.NO_HEARTBEAT  # not a closed connection: that is an exit
                 and self.s.on_hang == "restart"
                 and r.procs
                 and all(p.returncode is None for p in r.procs)
                 and self.lifecycle.state[r.replica] in RUNNING
             ):
                 # Its processes run but it stopped answering: a hang. Kill it, restart it.
-                self._failed(r, f"hang: {e['reason']}", time.monotonic())
-        elif kind == "verdict":
-            self._on_verdict(e)
+                self._failed(r, ev.FailureCause.HANG, f"hang: {e.reason}", time.monotonic())
+        elif isinstance(e, ev.Verdict):
+            self._on_verdict(e.to_json())
 
-    def _on_verdict(self, e: Event) -> None:
+    def _on_verdict(self, e: dict[str, Any]) -> None:
         """Applies :func:`unbroken.launch.verdicts.verdict_action` to the culprit replica."""
         replica = (e.get("culprit") or {}).get("replica")
         action, why = verdict_action(e, self.s.on_verdict)
@@ -549,12 +585,13 @@ class Launcher:
         self.events.emit("verdict_acted", verdict_class=e.get("class"), replica=replica, action=action, reason=why)
         self._failed(
             r,
+            ev.FailureCause.VERDICT,
             f"diagnosis verdict: {e.get('class')} (confidence {e.get('confidence', 0):.2f})",
             time.monotonic(),
             blame=False,
         )
 
-    def _roll_back(self, e: Event, why: str) -> None:
+    def _roll_back(self, e: dict[str, Any], why: str) -> None:
         """Restarts every replica from the newest checkpoint before the anomalous step that loads.
 
         The target is verified (manifests and every checksum, in a thread: it reads the whole
@@ -582,7 +619,9 @@ class Launcher:
         self._choosing_rollback = True
         self._tasks.append(asyncio.create_task(self._roll_back_to_verified(e, why, replica, anomaly_step, ignore)))
 
-    async def _roll_back_to_verified(self, e: Event, why: str, replica: Any, anomaly_step: int, ignore: Any) -> None:
+    async def _roll_back_to_verified(
+        self, e: dict[str, Any], why: str, replica: Any, anomaly_step: int, ignore: Any
+    ) -> None:
         assert self.s.checkpoint_dir is not None
         root = str(self.s.checkpoint_dir)
         try:
@@ -613,7 +652,13 @@ class Launcher:
             self._rolling_back.add(r.replica)
             old += r.procs
             if self.lifecycle.state[r.replica] in RUNNING and r.procs:
-                self._failed(r, f"rollback to the checkpoint of step {target} ({why})", time.monotonic(), blame=False)
+                self._failed(
+                    r,
+                    ev.FailureCause.ROLLBACK,
+                    f"rollback to the checkpoint of step {target} ({why})",
+                    time.monotonic(),
+                    blame=False,
+                )
         self._discard = asyncio.create_task(self._discard_after(old, root, target))
 
     async def _discard_after(self, old: list[asyncio.subprocess.Process], root: str, target: int) -> None:
@@ -862,6 +907,8 @@ class Launcher:
             await self._end(r)
         if self._warm is not None:
             await self._kill([self._warm])
+        if self.http is not None:
+            self.http.close()
         if self.coordinator is not None:
             await self.coordinator.stop()
         self.events.close()
@@ -869,3 +916,14 @@ class Launcher:
 
 def run(settings: LaunchSettings) -> int:
     return asyncio.run(Launcher(settings).run())
+
+
+def _state_event(t: Transition) -> ev.ReplicaState:
+    return ev.ReplicaState(replica=t.replica, old=t.old.value, new=t.new.value, reason=t.reason)
+
+
+def _or_none(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any] | None:
+    try:
+        return fn(*args)
+    except (OSError, ValueError):
+        return None

@@ -165,6 +165,13 @@ def supervisor_settings(kw: dict[str, Any]) -> dict[str, Any]:
     help="On SIGTERM (preemption, scancel, eviction): seconds the workers have to finish their step "
     "and flush a checkpoint before the rest is killed.",
 )
+@click.option(
+    "--http-port",
+    type=int,
+    default=None,
+    help="Serve /metrics (Prometheus) and a live dashboard on 127.0.0.1 at this port (0: a free one); "
+    "the dashboard's URL, with the job's read-only token, is printed [default: none].",
+)
 @supervisor_options
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 def run(**kw: Any) -> None:

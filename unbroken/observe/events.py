@@ -3,6 +3,9 @@
 Every component writes events through an :class:`EventLog`; they land as JSON lines in the run
 directory so a person (or the report) can read afterwards what broke and what was done.
 
+Each event is a dataclass of :mod:`unbroken.observe.schema`; the log stamps it with its source,
+writes its JSON line and hands the typed event to the subscribers.
+
 Writing an event is never worth more than the work it records: a full disk or a failing
 subscriber is logged and counted, and the caller (the coordinator's timer, a connection, the
 supervisor) goes on. Losing a line of history is a nuisance; a coordinator that stops evicting
@@ -11,16 +14,17 @@ dead replicas stalls the whole job.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-Event = dict[str, Any]
+from unbroken.observe import schema
+from unbroken.observe.schema import Event
 
 log = logging.getLogger(__name__)
 
@@ -55,17 +59,28 @@ class EventLog:
     def subscribe(self, fn: Callable[[Event], None]) -> None:
         self._subscribers.append(fn)
 
-    def emit(self, kind: str, **fields: Any) -> Event:
-        event: Event = {"t": time.time(), "source": self.source, "kind": kind, **fields}
+    def emit(self, event: Event | str, **fields: Any) -> Event:
+        """Writes ``event`` and hands it to the subscribers.
+
+        ``emit("kind", field=...)`` builds the schema's class of that kind
+        (:func:`unbroken.observe.schema.build`): a field the kind does not have raises
+        ``TypeError`` here, at the writer, not in a reader months later.
+        """
+        if isinstance(event, str):
+            event = schema.build(event, **fields)
+        elif fields:
+            raise TypeError("emit(event) takes no fields: they are the event's")
+        if not event.source:
+            event = dataclasses.replace(event, source=self.source)
         with self._lock:
             if self._fd is not None:
-                self._append((json.dumps(event, default=str) + "\n").encode())
+                self._append((json.dumps(event.to_json(), default=str) + "\n").encode())
         for fn in self._subscribers:
             try:
                 fn(event)
             except Exception:
                 self.subscriber_failures += 1
-                log.exception("an event subscriber failed on %r; the event is dropped for it", kind)
+                log.exception("an event subscriber failed on %r; the event is dropped for it", event.KIND)
         return event
 
     def _append(self, line: bytes) -> None:
@@ -113,3 +128,11 @@ def read_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
 
 
 read_events = read_jsonl
+
+
+def read_typed(path: str | os.PathLike[str]) -> Iterator[Event]:
+    """The events of a log as schema dataclasses; lines of unknown kinds are skipped."""
+    for record in read_jsonl(path):
+        event = schema.parse(record)
+        if event is not None:
+            yield event

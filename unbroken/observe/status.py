@@ -1,16 +1,17 @@
 """``unbroken status``: a live table of a running job, from its coordinator and its event log.
 
 The coordinator answers the ``status`` op (membership, epoch, each replica's step and compute
-time); the run directory's ``events.jsonl`` adds each replica's lifecycle state and its last
-event. Either alone works; both give the full table. Asking the coordinator takes the job's
-secret (``--secret-file``, or the ``secret`` file of the run directory).
+time); the run directory's ``events.jsonl``, read as typed events into the same
+:class:`~unbroken.observe.live.JobView` that ``/metrics`` and the dashboard show, adds each
+replica's lifecycle state and its last event. Either alone works; both give the full table.
+Asking the coordinator takes the job's secret (``--secret-file``, or the ``secret`` file of the run directory).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +23,12 @@ from rich.table import Table
 from unbroken.config import ConfigError, parse_host_port
 from unbroken.control import protocol
 from unbroken.control import secret_file as secrets
-from unbroken.observe.events import read_events
+from unbroken.observe import schema as ev
+from unbroken.observe.events import read_typed
+from unbroken.observe.live import JobView
 from unbroken.wire.auth import JobSecret
 
-QUIET_EVENTS = frozenset({"replica_finished"})
+COLUMNS = ("replica", "state", "node", "epoch", "step", "step_s", "last_event")
 
 
 def fetch_status(address: str, secret: JobSecret, timeout: float = 2.0) -> dict[str, Any]:
@@ -34,41 +37,32 @@ def fetch_status(address: str, secret: JobSecret, timeout: float = 2.0) -> dict[
     return protocol.request(host, port, secret, {"op": "status"}, timeout)
 
 
-def status_rows(status: dict[str, Any] | None, events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per replica: state, epoch, step, compute time, last event."""
-    state: dict[int, str] = {}
-    last: dict[int, str] = {}
+def status_rows(status: Mapping[str, Any] | None, view: JobView) -> list[dict[str, Any]]:
+    """One row per replica: state, epoch, step, compute time, last event; from the same view of
+    the typed events that the dashboard and ``/metrics`` show (:class:`JobView`)."""
+    state = view.state(status)
+    epoch = (status or {}).get("epoch")
+    members = set(state["job"]["members"])
+    return [
+        {
+            "replica": r["replica"],
+            "state": r["state"],
+            "node": r["node"],
+            "epoch": epoch if r["replica"] in members and status is not None else None,
+            "step": r["step"],
+            "step_s": r["step_s"],
+            "last_event": r["last_event"],
+        }
+        for r in state["replicas"]
+    ]
+
+
+def coordinator_from_events(events: Iterable[ev.Event]) -> str | None:
+    address = None
     for e in events:
-        r = e.get("replica")
-        if not isinstance(r, int) or e["kind"] in QUIET_EVENTS:
-            continue
-        if e["kind"] == "replica_state":
-            state[r] = e["new"]
-            last[r] = f"{e['new']}: {e['reason']}"
-        else:
-            last[r] = e["kind"] + (f" ({e['reason']})" if "reason" in e else "")
-    live = {int(k): v for k, v in ((status or {}).get("replicas") or {}).items()}
-    members = set((status or {}).get("members") or [])
-    rows = []
-    for r in sorted(set(state) | set(live)):
-        info = live.get(r, {})
-        rows.append(
-            {
-                "replica": r,
-                "state": state.get(r, "member" if r in members else ("connected" if info else "?")),
-                "node": info.get("node", ""),
-                "epoch": (status or {}).get("epoch") if r in members else None,
-                "step": info.get("step"),
-                "step_s": info.get("compute_s"),
-                "last_event": last.get(r, ""),
-            }
-        )
-    return rows
-
-
-def coordinator_from_events(events: list[dict[str, Any]]) -> str | None:
-    started = [e for e in events if e["kind"] in ("coordinator_started", "coordinator_restarted")]
-    return started[-1]["address"] if started else None
+        if isinstance(e, (ev.CoordinatorStarted, ev.CoordinatorRestarted)) and e.address:
+            address = e.address
+    return address
 
 
 def render(rows: list[dict[str, Any]], status: dict[str, Any] | None, error: str | None) -> Table:
@@ -78,7 +72,7 @@ def render(rows: list[dict[str, Any]], status: dict[str, Any] | None, error: str
     if error:
         title += f" - [red]{error}[/]"
     table = Table(title=title)
-    for col in ("replica", "state", "node", "epoch", "step", "step_s", "last_event"):
+    for col in COLUMNS:
         table.add_column(col)
     for row in rows:
         step_s = row["step_s"]
@@ -130,9 +124,11 @@ def status(
             raise click.UsageError(str(e)) from e
         no_secret = str(e)  # the events still make a table; the coordinator is not asked
 
+    view = JobView(run_dir)
+
     def snapshot() -> tuple[list[dict[str, Any]], dict[str, Any] | None, str | None]:
-        events = list(read_events(run_dir / "events.jsonl"))
-        address = coordinator or coordinator_from_events(events)
+        address = coordinator or coordinator_from_events(read_typed(run_dir / "events.jsonl"))
+        view.refresh()
         st, error = None, None
         if address and secret is None:
             error = no_secret
@@ -141,7 +137,7 @@ def status(
                 st = fetch_status(address, secret)
             except OSError as e:
                 error = f"coordinator {address} unreachable ({e})"
-        return status_rows(st, events), st, error
+        return status_rows(st, view), st, error
 
     if as_json:
         rows, st, error = snapshot()

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from unbroken.observe.events import EventLog
 from unbroken.observe.goodput import account, detections
+from unbroken.observe.live import JobView
+from unbroken.observe.schema import ReplicaState
 from unbroken.observe.status import status_rows
 
 
@@ -53,17 +58,19 @@ def test_a_crashed_replica_costs_detection_and_recovery() -> None:
     assert hit is not None and hit["kind"] == "process_exited"
 
 
-def test_status_rows_join_the_coordinator_and_the_events() -> None:
+def test_status_rows_join_the_coordinator_and_the_typed_events(tmp_path: Path) -> None:
     status = {
         "epoch": 4,
         "members": [0, 1],
         "replicas": {"0": {"step": 7, "node": "a", "compute_s": 0.2}, "1": {"step": 7, "node": "b"}},
     }
-    events = [
-        {"kind": "replica_state", "replica": 1, "new": "catching_up", "reason": "joined behind"},
-        {"kind": "replica_state", "replica": 2, "new": "failed", "reason": "exit -9"},
-    ]
-    rows = status_rows(status, events)
+    log = EventLog(tmp_path / "events.jsonl", "launcher")
+    log.emit(ReplicaState(replica=1, old="recovering", new="catching_up", reason="joined behind"))
+    log.emit(ReplicaState(replica=2, old="training", new="failed", reason="exit -9"))
+    log.close()
+    view = JobView(tmp_path)
+    view.refresh()
+    rows = status_rows(status, view)
     assert [(r["replica"], r["state"], r["epoch"], r["step"]) for r in rows] == [
         (0, "member", 4, 7),
         (1, "catching_up", 4, 7),

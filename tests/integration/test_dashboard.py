@@ -1,0 +1,80 @@
+"""The live dashboard in a real browser: a 3-replica job, a kill -9, and the page shows the
+replica go failed -> catching_up -> training as it happens. A screenshot is kept."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.integration.browser import CHROMIUM, Browser
+from tests.integration.harness import Job
+
+pytestmark = pytest.mark.integration
+
+
+def _dashboard_url(job: Job, timeout: float = 30.0) -> str:
+    log = job.run_dir.parent / f"{job.run_dir.name}-launcher.log"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = re.search(r"dashboard (http://\S+)", log.read_text(errors="replace"))
+        if found:
+            return found.group(1)
+        assert job.proc.poll() is None, f"the job ended early with code {job.proc.returncode}"
+        time.sleep(0.1)
+    raise AssertionError("unbroken run printed no dashboard URL")
+
+
+def _wait(browser: Browser, expression: str, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if browser.evaluate(expression):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the page did not show {what} in {timeout}s")
+
+
+def _in_order(seen: list[str], wanted: list[str]) -> bool:
+    it = iter(seen)
+    return all(any(s == w for s in it) for w in wanted)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (make test installs it when run as root)")
+def test_the_dashboard_shows_a_killed_replica_fail_catch_up_and_train_again(tmp_path: Path) -> None:
+    with Job(tmp_path / "run", replicas=3, steps=400, extra=["--http-port", "0"]) as job:
+        url = _dashboard_url(job)
+        base = url.split("?")[0]
+        with pytest.raises(urllib.error.HTTPError) as refused:  # the data needs the job's token
+            urllib.request.urlopen(base + "api/state", timeout=5)
+        assert refused.value.code == 401
+        browser = Browser(url, tmp_path / "chromium-profile")
+        try:
+            row = "document.querySelector('#replica-1')"
+            _wait(browser, f"{row} && {row}.dataset.state === 'training'", 60, "replica 1 training")
+            os.kill(job.pid(1), signal.SIGKILL)
+            live: list[str] = []  # the states the page showed, in the order it showed them
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                state = browser.evaluate(f"{row}.dataset.state")
+                if not live or live[-1] != state:
+                    live.append(state)
+                if len(live) > 1 and state == "training":
+                    break
+                time.sleep(0.1)
+            history = browser.evaluate(f"{row}.querySelector('.history').textContent").split(" \u2192 ")
+            shot = browser.screenshot(tmp_path / "dashboard.png")
+            print(f"dashboard screenshot: {shot}")
+        finally:
+            browser.close()
+        # The page updated by itself: it showed the replica out of training, then training again.
+        assert live[0] == "training" and live[-1] == "training" and len(live) > 1, live
+        # Its history, as the page lists it, went through the whole recovery in order.
+        after_kill = history[history.index("training") + 1 :]
+        assert _in_order(after_kill, ["failed", "catching_up", "training"]), history
+        assert shot.stat().st_size > 10_000

@@ -1,0 +1,41 @@
+"""Typed protocol messages: parsed once at the coordinator's edge with the same bounds as before."""
+
+from __future__ import annotations
+
+import pytest
+
+from unbroken.control import protocol
+
+
+def test_a_hello_parses_into_named_fields_and_keeps_the_bounds() -> None:
+    hello = protocol.Hello.from_msg({"op": "hello", "replica": 2, "rank": 1, "world_size": 4, "node": "n0"})
+    assert hello == protocol.Hello(replica=2, rank=1, world_size=4, transfer_addr="", node="n0", step=0)
+    for bad in ({"replica": True}, {"replica": -1}, {"replica": 1 << 62}, {"node": "x" * 257}, {"step": 1.5}):
+        with pytest.raises(ValueError):
+            protocol.Hello.from_msg({"op": "hello", "replica": 0, "rank": 0, "world_size": 1, **bad})
+
+
+def test_a_quorum_ask_and_a_heartbeat_keep_what_was_sent_and_no_more() -> None:
+    ask = protocol.QuorumAsk.from_msg({"op": "quorum", "id": 7, "step": 3, "step_time": 0.2, "failed_epoch": 5})
+    assert (ask.id, ask.step, ask.step_time, ask.failed_epoch) == (7, 3, 0.2, 5)
+    assert protocol.Heartbeat.from_msg({"op": "heartbeat"}) == protocol.Heartbeat(step=None, compute_s=None)
+    with pytest.raises(ValueError):
+        protocol.QuorumAsk.from_msg({"op": "quorum", "id": 1, "step": 1, "step_time": 1e308})
+    with pytest.raises(ValueError):
+        protocol.Exited.from_msg({"op": "exited", "replica": 0, "exitcode": 999})
+    with pytest.raises(ValueError):
+        protocol.AgentHello.from_msg({"op": "agent_hello", "node": "n", "slots": 2, "running": [0, -1]}, 8)
+    report = protocol.StackReport.from_msg({"op": "stack", "replica": 0, "rank": 0, "stack": "x" * 20000})
+    assert len(report.stack or "") == protocol.MAX_STACK
+
+
+def test_what_the_coordinator_sends_is_spelt_by_the_types() -> None:
+    assert protocol.Abort(epoch=3).to_msg() == {"op": "abort", "epoch": 3}
+    assert protocol.Assign(replicas=[1], num_replicas=3).to_msg() == {
+        "op": "assign",
+        "replicas": [1],
+        "num_replicas": 3,
+    }
+    assert protocol.Error("x" * 600).to_msg()["message"] == "x" * 500
+    answer = protocol.QuorumAnswer(id=1, decision={"epoch": 2}, transfer_addrs={"0": "a:1"}, store="s:2").to_msg()
+    assert answer == {"op": "quorum", "id": 1, "decision": {"epoch": 2}, "transfer_addrs": {"0": "a:1"}, "store": "s:2"}
