@@ -166,6 +166,9 @@ class Manager:
         self._last_commit: float | None = None
         self._step_time: float | None = None
         self._fetch: tuple[float, Future[_Fetched]] | None = None  # started at, the download
+        # The donor and step of the newest catch-up decision, when a fetch for an older step was
+        # already running: that fetch is finished first, then this one is made (see _finish_recovery).
+        self._refetch: tuple[str, int] | None = None
         self._prewarmed = False
         self._prepare_lock = threading.Lock()
         self._own_state: dict[str, Any] | None = None  # a fresh process's tensors, see start_step
@@ -633,9 +636,12 @@ class Manager:
             # peers' next collective.
             if me in d.behind and self._prepared_for != (d.epoch, d.step):
                 self._prepared_for = (d.epoch, d.step)
+                addrs: dict[str, str] = msg.get("transfer_addrs", {})
                 if self._fetch is None:
-                    addrs: dict[str, str] = msg.get("transfer_addrs", {})
                     self._start_fetch(addrs[str(d.donor_of(me))], d.step)
+                    self._refetch = None
+                else:  # a fetch of an earlier decision runs on (it may be for this very step)
+                    self._refetch = (addrs[str(d.donor_of(me))], d.step)
                 if self._grad_numel is not None:
                     self._start_early_exchange(d, self._grad_numel)
         return d
@@ -716,11 +722,26 @@ class Manager:
             fetched = download.result()
         except Exception as e:
             raise RuntimeError(f"catch-up from a donor failed: {e}") from e
+        refetch, self._refetch = self._refetch, None
+        if int(fetched.state["unbroken"]["step"]) != decision.step:
+            # The fetch began for an earlier decision whose catch-up never completed (its epoch
+            # failed) and the job has moved on since: that state is stale. The stale download
+            # has ended (it wrote into this process's own tensors), so fetch the decision's step
+            # now, into fresh memory. Seen in the peer-partition scenario of bench cluster.
+            if refetch is None or refetch[1] != decision.step:
+                raise RuntimeError(
+                    f"catch-up fetched step {fetched.state['unbroken']['step']}, but the quorum trains "
+                    f"step {decision.step} and names no donor for it"
+                )
+            try:
+                state = fetch_state(refetch[0], decision.step, self.secret)
+            except Exception as e:
+                raise RuntimeError(f"catch-up from a donor failed: {e}") from e
+            fetched = _Fetched(state, time.perf_counter(), fetched.cpu_s)
         state = fetched.state
         loading = time.perf_counter()
         self._load_user(state["user"])
         self.step = int(state["unbroken"]["step"])
-        assert self.step == decision.step, (self.step, decision.step)
         self.stats["recoveries"] += 1
         now = time.perf_counter()
         self.stats["last_recovery_s"] = now - started
