@@ -235,26 +235,18 @@ class DCPWriter(StorageWriter, BlockingAsyncStager):
 
 
 def apply_retention(root: str, keep_last: int, verified: set[str] | None = None) -> list[int]:
-    """Delete old DCP step directories of ``root``, keeping ``keep_last`` that verify (every
-    checksum read back); returns the deleted steps. ``verified`` caches directories already read."""
+    """Delete old DCP step directories of ``root`` by :func:`unbroken.checkpoint.retention.apply`,
+    keeping ``keep_last`` whose checksums all read back; ``verified`` caches directories already
+    read whole (each is read once per writer)."""
     cache = set() if verified is None else verified
-    all_steps = disk.list_steps(root)
-    if len(all_steps) <= keep_last:
-        return []  # nothing to delete: spare the reading
-    good: list[int] = []
-    for step in all_steps:  # newest first
+
+    def check(root: str, step: int) -> None:
         path = os.path.join(root, step_dir_name(step))
         if path not in cache:
-            try:
-                verify(path)
-            except (disk.CorruptCheckpoint, OSError, ValueError):
-                continue
+            verify(path)
             cache.add(path)
-        good.append(step)
-        if len(good) == keep_last:
-            break
-    doomed = retention.plan(all_steps, good, keep_last)
-    deleted = [s for s in doomed if retention.remove_step(root, s)]
+
+    deleted = retention.apply(root, keep_last, verify=check)
     cache.difference_update(os.path.join(root, step_dir_name(s)) for s in deleted)
     return deleted
 

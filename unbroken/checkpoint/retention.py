@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 
 from unbroken.checkpoint import disk
 from unbroken.checkpoint.manifest import step_dir_name
@@ -39,12 +40,18 @@ def plan(all_steps: list[int], verified: list[int], keep_last: int) -> list[int]
     return sorted(s for s in all_steps if s < oldest_kept)
 
 
-def newest_verified(root: str, keep_last: int) -> list[int]:
-    """Up to ``keep_last`` of the newest complete steps that verify, newest first."""
+def newest_verified(
+    root: str,
+    keep_last: int,
+    candidates: list[int] | None = None,
+    verify: Callable[[str, int], object] = disk.verify_step,
+) -> list[int]:
+    """Up to ``keep_last`` of the newest ``candidates`` (default: the complete steps) that
+    ``verify(root, step)`` accepts without raising, newest first."""
     found: list[int] = []
-    for step in disk.complete_steps(root):
+    for step in disk.complete_steps(root) if candidates is None else candidates:
         try:
-            disk.verify_step(root, step)
+            verify(root, step)
         except (disk.CorruptCheckpoint, OSError, ValueError):
             continue
         found.append(step)
@@ -53,12 +60,25 @@ def newest_verified(root: str, keep_last: int) -> list[int]:
     return found
 
 
-def apply(root: str, keep_last: int) -> list[int]:
-    """Delete what :func:`plan` says, oldest first; returns the deleted steps."""
+def apply(
+    root: str,
+    keep_last: int,
+    verify: Callable[[str, int], object] | None = None,
+) -> list[int]:
+    """Delete what :func:`plan` says, oldest first; returns the deleted steps.
+
+    ``verify``: how a step is checked (default: the Checkpointer's manifests and checksums,
+    among complete steps); another layout (DCP's) passes its own and every step directory is
+    a candidate.
+    """
     all_steps = disk.list_steps(root)
     if len(all_steps) <= keep_last:
         return []  # nothing to delete: spare the reading
-    doomed = plan(all_steps, newest_verified(root, keep_last), keep_last)
+    if verify is None:
+        good = newest_verified(root, keep_last)
+    else:
+        good = newest_verified(root, keep_last, candidates=all_steps, verify=verify)
+    doomed = plan(all_steps, good, keep_last)
     return [s for s in doomed if remove_step(root, s)]
 
 

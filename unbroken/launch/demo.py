@@ -81,8 +81,6 @@ MODELS = {
         heartbeat_timeout_s=4.0,
     ),
 }
-TRAIN_MODULE = MODELS["gpt"].module
-DEFAULT_FAULTS = MODELS["gpt"].faults
 
 
 def _metrics(run_dir: Path, replica: int) -> list[dict[str, Any]]:
