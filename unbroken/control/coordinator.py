@@ -39,6 +39,7 @@ from unbroken.control.state_store import KEEP_EVENTS, StateStore
 from unbroken.diagnosis.master import DiagnosisMaster
 from unbroken.diagnosis.metrics import parse_policy
 from unbroken.diagnosis.service import DiagnosisService, StackSource
+from unbroken.diagnosis.telemetry import TelemetryBatch
 from unbroken.observe import schema as ev
 from unbroken.observe.events import EventLog
 from unbroken.wire.auth import AuthError, JobSecret, server_handshake_async
@@ -410,7 +411,7 @@ class Coordinator:
                 conn.compute_s = beat.compute_s
         elif op == "telemetry":
             conn.last_heartbeat = time.monotonic()
-            self.diagnosis.telemetry(conn.replica, conn.rank, conn.node, msg)
+            self.diagnosis.telemetry(conn.replica, conn.rank, conn.node, TelemetryBatch.from_msg(msg))
         elif op == "quorum":
             conn.last_heartbeat = time.monotonic()
             self._quorum_request(conn, protocol.QuorumAsk.from_msg(msg))
