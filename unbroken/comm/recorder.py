@@ -25,7 +25,17 @@ from collections import deque
 from typing import Any, Protocol
 
 from unbroken.comm.runqueue import RunQueueWait
-from unbroken.diagnosis.telemetry import Collective, FlaggedLink, Stall, StepMetrics, TelemetryBatch, Transfer
+from unbroken.diagnosis.telemetry import (
+    CaughtUp,
+    CheckpointPersisted,
+    CheckpointSaved,
+    Collective,
+    FlaggedLink,
+    Stall,
+    StepMetrics,
+    TelemetryBatch,
+    Transfer,
+)
 from unbroken.diagnosis.window import WindowMonitor
 
 
@@ -57,6 +67,7 @@ class FlightRecorder:
         self._links: deque[Transfer] = deque(maxlen=capacity)
         self._steps: deque[StepMetrics] = deque(maxlen=capacity)
         self._stalls: deque[Stall] = deque(maxlen=64)
+        self._costs: deque[CheckpointSaved | CheckpointPersisted | CaughtUp] = deque(maxlen=64)
         self._window: deque[tuple[str, int, int, int, int]] = deque(maxlen=capacity)
         self._seq: dict[str, int] = {}
         self.open: Collective | None = None
@@ -104,6 +115,10 @@ class FlightRecorder:
         self.step = step
         self._steps.append(StepMetrics(step, loss, grad_norm, memory))
 
+    def note(self, cost: CheckpointSaved | CheckpointPersisted | CaughtUp) -> None:
+        """A checkpoint's or a catch-up's cost, shipped with the next batch (any thread)."""
+        self._costs.append(cost)
+
     # -- ring hook (see unbroken.comm.ring.LinkHook) ------------------------------------------
 
     def posted(self, direction: str, peer: int, step: int, nbytes: int) -> int:
@@ -140,6 +155,7 @@ class FlightRecorder:
         links = _drain(self._links, self.batch_max)
         steps = _drain(self._steps, self.batch_max)
         stalls = _drain(self._stalls, self.batch_max)
+        costs = _drain(self._costs, self.batch_max)
         for direction, peer, nbytes, ns, waiting in _drain(self._window, len(self._window)):
             mon = self.monitors.get((direction, peer))
             if mon is None:
@@ -160,6 +176,9 @@ class FlightRecorder:
             steps=steps,
             flags=[FlaggedLink(d, p) for (d, p), m in self.monitors.items() if m.flagged],
             memory=_rss_bytes(),
+            saved=[c for c in costs if isinstance(c, CheckpointSaved)],
+            persisted=[c for c in costs if isinstance(c, CheckpointPersisted)],
+            caught_up=[c for c in costs if isinstance(c, CaughtUp)],
         )
 
 

@@ -1,5 +1,9 @@
 """A rank's telemetry, typed: what its flight recorder ships and the diagnosis master reads.
 
+Besides collectives and transfers, a batch carries what the rank's checkpoints and catch-ups
+cost (:class:`CheckpointSaved`, :class:`CheckpointPersisted`, :class:`CaughtUp`): the
+coordinator writes them to the event log, where ``/metrics`` finds them.
+
 A batch rides with the heartbeat about ten times a second and holds up to a few hundred
 records, so on the wire each record is a row, a JSON array in its dataclass's field order (field
 names would triple the bytes); ``to_row``/``from_row`` are the only code that knows the order.
@@ -19,6 +23,7 @@ MAX_ROWS = 1024  # per list in one batch; the recorder ships at most its batch_m
 MAX_MEMBERS = 100_000
 MAX_TEXT = 256
 MAX_NS = 1 << 63
+MAX_SECONDS = 86400.0
 DIRECTIONS = ("send", "recv")
 
 
@@ -186,6 +191,60 @@ class FlaggedLink:
         return cls(direction, _int(peer, "peer"))
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class CheckpointSaved:
+    """A checkpoint snapshot taken: ``stall_s`` the training loop was blocked, ``nbytes`` copied."""
+
+    step: int
+    stall_s: float
+    nbytes: int
+
+    def to_row(self) -> list[Any]:
+        return [self.step, self.stall_s, self.nbytes]
+
+    @classmethod
+    def from_row(cls, row: Any) -> CheckpointSaved:
+        step, stall_s, nbytes = _row(row, 3, "checkpoint saved")
+        return cls(_int(step, "step"), _seconds(stall_s, "stall_s"), _int(nbytes, "nbytes"))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CheckpointPersisted:
+    """A snapshot written to disk (``ok``) or not, ``persist_s`` after the write began."""
+
+    step: int
+    ok: bool
+    persist_s: float
+    nbytes: int
+
+    def to_row(self) -> list[Any]:
+        return [self.step, self.ok, self.persist_s, self.nbytes]
+
+    @classmethod
+    def from_row(cls, row: Any) -> CheckpointPersisted:
+        step, ok, persist_s, nbytes = _row(row, 4, "checkpoint persisted")
+        if not isinstance(ok, bool):
+            raise TelemetryError(f"a persisted checkpoint's ok must be a boolean, got {ok!r:.40}")
+        return cls(_int(step, "step"), ok, _seconds(persist_s, "persist_s"), _int(nbytes, "nbytes"))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CaughtUp:
+    """A catch-up from a peer: ``nbytes`` of state received, ``seconds`` from the fetch to loaded."""
+
+    step: int
+    seconds: float
+    nbytes: int
+
+    def to_row(self) -> list[Any]:
+        return [self.step, self.seconds, self.nbytes]
+
+    @classmethod
+    def from_row(cls, row: Any) -> CaughtUp:
+        step, seconds, nbytes = _row(row, 3, "caught up")
+        return cls(_int(step, "step"), _seconds(seconds, "seconds"), _int(nbytes, "nbytes"))
+
+
 @dataclasses.dataclass(frozen=True)
 class TelemetryBatch:
     """What one rank ships at once: everything new since its last batch, and what is open now."""
@@ -199,6 +258,9 @@ class TelemetryBatch:
     steps: list[StepMetrics] = dataclasses.field(default_factory=list)
     flags: list[FlaggedLink] = dataclasses.field(default_factory=list)
     memory: float | None = None  # the process's resident bytes
+    saved: list[CheckpointSaved] = dataclasses.field(default_factory=list)
+    persisted: list[CheckpointPersisted] = dataclasses.field(default_factory=list)
+    caught_up: list[CaughtUp] = dataclasses.field(default_factory=list)
 
     def to_msg(self) -> dict[str, Any]:
         return {
@@ -211,6 +273,9 @@ class TelemetryBatch:
             "steps": [s.to_row() for s in self.steps],
             "flags": [f.to_row() for f in self.flags],
             "memory": self.memory,
+            "saved": [x.to_row() for x in self.saved],
+            "persisted": [x.to_row() for x in self.persisted],
+            "caught_up": [x.to_row() for x in self.caught_up],
         }
 
     @classmethod
@@ -233,6 +298,9 @@ class TelemetryBatch:
             steps=_rows(msg.get("steps", []), "steps", StepMetrics),
             flags=_rows(msg.get("flags", []), "flags", FlaggedLink),
             memory=memory,
+            saved=_rows(msg.get("saved", []), "saved", CheckpointSaved),
+            persisted=_rows(msg.get("persisted", []), "persisted", CheckpointPersisted),
+            caught_up=_rows(msg.get("caught_up", []), "caught_up", CaughtUp),
         )
 
 
@@ -258,6 +326,12 @@ def _text(value: Any, what: str) -> str:
     if not isinstance(value, str) or len(value) > MAX_TEXT:
         raise TelemetryError(f"{what} must be a string of at most {MAX_TEXT} characters, got {value!r:.40}")
     return value
+
+
+def _seconds(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_SECONDS:
+        raise TelemetryError(f"{what} must be a number of seconds from 0 to {MAX_SECONDS:g}, got {value!r:.40}")
+    return float(value)
 
 
 def _number(value: Any, what: str) -> float | None:

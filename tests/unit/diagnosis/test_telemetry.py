@@ -9,7 +9,15 @@ from typing import Any
 import pytest
 
 from unbroken.comm.recorder import FlightRecorder
-from unbroken.diagnosis.telemetry import MAX_ROWS, Collective, TelemetryBatch, TelemetryError
+from unbroken.diagnosis.telemetry import (
+    MAX_ROWS,
+    CaughtUp,
+    CheckpointPersisted,
+    CheckpointSaved,
+    Collective,
+    TelemetryBatch,
+    TelemetryError,
+)
 
 
 def _wire(batch: TelemetryBatch) -> dict[str, Any]:
@@ -26,6 +34,9 @@ def test_a_recorder_batch_survives_the_wire_field_by_field() -> None:
     rec.open = rec.begin("rank0/epoch3", "allreduce", 4096, [5, 6, 7])
     rec.posted("recv", 0, 1, 1024)
     rec.record_step(7, float("nan"), 2.5, None)
+    rec.note(CheckpointSaved(10, 0.002, 4096))
+    rec.note(CheckpointPersisted(10, True, 0.5, 4096))
+    rec.note(CaughtUp(12, 0.3, 8192))
     sent = rec.batch()
 
     got = TelemetryBatch.from_msg(_wire(sent))
@@ -38,6 +49,8 @@ def test_a_recorder_batch_survives_the_wire_field_by_field() -> None:
     assert [(t.direction, t.ring_step) for t in got.stalls[0].transfers] == [("recv", stuck)]
     assert got.steps[0].step == 7 and math.isnan(got.steps[0].loss or 0.0) and got.steps[0].grad_norm == 2.5
     assert got.memory == sent.memory and got.now_ns == sent.now_ns
+    assert (got.saved, got.persisted, got.caught_up) == (sent.saved, sent.persisted, sent.caught_up)
+    assert got.saved[0].stall_s == 0.002 and got.persisted[0].ok and got.caught_up[0].nbytes == 8192
 
 
 def test_an_open_collective_is_a_copy_the_training_thread_cannot_change_under_the_encoder() -> None:
@@ -67,6 +80,8 @@ GOOD = Collective("g", 1, "allreduce", 8, 1, 2, True, [0, 1], 0, 0).to_row()
         ("memory", {"now_ns": 1, "memory": float("inf")}),
         ("deadline_passed", {"now_ns": 1, "stalls": [["g", 1, [], "no"]]}),
         ("JSON object", ["not", "a", "batch"]),
+        ("persist_s", {"now_ns": 1, "persisted": [[10, True, -1.0, 8]]}),
+        ("stall_s", {"now_ns": 1, "saved": [[10, float("nan"), 8]]}),
     ],
 )
 def test_a_malformed_batch_is_refused_naming_what_is_wrong(field: str, msg: Any) -> None:
