@@ -158,11 +158,10 @@ class Slurm:
         self._daemons: list[subprocess.Popen[bytes]] = []
 
     def __enter__(self) -> Slurm:
-        try:
+        with contextlib.ExitStack() as undo:
+            undo.callback(self.close)  # a start that fails halfway ends what it started
             self.start()
-        except BaseException:
-            self.close()
-            raise
+            undo.pop_all()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -177,7 +176,7 @@ class Slurm:
         munge_argv += [f"--pid-file={d}/munged.pid", f"--log-file={d}/munged.log", f"--seed-file={d}/munged.seed"]
         with open(d / "munged.out", "ab") as out:
             self._munged = subprocess.Popen(munge_argv, env=self.env, stdout=out, stderr=subprocess.STDOUT)
-        _wait(f"munged's socket {socket} (its output: {d}/munged.out)", socket.exists, 10, self._munged)
+        _wait(f"munged's socket {socket} (its output: {self.logs}/slurm-daemon-munged.out)", socket.exists, 10, self._munged)
         (d / "ctld").mkdir()
         for h in self.box.hosts:
             (d / f"spool-{h}").mkdir()
@@ -211,7 +210,7 @@ class Slurm:
     def _all_idle(self) -> bool:
         for d in self._daemons:
             if d.poll() is not None:
-                raise RuntimeError(f"a Slurm daemon exited ({d.args!r}): see {self.dir}/*.out")
+                raise RuntimeError(f"a Slurm daemon exited ({d.args!r}): see {self.logs}/slurm-daemon-*")
         done = self.client("ctl", "sinfo", "-h", "-N", "-o", "%N %t")
         states = dict(line.split() for line in done.stdout.splitlines() if line.strip())
         return done.returncode == 0 and set(states) == set(self.box.hosts) and set(states.values()) == {"idle"}
