@@ -176,7 +176,12 @@ class Slurm:
         munge_argv += [f"--pid-file={d}/munged.pid", f"--log-file={d}/munged.log", f"--seed-file={d}/munged.seed"]
         with open(d / "munged.out", "ab") as out:
             self._munged = subprocess.Popen(munge_argv, env=self.env, stdout=out, stderr=subprocess.STDOUT)
-        _wait(f"munged's socket {socket} (its output: {self.logs}/slurm-daemon-munged.out)", socket.exists, 10, self._munged)
+        _wait(
+            f"munged's socket {socket} (its output: {self.logs}/slurm-daemon-munged.out)",
+            socket.exists,
+            10,
+            self._munged,
+        )
         (d / "ctld").mkdir()
         for h in self.box.hosts:
             (d / f"spool-{h}").mkdir()
