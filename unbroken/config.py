@@ -164,6 +164,11 @@ def python_path(env: Mapping[str, str] | None = None) -> str | None:
     return _environ(env).get(ENV_PYTHONPATH) or None
 
 
+def executable_path(env: Mapping[str, str] | None = None) -> str:
+    """The ``PATH`` set around us (where programs we start are looked up); "" when unset."""
+    return _environ(env).get("PATH", "")
+
+
 def local_rank(env: Mapping[str, str] | None = None) -> int:
     """torchrun's ``LOCAL_RANK`` (0 when unset): which of this node's devices a rank takes."""
     raw = _environ(env).get(ENV_LOCAL_RANK, "0")

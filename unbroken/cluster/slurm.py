@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from unbroken.cluster.box import Box
+from unbroken.config import executable_path
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "slurmstepd")
 CLIENTS = ("sbatch", "scontrol", "sinfo", "srun")
@@ -60,7 +61,7 @@ def missing() -> str | None:
 
 def _search_path() -> str:
     # Daemons live in sbin, which a non-login PATH may lack.
-    return os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+    return os.pathsep.join([executable_path(), "/usr/sbin", "/sbin"])
 
 
 def slurm_conf(box: Box, state: Path, munge_socket: Path) -> str:
