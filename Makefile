@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 # then already satisfied, so pip never pulls a CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install demo test lint scenarios clean browser
+.PHONY: install demo test lint scenarios clean browser slurm
 
 install: $(STAMP)
 
@@ -32,13 +32,21 @@ browser:
 		apt-get install -y -q chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium); \
 	else echo "chromium is missing and this is not root: the dashboard's browser test will be skipped"; fi
 
+# The Slurm scenario (`unbroken bench cluster --slurm`) needs Debian's slurm-wlm and munge:
+# installed here when running as root (CI); otherwise that scenario is skipped and says why.
+slurm:
+	@if PATH="$$PATH:/usr/sbin:/sbin" sh -c 'for t in slurmctld slurmd slurmstepd munged sbatch; do command -v $$t || exit 1; done' >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get install -y -q slurm-wlm munge >/dev/null || (apt-get update -q && apt-get install -y -q slurm-wlm munge); \
+	else echo "slurm-wlm/munge are missing and this is not root: the Slurm scenario will be skipped"; fi
+
 lint: install
 	$(VENV)/bin/ruff format --check unbroken tests examples
 	$(VENV)/bin/ruff check unbroken tests examples
 	$(VENV)/bin/mypy
 
 # The long end-to-end scenarios the suite leaves out (about 5 minutes on 2 cores).
-scenarios: install
+scenarios: install slurm
 	$(PY) -m pytest -q -p no:cacheprovider -m scenario
 
 clean:

@@ -18,7 +18,8 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from tests.shard_writer import write_shard_here
-from unbroken.checkpoint import Checkpointer, CheckpointError, PeerStore, Shard, directio, disk
+from unbroken.checkpoint import Checkpointer, CheckpointError, PeerStore, PersistOutcome, Shard, directio, disk
+from unbroken.checkpoint.checkpointer import SnapshotTaken
 from unbroken.checkpoint.cli import checkpoint as checkpoint_cli
 from unbroken.wire.auth import JobSecret
 
@@ -49,10 +50,21 @@ def ckpt_dir(tmp_path: Path) -> str:
 
 def test_save_load_round_trip_through_all_tiers(ckpt_dir: str) -> None:
     with Checkpointer(ckpt_dir, keep_last=2) as ck:
+        reports: list[SnapshotTaken | PersistOutcome] = []
+        hook = ck.register_report_hook(reports.append)
         for step in (1, 2, 3):
             ck.save(step, make_state(step))
             assert all(o.ok for o in ck.wait())
-        restored = ck.load_latest()
+        hook.remove()
+        # Each save reported its stall and bytes, each write its time: what /metrics exports.
+        nbytes = sum(t.numel() * t.element_size() for t in (*make_state(0)["model"].values(), make_state(0)["half"]))
+        taken = [r for r in reports if isinstance(r, SnapshotTaken)]
+        written = [r for r in reports if isinstance(r, PersistOutcome)]
+        assert [r.step for r in taken] == [1, 2, 3] and all(r.stall_s > 0 for r in taken)
+        assert all(nbytes <= r.nbytes < nbytes + 4096 for r in taken)  # the tensors, 64-byte aligned
+        assert [(r.step, r.ok, r.nbytes) for r in written] == [(r.step, True, r.nbytes) for r in taken]
+        assert all(r.durable_s and r.durable_s > 0 for r in written)
+        restored = ck.load(3)
         assert restored.source == "memory" and restored.step == 3
         assert_same(restored.state, make_state(3))
     with Checkpointer(ckpt_dir, keep_last=2) as fresh:

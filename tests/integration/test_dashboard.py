@@ -1,5 +1,6 @@
 """The live dashboard in a real browser: a 3-replica job, a kill -9, and the page shows the
-replica go failed -> catching_up -> training as it happens. A screenshot is kept."""
+replica go failed -> catching_up -> training as it happens. A screenshot is kept. The same job's
+``/metrics`` then counts its checkpoints and the catch-up's bytes."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import signal
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import parse_qs, urlparse
 
 import pytest
 
@@ -40,6 +43,20 @@ def _wait(browser: Browser, expression: str, timeout: float, what: str) -> None:
     raise AssertionError(f"the page did not show {what} in {timeout}s")
 
 
+def _scrape(url: str, timeout: float, ready: Callable[[dict[str, float]], bool]) -> dict[str, float]:
+    """``/metrics`` of the dashboard at ``url`` (its ``?token=``), polled until ``ready``."""
+    base, token = url.split("?")[0], parse_qs(urlparse(url).query)["token"][0]
+    deadline = time.monotonic() + timeout
+    while True:
+        req = urllib.request.Request(base + "metrics", headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            text = resp.read().decode()
+        samples = {x.rsplit(" ", 1)[0]: float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x[:1] != "#"}
+        if ready(samples) or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.5)
+
+
 def _in_order(seen: list[str], wanted: list[str]) -> bool:
     it = iter(seen)
     return all(any(s == w for s in it) for w in wanted)
@@ -47,7 +64,8 @@ def _in_order(seen: list[str], wanted: list[str]) -> bool:
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (make test installs it when run as root)")
 def test_the_dashboard_shows_a_killed_replica_fail_catch_up_and_train_again(tmp_path: Path) -> None:
-    with Job(tmp_path / "run", replicas=3, steps=400, extra=["--http-port", "0"]) as job:
+    extra = ["--http-port", "0", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    with Job(tmp_path / "run", replicas=3, steps=400, extra=extra) as job:
         url = _dashboard_url(job)
         base = url.split("?")[0]
         with pytest.raises(urllib.error.HTTPError) as refused:  # the data needs the job's token
@@ -78,3 +96,10 @@ def test_the_dashboard_shows_a_killed_replica_fail_catch_up_and_train_again(tmp_
         after_kill = history[history.index("training") + 1 :]
         assert _in_order(after_kill, ["failed", "catching_up", "training"]), history
         assert shot.stat().st_size > 10_000
+        # What the checkpoints and the catch-up cost, as Prometheus sees it (the writes to disk
+        # run behind training: wait for one).
+        m = _scrape(url, 30, lambda m: m.get('unbroken_checkpoint_persists_total{outcome="ok"}', 0) >= 1)
+        assert m["unbroken_checkpoint_stall_seconds_count"] >= 1 and m["unbroken_checkpoint_snapshot_bytes_total"] > 0
+        assert m['unbroken_checkpoint_persists_total{outcome="ok"}'] >= 1
+        assert m["unbroken_checkpoint_persisted_bytes_total"] > 0
+        assert m["unbroken_catch_up_transfer_seconds_count"] >= 1 and m["unbroken_catch_up_bytes_total"] > 0

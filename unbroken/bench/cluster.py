@@ -2,8 +2,9 @@
 
 One record per scenario of :mod:`unbroken.cluster.scenarios` (its checks, detection and
 recovery seconds); root is needed (network namespaces). ``slurm_by_hand`` is the README's Slurm
-example, its ``srun`` lines' commands run by hand in the namespaces (docs/operations.md says why
-not under ``slurmd``).
+example, its ``srun`` lines' commands run by hand in the namespaces; ``--slurm`` runs the same
+example under a real Slurm (the ``slurm`` scenario: ``slurmctld``, a ``slurmd`` per host), which
+needs Debian's ``slurm-wlm`` and ``munge`` (``make slurm``) and so is not in the default set.
 """
 
 from __future__ import annotations
@@ -16,25 +17,32 @@ import click
 from unbroken.bench.output import publish
 from unbroken.cluster import scenarios
 from unbroken.cluster.box import unavailable
+from unbroken.cluster.slurm import missing as slurm_missing
 
 
 @click.command()
 @click.option("--scenario", "names", multiple=True, help="Run only these (repeatable); default: all.")
+@click.option("--slurm", is_flag=True, help="Run the README's Slurm example under a real Slurm (the `slurm` scenario).")
 @click.option("--quick", is_flag=True, help="The short forms the test suite runs.")
 @click.option("--run-dir", type=click.Path(path_type=Path), default=Path("runs/bench/cluster-run"), show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on stdout.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/bench/cluster.json"), show_default=True)
-def cluster(names: tuple[str, ...], quick: bool, run_dir: Path, as_json: bool, out: Path) -> None:
+def cluster(names: tuple[str, ...], slurm: bool, quick: bool, run_dir: Path, as_json: bool, out: Path) -> None:
     """Run the cluster-in-a-box scenarios (root needed) and check what must hold under each fault."""
     why = unavailable()
     if why is not None:
         raise click.UsageError(f"cannot build the cluster box: {why}")
-    known = {s.name: s for s in scenarios.SCENARIOS}
+    known = {s.name: s for s in (*scenarios.SCENARIOS, scenarios.SLURM)}
     unknown = [n for n in names if n not in known]
     if unknown:
         raise click.UsageError(f"unknown scenario(s) {unknown}; known: {', '.join(known)}")
+    chosen = [known[n] for n in names] if names or slurm else list(scenarios.SCENARIOS)
+    if slurm and scenarios.SLURM not in chosen:
+        chosen.append(scenarios.SLURM)
+    if scenarios.SLURM in chosen and (why := slurm_missing()) is not None:
+        raise click.UsageError(f"cannot run the Slurm scenario: {why}")
     records = []
-    for sc in [known[n] for n in names] if names else scenarios.SCENARIOS:
+    for sc in chosen:
         t = time.monotonic()
         try:
             record = sc.run(run_dir, quick)

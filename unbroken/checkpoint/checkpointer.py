@@ -20,12 +20,14 @@ import base64
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from unbroken.checkpoint import disk, reshard, restore
 from unbroken.checkpoint.manifest import (
@@ -58,6 +60,19 @@ class PersistOutcome:
     error: str | None = None
     durable_s: float | None = None
     peer_error: str | None = None
+    nbytes: int = 0  # the snapshot's tensor bytes
+
+
+@dataclass(frozen=True)
+class SnapshotTaken:
+    """What a :meth:`Checkpointer.save` cost the training loop: ``stall_s`` blocked, ``nbytes`` copied."""
+
+    step: int
+    stall_s: float
+    nbytes: int
+
+
+ReportHook = Callable[["SnapshotTaken | PersistOutcome"], None]
 
 
 @dataclass
@@ -157,6 +172,7 @@ class Checkpointer:
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="unbroken-snapshot") if overlap else None
         self._copy: Future[None] | None = None
         self.last_stall_s = 0.0
+        self._report_hooks: OrderedDict[int, ReportHook] = OrderedDict()  # RemovableHandle holds a weakref
         self.coalesced = 0  # snapshots replaced by a newer one before reaching the disk
         self.skipped_steps: deque[int | None] = deque(maxlen=256)  # the latest of them
 
@@ -199,6 +215,26 @@ class Checkpointer:
         else:
             self._copy = self._copier.submit(self._snapshot, slot, manifest, objects, tensors)
         self.last_stall_s = time.perf_counter() - started
+        if self._report_hooks:
+            self._report(SnapshotTaken(step, self.last_stall_s, manifest.data_len))
+
+    def register_report_hook(self, hook: ReportHook) -> RemovableHandle:
+        """Calls ``hook`` with a :class:`SnapshotTaken` after each save and a
+        :class:`PersistOutcome` when its write ends (on the persist thread: keep it short).
+
+        ``unbroken.resume`` registers one that ships the figures to the coordinator, where
+        ``/metrics`` exports them. Returns a handle whose ``remove()`` unregisters it.
+        """
+        handle = RemovableHandle(self._report_hooks)
+        self._report_hooks[handle.id] = hook
+        return handle
+
+    def _report(self, report: SnapshotTaken | PersistOutcome) -> None:
+        for hook in list(self._report_hooks.values()):
+            try:
+                hook(report)
+            except Exception:  # a broken report must not fail a save
+                log.exception("a checkpoint report hook failed")
 
     def _entries(self, specs: list[TensorSpec]) -> list[TensorEntry]:
         """The layout of these tensors: the previous save's list object when nothing changed,
@@ -296,6 +332,7 @@ class Checkpointer:
                     message.get("error"),
                     message.get("durable_s"),
                     message.get("peer_error"),
+                    slot.manifest.data_len if slot.manifest is not None else 0,
                 )
             elif message["op"] == "died":
                 self._proc = None
@@ -311,12 +348,14 @@ class Checkpointer:
                     "the persist process died "
                     f"(exit code {message['returncode']}) while writing step "
                     f"{slot.step}; that step is not on disk",
+                    nbytes=slot.manifest.data_len if slot.manifest is not None else 0,
                 )
             else:
                 return
             if not outcome.ok:
                 log.warning("checkpoint: %s", outcome.error)
             self._outcomes.append(outcome)
+            self._report(outcome)
             slot.state = "free"
             self._dispatch()
             self._cond.notify_all()

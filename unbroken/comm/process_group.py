@@ -433,7 +433,7 @@ class _RingRun:
     ) -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
-        seq = recorder.open[1] if recorder is not None and recorder.open else 0
+        seq = recorder.open.seq if recorder is not None and recorder.open else 0
 
         def run() -> None:
             try:

@@ -7,11 +7,9 @@ are fed from the coordinator connection's thread, which drains everything in sma
 with every heartbeat (:meth:`FlightRecorder.batch`), so analysis happens there and in the
 coordinator, never on the training thread or in the exchange.
 
-A collective record is ``[group, seq, op, nbytes, enter_ns, exit_ns, ok, members, rq_enter_ns,
-rq_exit_ns]`` (monotonic ns; ``rq_*`` is the training thread's cumulative run-queue wait, see
-:class:`~unbroken.comm.runqueue.RunQueueWait`); a transfer record ``[group, seq, direction,
-peer, ring_step, nbytes, post_ns, done_ns]``, the peer being a replica id. Each connection
-also feeds an ICCL window monitor.
+Records are the typed rows of :mod:`unbroken.diagnosis.telemetry` (a :class:`Collective`, a
+:class:`Transfer`; monotonic ns), and a batch is a :class:`TelemetryBatch`. Each connection also
+feeds an ICCL window monitor.
 
 As the ring's :class:`~unbroken.comm.ring.LinkHook` the recorder also carries a link fault when
 one is injected (:class:`LinkDelay`, :mod:`unbroken.faults.link`): only the transport knows a
@@ -20,12 +18,24 @@ link. The recorder is given it; it never reads the environment.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections import deque
 from typing import Any, Protocol
 
 from unbroken.comm.runqueue import RunQueueWait
+from unbroken.diagnosis.telemetry import (
+    CaughtUp,
+    CheckpointPersisted,
+    CheckpointSaved,
+    Collective,
+    FlaggedLink,
+    Stall,
+    StepMetrics,
+    TelemetryBatch,
+    Transfer,
+)
 from unbroken.diagnosis.window import WindowMonitor
 
 
@@ -52,15 +62,16 @@ class FlightRecorder:
     ) -> None:
         self.replica = replica
         self.batch_max = batch_max
-        self.ring: deque[list[Any]] = deque(maxlen=capacity)
-        self._out: deque[list[Any]] = deque(maxlen=capacity)
-        self._links: deque[list[Any]] = deque(maxlen=capacity)
-        self._steps: deque[list[Any]] = deque(maxlen=capacity)
-        self._stalls: deque[list[Any]] = deque(maxlen=64)
+        self.ring: deque[Collective] = deque(maxlen=capacity)
+        self._out: deque[Collective] = deque(maxlen=capacity)
+        self._links: deque[Transfer] = deque(maxlen=capacity)
+        self._steps: deque[StepMetrics] = deque(maxlen=capacity)
+        self._stalls: deque[Stall] = deque(maxlen=64)
+        self._costs: deque[CheckpointSaved | CheckpointPersisted | CaughtUp] = deque(maxlen=64)
         self._window: deque[tuple[str, int, int, int, int]] = deque(maxlen=capacity)
         self._seq: dict[str, int] = {}
-        self.open: list[Any] | None = None
-        self.open_links: dict[tuple[str, int], list[Any]] = {}
+        self.open: Collective | None = None
+        self.open_links: dict[tuple[str, int], Transfer] = {}
         self.monitors: dict[tuple[str, int], WindowMonitor] = {}
         self.step = 0
         self.run_queue = RunQueueWait()
@@ -70,20 +81,20 @@ class FlightRecorder:
 
     # -- training thread -------------------------------------------------------------------
 
-    def begin(self, group: str, op: str, nbytes: int, members: list[int]) -> list[Any]:
+    def begin(self, group: str, op: str, nbytes: int, members: list[int]) -> Collective:
         seq = self._seq.get(group, -1) + 1
         self._seq[group] = seq
         self.group, self.members = group, members
-        rec = [group, seq, op, nbytes, time.monotonic_ns(), 0, False, members, self.run_queue.read(), 0]
+        rec = Collective(group, seq, op, nbytes, time.monotonic_ns(), 0, False, members, self.run_queue.read(), 0)
         self.open_links.clear()
         self.open = rec
         return rec
 
-    def end(self, rec: list[Any], ok: bool | None) -> None:
+    def end(self, rec: Collective, ok: bool | None) -> None:
         """``ok``: True done, False abandoned at its deadline (a stall), None failed for a known reason."""
-        rec[5] = time.monotonic_ns()
-        rec[6] = ok
-        rec[9] = self.run_queue.read()
+        rec.exit_ns = time.monotonic_ns()
+        rec.ok = ok
+        rec.rq_exit_ns = self.run_queue.read()
         self.open = None
         if ok:
             self.open_links.clear()
@@ -92,25 +103,29 @@ class FlightRecorder:
             # clears open_links), with whether it gave up at its own deadline (a stall) or was
             # failed for it (the coordinator's abort after a peer's deadline, a closed connection).
             try:
-                stalled = [[e[2], e[3], e[4], e[6]] for e in list(self.open_links.values())]
+                stalled = list(self.open_links.values())
             except RuntimeError:  # changed under us by the ring thread
                 stalled = []
             if stalled:
-                self._stalls.append([rec[0], rec[1], stalled, ok is False])
+                self._stalls.append(Stall(rec.group, rec.seq, stalled, ok is False))
         self.ring.append(rec)
         self._out.append(rec)
 
     def record_step(self, step: int, loss: float | None, grad_norm: float | None, memory: float | None) -> None:
         self.step = step
-        self._steps.append([step, loss, grad_norm, memory])
+        self._steps.append(StepMetrics(step, loss, grad_norm, memory))
+
+    def note(self, cost: CheckpointSaved | CheckpointPersisted | CaughtUp) -> None:
+        """A checkpoint's or a catch-up's cost, shipped with the next batch (any thread)."""
+        self._costs.append(cost)
 
     # -- ring hook (see unbroken.comm.ring.LinkHook) ------------------------------------------
 
     def posted(self, direction: str, peer: int, step: int, nbytes: int) -> int:
         rec = self.open
-        seq = rec[1] if rec else -1
+        seq = rec.seq if rec else -1
         replica = self.members[peer] if peer < len(self.members) else peer
-        entry = [self.group, seq, direction, replica, step, nbytes, time.monotonic_ns(), 0]
+        entry = Transfer(self.group, seq, direction, replica, step, nbytes, time.monotonic_ns(), 0)
         self.open_links[(direction, step)] = entry
         return step
 
@@ -118,12 +133,12 @@ class FlightRecorder:
         entry = self.open_links.pop((direction, token), None)
         if entry is None:
             return
-        entry[7] = time.monotonic_ns()
+        entry.done_ns = time.monotonic_ns()
         self._links.append(entry)
         # At most a send and a receive are open at once: the sum is two additions. The window
         # monitors are fed from the connection thread (:meth:`batch`), off the exchange's path.
-        waiting = sum(e[5] for e in self.open_links.values() if e[3] == entry[3])
-        self._window.append((direction, entry[3], entry[5], entry[7] - entry[6], waiting))
+        waiting = sum(e.nbytes for e in self.open_links.values() if e.peer == entry.peer)
+        self._window.append((direction, entry.peer, entry.nbytes, entry.done_ns - entry.post_ns, waiting))
 
     def send_delay_s(self, peer: int, step: int, nbytes: int) -> float:
         if self.link_fault is None:
@@ -134,35 +149,37 @@ class FlightRecorder:
 
     # -- connection thread ---------------------------------------------------------------
 
-    def batch(self) -> dict[str, Any] | None:
-        """Drains up to ``batch_max`` entries; None when there is nothing new and nothing open."""
+    def batch(self) -> TelemetryBatch:
+        """Drains up to ``batch_max`` entries of each kind, with what is open now."""
         records = _drain(self._out, self.batch_max)
         links = _drain(self._links, self.batch_max)
         steps = _drain(self._steps, self.batch_max)
         stalls = _drain(self._stalls, self.batch_max)
+        costs = _drain(self._costs, self.batch_max)
         for direction, peer, nbytes, ns, waiting in _drain(self._window, len(self._window)):
             mon = self.monitors.get((direction, peer))
             if mon is None:
                 mon = self.monitors[(direction, peer)] = WindowMonitor()
             mon.completed(nbytes, ns / 1e9, waiting)
-        rec = self.open
-        open_ = [rec[0], rec[1], rec[2], rec[3], rec[4], rec[7]] if rec else None
         try:
-            open_links = [list(e[:7]) for e in list(self.open_links.values())]
+            # Copies: the ring thread finishes these in place while the batch is being encoded.
+            open_links = [dataclasses.replace(e) for e in list(self.open_links.values())]
         except RuntimeError:  # changed under us by the ring thread; the next batch has it
             open_links = []
-        flags = [[d, p] for (d, p), m in self.monitors.items() if m.flagged]
-        return {
-            "now_ns": time.monotonic_ns(),
-            "records": records,
-            "open": open_,
-            "links": links,
-            "open_links": open_links,
-            "stalls": stalls,
-            "steps": steps,
-            "flags": flags,
-            "memory": _rss_bytes(),
-        }
+        return TelemetryBatch(
+            now_ns=time.monotonic_ns(),
+            records=records,
+            open=None if self.open is None else dataclasses.replace(self.open),
+            links=links,
+            open_links=open_links,
+            stalls=stalls,
+            steps=steps,
+            flags=[FlaggedLink(d, p) for (d, p), m in self.monitors.items() if m.flagged],
+            memory=_rss_bytes(),
+            saved=[c for c in costs if isinstance(c, CheckpointSaved)],
+            persisted=[c for c in costs if isinstance(c, CheckpointPersisted)],
+            caught_up=[c for c in costs if isinstance(c, CaughtUp)],
+        )
 
 
 def _rss_bytes() -> float | None:

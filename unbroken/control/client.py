@@ -30,6 +30,7 @@ from typing import Any
 from unbroken.config import parse_host_ports
 from unbroken.control import protocol
 from unbroken.control.quorum import QuorumDecision
+from unbroken.diagnosis.telemetry import TelemetryBatch
 from unbroken.wire.auth import AuthError, JobSecret, Session
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class CoordinatorClient:
         on_donate: Callable[[int], None] | None = None,
         heartbeat_s: float = 0.1,
         reconnect_timeout_s: float = 120.0,
-        telemetry: Callable[[], dict[str, Any] | None] | None = None,
+        telemetry: Callable[[], TelemetryBatch] | None = None,
     ) -> None:
         if not isinstance(secret, JobSecret):
             raise TypeError("CoordinatorClient needs the job's JobSecret (there is no unauthenticated mode)")
@@ -208,9 +209,8 @@ class CoordinatorClient:
                 now = time.monotonic()
                 if now >= next_beat:
                     self._send({"op": "heartbeat", "step": self.step, "compute_s": self.compute_s})
-                    batch = self.telemetry() if self.telemetry is not None else None
-                    if batch is not None:
-                        self._send({"op": "telemetry", **batch})
+                    if self.telemetry is not None:
+                        self._send({"op": "telemetry", **self.telemetry().to_msg()})
                     next_beat = now + self.heartbeat_s
                 if not sel.select(timeout=max(0.0, next_beat - now)):
                     continue

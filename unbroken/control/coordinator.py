@@ -40,6 +40,7 @@ from unbroken.control.state_store import KEEP_EVENTS, StateStore
 from unbroken.diagnosis.master import DiagnosisMaster
 from unbroken.diagnosis.metrics import parse_policy
 from unbroken.diagnosis.service import DiagnosisService, StackSource
+from unbroken.diagnosis.telemetry import TelemetryBatch
 from unbroken.observe import schema as ev
 from unbroken.observe.events import EventLog
 from unbroken.wire.auth import AuthError, JobSecret, server_handshake_async
@@ -371,6 +372,21 @@ class Coordinator:
             if bad >= MAX_BAD_MESSAGES:
                 return
 
+    def _costs(self, replica: int, rank: int, batch: TelemetryBatch) -> None:
+        """A rank's checkpoint and catch-up costs, into the event log (``/metrics`` reads them)."""
+        for s in batch.saved:
+            self.events.emit(
+                ev.CheckpointSaved(replica=replica, rank=rank, step=s.step, stall_s=s.stall_s, nbytes=s.nbytes)
+            )
+        for p in batch.persisted:
+            self.events.emit(
+                ev.CheckpointPersisted(
+                    replica=replica, rank=rank, step=p.step, ok=p.ok, persist_s=p.persist_s, nbytes=p.nbytes
+                )
+            )
+        for c in batch.caught_up:
+            self.events.emit(ev.CaughtUp(replica=replica, rank=rank, step=c.step, seconds=c.seconds, nbytes=c.nbytes))
+
     def _dropped(self, reason: str, auth: bool = True) -> None:
         """Logs a refused connection: the first, then at powers of two (a flood is no log flood)."""
         if auth:
@@ -426,7 +442,9 @@ class Coordinator:
                 conn.compute_s = beat.compute_s
         elif op == "telemetry":
             conn.last_heartbeat = time.monotonic()
-            self.diagnosis.telemetry(conn.replica, conn.rank, conn.node, msg)
+            batch = TelemetryBatch.from_msg(msg)
+            self.diagnosis.telemetry(conn.replica, conn.rank, conn.node, batch)
+            self._costs(conn.replica, conn.rank, batch)
         elif op == "quorum":
             conn.last_heartbeat = time.monotonic()
             self._quorum_request(conn, protocol.QuorumAsk.from_msg(msg))

@@ -17,6 +17,7 @@ from typing import Any
 from unbroken.diagnosis import hang, links, straggler
 from unbroken.diagnosis.metrics import DEFAULT_POLICY, MetricDetector
 from unbroken.diagnosis.robust import learned_threshold, median
+from unbroken.diagnosis.telemetry import FlaggedLink, StepMetrics, TelemetryBatch
 from unbroken.diagnosis.verdict import COMM_HANG, COMM_SLOW, METRIC_ANOMALY, NONCOMM_HANG, STRAGGLER, Culprit, Verdict
 
 Ident = tuple[int, int]  # (replica, rank)
@@ -58,6 +59,26 @@ class MasterSettings:
     link_confirm: int = 5  # new collectives a slow-connection finding must hold over
 
 
+@dataclasses.dataclass(frozen=True)
+class _Open:
+    """The collective a rank is inside now, its entry on the coordinator's clock."""
+
+    group: str
+    seq: int
+    enter: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _OpenRecv:
+    """A ring receive still outstanding, posted at ``post`` on the coordinator's clock."""
+
+    group: str
+    seq: int
+    peer: int
+    ring_step: int
+    post: float
+
+
 @dataclasses.dataclass
 class _Rank:
     node: str
@@ -68,12 +89,12 @@ class _Rank:
     exits: dict[str, dict[int, tuple[float, float]]] = dataclasses.field(
         default_factory=dict
     )  # seq -> (exit, run-queue wait)
-    open: tuple[str, int, float] | None = None  # group, seq, enter (coordinator clock)
+    open: _Open | None = None
     failed: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)  # group -> seq, enter
     latest: str = ""
     completed: int = 0  # collectives completed since this rank connected
-    open_recvs: list[tuple[str, int, int, int, float]] = dataclasses.field(default_factory=list)
-    flags: list[Any] = dataclasses.field(default_factory=list)
+    open_recvs: list[_OpenRecv] = dataclasses.field(default_factory=list)
+    flags: list[FlaggedLink] = dataclasses.field(default_factory=list)
 
 
 class DiagnosisMaster:
@@ -113,7 +134,7 @@ class DiagnosisMaster:
 
     # -- ingest ----------------------------------------------------------------------------
 
-    def ingest(self, ident: Ident, node: str, batch: dict[str, Any], now: float) -> None:
+    def ingest(self, ident: Ident, node: str, batch: TelemetryBatch, now: float) -> None:
         """Takes one telemetry batch from ``ident``, received at coordinator time ``now``."""
         r = self.ranks.get(ident)
         if r is None:
@@ -121,18 +142,18 @@ class DiagnosisMaster:
         else:
             r.gaps.append(now - r.last_seen)
             r.last_seen = now
-        sent = batch["now_ns"] / 1e9
-        off = now - sent
+        off = now - batch.now_ns / 1e9
         r.offset_s = off if r.offset_s is None else min(r.offset_s, off)
         to_c = r.offset_s
         replica, rank = ident
-        for group, seq, _op, _nb, enter_ns, exit_ns, ok, members, *run_queue in batch.get("records", ()):
-            rq_enter, rq_exit = (run_queue[0] / 1e9, run_queue[1] / 1e9) if len(run_queue) == 2 else (0.0, 0.0)
-            self.members[group] = list(members)
+        for c in batch.records:
+            group, seq = c.group, c.seq
+            rq_enter, rq_exit = c.rq_enter_ns / 1e9, c.rq_exit_ns / 1e9
+            self.members[group] = list(c.members)
             r.entered[group] = max(r.entered.get(group, -1), seq)
-            enter, exit_ = enter_ns / 1e9 + to_c, exit_ns / 1e9 + to_c
+            enter, exit_ = c.enter_ns / 1e9 + to_c, c.exit_ns / 1e9 + to_c
             r.latest = group
-            if ok:
+            if c.ok:
                 r.completed += 1
                 self.waits.append(exit_ - enter)
                 exits = r.exits.setdefault(group, {})
@@ -145,42 +166,49 @@ class DiagnosisMaster:
                     waited = max(0.0, rq_enter - prev[1])
                     self._arrival(rank, group, seq, replica, enter, max(0.0, enter - prev[0] - waited))
                 r.failed.pop(group, None)
-            elif ok is False:
+            elif c.ok is False:
                 r.failed[group] = (seq, enter)  # abandoned: the peer it waited for never came
-        op = batch.get("open")
-        if op:
-            group, seq, _op, _nb, enter_ns, members = op
-            self.members[group] = list(members)
-            r.entered[group] = max(r.entered.get(group, -1), seq)
-            r.open = (group, seq, enter_ns / 1e9 + to_c)
-            r.latest = group
+        op = batch.open
+        if op is not None:
+            self.members[op.group] = list(op.members)
+            r.entered[op.group] = max(r.entered.get(op.group, -1), op.seq)
+            r.open = _Open(op.group, op.seq, op.enter_ns / 1e9 + to_c)
+            r.latest = op.group
         else:
             r.open = None
-        for group, seq, direction, peer, step, nbytes, post_ns, done_ns in batch.get("links", ()):
+        for t in batch.links:
             self._link_half(
-                group, seq, step, direction, replica, peer, post_ns / 1e9 + to_c, done_ns / 1e9 + to_c, nbytes
+                t.group,
+                t.seq,
+                t.ring_step,
+                t.direction,
+                replica,
+                t.peer,
+                t.post_ns / 1e9 + to_c,
+                t.done_ns / 1e9 + to_c,
+                t.nbytes,
             )
-        for group, seq, stalled, *deadline in batch.get("stalls", ()):
-            got = self.stalls.setdefault((group, seq, rank), {})
-            got[replica] = [(d, peer, step, post_ns / 1e9 + to_c) for d, peer, step, post_ns in stalled]
-            if not deadline or deadline[0]:
-                self._deadline_passed.add((group, seq, rank))
+        for stall in batch.stalls:
+            got = self.stalls.setdefault((stall.group, stall.seq, rank), {})
+            got[replica] = [(t.direction, t.peer, t.ring_step, t.post_ns / 1e9 + to_c) for t in stall.transfers]
+            if stall.deadline_passed:
+                self._deadline_passed.add((stall.group, stall.seq, rank))
             if len(self.stalls) > 64:
                 oldest = next(iter(self.stalls))
                 del self.stalls[oldest]
                 self._deadline_passed.discard(oldest)
         r.open_recvs = [
-            (g, seq, peer, step, post_ns / 1e9 + to_c)
-            for g, seq, d, peer, step, _nb, post_ns in batch.get("open_links", ())
-            if d == "recv"
+            _OpenRecv(t.group, t.seq, t.peer, t.ring_step, t.post_ns / 1e9 + to_c)
+            for t in batch.open_links
+            if t.direction == "recv"
         ]
-        r.flags = list(batch.get("flags", ()))
+        r.flags = list(batch.flags)
         det = self._detector(ident)
-        steps = [tuple(x) for x in batch.get("steps", ())]
-        if batch.get("memory") is not None:
-            steps.append((-1, None, None, batch["memory"]))
-        for step, loss, grad_norm, memory in steps:
-            for a in det.observe(step, loss=_num(loss), grad_norm=_num(grad_norm), memory=memory):
+        steps = list(batch.steps)
+        if batch.memory is not None:
+            steps.append(StepMetrics(-1, None, None, batch.memory))
+        for m in steps:
+            for a in det.observe(m.step, loss=m.loss, grad_norm=m.grad_norm, memory=m.memory):
                 if self.policy.get(a.kind, "none") != "none" or a.kind.startswith("nonfinite"):
                     self._pending_metric.append(
                         Verdict(
@@ -310,7 +338,9 @@ class DiagnosisMaster:
     def _hangs(self, now: float) -> list[Verdict]:
         out = []
         silent_s = self.silent_s()
-        groups = {r.open[0] for r in self.ranks.values() if r.open} | {g for r in self.ranks.values() for g in r.failed}
+        groups = {r.open.group for r in self.ranks.values() if r.open} | {
+            g for r in self.ranks.values() for g in r.failed
+        }
         for group in groups:
             members = self.members.get(group, [])
             rank = next((i[1] for i, r in self.ranks.items() if group in r.entered), 0)
@@ -320,14 +350,12 @@ class DiagnosisMaster:
                 if r is None:
                     continue
                 wait = None
-                if r.open and r.open[0] == group:
-                    wait = now - r.open[2]
+                if r.open and r.open.group == group:
+                    wait = now - r.open.enter
                 elif group in r.failed and r.latest == group and r.failed[group][0] == r.entered.get(group):
                     wait = now - r.failed[group][1]
                 opens = tuple(
-                    hang.OpenTransfer(peer, step, now - post)
-                    for g, _seq, peer, step, post in r.open_recvs
-                    if g == group
+                    hang.OpenTransfer(o.peer, o.ring_step, now - o.post) for o in r.open_recvs if o.group == group
                 )
                 views.append(hang.RankView(m, rank, r.node, r.entered.get(group, -1), wait, now - r.last_seen, opens))
             if len(views) < len(members):
@@ -535,8 +563,3 @@ class DiagnosisMaster:
             return False
         base = median(xs[: -self.s.straggler_window] or xs)
         return base > 0 and median(xs[-self.s.confirm :]) * self.s.straggler_threshold >= base
-
-
-def _num(x: Any) -> float | None:
-    """JSON carries NaN and infinities as strings or floats depending on the encoder."""
-    return None if x is None else float(x)

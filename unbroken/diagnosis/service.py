@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from unbroken.diagnosis.master import DiagnosisMaster
+from unbroken.diagnosis.telemetry import TelemetryBatch
 from unbroken.diagnosis.verdict import COMM_HANG, NONCOMM_HANG, Verdict
 from unbroken.observe.events import EventLog
 
@@ -45,8 +46,8 @@ class DiagnosisService:
         self.stacks = stacks
         self.latest: deque[dict[str, Any]] = deque(maxlen=20)
 
-    def telemetry(self, replica: int, rank: int, node: str, msg: dict[str, Any]) -> None:
-        self.master.ingest((replica, rank), node, msg, time.monotonic())
+    def telemetry(self, replica: int, rank: int, node: str, batch: TelemetryBatch) -> None:
+        self.master.ingest((replica, rank), node, batch, time.monotonic())
 
     def forget(self, replica: int) -> None:
         self.master.forget(replica)

@@ -29,6 +29,8 @@ from unbroken.observe import schema as ev
 # Seconds: the histograms' buckets (detection is sub-second to tens of seconds; a recovery
 # spans a process start and a catch-up).
 SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# A checkpoint's stall is milliseconds when it is working as designed (a copy to host memory).
+STALL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 TIMELINE_KINDS = (
     ev.Quorum,
     ev.FaultInjected,
@@ -139,6 +141,11 @@ class JobView:
         self.detection = Histogram()
         self.recovery = Histogram()
         self.catch_up = Histogram()
+        self.checkpoint_stall = Histogram(STALL_BUCKETS)
+        self.checkpoint_persist = Histogram()
+        self.catch_up_transfer = Histogram()
+        # counters: bytes and counts by what they are
+        self.totals: collections.Counter[str] = collections.Counter()
         self.events_read = 0
         self.job: dict[str, Any] = {}
         self._goodput_events: list[dict[str, Any]] = []
@@ -205,6 +212,17 @@ class JobView:
             self._faults_open.append(dict(record))
         elif isinstance(e, ev.Quorum):
             self.job.update(epoch=e.epoch, epoch_step=e.step, members=e.members)
+        elif isinstance(e, ev.CheckpointSaved):
+            self.checkpoint_stall.observe(e.stall_s)
+            self.totals["checkpoint_snapshot_bytes"] += e.nbytes
+        elif isinstance(e, ev.CheckpointPersisted):
+            self.totals["checkpoint_persisted_ok" if e.ok else "checkpoint_persisted_failed"] += 1
+            if e.ok:
+                self.checkpoint_persist.observe(e.persist_s)
+                self.totals["checkpoint_persisted_bytes"] += e.nbytes
+        elif isinstance(e, ev.CaughtUp):
+            self.catch_up_transfer.observe(e.seconds)
+            self.totals["catch_up_bytes"] += e.nbytes
         if self._faults_open and e.KIND in gp.DETECTION_KINDS:
             detected = [(f, hit) for f, hit in gp.detections([*self._faults_open, dict(record)]) if hit is not None]
             for fault, hit in detected:

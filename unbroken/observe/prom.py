@@ -102,6 +102,42 @@ class JobCollector(Collector):
             "unbroken_catch_up_seconds", "From joining behind to training as a full member.", self.view.catch_up
         )
 
+        yield _histogram(
+            "unbroken_checkpoint_stall_seconds",
+            "How long each checkpoint save blocked the training loop.",
+            self.view.checkpoint_stall,
+        )
+        yield _histogram(
+            "unbroken_checkpoint_persist_seconds",
+            "From a snapshot's write starting to its being durable on disk.",
+            self.view.checkpoint_persist,
+        )
+        yield _histogram(
+            "unbroken_catch_up_transfer_seconds",
+            "A catch-up's fetch of a peer's state, from the request to the state loaded.",
+            self.view.catch_up_transfer,
+        )
+        totals = self.view.totals
+        yield CounterMetricFamily(
+            "unbroken_checkpoint_snapshot_bytes",
+            "Tensor bytes copied by checkpoint saves.",
+            value=totals["checkpoint_snapshot_bytes"],
+        )
+        yield CounterMetricFamily(
+            "unbroken_checkpoint_persisted_bytes",
+            "Tensor bytes written durably to disk.",
+            value=totals["checkpoint_persisted_bytes"],
+        )
+        persisted = CounterMetricFamily(
+            "unbroken_checkpoint_persists", "Snapshot writes to disk by outcome.", labels=["outcome"]
+        )
+        persisted.add_metric(["ok"], totals["checkpoint_persisted_ok"])
+        persisted.add_metric(["failed"], totals["checkpoint_persisted_failed"])
+        yield persisted
+        yield CounterMetricFamily(
+            "unbroken_catch_up_bytes", "State bytes received from peers by catch-ups.", value=totals["catch_up_bytes"]
+        )
+
         good = state["goodput"]
         if good is not None:
             yield from gauge(

@@ -408,6 +408,43 @@ class CheckpointsDiscarded(Event):
     rollback_step: int
 
 
+@_kind("checkpoint_saved")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointSaved(Event):
+    """A rank's snapshot: how long the training loop was blocked, how many tensor bytes."""
+
+    replica: int
+    rank: int
+    step: int
+    stall_s: float
+    nbytes: int
+
+
+@_kind("checkpoint_persisted")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointPersisted(Event):
+    """A rank's snapshot written to disk (``ok``) or not, ``persist_s`` after its write began."""
+
+    replica: int
+    rank: int
+    step: int
+    ok: bool
+    persist_s: float
+    nbytes: int
+
+
+@_kind("caught_up")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CaughtUp(Event):
+    """A rank that caught up from a peer: the state's bytes, and seconds from fetch to loaded."""
+
+    replica: int
+    rank: int
+    step: int
+    seconds: float
+    nbytes: int
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _FaultFields(Event):
     """A scheduled fault (:mod:`unbroken.faults.schedule`) and the job step it fired at."""

@@ -34,7 +34,9 @@ from __future__ import annotations
 import logging
 
 from unbroken.checkpoint import Checkpointer, CheckpointError, Restored
+from unbroken.checkpoint.checkpointer import PersistOutcome, SnapshotTaken
 from unbroken.checkpoint.disk import complete_steps
+from unbroken.diagnosis.telemetry import CheckpointPersisted, CheckpointSaved
 from unbroken.train import preemption
 from unbroken.train.manager import Manager
 
@@ -60,7 +62,8 @@ def checkpointer_for(manager: Manager, keep_last: int = 3, **kwargs: object) -> 
 
 
 def resume(manager: Manager, checkpointer: Checkpointer | None) -> Restored | None:
-    """Loads the checkpoint this process starts from, if any (see the module doc)."""
+    """Loads the checkpoint this process starts from, if any (see the module doc), and has the
+    checkpointer's costs (stall, write time, bytes) reported to the coordinator's ``/metrics``."""
     if checkpointer is None:
         if manager.config.resume_step is not None:
             raise ValueError(
@@ -69,6 +72,7 @@ def resume(manager: Manager, checkpointer: Checkpointer | None) -> Restored | No
             )
         return None
     preemption.install()
+    _report_costs(manager, checkpointer)
     step = manager.config.resume_step
     if step is not None:
         restored = checkpointer.load_latest(at_most=step)
@@ -99,6 +103,22 @@ def resume(manager: Manager, checkpointer: Checkpointer | None) -> Restored | No
         "replica %d resumes at step %d from the %s checkpoint", manager.config.replica_id, manager.step, restored.source
     )
     return restored
+
+
+def _report_costs(manager: Manager, checkpointer: Checkpointer) -> None:
+    """Ships each save's stall and each write's time and bytes to the coordinator with the
+    rank's telemetry; it writes them to the event log, where ``/metrics`` finds them."""
+    recorder = manager.recorder
+    if recorder is None:
+        return
+
+    def report(r: SnapshotTaken | PersistOutcome) -> None:
+        if isinstance(r, SnapshotTaken):
+            recorder.note(CheckpointSaved(r.step, r.stall_s, r.nbytes))
+        elif r.step >= 0:
+            recorder.note(CheckpointPersisted(r.step, r.ok, r.durable_s or 0.0, r.nbytes))
+
+    checkpointer.register_report_hook(report)
 
 
 def save_if_due(manager: Manager, checkpointer: Checkpointer | None, every: int) -> bool:

@@ -26,14 +26,24 @@ import torch
 from unbroken.train.manager import Manager
 from unbroken.train.overlap import METADATA
 
+FIRST_BUCKET_MB = 1.0  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES is 1 MiB
 
-def _buckets(params: list[torch.nn.Parameter], cap_bytes: int) -> list[list[int]]:
-    """Indices of ``params`` per bucket, last parameter first (the order backward reaches them)."""
+
+def _buckets(params: list[torch.nn.Parameter], cap_bytes: int, first_cap_bytes: int | None = None) -> list[list[int]]:
+    """Indices of ``params`` per bucket, last parameter first (the order backward reaches them).
+
+    The first bucket is capped at ``first_cap_bytes`` (default ``cap_bytes``): small, as torch's
+    DDP makes it (1 MiB), so that the exchange starts early in the backward pass instead of
+    after a whole 25 MB of gradients, which for a small model is all of them.
+    """
     buckets: list[list[int]] = []
-    size = cap_bytes  # forces a new bucket on the first parameter
+    cap = cap_bytes if first_cap_bytes is None else first_cap_bytes
+    size = cap  # forces a new bucket on the first parameter
     for i in reversed(range(len(params))):
         nbytes = params[i].numel() * 4  # exchanged in float32
-        if size + nbytes > cap_bytes and (not buckets or buckets[-1]):
+        if size + nbytes > cap and (not buckets or buckets[-1]):
+            if buckets:
+                cap = cap_bytes
             buckets.append([])
             size = 0
         buckets[-1].append(i)
@@ -58,12 +68,25 @@ class DistributedDataParallel(torch.nn.Module):
         module: the model; every replica holds the same parameters in the same order.
         manager: this rank's :class:`Manager`.
         bucket_cap_mb: the size of a bucket (float32 bytes), as in torch's DDP.
+        first_bucket_cap_mb: the size of the first bucket (the last layers' gradients), small
+            so that exchanging starts early; default ``min(1 MiB, bucket_cap_mb)`` like torch's
+            DDP.
     """
 
-    def __init__(self, module: torch.nn.Module, manager: Manager, bucket_cap_mb: float = 25.0) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        manager: Manager,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float | None = None,
+    ) -> None:
         super().__init__()
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        if first_bucket_cap_mb is None:
+            first_bucket_cap_mb = min(FIRST_BUCKET_MB, bucket_cap_mb)
+        if first_bucket_cap_mb <= 0:
+            raise ValueError(f"first_bucket_cap_mb must be > 0, got {first_bucket_cap_mb}")
         self.module = module
         self.manager = manager
         seen: set[int] = set()
@@ -72,7 +95,9 @@ class DistributedDataParallel(torch.nn.Module):
             if p.requires_grad and id(p) not in seen:  # a shared parameter is exchanged once
                 seen.add(id(p))
                 self._params.append(p)
-        self._buckets = _buckets(self._params, max(1, int(bucket_cap_mb * 2**20)))
+        self._buckets = _buckets(
+            self._params, max(1, int(bucket_cap_mb * 2**20)), max(1, int(first_bucket_cap_mb * 2**20))
+        )
         self._bucket_of = {i: b for b, idx in enumerate(self._buckets) for i in idx}
         self._numel = [sum(self._params[i].numel() for i in idx) for idx in self._buckets]
         self._bucket_buffers: list[torch.Tensor | None] = [None] * len(self._buckets)

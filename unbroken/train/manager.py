@@ -49,6 +49,7 @@ from unbroken.control.quorum import QuorumDecision
 from unbroken.diagnosis.metrics import parse_policy, wants_skip
 from unbroken.diagnosis.stack_dump import install_stack_dump
 from unbroken.diagnosis.stacks import stack_path
+from unbroken.diagnosis.telemetry import CaughtUp
 from unbroken.train.hooks import FaultHook
 from unbroken.train.overlap import METADATA, OverlappedExchange, busy_seconds
 from unbroken.train.replica_group import init_replica_group
@@ -748,6 +749,8 @@ class Manager:
         self.stats["last_fetch_s"] = fetched.done_at - started
         self.stats["last_load_s"] = now - loading
         self.stats["last_fetch_cpu_s"] = fetched.cpu_s
+        if self.recorder is not None:
+            self.recorder.note(CaughtUp(self.step, now - started, snapshot_layout(state)[3]))
         log.info(
             "replica %d caught up to step %d: fetch %.3fs, load %.3fs",
             self.config.replica_id,

@@ -51,7 +51,7 @@ VALID: list[dict[str, Any]] = [
         "op": "telemetry",
         "now_ns": 1,
         "records": [["g", 1, "allreduce", 8, 1, 2, True, [0, 1], 0, 0]],
-        "open": ["g", 2, "allreduce", 8, 3, [0, 1]],
+        "open": ["g", 2, "allreduce", 8, 3, 0, False, [0, 1], 0, 0],
     },
     {"op": "bye"},
     {"op": "exited", "replica": 2, "exitcode": 1},

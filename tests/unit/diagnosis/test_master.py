@@ -2,26 +2,37 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 from unbroken.diagnosis.master import DiagnosisMaster
+from unbroken.diagnosis.telemetry import Collective, Stall, StepMetrics, TelemetryBatch, Transfer
 
 NS = 1_000_000_000
 G = "rank0/epoch1"
 
 
-def batch(now: float, records=(), open_=None, links=(), steps=(), stalls=()) -> dict:
-    return {
-        "now_ns": int(now * NS),
-        "records": list(records),
-        "open": open_,
-        "links": list(links),
-        "open_links": [],
-        "steps": list(steps),
-        "flags": [],
-        "memory": None,
-        "stalls": list(stalls),
-    }
+def batch(now: float, records=(), open_=None, links=(), steps=(), stalls=()) -> TelemetryBatch:
+    """A batch as the coordinator receives it: through JSON and the schema's checks."""
+    sent = TelemetryBatch(
+        now_ns=int(now * NS),
+        records=list(records),
+        open=open_,
+        links=list(links),
+        steps=list(steps),
+        stalls=list(stalls),
+    )
+    return TelemetryBatch.from_msg(json.loads(json.dumps(sent.to_msg())))
+
+
+def opened(group: str, seq: int, enter: float, members: list[int]) -> Collective:
+    """A collective still open on a rank: entered at ``enter``, not left."""
+    return Collective(group, seq, "allreduce", 400, int(enter * NS), 0, False, members, 0, 0)
+
+
+def waiting(seq: int, direction: str, peer: int, step: int, post: float) -> Transfer:
+    """A ring transfer posted at ``post`` and never finished."""
+    return Transfer(G, seq, direction, peer, step, 0, int(post * NS), 0)
 
 
 def run_steps(
@@ -43,7 +54,9 @@ def run_steps(
         done = max(enters.values()) + 0.01
         for r in compute:
             rq[r] = rq.get(r, 0) + int((queued or {}).get(r, 0.0) * NS)
-            rec = [G, seq, "allreduce", 400, int(enters[r] * NS), int(done * NS), True, sorted(compute), rq[r], rq[r]]
+            rec = Collective(
+                G, seq, "allreduce", 400, int(enters[r] * NS), int(done * NS), True, sorted(compute), rq[r], rq[r]
+            )
             m.ingest((r, 0), f"n{r}", batch(done, records=[rec]), done)
             exits[r] = done
         t = done
@@ -84,7 +97,7 @@ def test_stopped_rank_is_named_with_its_counter() -> None:
     m = DiagnosisMaster()
     t, _ = run_steps(m, range(20), {0: 0.1, 1: 0.1, 2: 0.1})
     enter = t + 0.1
-    open_ = [G, 20, "allreduce", 400, int(enter * NS), [0, 1, 2]]
+    open_ = opened(G, 20, enter, [0, 1, 2])
     for k in range(10):  # replica 2 stopped after seq 19; the others wait at seq 20
         now = enter + 0.1 * k
         for r in (0, 1):
@@ -101,7 +114,7 @@ def test_departed_member_explains_failed_waits() -> None:
     t, _ = run_steps(m, range(20), {0: 0.1, 1: 0.1, 2: 0.1})
     m.forget(2)
     for r in (0, 1):
-        failed = [G, 20, "allreduce", 400, int(t * NS), int((t + 0.01) * NS), False, [0, 1, 2]]
+        failed = Collective(G, 20, "allreduce", 400, int(t * NS), int((t + 0.01) * NS), False, [0, 1, 2], 0, 0)
         m.ingest((r, 0), f"n{r}", batch(t + 0.02, records=[failed]), t + 0.02)
     assert m.evaluate(t + 5.0) == []
 
@@ -119,12 +132,12 @@ def ring_collectives(m: DiagnosisMaster, seqs: range, dur, recv_late=lambda seq,
                 post = now + step * 0.1
                 rpost = post + recv_late(seq, src, dst, step)
                 done = rpost + dur(seq, src, dst, step)
-                send = [G, seq, "send", dst, step, 1_000_000, int(post * NS), int(done * NS)]
-                recv = [G, seq, "recv", src, step, 1_000_000, int(rpost * NS), int(done * NS)]
+                send = Transfer(G, seq, "send", dst, step, 1_000_000, int(post * NS), int(done * NS))
+                recv = Transfer(G, seq, "recv", src, step, 1_000_000, int(rpost * NS), int(done * NS))
                 m.ingest((src, 0), f"n{src}", batch(now + 1, links=[send]), now + 1)
                 m.ingest((dst, 0), f"n{dst}", batch(now + 1, links=[recv]), now + 1)
         for r in range(3):  # the collective itself, which every member completed
-            rec = [G, seq, "allreduce", 4, int(now * NS), int((now + 0.5) * NS), True, [0, 1, 2]]
+            rec = Collective(G, seq, "allreduce", 4, int(now * NS), int((now + 0.5) * NS), True, [0, 1, 2], 0, 0)
             m.ingest((r, 0), f"n{r}", batch(now + 1, records=[rec]), now + 1)
         verdicts += [(seq, v) for v in m.evaluate(now + 1)]
     return verdicts
@@ -175,7 +188,7 @@ def test_waiting_for_a_computing_peer_is_not_a_slow_link() -> None:
 
 def test_nan_loss_is_a_metric_anomaly_of_that_replica() -> None:
     m = DiagnosisMaster()
-    m.ingest((1, 0), "n1", batch(1.0, steps=[[5, float("nan"), None, None]]), 1.0)
+    m.ingest((1, 0), "n1", batch(1.0, steps=[StepMetrics(5, float("nan"), None, None)]), 1.0)
     vs = m.evaluate(1.0)
     assert [(v.kind, v.culprit.replica, v.evidence["anomaly"]) for v in vs] == [("metric_anomaly", 1, "nonfinite_loss")]
 
@@ -187,13 +200,13 @@ def test_stalled_ring_names_the_link_whose_send_never_finished() -> None:
     # 0 -> 1 is stuck: 0 sleeps in its send (its receive from 2 arrived but is never acknowledged),
     # 1 waits for 0, and 2 waits for 1 one ring step later.
     open_ = {
-        0: [["recv", 2, 1, int(t * NS)], ["send", 1, 1, int(t * NS)]],
-        1: [["recv", 0, 1, int(t * NS)]],
-        2: [["recv", 1, 2, int((t + 0.01) * NS)]],
+        0: [waiting(7, "recv", 2, 1, t), waiting(7, "send", 1, 1, t)],
+        1: [waiting(7, "recv", 0, 1, t)],
+        2: [waiting(7, "recv", 1, 2, t + 0.01)],
     }
     for r in members:
-        rec = [G, 7, "allreduce", 4, int(t * NS), int((t + 0.5) * NS), False, members]
-        m.ingest((r, 0), f"n{r}", batch(t + 0.6, records=[rec], stalls=[[G, 7, open_[r]]]), t + 0.6)
+        rec = Collective(G, 7, "allreduce", 4, int(t * NS), int((t + 0.5) * NS), False, members, 0, 0)
+        m.ingest((r, 0), f"n{r}", batch(t + 0.6, records=[rec], stalls=[Stall(G, 7, open_[r], True)]), t + 0.6)
     verdicts = m.evaluate(t + 0.6)
     hang = [v for v in verdicts if v.kind == "comm_hang"]
     assert hang and hang[0].culprit.link == (0, 1) and hang[0].culprit.replica == 0
@@ -205,13 +218,14 @@ def stalled_collective(deadline: dict[int, bool]) -> list:
     m = DiagnosisMaster()
     t = 50.0
     open_ = {
-        0: [["send", 1, 0, int(t * NS)]],
-        1: [["recv", 0, 0, int(t * NS)], ["send", 2, 0, int(t * NS)]],
-        2: [["recv", 1, 1, int((t + 0.01) * NS)], ["send", 0, 1, int((t + 0.01) * NS)]],
+        0: [waiting(7, "send", 1, 0, t)],
+        1: [waiting(7, "recv", 0, 0, t), waiting(7, "send", 2, 0, t)],
+        2: [waiting(7, "recv", 1, 1, t + 0.01), waiting(7, "send", 0, 1, t + 0.01)],
     }
     for r in (0, 1, 2):
-        rec = [G, 7, "allreduce", 4, int(t * NS), int((t + 0.5) * NS), False if deadline[r] else None, [0, 1, 2]]
-        m.ingest((r, 0), f"n{r}", batch(t + 0.6, records=[rec], stalls=[[G, 7, open_[r], deadline[r]]]), t + 0.6)
+        ok = False if deadline[r] else None
+        rec = Collective(G, 7, "allreduce", 4, int(t * NS), int((t + 0.5) * NS), ok, [0, 1, 2], 0, 0)
+        m.ingest((r, 0), f"n{r}", batch(t + 0.6, records=[rec], stalls=[Stall(G, 7, open_[r], deadline[r])]), t + 0.6)
     return [v for v in m.evaluate(t + 0.6) if v.kind == "comm_hang"]
 
 
@@ -235,17 +249,17 @@ def test_a_restarted_rank_in_its_cold_first_step_is_not_blamed_until_it_has_warm
 
     def cold_step(done: float, seq: int) -> list:
         """Replicas 0 and 1 wait at ``seq`` of epoch 2 while replica 2 computes its first step."""
-        open_ = [g2, seq, "allreduce", 400, int(done * NS), [0, 1, 2]]
+        open_ = opened(g2, seq, done, [0, 1, 2])
         for r in (0, 1):
             m.ingest((r, 0), f"n{r}", batch(done + 3.0, open_=open_), done + 3.0)
         m.ingest((2, 0), "n2", batch(done + 3.0), done + 3.0)  # alive, computing: telemetry flows
         return m.evaluate(done + 3.0)
 
-    catch_up = [[g2, 0, "allreduce", 400, int(t * NS), int((t + 0.01) * NS), True, [0, 1, 2], 0, 0]]
+    catch_up = [Collective(g2, 0, "allreduce", 400, int(t * NS), int((t + 0.01) * NS), True, [0, 1, 2], 0, 0)]
     for r in (0, 1, 2):
         m.ingest((r, 0), f"n{r}", batch(t + 0.01, records=catch_up), t + 0.01)
     assert cold_step(t + 0.01, 1) == []  # its one collective so far was the catch-up
-    second = [[g2, 1, "allreduce", 400, int((t + 3.1) * NS), int((t + 3.2) * NS), True, [0, 1, 2], 0, 0]]
+    second = [Collective(g2, 1, "allreduce", 400, int((t + 3.1) * NS), int((t + 3.2) * NS), True, [0, 1, 2], 0, 0)]
     for r in (0, 1, 2):
         m.ingest((r, 0), f"n{r}", batch(t + 3.2, records=second), t + 3.2)
     vs = cold_step(t + 3.2, 2)  # warmed up: holding the others up now is a hang
@@ -357,7 +371,7 @@ def test_a_replica_leaving_the_exchange_sooner_is_no_slowdown() -> None:
         for r in range(3):
             leaves = start + (0.02 if r == 1 and seq >= 40 else 0.05)
             enter = start + (0.001 if r == 0 else 0.0)
-            rec = [G, seq, "allreduce", 400, int(enter * NS), int(leaves * NS), True, [0, 1, 2], 0, 0]
+            rec = Collective(G, seq, "allreduce", 400, int(enter * NS), int(leaves * NS), True, [0, 1, 2], 0, 0)
             m.ingest((r, 0), f"n{r}", batch(start + 0.05, records=[rec]), start + 0.05)
         verdicts += m.evaluate(start + 0.05)
     assert verdicts == []

@@ -4,6 +4,7 @@ token. The server is real (loopback); the job is a written event log."""
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -45,6 +46,11 @@ def _write_job(run_dir: Path) -> None:
     log.emit(ev.ReplicaState(t=t + 8, replica=1, old="recovering", new="catching_up", reason="behind"))
     log.emit(ev.ReplicaState(t=t + 9, replica=1, old="catching_up", new="training", reason="caught up"))
     log.emit("verdict", culprit={"replica": 0}, confidence=0.9, **{"class": "straggler"})
+    for step in (10, 20):
+        log.emit(ev.CheckpointSaved(t=t + step, replica=0, rank=0, step=step, stall_s=0.003, nbytes=1000))
+    log.emit(ev.CheckpointPersisted(t=t + 11, replica=0, rank=0, step=10, ok=True, persist_s=0.4, nbytes=1000))
+    log.emit(ev.CheckpointPersisted(t=t + 21, replica=0, rank=0, step=20, ok=False, persist_s=0.0, nbytes=1000))
+    log.emit(ev.CaughtUp(t=t + 8.5, replica=1, rank=0, step=6, seconds=0.7, nbytes=5000))
     log.close()
     for r in (0, 1):
         rows = [{"t": t + 1 + s, "step": s, "loss": 4.0 - s / 10, "committed": True, "step_s": 0.5} for s in range(10)]
@@ -85,6 +91,15 @@ def test_metrics_follow_prometheus_names_and_count_what_the_events_say(server: O
     assert samples['unbroken_recovery_seconds_bucket{le="5"}'] == 1
     assert 0 < samples["unbroken_goodput_ratio"] <= 1
     assert samples['unbroken_lost_replica_seconds{category="catch_up"}'] == pytest.approx(1.0)
+    assert samples["unbroken_checkpoint_stall_seconds_count"] == 2
+    assert samples['unbroken_checkpoint_stall_seconds_bucket{le="0.005"}'] == 2
+    assert samples["unbroken_checkpoint_snapshot_bytes_total"] == 2000
+    assert samples['unbroken_checkpoint_persists_total{outcome="ok"}'] == 1
+    assert samples['unbroken_checkpoint_persists_total{outcome="failed"}'] == 1
+    assert samples["unbroken_checkpoint_persisted_bytes_total"] == 1000  # the failed write's are not on disk
+    assert samples["unbroken_checkpoint_persist_seconds_sum"] == pytest.approx(0.4)
+    assert samples["unbroken_catch_up_transfer_seconds_sum"] == pytest.approx(0.7)
+    assert samples["unbroken_catch_up_bytes_total"] == 5000
 
 
 def test_the_state_shows_the_replicas_history_and_the_timeline(server: ObserveServer) -> None:
@@ -122,3 +137,12 @@ def test_a_restarted_replica_redoing_steps_does_not_draw_backwards(tmp_path: Pat
         f.write(', "loss": 0.7, "committed": true, "step_s": 0.1}\n')
     view.refresh()
     assert view.points[0][-1][:2] == (3, 0.7)
+
+
+def test_every_metric_the_sample_grafana_dashboard_plots_is_served(server: ObserveServer) -> None:
+    dashboard = Path(__file__).parents[3] / "docs" / "grafana-dashboard.json"
+    exprs = [t["expr"] for p in json.loads(dashboard.read_text())["panels"] for t in p.get("targets", [])]
+    plotted = {m for e in exprs for m in re.findall(r"unbroken_\w+", e)}
+    _, body = _get(f"http://{server.address}/metrics", server.token)
+    served = {line.split("{")[0].split(" ")[0] for line in body.decode().splitlines() if line[:1] != "#"}
+    assert plotted and plotted <= served, sorted(plotted - served)

@@ -17,6 +17,13 @@ def test_buckets_follow_reverse_parameter_order_up_to_the_cap() -> None:
     assert sorted(i for b in _buckets(params, 1) for i in b) == list(range(5))  # each alone, none lost
 
 
+def test_the_first_bucket_is_small_so_the_exchange_starts_early() -> None:
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (100, 50, 50, 300, 10)]
+    # A first bucket of 40 floats holds only the last parameter; the rest fill 1,600-byte buckets.
+    assert _buckets(params, 1600, first_cap_bytes=160) == [[4], [3, 2, 1], [0]]
+    assert _buckets(params, 1600, first_cap_bytes=1600) == _buckets(params, 1600)
+
+
 def test_busy_seconds_counts_overlapping_sums_once() -> None:
     def sum_(started: float, finished: float | None) -> PendingSum:
         p = PendingSum(0, None)

@@ -28,10 +28,11 @@ class Config:
 
 
 class FakeManager:
-    """What resume/save_if_due use of a Manager: its config, step and state."""
+    """What resume/save_if_due use of a Manager: its config, step, state and flight recorder."""
 
     def __init__(self, config: Config, writes: bool = False) -> None:
         self.config = config
+        self.recorder = None  # UNBROKEN_RECORDER=0: no telemetry, so no checkpoint costs to report
         self.step = 0
         self.weight = torch.zeros(8)
         self.writes_checkpoints = writes
