@@ -208,7 +208,9 @@ class SimReplica:
     async def run(self) -> None:
         plan = self.plan
         beats = asyncio.create_task(self.heartbeats())
-        for k in range(plan.steps):
+        k = -1
+        while k + 1 < plan.steps:
+            k += 1
             self.bytes_at.append(self.bytes_in)
             if self.replica == plan.victim and plan.disconnect_step is not None and plan.rejoin_step is not None:
                 if k == plan.disconnect_step:
@@ -226,6 +228,14 @@ class SimReplica:
                     await self.ask(self.step)
                     continue
             await _until(plan.step_start(k) + self.offset)
+            # Late (its last answer came after this step's time): its peers, which a real
+            # exchange would have held back, have moved on in this simulation; it asks for the
+            # step the schedule is at, as a replica kept in step by its exchange would. Asking
+            # for an older one would be a state that went back (and is evicted as one).
+            now = min(int((time.monotonic() - plan.t0) / plan.step_time), plan.steps - 1)
+            if now > k and self.replica != plan.victim:
+                self.bytes_at.extend([self.bytes_in] * (now - k))
+                k = now
             self.step = max(self.step, k)
             await self.ask(self.step)
         self.closed = True
@@ -239,6 +249,7 @@ class SimReplica:
             "connects": self.connects,
             "bytes_in": self.bytes_in,
             "bytes_at": self.bytes_at,
+            "heartbeat_s": self.heartbeat_s,
         }
 
 

@@ -345,6 +345,9 @@ class Welcome:
 
 @dataclasses.dataclass(frozen=True)
 class QuorumAnswer:
+    """A full quorum answer's fields; the coordinator sends it pre-encoded (:func:`answer_tail`),
+    with ``transfer_addrs`` holding only a behind replica's donor (nobody else fetches)."""
+
     id: int
     decision: dict[str, Any]
     transfer_addrs: dict[str, str]
