@@ -745,6 +745,7 @@ class Coordinator:
         )
         if req.failed_epoch is not None:
             self.events.emit(ev.ExchangeFailed(replica=req.replica, epoch=req.failed_epoch, step=req.step))
+        newcomer = cur is None or req.replica not in cur.member_set
         answer, formed = self.quorum.request(req, time.monotonic())
         if answer is not None:
             self._reply(answer, {req.replica: ranks})
@@ -752,7 +753,8 @@ class Coordinator:
             self.pending[conn.replica] = ranks
         self._deliver(formed)
         self._push_aborts()
-        self._hint_donors()
+        if newcomer:  # only a newcomer's request changes the forecast: no scan of the members on every request
+            self._hint_donors()
 
     def _hint_donors(self) -> None:
         """Tells each member about to serve a newcomer, once, so it snapshots at its next step start.
@@ -762,9 +764,6 @@ class Coordinator:
         transfer then spans that step and part of the next, which every member waits for.
         """
         epoch = self.quorum.epoch  # a forecast exists only while a decision stands
-        cur = self.quorum.current
-        if cur is None or all(r in cur.member_set or self._hinted.get(r) == epoch for r in self.quorum.waiting):
-            return  # nobody new to hint: no forecast (a scan of the members) on every request
         for joiner, donor in self.quorum.upcoming_donors().items():
             if self._hinted.get(joiner) == epoch:
                 continue
