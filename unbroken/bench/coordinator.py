@@ -87,6 +87,8 @@ def _start_coordinator(size: int, state_dir: Path, port: int, standby: bool) -> 
         str(size + 64),
         "--heartbeat-timeout",
         "10",
+        "--secret-file",  # the bench's own, whatever UNBROKEN_SECRET_FILE says
+        str(state_dir / secret_file.SECRET_NAME),
     ]
     if standby:
         args.append("--standby")
