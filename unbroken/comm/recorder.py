@@ -74,7 +74,8 @@ class FlightRecorder:
         self.open_links: dict[tuple[str, int], Transfer] = {}
         self.monitors: dict[tuple[str, int], WindowMonitor] = {}
         self.step = 0
-        self.run_queue = RunQueueWait()
+        self.run_queue = RunQueueWait()  # the training thread's
+        self.ring_run_queue = RunQueueWait()  # the ring's thread's (a slow link or a busy host?)
         self.members: list[int] = []
         self.group = ""
         self.link_fault = link_fault
@@ -125,7 +126,8 @@ class FlightRecorder:
         rec = self.open
         seq = rec.seq if rec else -1
         replica = self.members[peer] if peer < len(self.members) else peer
-        entry = Transfer(self.group, seq, direction, replica, step, nbytes, time.monotonic_ns(), 0)
+        rq = self.ring_run_queue.read() if direction == "recv" else 0  # only a receiver's wait is used
+        entry = Transfer(self.group, seq, direction, replica, step, nbytes, time.monotonic_ns(), 0, rq, rq)
         self.open_links[(direction, step)] = entry
         return step
 
@@ -134,6 +136,8 @@ class FlightRecorder:
         if entry is None:
             return
         entry.done_ns = time.monotonic_ns()
+        if direction == "recv":
+            entry.rq_done_ns = self.ring_run_queue.read()
         self._links.append(entry)
         # At most a send and a receive are open at once: the sum is two additions. The window
         # monitors are fed from the connection thread (:meth:`batch`), off the exchange's path.

@@ -114,7 +114,7 @@ class DiagnosisMaster:
         self.cadence: dict[int, deque[float]] = {}
         self._last_start: dict[int, float] = {}
         self.cells: dict[tuple[int, int], deque[float]] = {}
-        self._halves: dict[tuple[Any, ...], tuple[float, float, int]] = {}
+        self._halves: dict[tuple[Any, ...], tuple[float, float, int, float]] = {}
         self.detectors: dict[Ident, MetricDetector] = {}
         self._pending_metric: list[Verdict] = []
         self._link_streak: tuple[Any, int, int] = (None, 0, -1)
@@ -187,6 +187,7 @@ class DiagnosisMaster:
                 t.post_ns / 1e9 + to_c,
                 t.done_ns / 1e9 + to_c,
                 t.nbytes,
+                max(0, t.rq_done_ns - t.rq_post_ns) / 1e9,
             )
         for stall in batch.stalls:
             got = self.stalls.setdefault((stall.group, stall.seq, rank), {})
@@ -270,25 +271,44 @@ class DiagnosisMaster:
         self.last.setdefault(rank, deque(maxlen=self.s.straggler_window)).append(max(got, key=lambda k: got[k][0]))
 
     def _link_half(
-        self, group: str, seq: int, step: int, direction: str, me: int, peer: int, post: float, done: float, nbytes: int
+        self,
+        group: str,
+        seq: int,
+        step: int,
+        direction: str,
+        me: int,
+        peer: int,
+        post: float,
+        done: float,
+        nbytes: int,
+        queued_s: float = 0.0,
     ) -> None:
+        """One side of a transfer; with the other side, one time per MB for its link's cell.
+
+        ``queued_s``: how long this side's thread waited for a CPU during the transfer. The
+        receiver's is subtracted: data that arrived while its thread waited for a CPU held by
+        other processes waited on the machine, not on the wire.
+        """
         if seq < self.s.link_warmup:
             return
         src, dst = (me, peer) if direction == "send" else (peer, me)
         key = (group, seq, step, src, dst)
         other = self._halves.pop(key, None)
         if other is None:
-            self._halves[key] = (post, done, nbytes)
+            self._halves[key] = (post, done, nbytes, queued_s)
             if len(self._halves) > 512:
                 self._halves.pop(next(iter(self._halves)))
             return
-        recv_post, recv_done, send_post = (post, done, other[0]) if direction == "recv" else (*other[:2], post)
+        if direction == "recv":
+            recv_post, recv_done, recv_queued, send_post = post, done, queued_s, other[0]
+        else:
+            recv_post, recv_done, recv_queued, send_post = other[0], other[1], other[3], post
         if recv_post > send_post:
             # The receiver came late (it was still busy): the data was not waiting on the wire but
             # on the receiver, and a busy receiver's slow wake-up is its own (measured on 2 shared
             # cores: these transfers' fastest quarter is 2x that of the ones a receiver awaited).
             return
-        seconds = max(0.0, recv_done - send_post)
+        seconds = max(0.0, recv_done - send_post - recv_queued)
         mb = max(nbytes, 1) / 1e6
         self.cells.setdefault((src, dst), deque(maxlen=self.s.link_window)).append(seconds / mb)
 

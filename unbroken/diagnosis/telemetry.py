@@ -89,7 +89,12 @@ class Collective:
 
 @dataclasses.dataclass(slots=True)
 class Transfer:
-    """One ring transfer to or from a peer replica (``done_ns`` 0 while it is open)."""
+    """One ring transfer to or from a peer replica (``done_ns`` 0 while it is open).
+
+    ``rq_post_ns``/``rq_done_ns``: the ring thread's cumulative run-queue wait when the transfer
+    was posted and when it finished; their difference is time the data may have waited for a
+    CPU on this machine rather than on the wire (a busy host is not a slow link).
+    """
 
     group: str
     seq: int
@@ -99,6 +104,8 @@ class Transfer:
     nbytes: int
     post_ns: int
     done_ns: int
+    rq_post_ns: int = 0
+    rq_done_ns: int = 0
 
     def to_row(self) -> list[Any]:
         return [
@@ -110,11 +117,13 @@ class Transfer:
             self.nbytes,
             self.post_ns,
             self.done_ns,
+            self.rq_post_ns,
+            self.rq_done_ns,
         ]
 
     @classmethod
     def from_row(cls, row: Any) -> Transfer:
-        group, seq, direction, peer, ring_step, nbytes, post_ns, done_ns = _row(row, 8, "transfer")
+        group, seq, direction, peer, ring_step, nbytes, post_ns, done_ns, rq_post, rq_done = _row(row, 10, "transfer")
         if direction not in DIRECTIONS:
             raise TelemetryError(f"a transfer's direction must be send or recv, got {direction!r:.40}")
         return cls(
@@ -126,6 +135,8 @@ class Transfer:
             nbytes=_int(nbytes, "nbytes"),
             post_ns=_int(post_ns, "post_ns"),
             done_ns=_int(done_ns, "done_ns"),
+            rq_post_ns=_int(rq_post, "rq_post_ns"),
+            rq_done_ns=_int(rq_done, "rq_done_ns"),
         )
 
 

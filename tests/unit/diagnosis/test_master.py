@@ -119,9 +119,16 @@ def test_departed_member_explains_failed_waits() -> None:
     assert m.evaluate(t + 5.0) == []
 
 
-def ring_collectives(m: DiagnosisMaster, seqs: range, dur, recv_late=lambda seq, src, dst, step: 0.0) -> list:
+def ring_collectives(
+    m: DiagnosisMaster,
+    seqs: range,
+    dur,
+    recv_late=lambda seq, src, dst, step: 0.0,
+    queued=lambda seq, src, dst, step: 0.0,
+) -> list:
     """Ring all-reduces of 3 replicas; ``dur(seq, src, dst, step)`` is a transfer's time on the wire
-    and ``recv_late`` how long after the sender the receiver posted (it was still computing)."""
+    and ``recv_late`` how long after the sender the receiver posted (it was still computing);
+    ``queued`` is added to the transfer's time as the receiving thread's wait for a CPU."""
     verdicts = []
     for seq in seqs:
         now = 10.0 + seq
@@ -131,9 +138,12 @@ def ring_collectives(m: DiagnosisMaster, seqs: range, dur, recv_late=lambda seq,
             for step in range(4):
                 post = now + step * 0.1
                 rpost = post + recv_late(seq, src, dst, step)
-                done = rpost + dur(seq, src, dst, step)
+                q = queued(seq, src, dst, step)
+                done = rpost + dur(seq, src, dst, step) + q
                 send = Transfer(G, seq, "send", dst, step, 1_000_000, int(post * NS), int(done * NS))
-                recv = Transfer(G, seq, "recv", src, step, 1_000_000, int(rpost * NS), int(done * NS))
+                recv = Transfer(
+                    G, seq, "recv", src, step, 1_000_000, int(rpost * NS), int(done * NS), 5, 5 + int(q * NS)
+                )
                 m.ingest((src, 0), f"n{src}", batch(now + 1, links=[send]), now + 1)
                 m.ingest((dst, 0), f"n{dst}", batch(now + 1, links=[recv]), now + 1)
         for r in range(3):  # the collective itself, which every member completed
@@ -178,6 +188,17 @@ def test_scheduling_noise_on_a_busy_host_is_no_slow_link() -> None:
 def test_one_slow_burst_is_no_verdict() -> None:
     wire = lambda seq, a, b, step: 0.001 * (20.0 if (a, b) == (0, 1) and 40 <= seq < 42 else 1.0)  # noqa: E731
     assert ring_collectives(DiagnosisMaster(), range(80), wire) == []
+
+
+def test_a_receiver_waiting_for_a_cpu_is_a_busy_host_not_a_slow_link() -> None:
+    """Seen in bench cluster's clean run on a loaded machine: one link's transfers took 4x as
+    long, every extra millisecond spent by the receiving thread in the run queue."""
+    busy = lambda seq, a, b, step: 0.003 if (a, b) == (1, 2) and seq >= 30 else 0.0  # noqa: E731
+    assert ring_collectives(DiagnosisMaster(), range(60), lambda *_: 0.001, queued=busy) == []
+    # The same delays on the wire (the thread was asleep in recv, not queued) are a slow link.
+    wire = lambda seq, a, b, step: 0.001 + busy(seq, a, b, step)  # noqa: E731
+    verdicts = ring_collectives(DiagnosisMaster(), range(60), wire)
+    assert verdicts and verdicts[0][1].culprit.link == (1, 2)
 
 
 def test_waiting_for_a_computing_peer_is_not_a_slow_link() -> None:

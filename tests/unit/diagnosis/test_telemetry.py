@@ -75,7 +75,7 @@ GOOD = Collective("g", 1, "allreduce", 8, 1, 2, True, [0, 1], 0, 0).to_row()
         ("member", {"now_ns": 1, "records": [[*GOOD[:7], [0, -1], 0, 0]]}),
         ("group", {"now_ns": 1, "records": [["g" * 1000, *GOOD[1:]]]}),
         ("records", {"now_ns": 1, "records": [GOOD] * (MAX_ROWS + 1)}),
-        ("direction", {"now_ns": 1, "links": [["g", 1, "sideways", 0, 0, 8, 1, 2]]}),
+        ("direction", {"now_ns": 1, "links": [["g", 1, "sideways", 0, 0, 8, 1, 2, 0, 0]]}),
         ("loss", {"now_ns": 1, "steps": [[1, "nan", None, None]]}),
         ("memory", {"now_ns": 1, "memory": float("inf")}),
         ("deadline_passed", {"now_ns": 1, "stalls": [["g", 1, [], "no"]]}),
