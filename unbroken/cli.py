@@ -36,6 +36,7 @@ BENCHMARKS: dict[str, str] = {
     "auth": "unbroken.bench.auth:auth",
     "cluster": "unbroken.bench.cluster:cluster",
     "metrics": "unbroken.bench.metrics:metrics",
+    "coordinator": "unbroken.bench.coordinator:coordinator",
 }
 
 

@@ -83,6 +83,14 @@ def parse_host_port(value: str, what: str = "address") -> tuple[str, int]:
     return host, int(port)
 
 
+def parse_host_ports(value: str, what: str = "address") -> list[tuple[str, int]]:
+    """Parses ``HOST:PORT[,HOST:PORT...]``: a coordinator and its standbys, tried in turn."""
+    parts = [p.strip() for p in value.split(",")]
+    if not value.strip() or any(not p for p in parts):
+        raise ConfigError(f"{what} must be HOST:PORT or a comma-separated list of them, got {value!r}")
+    return [parse_host_port(p, what) for p in parts]
+
+
 def _environ(env: Mapping[str, str] | None) -> Mapping[str, str]:
     return os.environ if env is None else env
 
@@ -266,7 +274,7 @@ class ReplicaConfig:
     resume_step: int | None = None
 
     def __post_init__(self) -> None:
-        parse_host_port(self.coordinator, ENV_COORDINATOR)
+        parse_host_ports(self.coordinator, ENV_COORDINATOR)
         if self.num_replicas < 1:
             raise ConfigError(f"{ENV_NUM_REPLICAS} must be >= 1, got {self.num_replicas}")
         if self.replica_id < 0:

@@ -168,7 +168,9 @@ class Processes:
         self.procs.append(p)
         return p
 
-    def coordinator(self, port: int, replicas: int, min_replicas: int, state_dir: Path) -> subprocess.Popen[bytes]:
+    def coordinator(
+        self, port: int, replicas: int, min_replicas: int, state_dir: Path, *extra: str
+    ) -> subprocess.Popen[bytes]:
         return self.start(
             [
                 sys.executable,
@@ -185,8 +187,9 @@ class Processes:
                 str(state_dir),
                 "--startup-window",
                 "3",
+                *extra,
             ],
-            "coordinator",
+            "coordinator" + "".join(extra),
         )
 
     def worker(self, replica: int, coordinator: str, replicas: int, steps: int) -> subprocess.Popen[bytes]:

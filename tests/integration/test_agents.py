@@ -59,11 +59,17 @@ def alive(pid: int) -> bool:
 class Cluster:
     """A coordinator and agents started by hand, as `srun` would on a cluster."""
 
-    def __init__(self, ps: Processes, run_dir: Path, replicas: int, min_replicas: int) -> None:
+    def __init__(self, ps: Processes, run_dir: Path, replicas: int, min_replicas: int, standby: bool = False) -> None:
         self.ps, self.run_dir = ps, run_dir
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         ps.coordinator(self.port, replicas, min_replicas, run_dir)
+        if standby:  # on the same state directory, at its own port; agents and workers get both
+            log = ps.run_dir / "coordinator.log"  # the active one first: it must hold the state directory
+            wait_until("the coordinator to listen", lambda: log.exists() and b"listening on" in log.read_bytes())
+            port = free_port()
+            self.standby = ps.coordinator(port, replicas, min_replicas, run_dir, "--standby")
+            self.address += f",127.0.0.1:{port}"
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
 
     def agent_args(self, node: str, slots: int = 1) -> list[str]:
@@ -171,6 +177,39 @@ def test_a_second_agent_with_the_same_node_name_is_refused(tmp_path: Path) -> No
         twin = subprocess.run(cluster.agent_args("a") + sleep, env=python_env(), capture_output=True, timeout=60)
     assert twin.returncode == 2
     assert b"an agent for node 'a' is already connected" in twin.stderr
+
+
+def test_a_standby_takes_over_when_the_coordinator_is_killed(tmp_path: Path) -> None:
+    # kill -9 of the active coordinator mid-run; the standby on the same state directory takes
+    # over, the agents and workers (given both addresses) find it by themselves: no worker is
+    # restarted, no committed step is lost, no epoch is issued twice, the replicas end equal.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with Processes(tmp_path) as ps:
+        cluster = Cluster(ps, run_dir, replicas=2, min_replicas=1, standby=True)
+        cluster.agent("a", steps=60)
+        cluster.agent("b", steps=60)
+        wait_for_step(run_dir, 0, 8, timeout=90)
+        active = ps.procs[0]
+        os.killpg(active.pid, signal.SIGKILL)
+        active.wait()
+        killed = time.time()
+        cluster.wait_agents(["a", "b"])
+    for node, replica in (("a", 0), ("b", 1)):
+        assert [e["running"] for e in cluster.agent_events(node, "coordinator_reconnected")] == [[replica]]
+        assert [e["replica"] for e in cluster.agent_events(node, "process_started")] == [replica]  # never restarted
+    quorums = cluster.events("quorum")
+    epochs = [q["epoch"] for q in quorums]
+    assert epochs == sorted(epochs) and len(set(epochs)) == len(epochs), "an epoch was issued twice"
+    before = [q for q in quorums if q["t"] < killed]
+    after = [q for q in quorums if q["t"] > killed]
+    assert before and after, "the standby formed no epoch"
+    assert after[0]["members"] == [0, 1] and after[0]["behind"] == []  # nobody went back to catch up
+    assert after[0]["step"] >= max(q["step"] for q in before)
+    print(f"takeover: the standby's first epoch {after[0]['t'] - killed:.2f}s after the kill")
+    finals = load_finals(run_dir, [0, 1])
+    assert finals[0]["step"] == 60
+    assert_identical(finals)
 
 
 def test_agents_and_workers_ride_out_a_coordinator_restart(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from unbroken.config import parse_host_port
+from unbroken.config import parse_host_ports
 from unbroken.control import protocol
 from unbroken.control.quorum import QuorumDecision
 from unbroken.diagnosis.telemetry import TelemetryBatch
@@ -36,17 +36,26 @@ from unbroken.wire.auth import AuthError, JobSecret, Session
 log = logging.getLogger(__name__)
 
 MAX_BAD_LINES = 20
+# The heartbeat period a coordinator may ask for: never a flood, never so slow that a timeout
+# configured on the coordinator's side could not be met.
+MIN_HEARTBEAT_S, MAX_HEARTBEAT_S = 0.05, 5.0
 
 
 class CoordinatorUnreachable(ConnectionError):
     """The coordinator could not be reached within the configured time."""
 
 
+class OutOfStep(ConnectionError):
+    """A short quorum answer this connection cannot complete: it is dropped, and re-asks in full."""
+
+
 class CoordinatorClient:
     """A persistent, self-healing connection to the coordinator.
 
     Args:
-        address: ``HOST:PORT`` of the coordinator.
+        address: ``HOST:PORT`` of the coordinator, or a comma-separated list of them: the
+            active coordinator and its standbys (``unbroken coordinator --standby``), tried in
+            turn until one answers; after a loss, the one that answered last is tried first.
         secret: the job's secret (:meth:`JobSecret.required` reads the one a worker was started with).
         hello: identity sent on every (re)connection: replica, rank, world_size, transfer_addr...
         on_abort: called from the connection thread with the epoch to abort.
@@ -70,7 +79,8 @@ class CoordinatorClient:
     ) -> None:
         if not isinstance(secret, JobSecret):
             raise TypeError("CoordinatorClient needs the job's JobSecret (there is no unauthenticated mode)")
-        self.host, self.port = parse_host_port(address, "coordinator address")
+        self.addresses = parse_host_ports(address, "coordinator address")
+        self.host, self.port = self.addresses[0]  # the one connected to (or tried) last
         self.secret = secret
         self.hello = dict(hello)
         self.on_abort = on_abort
@@ -86,6 +96,7 @@ class CoordinatorClient:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._session: Session | None = None  # the MAC state of self._sock, replaced with it
+        self._last_answer: dict[str, Any] | None = None  # this connection's last full quorum answer
         self._connected = threading.Event()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="unbroken-coordinator", daemon=True)
@@ -135,7 +146,14 @@ class CoordinatorClient:
     def _connect(self) -> tuple[socket.socket, Session] | None:
         deadline = time.monotonic() + self.reconnect_timeout_s
         delay = 0.05
-        while not self._closed.is_set() and time.monotonic() < deadline:
+        # With standbys, a refused address is the next one's cue: the wait between rounds stays
+        # short, so a takeover is noticed within a fraction of a second.
+        max_delay = 1.0 if len(self.addresses) == 1 else 0.1
+        first = self.addresses.index((self.host, self.port))
+        for attempt in itertools.count():
+            if self._closed.is_set() or time.monotonic() >= deadline:
+                break
+            self.host, self.port = self.addresses[(first + attempt) % len(self.addresses)]
             try:
                 sock, session = protocol.connect(self.host, self.port, self.secret, timeout=5.0)
                 sock.settimeout(None)
@@ -146,8 +164,9 @@ class CoordinatorClient:
                 log.warning("the coordinator at %s:%d did not authenticate (%s); retrying", self.host, self.port, e)
             except OSError:
                 pass
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            if (attempt + 1) % len(self.addresses) == 0:  # every address tried once: wait, then again
+                time.sleep(delay)
+                delay = min(delay * 2, max_delay)
         return None
 
     def _run(self) -> None:
@@ -161,6 +180,7 @@ class CoordinatorClient:
                 )
                 return
             sock, session = connected
+            self._last_answer = None  # a short answer completes only one from the same connection
             with self._lock:
                 self._sock, self._session = sock, session
                 resend = [m for (m, _) in self._pending.values()]
@@ -205,6 +225,9 @@ class CoordinatorClient:
                     except AuthError as e:
                         log.warning("a line from the coordinator failed its MAC (%s): reconnecting", e)
                         return
+                    except OutOfStep as e:
+                        log.warning("%s: reconnecting", e)
+                        return
                     if not ok:
                         bad += 1
                         if bad >= MAX_BAD_LINES:
@@ -222,7 +245,7 @@ class CoordinatorClient:
         """Handles one line; False (logged, skipped) if it is malformed; AuthError if forged."""
         try:
             self._handle(protocol.decode(line, session))
-        except AuthError:
+        except (AuthError, OutOfStep):
             raise
         except (ValueError, TypeError, KeyError, OverflowError) as e:
             log.warning("malformed line from the coordinator skipped (%s): %r", e, line[:80])
@@ -237,9 +260,17 @@ class CoordinatorClient:
             if not isinstance(msg.get("store"), str):
                 raise ValueError("a welcome without a store address")
             self.store_address = msg["store"]
+            period = protocol.seconds(msg, "heartbeat_s", None)
+            if period is not None:  # the coordinator's pace for a job of its size
+                self.heartbeat_s = min(max(period, MIN_HEARTBEAT_S), MAX_HEARTBEAT_S)
             self._connected.set()
         elif op == "quorum":
+            try:
+                msg = protocol.expand_answer(msg, self._last_answer)
+            except ValueError as e:
+                raise OutOfStep(str(e)) from e
             _check_decision(msg.get("decision"))
+            self._last_answer = msg
             store = msg.get("store", self.store_address)
             if not isinstance(store, str):
                 raise ValueError("a store address that is no string")

@@ -33,6 +33,7 @@ from unbroken.config import anomaly_policy
 from unbroken.control import protocol
 from unbroken.control.assignment import Assignment
 from unbroken.control.groups import MAX_NODES_PER_REPLICA, GroupLaunch, advertised_address
+from unbroken.control.heartbeat import HeartbeatPlan, plan_heartbeats
 from unbroken.control.quorum import QuorumDecision, QuorumRequest, QuorumRules, QuorumState
 from unbroken.control.setaside import SetAside
 from unbroken.control.state_store import KEEP_EVENTS, StateStore
@@ -75,6 +76,9 @@ class CoordinatorSettings:
         hello_timeout_s: an authenticated connection that has not said who it is (``hello``,
             ``agent_hello``) or asked for ``status`` within this is closed.
         max_world_size: the most ranks a replica may announce.
+        heartbeat_s: how often each rank heartbeats (told in the welcome), while the job is small.
+        max_heartbeats_per_s: heartbeat lines a second the coordinator spends on at most: past
+            it the period and both silences above grow (:mod:`unbroken.control.heartbeat`).
     """
 
     total_replicas: int
@@ -93,6 +97,8 @@ class CoordinatorSettings:
     max_connections: int = 1024
     hello_timeout_s: float = 10.0
     max_world_size: int = 4096
+    heartbeat_s: float = 0.1
+    max_heartbeats_per_s: float = 2000.0
 
 
 # A connection that sends this many malformed messages is not a replica gone astray: it is closed.
@@ -137,17 +143,24 @@ class Coordinator:
         secret: the job's secret; every connection must prove it holds it.
         stacks: how to get a hung rank's stack from its owner (``unbroken run`` passes its
             own); None asks the node agent that runs the replica.
+        lock_fd: the state directory's lock, taken already (a standby taking over).
     """
 
     TICK_S = 0.05
 
-    def __init__(self, settings: CoordinatorSettings, secret: JobSecret, stacks: StackSource | None = None) -> None:
+    def __init__(
+        self,
+        settings: CoordinatorSettings,
+        secret: JobSecret,
+        stacks: StackSource | None = None,
+        lock_fd: int | None = None,
+    ) -> None:
         if not isinstance(secret, JobSecret):
             raise TypeError("the coordinator needs the job's JobSecret (there is no unauthenticated mode)")
         self.settings = settings
         self.secret = secret
         policy = parse_policy(settings.anomaly_policy or anomaly_policy())
-        self.store = StateStore(settings.state_dir, settings.journal_mode, settings.keep_events)
+        self.store = StateStore(settings.state_dir, settings.journal_mode, settings.keep_events, lock_fd=lock_fd)
         try:
             self.events = EventLog(Path(settings.state_dir) / "events.jsonl", "coordinator")
         except BaseException:
@@ -178,10 +191,13 @@ class Coordinator:
         self.setaside = SetAside()  # replicas whose epochs keep failing (cut off from their peers)
         self._held: dict[int, dict[int, tuple[_RankConn, int, int, int | None]]] = {}  # their requests
         self.agents: dict[str, _AgentConn] = {}
+        self.beat = self._plan_heartbeats(settings.total_replicas)
+        self._next_silence_scan = 0.0
         self.finished: set[int] = set()
         self._first_finish: float | None = None
         self._job_finished_sent = False
         self._aborted: dict[int, int] = {}
+        self._aborts_pushed: int | None = None  # the broken epoch whose members were told to abort
         self._hinted: dict[int, int] = {}  # newcomer -> the epoch in which its donor was told
         self._open: set[asyncio.StreamWriter] = set()  # every connection served now
         self.auth_failures = 0  # connections dropped for failing the handshake or a MAC
@@ -477,11 +493,22 @@ class Coordinator:
         )
         ranks = self.replicas.setdefault(replica, {})
         ranks[rank] = conn
-        link.send(protocol.Welcome(store=self._store_for(link), epoch=self.quorum.epoch).to_msg())
+        plan = self._plan_heartbeats(self.settings.total_replicas * world_size)
+        if plan.period_s > self.beat.period_s:  # only ever slower: a rank told the old period is still in time
+            self.beat = plan
+        link.send(
+            protocol.Welcome(
+                store=self._store_for(link), epoch=self.quorum.epoch, heartbeat_s=self.beat.period_s
+            ).to_msg()
+        )
         if len(ranks) == conn.world_size:
             self.quorum.connect(conn.replica)
             self.events.emit(ev.ReplicaConnected(replica=conn.replica, node=conn.node, step=conn.step))
         return conn
+
+    def _plan_heartbeats(self, ranks: int) -> HeartbeatPlan:
+        s = self.settings
+        return plan_heartbeats(ranks, s.heartbeat_s, s.suspect_after_s, s.heartbeat_timeout_s, s.max_heartbeats_per_s)
 
     def _connection_closed(self, conn: _RankConn) -> None:
         ranks = self.replicas.get(conn.replica, {})
@@ -503,7 +530,7 @@ class Coordinator:
             conn.link.close()
         self.pending.pop(replica, None)
         self._held.pop(replica, None)
-        was_member = self.quorum.current is not None and replica in self.quorum.current.members
+        was_member = self.quorum.current is not None and replica in self.quorum.current.member_set
         self.diagnosis.forget(replica)
         self.events.emit(ev.ReplicaEvicted(replica=replica, cause=cause, reason=reason, member=was_member))
         self._deliver(self.quorum.disconnect(replica, time.monotonic()))
@@ -666,7 +693,7 @@ class Coordinator:
         cur = self.quorum.current
         # This very connection trains in the current epoch (a restarted process of a member
         # of it is a newcomer: it asks for the step of its checkpoint, and catches up).
-        member = cur is not None and conn.epoch == cur.epoch and conn.replica in cur.members
+        member = cur is not None and conn.epoch == cur.epoch and conn.replica in cur.member_set
         if cur is not None and member and step < cur.step:
             self._evict(
                 conn.replica,
@@ -718,6 +745,7 @@ class Coordinator:
         )
         if req.failed_epoch is not None:
             self.events.emit(ev.ExchangeFailed(replica=req.replica, epoch=req.failed_epoch, step=req.step))
+        newcomer = cur is None or req.replica not in cur.member_set
         answer, formed = self.quorum.request(req, time.monotonic())
         if answer is not None:
             self._reply(answer, {req.replica: ranks})
@@ -725,7 +753,8 @@ class Coordinator:
             self.pending[conn.replica] = ranks
         self._deliver(formed)
         self._push_aborts()
-        self._hint_donors()
+        if newcomer:  # only a newcomer's request changes the forecast: no scan of the members on every request
+            self._hint_donors()
 
     def _hint_donors(self) -> None:
         """Tells each member about to serve a newcomer, once, so it snapshots at its next step start.
@@ -760,24 +789,49 @@ class Coordinator:
             self._reply(d, waiting)
 
     def _reply(self, d: QuorumDecision, waiting: dict[int, dict[int, tuple[_RankConn, int, int, int | None]]]) -> None:
-        for ranks in waiting.values():
+        """Answers the ranks in ``waiting`` with ``d``.
+
+        A connection already told this epoch gets the short answer (:class:`protocol.QuorumSame`):
+        the fast path costs the same at 5,000 members as at 3. A full answer's text is made once
+        per store address and shared; only a replica that is behind gets a transfer address, its
+        donor's (the one it fetches from), so an epoch's answers do not carry every member's
+        address to every member (at 1,000 members that was 35 KB per answer, 35 MB per epoch).
+        """
+        tails: dict[str, bytes] = {}
+        decision: dict[str, object] | None = None
+        donors = dict(d.donors)
+        for replica, ranks in waiting.items():
             for rank, (conn, req_id, _, _) in ranks.items():
+                if conn.epoch == d.epoch and not d.behind:
+                    conn.link.send(protocol.QuorumSame(id=req_id, same_epoch=d.epoch, step=d.step).to_msg())
+                    continue
                 conn.epoch = d.epoch
-                addrs = {
-                    str(m): self.replicas[m][rank].transfer_addr
-                    for m in d.members
-                    if m in self.replicas and rank in self.replicas[m]
-                }
-                conn.link.send(
-                    protocol.QuorumAnswer(
-                        id=req_id, decision=d.to_json(), transfer_addrs=addrs, store=self._store_for(conn.link)
-                    ).to_msg()
-                )
+                store = self._store_for(conn.link)
+                decision = decision or d.to_json()
+                donor = donors.get(replica)
+                if donor is not None:  # its own answer: the address of its donor's rank of the same index
+                    peer = self.replicas.get(donor, {}).get(rank)
+                    addrs = {str(donor): peer.transfer_addr} if peer is not None else {}
+                    conn.link.send_payload(
+                        protocol.answer_payload(req_id, protocol.answer_tail(decision, addrs, store))
+                    )
+                    continue
+                tail = tails.get(store)
+                if tail is None:
+                    tail = tails[store] = protocol.answer_tail(decision, {}, store)
+                conn.link.send_payload(protocol.answer_payload(req_id, tail))
 
     def _push_aborts(self) -> None:
+        """Tells every member still in the broken epoch's exchange to abort it, once per epoch.
+
+        Once: the members of a broken epoch only leave it, never join it, so after the first push
+        every later call would scan the whole membership (on each request while forming) to
+        find nobody.
+        """
         cur = self.quorum.current
-        if cur is None:
+        if cur is None or not self.quorum.broken or self._aborts_pushed == cur.epoch:
             return
+        self._aborts_pushed = cur.epoch
         for replica in self.quorum.in_flight_members():
             if self._aborted.get(replica) == cur.epoch:
                 continue
@@ -808,19 +862,10 @@ class Coordinator:
                     f"no heartbeat for {2 * self.settings.heartbeat_timeout_s:.1f}s",
                 )
         self._check_job_finished()
-        suspects = set()
-        for replica, ranks in list(self.replicas.items()):
-            if any(c.finished for c in ranks.values()):
-                continue
-            quiet = max((now - c.last_heartbeat for c in ranks.values()), default=0.0)
-            if quiet > self.settings.heartbeat_timeout_s:
-                self._evict(
-                    replica,
-                    ev.EvictCause.NO_HEARTBEAT,
-                    f"silent for {self.settings.heartbeat_timeout_s:.1f}s (hung or stopped)",
-                )
-            elif quiet > self.settings.suspect_after_s:
-                suspects.add(replica)
+        suspects = self.quorum.silent & self.quorum.alive
+        if now >= self._next_silence_scan:  # a scan of every replica: a fifth of the suspect time is soon enough
+            self._next_silence_scan = now + self.beat.suspect_after_s / 5
+            suspects = self._scan_silence(now)
         held = self.setaside.held(now)
         for replica in [r for r in self._held if r not in held]:
             asked = {k: v for k, v in self._held.pop(replica).items() if self.replicas.get(replica, {}).get(k) is v[0]}
@@ -830,9 +875,7 @@ class Coordinator:
         if suspects != self.quorum.silent:
             if suspects - self.quorum.silent:
                 self.events.emit(
-                    ev.ReplicaSilent(
-                        replicas=sorted(suspects - self.quorum.silent), after_s=self.settings.suspect_after_s
-                    )
+                    ev.ReplicaSilent(replicas=sorted(suspects - self.quorum.silent), after_s=self.beat.suspect_after_s)
                 )
             self._deliver(self.quorum.set_silent(suspects, now))
         if len(self.step_times) >= 5:
@@ -843,6 +886,20 @@ class Coordinator:
         self._deliver(self.quorum.evaluate(now))
         self._push_aborts()
         self.diagnosis.tick()
+
+    def _scan_silence(self, now: float) -> set[int]:
+        """Evicts the replicas silent past the timeout; returns those silent past the suspect time."""
+        suspects = set()
+        timeout, suspect = self.beat.timeout_s, self.beat.suspect_after_s
+        for replica, ranks in list(self.replicas.items()):
+            if any(c.finished for c in ranks.values()):
+                continue
+            quiet = now - min((c.last_heartbeat for c in ranks.values()), default=now)
+            if quiet > timeout:
+                self._evict(replica, ev.EvictCause.NO_HEARTBEAT, f"silent for {timeout:.1f}s (hung or stopped)")
+            elif quiet > suspect:
+                suspects.add(replica)
+        return suspects
 
     def _persist(self) -> None:
         """Has the writer thread reserve epochs ahead of the ones issued and write the queued

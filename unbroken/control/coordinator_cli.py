@@ -4,6 +4,14 @@ It needs the job's secret: ``--secret-file``, or the ``secret`` file of ``--stat
 there on first start and kept, so a coordinator restarted on the same directory takes back the
 agents and workers that still run with it). Agents on other nodes get it with their own
 ``--secret-file``.
+
+``--standby`` runs a second coordinator on the same ``--state-dir`` (a shared filesystem with
+working ``flock`` when it runs on another node) at its own address. It waits, without
+listening, until the active coordinator's process is gone (the kernel drops its lock on the
+state directory, :func:`~unbroken.control.state_store.wait_for_state_dir`), then takes the
+directory over: its epochs start above every epoch the active one reserved, so none is ever
+reused. Workers and agents given both addresses (``--coordinator A,B``) reconnect to whichever
+listens.
 """
 
 from __future__ import annotations
@@ -11,13 +19,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import threading
+import time
 from pathlib import Path
 
 import click
 
 from unbroken.control import secret_file as secrets
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings
-from unbroken.control.state_store import JOURNAL_MODES
+from unbroken.control.state_store import JOURNAL_MODES, wait_for_state_dir
 from unbroken.wire.auth import JobSecret
 
 # A standalone coordinator's port: a fixed one that agents and workers can be told in advance
@@ -25,9 +35,30 @@ from unbroken.wire.auth import JobSecret
 DEFAULT_PORT = 29510
 
 
-async def _serve(settings: CoordinatorSettings, secret: JobSecret, secret_path: Path, http_port: int | None) -> None:
-    coordinator = Coordinator(settings, secret)
+async def _serve(
+    settings: CoordinatorSettings, secret: JobSecret, secret_path: Path, http_port: int | None, standby: bool = False
+) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    lock_fd = None
+    if standby:
+        click.echo(f"standby: waiting for the active coordinator on {settings.state_dir} to stop", err=True)
+        given_up = threading.Event()
+        waiting = asyncio.ensure_future(asyncio.to_thread(wait_for_state_dir, settings.state_dir, given_up))
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        given_up.set()
+        stopping.cancel()
+        lock_fd = await waiting
+        if lock_fd is None:
+            return
+        took_over = time.monotonic()
+    coordinator = Coordinator(settings, secret, lock_fd=lock_fd)
     await coordinator.start()
+    if standby:
+        click.echo(f"standby took over in {time.monotonic() - took_over:.3f}s", err=True)
     click.echo(f"coordinator listening on {coordinator.address}", err=True)
     server = None
     if http_port is not None:
@@ -39,10 +70,6 @@ async def _serve(settings: CoordinatorSettings, secret: JobSecret, secret_path: 
         server = http.ObserveServer(settings.host, http_port, view, status, http.read_token(secret.key)).start()
         click.echo(f"dashboard {server.url} (metrics: /metrics, same token)", err=True)
     click.echo(f"job secret: {secret_path} (agents and workers on other nodes need it: --secret-file)", err=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     with contextlib.suppress(asyncio.CancelledError):
         await stop.wait()
     if server is not None:
@@ -90,6 +117,19 @@ async def _serve(settings: CoordinatorSettings, secret: JobSecret, secret_path: 
     default=None,
     help="Serve /metrics and the live dashboard on --host at this port (0: a free one) [default: none].",
 )
+@click.option(
+    "--max-connections",
+    type=int,
+    default=CoordinatorSettings.max_connections,
+    show_default=True,
+    help="Connections served at once: every rank of every replica, the agents, status clients.",
+)
+@click.option(
+    "--standby",
+    is_flag=True,
+    help="Wait until the active coordinator on the same --state-dir is gone, then take over at --host:--port "
+    "(give workers and agents both addresses: --coordinator ACTIVE,STANDBY).",
+)
 def coordinator(
     replicas: int,
     min_replicas: int | None,
@@ -101,6 +141,8 @@ def coordinator(
     journal_mode: str,
     secret_file: Path | None,
     http_port: int | None,
+    max_connections: int,
+    standby: bool,
 ) -> None:
     """Serve membership and quorum epochs for a job; state persists in --state-dir."""
     try:
@@ -113,9 +155,15 @@ def coordinator(
             heartbeat_timeout_s=heartbeat_timeout,
             startup_window_s=startup_window,
             journal_mode=journal_mode,
+            max_connections=max_connections,
         )
         found = secrets.given(secret_file)
+        if found is None and standby and not (state_dir / secrets.SECRET_NAME).exists():
+            raise ValueError(
+                f"a standby needs the job's secret: start the active coordinator on {state_dir} first "
+                "(it writes the secret there), or give --secret-file"
+            )
         secret, path = found if found is not None else secrets.kept(state_dir)
-        asyncio.run(_serve(settings, secret, path, http_port))
+        asyncio.run(_serve(settings, secret, path, http_port, standby))
     except (ValueError, OSError) as e:
         raise click.UsageError(str(e)) from e

@@ -13,7 +13,11 @@ scope, as for Gloo and NCCL.
 
 Client -> coordinator ops: ``hello``, ``heartbeat``, ``quorum``, ``bye``, ``exited``.
 Coordinator -> client ops: ``welcome``, ``quorum`` (the answer, same ``id``), ``abort``,
-``error``.
+``error``. A quorum answer in the epoch this connection was last answered with, with nobody
+behind (the fast path: same members, next step), is short: ``same_epoch`` and ``step`` only,
+and the client fills in the rest from that last full answer (:func:`expand_answer`). The
+members and their addresses travel once per epoch, not once per step: on the fast path a
+client receives a few dozen bytes whatever the job's size.
 
 Each incoming op is parsed into a frozen dataclass below (:class:`Hello`, :class:`QuorumAsk`,
 :class:`Heartbeat`, :class:`Exited`, :class:`AgentHello`, :class:`StackReport`) with the bounds
@@ -93,6 +97,12 @@ class Link:
     def send(self, msg: Message) -> None:
         if not self.writer.is_closing():
             self.writer.write(encode(msg, self.session))
+            self.sent += 1
+
+    def send_payload(self, payload: bytes) -> None:
+        """Sends a message already encoded as JSON (one text shared by many answers), sealed."""
+        if not self.writer.is_closing():
+            self.writer.write(self.session.seal_line(payload))
             self.sent += 1
 
     def close(self) -> None:
@@ -327,6 +337,7 @@ class StackReport:
 class Welcome:
     store: str
     epoch: int
+    heartbeat_s: float  # the period the rank must heartbeat at (it grows with the job's size)
 
     def to_msg(self) -> Message:
         return {"op": "welcome", **dataclasses.asdict(self)}
@@ -334,6 +345,9 @@ class Welcome:
 
 @dataclasses.dataclass(frozen=True)
 class QuorumAnswer:
+    """A full quorum answer's fields; the coordinator sends it pre-encoded (:func:`answer_tail`),
+    with ``transfer_addrs`` holding only a behind replica's donor (nobody else fetches)."""
+
     id: int
     decision: dict[str, Any]
     transfer_addrs: dict[str, str]
@@ -341,6 +355,50 @@ class QuorumAnswer:
 
     def to_msg(self) -> Message:
         return {"op": "quorum", **dataclasses.asdict(self)}
+
+
+def answer_tail(decision: dict[str, Any], transfer_addrs: dict[str, str], store: str) -> bytes:
+    """The part of a full quorum answer that every rank of the same rank index shares.
+
+    Encoded once per decision and rank index, not once per connection: at thousands of
+    members the answer is tens of kilobytes, and its JSON text the costliest thing to make.
+    """
+    body = json.dumps({"decision": decision, "transfer_addrs": transfer_addrs, "store": store}, separators=(",", ":"))
+    return body[1:].encode()  # without the opening brace: answer_payload puts op and id first
+
+
+def answer_payload(req_id: int, tail: bytes) -> bytes:
+    """The JSON text of a full quorum answer to request ``req_id`` (see :func:`answer_tail`)."""
+    return b'{"op":"quorum","id":%d,%s' % (req_id, tail)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuorumSame:
+    """The fast path's answer: the epoch this connection holds, now at ``step``, nobody behind."""
+
+    id: int
+    same_epoch: int
+    step: int
+
+    def to_msg(self) -> Message:
+        return {"op": "quorum", "id": self.id, "same_epoch": self.same_epoch, "step": self.step}
+
+
+def expand_answer(msg: Message, last: Message | None) -> Message:
+    """A quorum answer in full: a short one (:class:`QuorumSame`) completed from ``last``, the
+    last full answer on the same connection; a full one as it is.
+
+    Raises:
+        ValueError: a short answer for an epoch that ``last`` is not (the connection is out of
+            step with the coordinator: drop it, reconnect, and ask again for a full answer).
+    """
+    if "decision" in msg:
+        return msg
+    epoch, step = count(msg, "same_epoch"), count(msg, "step")
+    if last is None or last["decision"].get("epoch") != epoch:
+        raise ValueError(f"a short quorum answer for epoch {epoch}, which this connection was never told")
+    decision = {**last["decision"], "step": step, "behind": [], "donors": []}
+    return {**last, "id": msg.get("id"), "decision": decision}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,6 +24,7 @@ The rules, in the order they are checked:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -65,6 +66,11 @@ class QuorumDecision:
     def contributing(self) -> int:
         """How many replicas contribute a gradient this step (behind ones send zeros)."""
         return len(self.members) - len(self.behind)
+
+    @functools.cached_property
+    def member_set(self) -> frozenset[int]:
+        """The members as a set: asked about on every request, so not a scan of the tuple."""
+        return frozenset(self.members)
 
     def donor_of(self, replica: int) -> int | None:
         return dict(self.donors).get(replica)
@@ -152,7 +158,7 @@ class QuorumState:
         """A replica exited, closed its connection or stopped heartbeating."""
         self.alive.discard(replica)
         self.waiting.pop(replica, None)
-        if self.current is not None and replica in self.current.members:
+        if self.current is not None and replica in self.current.member_set:
             self.broken = True
             self._start_forming(now)
         elif not self.waiting and not self.broken:
@@ -181,7 +187,7 @@ class QuorumState:
         self.waiting[req.replica] = req
         # A newcomer alone does not start the join window: the members are mid-step and
         # will ask when they finish it; the window counts from the first member that asks.
-        if cur is None or self.broken or req.replica in cur.members:
+        if cur is None or self.broken or req.replica in cur.member_set:
             self._start_forming(now)
         return None, self.evaluate(now)
 
@@ -191,7 +197,7 @@ class QuorumState:
             cur is None
             or self.broken
             or req.failed_epoch is not None
-            or req.replica not in cur.members
+            or req.replica not in cur.member_set
             or req.step < cur.step
         ):
             return None
@@ -212,7 +218,9 @@ class QuorumState:
         cur = self.current
         if cur is None or self.broken:
             return {}
-        newcomers = sorted(r for r in self.waiting if r not in cur.members)
+        newcomers = sorted(r for r in self.waiting if r not in cur.member_set)
+        if not newcomers:
+            return {}  # asked on every request: no scan of the members unless someone waits
         ahead = [m for m in cur.members if m in self.alive and m not in self.silent]
         if not ahead:
             return {}
@@ -232,9 +240,16 @@ class QuorumState:
             return []
         if self.epoch_limit is not None and self.epoch >= self.epoch_limit:
             return []  # not reserved on disk yet: forming waits for the reservation
+        waited = now - self.forming_since
+        # Called on every request while an epoch forms: counting first keeps it O(1) until the
+        # last replica asks, instead of comparing sets of thousands of replicas each time.
+        if self.current is None:
+            if len(self.waiting) < self.rules.total_replicas and waited < self.rules.startup_window_s:
+                return []
+        elif len(self.waiting) < len(self.alive) - len(self.silent) and waited < self.join_window_s:
+            return []
         asked = set(self.waiting) & self.alive
         everyone_asked = self.alive - self.silent <= asked
-        waited = now - self.forming_since
         if self.current is None:
             ready = (everyone_asked and len(asked) >= self.rules.total_replicas) or (
                 waited >= self.rules.startup_window_s

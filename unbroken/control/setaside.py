@@ -43,9 +43,9 @@ class SetAside:
 
     def formed(self, epoch: int, members: Iterable[int]) -> None:
         """A new epoch: remembers who entered the membership in it."""
-        new = tuple(members)
+        new, old = tuple(members), set(self.members)
         for m in new:
-            if m not in self.members:
+            if m not in old:
                 self.joined[m] = epoch
         self.members = new
 

@@ -57,6 +57,8 @@ class StateStore:
         journal_mode: ``delete`` (default), ``truncate`` or ``wal`` (only on a local disk).
         keep_events: how many of the newest events the database keeps.
         epoch_block: how many epochs one reservation covers.
+        lock_fd: the directory's lock, already taken (:func:`wait_for_state_dir`, a standby's
+            takeover); None takes it here.
 
     Raises:
         StateDirInUse: another coordinator runs on ``state_dir``.
@@ -69,6 +71,7 @@ class StateStore:
         journal_mode: str = "delete",
         keep_events: int = KEEP_EVENTS,
         epoch_block: int = EPOCH_BLOCK,
+        lock_fd: int | None = None,
     ) -> None:
         if journal_mode.lower() not in JOURNAL_MODES:
             raise ValueError(f"journal mode must be one of {', '.join(JOURNAL_MODES)}, got {journal_mode!r}")
@@ -82,7 +85,7 @@ class StateStore:
         self.keep_events = keep_events
         self.epoch_block = epoch_block
         self.write_failures = 0  # history rows (epochs, events) that could not be written
-        self._lock_fd: int | None = _lock_state_dir(path)
+        self._lock_fd: int | None = lock_fd if lock_fd is not None else _lock_state_dir(path)
         # Written by a writer thread (see :meth:`persist`), queued by the event loop: the queue
         # lock is held only to swap rows in and out, never across a write.
         self._db_lock = threading.RLock()
@@ -244,6 +247,24 @@ class StateStore:
                 e,
                 self.write_failures,
             )
+
+
+def wait_for_state_dir(path: str | Path, stop: threading.Event, poll_s: float = 0.02) -> int | None:
+    """Waits until no live coordinator holds ``path`` and takes its lock: a standby's wait.
+
+    The kernel drops the active coordinator's ``flock`` the moment its process dies (``kill -9``
+    included), so this returns within ``poll_s`` of that death; the lock is the fence, since
+    two coordinators cannot both hold it. Returns the lock's descriptor (for
+    :class:`StateStore`), or None once ``stop`` is set.
+    """
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    while not stop.is_set():
+        try:
+            return _lock_state_dir(directory)
+        except StateDirInUse:
+            stop.wait(poll_s)
+    return None
 
 
 def _lock_state_dir(path: Path) -> int:

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import dataclasses
 import ipaddress
+import itertools
 import logging
 import os
 import signal
@@ -60,7 +61,7 @@ class AgentSettings:
 
     Attributes:
         command: the worker command line (``python train.py ...``).
-        coordinator: the job coordinator's HOST:PORT.
+        coordinator: the job coordinator's HOST:PORT, or a comma-separated list (the active one and its standbys).
         node: this node's name, unique in the job (the unit of blame and of loss).
         slots: replicas this node can run at once; slots beyond its share are spares.
         ranks_per_replica: processes per replica group (its WORLD_SIZE), all on this node.
@@ -104,7 +105,7 @@ class AgentSettings:
                 "no worker command: put it after `--`, e.g. "
                 "`unbroken agent --coordinator HOST:PORT -- python train.py`"
             )
-        env.parse_host_port(self.coordinator, "--coordinator")
+        env.parse_host_ports(self.coordinator, "--coordinator")
         if not self.node or any(c.isspace() for c in self.node):
             raise ValueError(f"--node must be a non-empty name without spaces, got {self.node!r}")
         if self.slots < 1:
@@ -162,10 +163,11 @@ class Agent:
         self._job_finished = False
         self._coordinator_lost = False
         self._rejoining: list[int] | None = None  # replicas named in a re-hello not yet answered
+        self._address = 0  # which of --coordinator's addresses answered last
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self._guardian: reaper.Guardian | None = None
-        host = env.parse_host_port(settings.coordinator, "--coordinator")[0]
+        host = env.parse_host_ports(settings.coordinator, "--coordinator")[0][0]
         self.addr = settings.advertise_addr or env.local_address_towards(host)
         self._ifname = workers.interface_of(self.addr)
         if settings.nodes_per_replica > 1 and self._ifname is None:
@@ -231,11 +233,14 @@ class Agent:
         )
 
     async def _connect(self) -> protocol.Link:
-        host, port = env.parse_host_port(self.s.coordinator, "--coordinator")
+        addresses = env.parse_host_ports(self.s.coordinator, "--coordinator")
         deadline = time.monotonic() + self.s.connect_timeout_s
-        while True:
+        for attempt in itertools.count():
+            # The coordinator and its standbys in turn: whichever listens is the active one.
+            host, port = addresses[(self._address + attempt) % len(addresses)]
             try:
                 reader, writer, session = await protocol.connect_async(host, port, self.secret)
+                self._address = (self._address + attempt) % len(addresses)
                 return protocol.Link(reader, writer, session)
             except (OSError, asyncio.TimeoutError) as e:
                 if isinstance(e, AuthError):
@@ -247,7 +252,8 @@ class Agent:
                         f"({why}): start `unbroken coordinator` there first, or fix --coordinator"
                         + (" or --secret-file (it must be the coordinator's)" if isinstance(e, AuthError) else "")
                     ) from e
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(0.2 if len(addresses) == 1 else 0.05)
+        raise AssertionError("unreachable")
 
     def _hello(self) -> dict[str, Any]:
         hello: dict[str, Any] = {"op": "agent_hello", "node": self.s.node, "slots": self.s.slots}

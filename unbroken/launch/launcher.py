@@ -141,7 +141,7 @@ class LaunchSettings:
                 f"--min-replicas must be between 1 and --replicas ({self.replicas}), got {self.min_replicas}"
             )
         if self.coordinator is not None:
-            env.parse_host_port(self.coordinator, "--coordinator")
+            env.parse_host_ports(self.coordinator, "--coordinator")
             if self.secret_file is None and env.secret_file() is None:
                 raise ValueError(
                     f"--coordinator needs the job's secret: --secret-file PATH (or {env.ENV_SECRET_FILE}), "

@@ -29,6 +29,9 @@ PG_REBUILD_S = 10.0
 REPLICA_RESTART_S = 420.0
 #: Checkpoints of a replica-level job only guard against losing every replica.
 MIN_CHECKPOINT_INTERVAL_S = 1800.0
+#: Without ``coordinator.json``: issue 20's target, 200 ms from a disconnect to the new epoch at
+#: every survivor of 1,000 replica groups, grown linearly with the job.
+REQUORUM_TARGET = ((1000.0, 0.2),)
 
 ASSUMPTIONS: tuple[str, ...] = (
     f"{HANG_SHARE:.0%} of failures are hangs (detected by timeout), the rest crashes",
@@ -42,6 +45,10 @@ ASSUMPTIONS: tuple[str, ...] = (
     "catch-up: the rejoining replica is out for rejoin_steps more steps; survivors lose "
     "rejoin_steps x step x (donor_slowdown - 1) because the slowest donor paces the exchange",
     "steady overhead = overhead_ratio x record_overhead_ratio - 1 applies to every step",
+    "the coordinator holds one connection per rank (GPU): a failure costs the survivors, besides "
+    "the 3-replica stall, the measured disconnect-to-new-epoch time of `unbroken bench coordinator` "
+    "at the job's GPU count; between measured sizes on the log-log line through the neighbours, "
+    "beyond the largest growing at least linearly",
 )
 
 
@@ -51,6 +58,7 @@ class Figure:
 
     value: float
     source: str
+    curve: tuple[tuple[float, float], ...] = ()  # (job size, value) points, for figures that scale
 
 
 #: name -> (file, dotted key, fallback, unit); fallbacks are the issues' targets.
@@ -109,7 +117,55 @@ def read_figures(bench_dir: Path) -> dict[str, Figure]:
             figures[name] = Figure(fallback, f"default (target; {file} {key} not found)")
         else:
             figures[name] = Figure(value, f"measured: {bench_dir / file} {key}")
+    figures["requorum_s"] = read_requorum(bench_dir)
     return figures
+
+
+def read_requorum(bench_dir: Path) -> Figure:
+    """Disconnect-to-new-epoch seconds against the number of replica groups, from ``coordinator.json``.
+
+    The figure's value is the measured point of the largest size; :func:`at_size` reads the curve.
+    """
+    path = bench_dir / "coordinator.json"
+    data = _load(path)
+    rows = data.get("sizes") if data is not None else None
+    points = []
+    for row in rows if isinstance(rows, list) else []:
+        if not isinstance(row, dict):
+            continue
+        size, ms = _number(row.get("replica_groups")), _number(row.get("disconnect_to_epoch_ms"))
+        if size and ms is not None:
+            points.append((size, ms / 1000.0))
+    if not points:
+        return Figure(
+            REQUORUM_TARGET[-1][1],
+            f"default (target: 200 ms at 1,000 groups, linear beyond; {path.name} "
+            "sizes[].disconnect_to_epoch_ms not found)",
+            REQUORUM_TARGET,
+        )
+    curve = tuple(sorted(points))
+    return Figure(curve[-1][1], f"measured: {path} sizes[].disconnect_to_epoch_ms", curve)
+
+
+def at_size(figure: Figure, size: float) -> float:
+    """``figure`` at job size ``size``: its curve read on log-log axes (the value if it has none).
+
+    Between two measured sizes: the power law through them. Beyond the largest: the slope of the
+    last two points, but never below linear (each survivor must be answered). Below the
+    smallest: the smallest size's value (a fixed cost does not shrink).
+    """
+    curve = [(x, y) for x, y in figure.curve if x > 0 and y > 0]
+    if not curve:
+        return figure.value
+    if size <= curve[0][0]:
+        return curve[0][1]
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:], strict=False):
+        if size <= x1:
+            slope = math.log(y1 / y0) / math.log(x1 / x0)
+            return y0 * (size / x0) ** slope
+    (x0, y0), (x1, y1) = curve[-2] if len(curve) > 1 else curve[-1], curve[-1]
+    slope = math.log(y1 / y0) / math.log(x1 / x0) if x1 > x0 else 1.0
+    return y1 * (size / x1) ** max(1.0, slope)
 
 
 def _mean_detect(data: dict[str, Any] | None) -> float | None:
@@ -120,17 +176,24 @@ def _mean_detect(data: dict[str, Any] | None) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def unbroken_policy(figures: dict[str, Figure], step_s: float) -> Policy:
-    """The unbroken recovery design at cluster scale, from benchmark figures."""
+def unbroken_policy(figures: dict[str, Figure], step_s: float, gpus: int | None = None) -> Policy:
+    """The unbroken recovery design at cluster scale, from benchmark figures.
+
+    ``gpus``: the job's size, at which the coordinator's re-quorum time is read (one connection
+    per GPU); None leaves that term out (the 3-replica figures alone).
+    """
     f = {name: fig.value for name, fig in figures.items()}
+    stall = {"detection": (1 - HANG_SHARE) * f["crash_stall_s"] + HANG_SHARE * f["hang_stall_s"]}
+    if gpus is not None and "requorum_s" in figures:
+        stall[f"coordinator re-quorum at {gpus:,} connections"] = at_size(figures["requorum_s"], gpus)
+    stall["pg_rebuild"] = PG_REBUILD_S
     per_gib = STATE_GIB_PER_GPU / (f["checkpoint_size_mb"] / 1024.0 or 1.0)
-    detection = (1 - HANG_SHARE) * f["crash_stall_s"] + HANG_SHARE * f["hang_stall_s"]
     rejoin_steps = f["rejoin_steps"]
     state_load = f["restore_memory_s"] * per_gib
     return Policy(
         name="unbroken",
         replica_level=True,
-        stall_s={"detection": detection, "pg_rebuild": PG_REBUILD_S},
+        stall_s=stall,
         degraded_s={
             "diagnosis": HANG_SHARE * f["diagnosis_s"],
             "replica_restart": REPLICA_RESTART_S,

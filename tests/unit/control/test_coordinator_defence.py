@@ -33,9 +33,14 @@ def run(state_dir: Path, scenario: Callable[[Coordinator], Awaitable[None]], **s
     asyncio.run(main())
 
 
+LAST: dict[int, dict[str, Any]] = {}  # each link's last full answer, as the client keeps it
+
+
 async def quorum(link: protocol.Link, step: int, req_id: int = 1, **extra: Any) -> dict[str, Any]:
     link.send({"op": "quorum", "id": req_id, "step": step, **extra})
-    return (await next_op(link, "quorum"))["decision"]
+    answer = protocol.expand_answer(await next_op(link, "quorum"), LAST.get(id(link)))
+    LAST[id(link)] = answer
+    return dict(answer["decision"])
 
 
 async def two_members(c: Coordinator) -> tuple[protocol.Link, protocol.Link, dict[str, Any]]:

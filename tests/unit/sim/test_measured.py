@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from unbroken.sim.measured import STATE_GIB_PER_GPU, read_figures, unbroken_policy
+from unbroken.sim.measured import STATE_GIB_PER_GPU, Figure, at_size, read_figures, read_requorum, unbroken_policy
 
 
 def test_missing_directory_falls_back_to_targets_and_says_so(tmp_path: Path) -> None:
@@ -84,3 +84,21 @@ def test_reads_every_recovery_field_in_the_shape_bench_recovery_prints(tmp_path:
     for name, value in expected.items():
         assert figures[name].value == pytest.approx(value), name
         assert figures[name].source.startswith("measured"), name
+
+
+def test_requorum_time_is_read_off_the_coordinator_curve_and_never_grows_slower_than_linear(tmp_path: Path) -> None:
+    fallback = read_requorum(tmp_path)
+    assert "default" in fallback.source and at_size(fallback, 1000) == pytest.approx(0.2)
+    assert at_size(fallback, 100_000) == pytest.approx(20.0)  # the target, grown linearly
+    rows = [{"replica_groups": n, "disconnect_to_epoch_ms": ms} for n, ms in ((10, 5.0), (100, 20.0), (1000, 80.0))]
+    rows.append({"replica_groups": 5000, "disconnect_to_epoch_ms": None})  # a size that did not finish
+    (tmp_path / "coordinator.json").write_text(json.dumps({"sizes": rows}))
+    curve = read_requorum(tmp_path)
+    assert "measured" in curve.source and curve.curve == ((10, 0.005), (100, 0.02), (1000, 0.08))
+    assert at_size(curve, 5) == pytest.approx(0.005)
+    assert at_size(curve, 100) == pytest.approx(0.02)
+    assert 0.02 < at_size(curve, 300) < 0.08
+    assert at_size(curve, 10_000) == pytest.approx(0.8)  # measured slope 0.6: linear beyond the data
+    assert at_size(Figure(1.5, "x"), 10**6) == 1.5
+    policy = unbroken_policy(read_figures(tmp_path), step_s=10.0, gpus=10_000)
+    assert policy.stall_s["coordinator re-quorum at 10,000 connections"] == pytest.approx(0.8)

@@ -1,0 +1,34 @@
+"""``unbroken bench coordinator`` end to end, at a size the suite can afford.
+
+One real coordinator and its standby, simulated groups in two processes over the real protocol:
+every figure the issue asks for comes out, the fast path's answers are short, the standby takes
+over after the kill -9 and every group is answered by it. No timing is asserted (a busy machine).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import python_env
+
+pytestmark = pytest.mark.integration
+
+
+def test_bench_coordinator_measures_every_figure_and_the_standby_takes_over(tmp_path: Path) -> None:
+    out = tmp_path / "coordinator.json"
+    args = [sys.executable, "-m", "unbroken", "bench", "coordinator", "--sizes", "4", "--step-time", "0.3"]
+    done = subprocess.run([*args, "--out", str(out)], env=python_env(), capture_output=True, timeout=180)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    (row,) = json.loads(out.read_text())["sizes"]
+    assert "error" not in row, row
+    assert row["replica_groups"] == 4 and row["fast_answers"] == 4 * 6  # every group, every fast-path step
+    for key in ("quorum_p50_ms", "quorum_p99_ms", "disconnect_to_epoch_ms", "rejoin_admit_ms", "takeover_ms"):
+        assert isinstance(row[key], float) and row[key] > 0, key
+    assert row["cpu_ms_per_step"] >= 0 and row["rss_mib"] > 0
+    assert row["bytes_per_client_step"] < 200  # a short answer per step, not the membership
+    assert row["client_cpu_util"] < 1.0

@@ -1,0 +1,288 @@
+"""Simulated replica groups for ``unbroken bench coordinator``: one process drives many of them.
+
+Each simulated group is one asyncio connection that speaks the coordinator's real protocol
+(:func:`unbroken.control.protocol.connect_async`: the job's secret, the mutual handshake, a MAC
+on every line): it says hello, heartbeats, and asks for a quorum at every step of a fixed
+schedule. Nothing trains: what is measured is the coordinator. Times are ``time.monotonic()``,
+one clock for every process of the machine, so the parent can compare them across processes.
+
+The schedule is the same in every process (a plan with absolute times from the parent):
+
+* steps ``0 .. steps-1`` start at ``t0 + k * step_time``; a group asks ``jitter * step_time``
+  at most after the start (its own fixed, random offset: groups finish their compute at
+  different times);
+* at ``disconnect_t`` the victim closes its connection; a survivor that is told to abort (its
+  exchange would fail) asks again at once with ``failed_epoch``, as a replica does;
+* at ``rejoin_t`` the victim connects again, behind, and asks to be admitted;
+* from ``takeover_t`` on (when a standby runs) the active coordinator is gone: every group
+  reconnects through the address list and asks again.
+
+A group records each answer (when it was asked, when it came, which epoch), the bytes it
+received, and sends its records back to the parent at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import json
+import os
+import random
+import resource
+import time
+from typing import Any
+
+from unbroken.control import protocol
+from unbroken.wire.auth import AuthError, JobSecret, Session
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one client process runs (pickled to it by the parent)."""
+
+    addresses: tuple[tuple[str, int], ...]
+    key: bytes
+    replicas: tuple[int, ...]
+    t0: float
+    steps: int
+    step_time: float
+    jitter: float
+    heartbeat_s: float
+    victim: int | None = None
+    disconnect_step: int | None = None  # the victim leaves half a step after this step starts
+    rejoin_step: int | None = None  # and connects again half a step after this one starts
+    seed: int = 0
+
+    def step_start(self, k: int) -> float:
+        return self.t0 + k * self.step_time
+
+
+@dataclasses.dataclass
+class Answer:
+    step: int
+    asked: float
+    answered: float
+    epoch: int
+    members: int
+    failed: bool  # asked after an abort (the step's exchange failed)
+
+
+class SimReplica:
+    """One simulated replica group (one rank) and its connection."""
+
+    def __init__(self, plan: Plan, replica: int, offset: float) -> None:
+        self.plan = plan
+        self.replica = replica
+        self.offset = offset
+        self.secret = JobSecret(plan.key)
+        self.answers: list[Answer] = []
+        self.aborts: list[tuple[float, int]] = []
+        self.connects: list[float] = []
+        self.bytes_in = 0
+        self.bytes_at: list[int] = []  # bytes_in at each step's start
+        self.step = 0
+        self.epoch: int | None = None
+        self._ids = itertools.count(1)
+        self._pending: dict[int, tuple[int, float, bool, asyncio.Future[dict[str, Any]]]] = {}
+        self._writer: asyncio.StreamWriter | None = None
+        self._session: Session | None = None
+        self._connected = asyncio.Event()
+        self._reader_task: asyncio.Task[None] | None = None
+        self._address = 0
+        self._last: dict[str, Any] | None = None  # this connection's last full quorum answer
+        self.closed = False
+        self.heartbeat_s = plan.heartbeat_s
+
+    # -- connection ----------------------------------------------------------------------
+
+    async def connect(self, deadline: float) -> None:
+        """Connects through the address list (the next one after a failure) and says hello."""
+        delay = 0.02
+        while time.monotonic() < deadline:
+            host, port = self.plan.addresses[self._address % len(self.plan.addresses)]
+            try:
+                reader, writer, session = await protocol.connect_async(host, port, self.secret, timeout=5.0)
+            except (OSError, AuthError, asyncio.TimeoutError):
+                self._address += 1
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.2)
+                continue
+            self._writer, self._session, self._last = writer, session, None
+            hello = {
+                "op": "hello",
+                "replica": self.replica,
+                "rank": 0,
+                "world_size": 1,
+                "transfer_addr": f"127.0.0.1:{20000 + self.replica % 40000}",
+                "node": f"sim{self.replica}",
+                "step": self.step,
+            }
+            self._send(hello)
+            self._reader_task = asyncio.create_task(self._read(reader, session))
+            await asyncio.wait_for(self._connected.wait(), max(0.1, deadline - time.monotonic()))
+            self.connects.append(time.monotonic())
+            for req_id, (step, _, failed, _) in list(self._pending.items()):  # asked before the loss
+                self._send(self._ask_msg(req_id, step, self.epoch if failed else None))
+            return
+        raise TimeoutError(f"replica {self.replica} could not connect")
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        if self._writer is not None and self._session is not None and not self._writer.is_closing():
+            self._writer.write(protocol.encode(msg, self._session))
+
+    async def _read(self, reader: asyncio.StreamReader, session: Session) -> None:
+        try:
+            while True:
+                line = await reader.readline()
+                if not line:
+                    break
+                self.bytes_in += len(line)
+                self._handle(protocol.decode(line, session))
+        except (ConnectionError, ValueError):
+            pass
+        self._connected.clear()
+        if not self.closed:
+            asyncio.get_running_loop().create_task(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        self._writer = self._session = None
+        with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+            await self.connect(time.monotonic() + 30.0)
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        op = msg["op"]
+        if op == "welcome":
+            self.heartbeat_s = msg.get("heartbeat_s") or self.plan.heartbeat_s  # the coordinator's pace
+            self._connected.set()
+        elif op == "quorum":
+            msg = protocol.expand_answer(msg, self._last)  # a short answer on the fast path
+            self._last = msg
+            entry = self._pending.pop(msg["id"], None)
+            if entry is None:
+                return
+            step, asked, failed, fut = entry
+            d = msg["decision"]
+            self.epoch = d["epoch"]
+            self.answers.append(Answer(step, asked, time.monotonic(), d["epoch"], len(d["members"]), failed))
+            if not fut.done():  # not given up on
+                fut.set_result(msg)
+        elif op == "abort":
+            self.aborts.append((time.monotonic(), msg["epoch"]))
+            # A replica blocked in the broken epoch's exchange fails it and asks again at once.
+            asyncio.get_running_loop().create_task(self.ask(self.step, failed_epoch=msg["epoch"]))
+
+    def _ask_msg(self, req_id: int, step: int, failed_epoch: int | None) -> dict[str, Any]:
+        return {"op": "quorum", "id": req_id, "step": step, "failed_epoch": failed_epoch, "step_time": None}
+
+    async def ask(self, step: int, failed_epoch: int | None = None) -> None:
+        if self.closed or any(s == step and f for (s, _, f, _) in self._pending.values()):
+            return
+        req_id = next(self._ids)
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pending[req_id] = (step, time.monotonic(), failed_epoch is not None, fut)
+        self._send(self._ask_msg(req_id, step, failed_epoch))
+        with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
+            await asyncio.wait_for(fut, max(5.0, 4 * self.plan.step_time))  # an overloaded coordinator: given up
+
+    async def heartbeats(self) -> None:
+        while not self.closed:
+            self._send({"op": "heartbeat", "step": self.step, "compute_s": None})
+            await asyncio.sleep(self.heartbeat_s)
+
+    def leave(self) -> None:
+        """The process dies: its connection closes (the kernel's FIN, as on kill -9)."""
+        self.closed = True
+        if self._writer is not None:
+            self._writer.close()
+        self._pending.clear()
+
+    async def come_back(self, deadline: float) -> None:
+        self.closed = False
+        self._connected.clear()
+        await self.connect(deadline)
+
+    # -- the schedule ----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        plan = self.plan
+        beats = asyncio.create_task(self.heartbeats())
+        k = -1
+        while k + 1 < plan.steps:
+            k += 1
+            self.bytes_at.append(self.bytes_in)
+            if self.replica == plan.victim and plan.disconnect_step is not None and plan.rejoin_step is not None:
+                if k == plan.disconnect_step:
+                    await _until(plan.step_start(k) + plan.step_time / 2)
+                    self.leave()
+                    beats.cancel()
+                    continue
+                if plan.disconnect_step < k < plan.rejoin_step:
+                    continue
+                if k == plan.rejoin_step:
+                    await _until(plan.step_start(k) + plan.step_time / 2)
+                    self.step = plan.disconnect_step  # behind: it resumes from an older state
+                    await self.come_back(time.monotonic() + 30.0)
+                    beats = asyncio.create_task(self.heartbeats())
+                    await self.ask(self.step)
+                    continue
+            await _until(plan.step_start(k) + self.offset)
+            # Late (its last answer came after this step's time): its peers, which a real
+            # exchange would have held back, have moved on in this simulation; it asks for the
+            # step the schedule is at, as a replica kept in step by its exchange would. Asking
+            # for an older one would be a state that went back (and is evicted as one).
+            now = min(int((time.monotonic() - plan.t0) / plan.step_time), plan.steps - 1)
+            if now > k and self.replica != plan.victim:
+                self.bytes_at.extend([self.bytes_in] * (now - k))
+                k = now
+            self.step = max(self.step, k)
+            await self.ask(self.step)
+        self.closed = True
+        beats.cancel()
+
+    def records(self) -> dict[str, Any]:
+        return {
+            "replica": self.replica,
+            "answers": [dataclasses.astuple(a) for a in self.answers],
+            "aborts": self.aborts,
+            "connects": self.connects,
+            "bytes_in": self.bytes_in,
+            "bytes_at": self.bytes_at,
+            "heartbeat_s": self.heartbeat_s,
+        }
+
+
+async def _until(t: float) -> None:
+    delay = t - time.monotonic()
+    if delay > 0:
+        await asyncio.sleep(delay)
+
+
+async def _main(plan: Plan, ready: Any, go: Any) -> list[dict[str, Any]]:
+    rng = random.Random(plan.seed)
+    sims = [SimReplica(plan, r, rng.uniform(0.0, plan.jitter * plan.step_time)) for r in plan.replicas]
+    sem = asyncio.Semaphore(64)  # handshakes in flight: not a SYN flood of the listener's backlog
+
+    async def connect(s: SimReplica) -> None:
+        async with sem:
+            await s.connect(time.monotonic() + 120.0)
+
+    await asyncio.gather(*(connect(s) for s in sims))
+    ready.send(os.getpid())
+    loop = asyncio.get_running_loop()
+    t0 = await loop.run_in_executor(None, go.recv)
+    plan = dataclasses.replace(plan, t0=t0)
+    for s in sims:
+        s.plan = plan
+    await asyncio.gather(*(s.run() for s in sims))
+    for s in sims:
+        s.leave()
+    return [s.records() for s in sims]
+
+
+def client_process(plan: Plan, ready: Any, go: Any, out: Any) -> None:
+    """A client process's body: connects its groups, waits for the start time, runs, reports."""
+    records = asyncio.run(_main(plan, ready, go))
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out.send(json.dumps({"records": records, "cpu_s": usage.ru_utime + usage.ru_stime}))
