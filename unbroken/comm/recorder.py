@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from unbroken.comm.runqueue import RunQueueWait
 from unbroken.diagnosis.telemetry import (
+    MAX_COSTS,
     CaughtUp,
     CheckpointPersisted,
     CheckpointSaved,
@@ -67,7 +68,7 @@ class FlightRecorder:
         self._links: deque[Transfer] = deque(maxlen=capacity)
         self._steps: deque[StepMetrics] = deque(maxlen=capacity)
         self._stalls: deque[Stall] = deque(maxlen=64)
-        self._costs: deque[CheckpointSaved | CheckpointPersisted | CaughtUp] = deque(maxlen=64)
+        self._costs: deque[CheckpointSaved | CheckpointPersisted | CaughtUp] = deque(maxlen=MAX_COSTS)
         self._window: deque[tuple[str, int, int, int, int]] = deque(maxlen=capacity)
         self._seq: dict[str, int] = {}
         self.open: Collective | None = None
@@ -159,7 +160,7 @@ class FlightRecorder:
         links = _drain(self._links, self.batch_max)
         steps = _drain(self._steps, self.batch_max)
         stalls = _drain(self._stalls, self.batch_max)
-        costs = _drain(self._costs, self.batch_max)
+        costs = _drain(self._costs, MAX_COSTS)
         for direction, peer, nbytes, ns, waiting in _drain(self._window, len(self._window)):
             mon = self.monitors.get((direction, peer))
             if mon is None:

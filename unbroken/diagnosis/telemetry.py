@@ -20,6 +20,7 @@ import math
 from typing import Any
 
 MAX_ROWS = 1024  # per list in one batch; the recorder ships at most its batch_max (256)
+MAX_COSTS = 64  # checkpoint and catch-up records per batch (the recorder keeps at most 64); each becomes an event
 MAX_MEMBERS = 100_000
 MAX_TEXT = 256
 MAX_NS = 1 << 63
@@ -309,9 +310,9 @@ class TelemetryBatch:
             steps=_rows(msg.get("steps", []), "steps", StepMetrics),
             flags=_rows(msg.get("flags", []), "flags", FlaggedLink),
             memory=memory,
-            saved=_rows(msg.get("saved", []), "saved", CheckpointSaved),
-            persisted=_rows(msg.get("persisted", []), "persisted", CheckpointPersisted),
-            caught_up=_rows(msg.get("caught_up", []), "caught_up", CaughtUp),
+            saved=_rows(msg.get("saved", []), "saved", CheckpointSaved, MAX_COSTS),
+            persisted=_rows(msg.get("persisted", []), "persisted", CheckpointPersisted, MAX_COSTS),
+            caught_up=_rows(msg.get("caught_up", []), "caught_up", CaughtUp, MAX_COSTS),
         )
 
 
@@ -321,9 +322,9 @@ def _row(row: Any, n: int, what: str) -> list[Any]:
     return row
 
 
-def _rows(rows: Any, what: str, kind: Any) -> list[Any]:
-    if not isinstance(rows, list) or len(rows) > MAX_ROWS:
-        raise TelemetryError(f"{what} must be a list of at most {MAX_ROWS} records")
+def _rows(rows: Any, what: str, kind: Any, limit: int = MAX_ROWS) -> list[Any]:
+    if not isinstance(rows, list) or len(rows) > limit:
+        raise TelemetryError(f"{what} must be a list of at most {limit} records")
     return [kind.from_row(r) for r in rows]
 
 

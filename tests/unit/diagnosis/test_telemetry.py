@@ -10,6 +10,7 @@ import pytest
 
 from unbroken.comm.recorder import FlightRecorder
 from unbroken.diagnosis.telemetry import (
+    MAX_COSTS,
     MAX_ROWS,
     CaughtUp,
     CheckpointPersisted,
@@ -82,6 +83,7 @@ GOOD = Collective("g", 1, "allreduce", 8, 1, 2, True, [0, 1], 0, 0).to_row()
         ("JSON object", ["not", "a", "batch"]),
         ("persist_s", {"now_ns": 1, "persisted": [[10, True, -1.0, 8]]}),
         ("stall_s", {"now_ns": 1, "saved": [[10, float("nan"), 8]]}),
+        ("saved", {"now_ns": 1, "saved": [[10, 0.1, 8]] * (MAX_COSTS + 1)}),
     ],
 )
 def test_a_malformed_batch_is_refused_naming_what_is_wrong(field: str, msg: Any) -> None:
