@@ -34,7 +34,7 @@ import resource
 import time
 from typing import Any
 
-from unbroken.control import protocol
+from unbroken.control import event_loop, protocol
 from unbroken.wire.auth import AuthError, JobSecret, Session
 
 
@@ -283,6 +283,6 @@ async def _main(plan: Plan, ready: Any, go: Any) -> list[dict[str, Any]]:
 
 def client_process(plan: Plan, ready: Any, go: Any, out: Any) -> None:
     """A client process's body: connects its groups, waits for the start time, runs, reports."""
-    records = asyncio.run(_main(plan, ready, go))
+    records = event_loop.run(_main(plan, ready, go))
     usage = resource.getrusage(resource.RUSAGE_SELF)
     out.send(json.dumps({"records": records, "cpu_s": usage.ru_utime + usage.ru_stime}))

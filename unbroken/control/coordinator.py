@@ -32,6 +32,7 @@ from typing import Any
 from unbroken.config import anomaly_policy
 from unbroken.control import protocol
 from unbroken.control.assignment import Assignment
+from unbroken.control.event_loop import listen_backlog
 from unbroken.control.groups import MAX_NODES_PER_REPLICA, GroupLaunch, advertised_address
 from unbroken.control.heartbeat import HeartbeatPlan, plan_heartbeats
 from unbroken.control.quorum import QuorumDecision, QuorumRequest, QuorumRules, QuorumState
@@ -230,7 +231,11 @@ class Coordinator:
         self.store_address = self._tcp_store.address
         try:
             self._server = await asyncio.start_server(
-                self._serve, self.settings.host, self.settings.port, limit=protocol.MAX_LINE
+                self._serve,
+                self.settings.host,
+                self.settings.port,
+                limit=protocol.MAX_LINE,
+                backlog=listen_backlog(self.settings.max_connections),
             )
         except OSError as e:
             raise OSError(
@@ -335,7 +340,10 @@ class Coordinator:
             conn, agent = who
             anonymous = conn is None and agent is None
             try:
-                line = await asyncio.wait_for(link.readline(), self.settings.hello_timeout_s if anonymous else None)
+                # wait_for only until it said who it is: a layer of coroutine per line otherwise
+                line = await (
+                    asyncio.wait_for(link.readline(), self.settings.hello_timeout_s) if anonymous else link.readline()
+                )
             except (asyncio.TimeoutError, TimeoutError):
                 log.info("closed a connection that said no hello within %.0fs", self.settings.hello_timeout_s)
                 return

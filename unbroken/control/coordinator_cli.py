@@ -25,6 +25,7 @@ from pathlib import Path
 
 import click
 
+from unbroken.control import event_loop
 from unbroken.control import secret_file as secrets
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings
 from unbroken.control.state_store import JOURNAL_MODES, wait_for_state_dir
@@ -164,6 +165,6 @@ def coordinator(
                 "(it writes the secret there), or give --secret-file"
             )
         secret, path = found if found is not None else secrets.kept(state_dir)
-        asyncio.run(_serve(settings, secret, path, http_port, standby))
+        event_loop.run(_serve(settings, secret, path, http_port, standby))
     except (ValueError, OSError) as e:
         raise click.UsageError(str(e)) from e

@@ -129,7 +129,10 @@ async def connect_async(
     """An asyncio, authenticated connection to the coordinator (closed again on any failure)."""
     reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=MAX_LINE), timeout)
     try:
-        if connected_to_itself(writer.get_extra_info("socket")):
+        sock = writer.get_extra_info("socket")
+        if sock is None:  # uvloop: the transport was closed already (the peer reset it at once)
+            raise ConnectionRefusedError("the connection closed as it opened")
+        if connected_to_itself(sock):
             raise ConnectionRefusedError("no coordinator yet (connected to itself)")
         session = await client_handshake_async(reader, writer, secret, PURPOSE, timeout_s=timeout)
     except BaseException:
