@@ -30,6 +30,7 @@ from typing import Any
 from unbroken.config import parse_host_ports
 from unbroken.control import protocol
 from unbroken.control.quorum import QuorumDecision
+from unbroken.control.silence import SilenceWatch
 from unbroken.diagnosis.telemetry import TelemetryBatch
 from unbroken.wire.auth import AuthError, JobSecret, Session
 
@@ -97,6 +98,7 @@ class CoordinatorClient:
         self._sock: socket.socket | None = None
         self._session: Session | None = None  # the MAC state of self._sock, replaced with it
         self._last_answer: dict[str, Any] | None = None  # this connection's last full quorum answer
+        self.silence = SilenceWatch()  # gaps long enough for the coordinator to have evicted us
         self._connected = threading.Event()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="unbroken-coordinator", daemon=True)
@@ -190,6 +192,7 @@ class CoordinatorClient:
                 self._serve(sock, session)
             except Exception:  # a bug here must not leave the replica without its coordinator
                 log.exception("the coordinator connection failed; reconnecting")
+            self.silence.disconnected()
             with self._lock:
                 self._sock = self._session = None
             welcomed = self._connected.is_set()
@@ -208,6 +211,7 @@ class CoordinatorClient:
             while not self._closed.is_set():
                 now = time.monotonic()
                 if now >= next_beat:
+                    self.silence.beat(now)
                     self._send({"op": "heartbeat", "step": self.step, "compute_s": self.compute_s})
                     if self.telemetry is not None:
                         self._send({"op": "telemetry", **self.telemetry().to_msg()})
@@ -263,6 +267,9 @@ class CoordinatorClient:
             period = protocol.seconds(msg, "heartbeat_s", None)
             if period is not None:  # the coordinator's pace for a job of its size
                 self.heartbeat_s = min(max(period, MIN_HEARTBEAT_S), MAX_HEARTBEAT_S)
+            timeout = protocol.seconds(msg, "timeout_s", None)
+            if timeout:
+                self.silence.limit_s = timeout / 2
             self._connected.set()
         elif op == "quorum":
             try:

@@ -506,7 +506,10 @@ class Coordinator:
             self.beat = plan
         link.send(
             protocol.Welcome(
-                store=self._store_for(link), epoch=self.quorum.epoch, heartbeat_s=self.beat.period_s
+                store=self._store_for(link),
+                epoch=self.quorum.epoch,
+                heartbeat_s=self.beat.period_s,
+                timeout_s=self.beat.timeout_s,
             ).to_msg()
         )
         if len(ranks) == conn.world_size:

@@ -341,6 +341,7 @@ class Welcome:
     store: str
     epoch: int
     heartbeat_s: float  # the period the rank must heartbeat at (it grows with the job's size)
+    timeout_s: float  # silence after which the coordinator evicts a replica
 
     def to_msg(self) -> Message:
         return {"op": "welcome", **dataclasses.asdict(self)}

@@ -176,6 +176,7 @@ class Manager:
         self.prepare_early = prepare_early()
         self.fault_hook = fault_hook  # injected faults (unbroken.init() installs them), usually None
         self._compute_t0 = time.perf_counter()
+        self._step_began = time.monotonic()  # when this step asked for its quorum
         record = recorder_enabled()
         self.recorder = FlightRecorder(self.config.replica_id, link_fault=link_fault) if record else None
         self.group.recorder = self.recorder
@@ -219,7 +220,7 @@ class Manager:
                 # fetch can write the donor's bytes straight into them.
                 with contextlib.suppress(Exception):
                     self._own_state = self._local_state()
-            self._quorum = self.client.request_quorum(self.step, None, self._step_time)
+            self._quorum = self._request_quorum(None)
             if self.prepare_early:
                 self._quorum.add_done_callback(self._prepare_soon)
             if self._donate_next and self._snapshot is None and self._last_commit is not None:
@@ -451,7 +452,7 @@ class Manager:
         if o.decision is None or (o.contributing == 0 and not o.failed):
             return
         self.stats["exchange_failures"] += 1
-        self._quorum = self.client.request_quorum(self.step, o.decision.epoch, self._step_time)
+        self._quorum = self._request_quorum(o.decision.epoch)
         if self.prepare_early:
             self._quorum.add_done_callback(self._prepare_soon)
 
@@ -471,7 +472,7 @@ class Manager:
             failed = decision.epoch
             self.stats["exchange_failures"] += 1
             if self.redo_failed_steps:  # the loop redoes the step with batches for the next quorum
-                self._quorum = self.client.request_quorum(self.step, failed, self._step_time)
+                self._quorum = self._request_quorum(failed)
                 if self.prepare_early:
                     self._quorum.add_done_callback(self._prepare_soon)
                 return False
@@ -563,9 +564,14 @@ class Manager:
 
     # -- internals -----------------------------------------------------------------------
 
+    def _request_quorum(self, failed_epoch: int | None) -> Future[dict[str, Any]]:
+        """Asks for this step's quorum (again, after ``failed_epoch``); the attempt begins now."""
+        self._step_began = time.monotonic()
+        return self.client.request_quorum(self.step, failed_epoch, self._step_time)
+
     def _await_quorum(self, failed_epoch: int | None) -> QuorumDecision:
         if failed_epoch is not None or self._quorum is None:
-            self._quorum = self.client.request_quorum(self.step, failed_epoch, self._step_time)
+            self._quorum = self._request_quorum(failed_epoch)
         fut, self._quorum = self._quorum, None
         msg = fut.result(timeout=self.quorum_timeout_s)
         d = self._prepare(msg)
@@ -857,7 +863,18 @@ class Manager:
 
     def _vote(self, ok: bool) -> bool:
         """Whether every rank of this replica group exchanged successfully (a MIN all-reduce on
-        the replica's own group, with a tensor on the device its backend carries)."""
+        the replica's own group, with a tensor on the device its backend carries).
+
+        A rank that went silent during the step long enough to have been evicted votes no,
+        whatever its sum says (:mod:`unbroken.control.silence`)."""
+        if ok and self.client.silence.silent_since(self._step_began, time.monotonic()):
+            log.warning(
+                "replica %d step %d: this process was silent past half the coordinator's eviction "
+                "timeout during the step (stopped?): not committing it",
+                self.config.replica_id,
+                self.step,
+            )
+            ok = False
         if self.config.world_size == 1:
             return ok
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self._vote_device)
