@@ -29,6 +29,7 @@ from typing import Any
 
 from unbroken.config import parse_host_ports
 from unbroken.control import protocol
+from unbroken.control.heartbeat import heartbeat_due
 from unbroken.control.quorum import QuorumDecision
 from unbroken.control.silence import SilenceWatch
 from unbroken.diagnosis.telemetry import TelemetryBatch
@@ -98,6 +99,7 @@ class CoordinatorClient:
         self._sock: socket.socket | None = None
         self._session: Session | None = None  # the MAC state of self._sock, replaced with it
         self._last_answer: dict[str, Any] | None = None  # this connection's last full quorum answer
+        self._last_sent = float("-inf")  # when a line last went out: any line is a heartbeat
         self.silence = SilenceWatch()  # gaps long enough for the coordinator to have evicted us
         self._connected = threading.Event()
         self._closed = threading.Event()
@@ -142,6 +144,7 @@ class CoordinatorClient:
                 if sock is None or session is None:
                     return  # re-sent on reconnect
                 sock.sendall(protocol.encode(msg, session))
+                self._last_sent = time.monotonic()
         except OSError:
             pass  # the connection thread notices and reconnects
 
@@ -212,9 +215,11 @@ class CoordinatorClient:
                 now = time.monotonic()
                 if now >= next_beat:
                     self.silence.beat(now)
-                    self._send({"op": "heartbeat", "step": self.step, "compute_s": self.compute_s})
-                    if self.telemetry is not None:
-                        self._send({"op": "telemetry", **self.telemetry().to_msg()})
+                    beat = {"step": self.step, "compute_s": self.compute_s}
+                    if self.telemetry is not None:  # one line: the batch carries the heartbeat
+                        self._send({"op": "telemetry", **beat, **self.telemetry().to_msg()})
+                    elif heartbeat_due(now, self._last_sent, self.heartbeat_s):
+                        self._send({"op": "heartbeat", **beat})
                     next_beat = now + self.heartbeat_s
                 if not sel.select(timeout=max(0.0, next_beat - now)):
                     continue
@@ -276,7 +281,7 @@ class CoordinatorClient:
                 msg = protocol.expand_answer(msg, self._last_answer)
             except ValueError as e:
                 raise OutOfStep(str(e)) from e
-            _check_decision(msg.get("decision"))
+            msg = {**msg, "decision": listed_decision(msg.get("decision"))}
             self._last_answer = msg
             store = msg.get("store", self.store_address)
             if not isinstance(store, str):
@@ -300,8 +305,9 @@ class CoordinatorClient:
             fut.set_exception(exc)
 
 
-def _check_decision(data: object) -> None:
-    """Raises ValueError unless ``data`` is a quorum decision the training thread can act on."""
+def listed_decision(data: object) -> dict[str, Any]:
+    """The decision in ``data`` with its members listed (the wire has them as runs of ids);
+    ValueError unless it is a quorum decision the training thread can act on."""
     if not isinstance(data, dict):
         raise ValueError("a quorum answer without a decision")
     d = QuorumDecision.from_json(data)
@@ -312,3 +318,6 @@ def _check_decision(data: object) -> None:
         or not set(d.behind) <= set(d.members)
     ):
         raise ValueError(f"a malformed quorum decision: {data!r:.80}")
+    listed = {k: v for k, v in data.items() if k != "member_runs"}
+    listed["members"] = list(d.members)
+    return listed

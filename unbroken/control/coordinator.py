@@ -442,14 +442,9 @@ class Coordinator:
         elif conn is None:
             link.send(protocol.Error("say hello first").to_msg())
         elif op == "heartbeat":
-            beat = protocol.Heartbeat.from_msg(msg)
-            conn.last_heartbeat = time.monotonic()
-            if beat.step is not None:
-                conn.step = max(conn.step, beat.step)
-            if beat.compute_s is not None:
-                conn.compute_s = beat.compute_s
-        elif op == "telemetry":
-            conn.last_heartbeat = time.monotonic()
+            self._heartbeat(conn, protocol.Heartbeat.from_msg(msg))
+        elif op == "telemetry":  # it carries the rank's heartbeat
+            self._heartbeat(conn, protocol.Heartbeat.from_msg(msg))
             batch = TelemetryBatch.from_msg(msg)
             self.diagnosis.telemetry(conn.replica, conn.rank, conn.node, batch)
             self._costs(conn.replica, conn.rank, batch)
@@ -468,6 +463,14 @@ class Coordinator:
                 raise ValueError(f"replica {conn.replica} may report only its own exit, not replica {exited.replica}'s")
             self.replica_exited(exited.replica, exited.exitcode)
         return op, conn, agent
+
+    @staticmethod
+    def _heartbeat(conn: _RankConn, beat: protocol.Heartbeat) -> None:
+        conn.last_heartbeat = time.monotonic()
+        if beat.step is not None:
+            conn.step = max(conn.step, beat.step)
+        if beat.compute_s is not None:
+            conn.compute_s = beat.compute_s
 
     def _hello(self, hello: protocol.Hello, link: protocol.Link) -> _RankConn:
         replica, world_size, rank = hello.replica, hello.world_size, hello.rank

@@ -165,6 +165,7 @@ def coordinator(
                 "(it writes the secret there), or give --secret-file"
             )
         secret, path = found if found is not None else secrets.kept(state_dir)
+        event_loop.pace_gc_for_a_server()
         event_loop.run(_serve(settings, secret, path, http_port, standby))
     except (ValueError, OSError) as e:
         raise click.UsageError(str(e)) from e

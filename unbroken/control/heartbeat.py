@@ -10,6 +10,12 @@ The silence thresholds grow with it (a rank is suspect after five missed periods
 ten), so a slower heartbeat never makes a live rank look dead. The price is stated, not hidden:
 at 1,000 ranks a hung (stopped) rank is evicted after 5 s instead of 2 s, at 5,000 after 25 s.
 A crash is unaffected: its connection closes and the coordinator evicts it at once.
+
+Any line from a rank counts as its heartbeat at the coordinator (a quorum request, a telemetry
+batch), so a heartbeat line is sent only when nothing else went out for a period
+(:func:`heartbeat_due`), and a rank that ships telemetry sends its heartbeat inside the batch:
+one line a period instead of two, and none of its own for a rank that asks for a quorum at
+least once a period.
 """
 
 from __future__ import annotations
@@ -53,3 +59,15 @@ def plan_heartbeats(
         suspect_after_s=max(suspect_after_s, 5 * period),
         timeout_s=max(timeout_s, 10 * period),
     )
+
+
+def heartbeat_due(now: float, last_sent: float, period_s: float) -> bool:
+    """Whether a rank must send a heartbeat line at ``now``: only when no line of its own (a
+    quorum request, a telemetry batch) went to the coordinator within the last period.
+
+    Asked at the rank's own fixed ticks, one period apart (not a period after its last line,
+    which would put every rank's heartbeat next to its next quorum request when the step is a
+    multiple of the period, in the burst of requests the coordinator is answering): the longest
+    a live rank is then quiet is under two periods, against the coordinator's suspicion after five.
+    """
+    return now - last_sent >= period_s

@@ -76,21 +76,29 @@ class QuorumDecision:
         return dict(self.donors).get(replica)
 
     def to_json(self) -> dict[str, object]:
+        """The decision as sent to members: the members as runs of consecutive ids
+        (:func:`member_runs`), so an answer's size follows the gaps, not the job's size."""
         return {
             "epoch": self.epoch,
             "step": self.step,
-            "members": list(self.members),
+            "member_runs": member_runs(self.members),
             "behind": list(self.behind),
             "donors": [list(p) for p in self.donors],
         }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> QuorumDecision:
-        """The decision in ``data`` (parsed JSON, so the caller checks its members' types)."""
+        """The decision in ``data`` (parsed JSON, so the caller checks its members' types).
+
+        Raises:
+            ValueError: ``member_runs`` that are not increasing, disjoint pairs of ids, or more
+                than :data:`MAX_MEMBERS` members in all.
+        """
+        members = tuple(data["members"]) if "members" in data else members_of_runs(data["member_runs"])
         return cls(
             epoch=int(data["epoch"]),
             step=int(data["step"]),
-            members=tuple(data["members"]),
+            members=members,
             behind=tuple(data["behind"]),
             donors=tuple(tuple(p) for p in data["donors"]),
         )
@@ -277,6 +285,49 @@ class QuorumState:
     def _start_forming(self, now: float) -> None:
         if self.forming_since is None:
             self.forming_since = now
+
+
+#: The most members a decision may list: far above any job (replica groups, not GPUs), and a
+#: bound on what a pair of numbers on the wire can make a member allocate.
+MAX_MEMBERS = 1 << 20
+
+
+def member_runs(members: Iterable[int]) -> list[list[int]]:
+    """Sorted replica ids as ``[first, last]`` runs of consecutive ids.
+
+    A full quorum answer goes to every member once per epoch: at 1,000 groups a list of ids was
+    5 KB per answer, 5 MB per epoch through the coordinator's one loop, when the membership of a
+    job with one group missing is two runs.
+    """
+    runs: list[list[int]] = []
+    for m in members:
+        if runs and m == runs[-1][1] + 1:
+            runs[-1][1] = m
+        else:
+            runs.append([m, m])
+    return runs
+
+
+def members_of_runs(runs: Any) -> tuple[int, ...]:
+    """The ids of :func:`member_runs` ``runs``, checked: ValueError unless they are increasing,
+    disjoint ``[first, last]`` pairs of non-negative integers, :data:`MAX_MEMBERS` at most."""
+    if not isinstance(runs, list):
+        raise ValueError(f"member_runs must be a list, got {runs!r:.40}")
+    members: list[int] = []
+    after = -1
+    for run in runs:
+        if (
+            not isinstance(run, list)
+            or len(run) != 2
+            or not all(type(x) is int for x in run)
+            or not after < run[0] <= run[1]
+        ):
+            raise ValueError(f"member_runs must be increasing, disjoint [first, last] id pairs, got {run!r:.40}")
+        if len(members) + run[1] - run[0] + 1 > MAX_MEMBERS:
+            raise ValueError(f"member_runs name more than {MAX_MEMBERS} members")
+        members.extend(range(run[0], run[1] + 1))
+        after = run[1]
+    return tuple(members)
 
 
 def majority_ok(asked: Iterable[int], alive: Iterable[int], min_replicas: int) -> bool:

@@ -6,6 +6,7 @@ the job's secret (or not, for the impostor).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
@@ -146,3 +147,51 @@ def test_a_listener_without_the_secret_is_no_coordinator() -> None:
     finally:
         client.close(finished=False)
         impostor.close()
+
+
+def test_members_sent_as_runs_are_listed_for_the_training_thread() -> None:
+    fake = FakeCoordinator()
+    client = CoordinatorClient(fake.address, SECRET, HELLO, heartbeat_s=0.5)
+    try:
+        fake.accept()
+        future = client.request_quorum(5)
+        request = fake.next("quorum")
+        decision = {"epoch": 4, "step": 5, "member_runs": [[0, 2], [4, 6]], "behind": [6], "donors": [[6, 0]]}
+        fake.send({"op": "quorum", "id": request["id"], "decision": decision, "transfer_addrs": {}, "store": "s:1"})
+        got = future.result(timeout=20)["decision"]
+        assert got["members"] == [0, 1, 2, 4, 5, 6] and got["behind"] == [6] and "member_runs" not in got
+        # The next step's short answer is completed from it, members and all.
+        future = client.request_quorum(6)
+        fake.send(protocol.QuorumSame(id=fake.next("quorum")["id"], same_epoch=4, step=6).to_msg())
+        assert future.result(timeout=20)["decision"]["members"] == [0, 1, 2, 4, 5, 6]
+    finally:
+        client.close(finished=False)
+        fake.close()
+
+
+def test_a_client_asking_every_period_sends_no_heartbeat_line_of_its_own() -> None:
+    # Any line is a heartbeat at the coordinator: a rank that asks for a quorum within every
+    # heartbeat period needs no heartbeat line; once it stops asking, it heartbeats again.
+    fake = FakeCoordinator()
+    period = 0.6
+    client = CoordinatorClient(fake.address, SECRET, HELLO, heartbeat_s=period)
+    try:
+        fake.accept()
+        assert fake.conn is not None and fake.session is not None
+        for step in range(8):  # an ask every sixth of a period
+            client.request_quorum(step)
+            time.sleep(period / 6)
+        time.sleep(2.0)  # then nothing from the training thread
+        fake.conn.settimeout(0.5)
+        ops: list[str] = []
+        with contextlib.suppress(TimeoutError, OSError):
+            while True:
+                ops.append(protocol.decode(fake.lines.readline(), fake.session)["op"])
+        first, last = ops.index("quorum"), len(ops) - 1 - ops[::-1].index("quorum")
+        assert ops.count("quorum") == 8, ops
+        assert ops[:first].count("heartbeat") <= 1, ops  # the one due as the connection opened
+        assert "heartbeat" not in ops[first:last], ops
+        assert ops[last:].count("heartbeat") >= 2, ops
+    finally:
+        client.close(finished=False)
+        fake.close()

@@ -17,6 +17,7 @@ import pytest
 
 from tests.live_coordinator import closed, connect, live_coordinator, member, next_op
 from unbroken.control import protocol
+from unbroken.control.client import listed_decision
 from unbroken.control.coordinator import JOIN_WINDOW_MAX_S, Coordinator
 from unbroken.wire.auth import JobSecret, client_handshake
 
@@ -39,6 +40,7 @@ LAST: dict[int, dict[str, Any]] = {}  # each link's last full answer, as the cli
 async def quorum(link: protocol.Link, step: int, req_id: int = 1, **extra: Any) -> dict[str, Any]:
     link.send({"op": "quorum", "id": req_id, "step": step, **extra})
     answer = protocol.expand_answer(await next_op(link, "quorum"), LAST.get(id(link)))
+    answer = {**answer, "decision": listed_decision(answer["decision"])}  # as the client decodes it
     LAST[id(link)] = answer
     return dict(answer["decision"])
 
@@ -176,7 +178,7 @@ def test_a_member_cannot_go_back_below_its_epochs_step(tmp_path: Path) -> None:
         restarted = await member(c, SECRET, 0)
         restarted.send({"op": "quorum", "id": 1, "step": 0})
         b.send({"op": "quorum", "id": 2, "step": 5, "failed_epoch": first["epoch"]})
-        decision = (await next_op(restarted, "quorum"))["decision"]
+        decision = listed_decision((await next_op(restarted, "quorum"))["decision"])
         assert decision["members"] == [0, 1] and decision["behind"] == [0] and decision["step"] == 5
         link = await connect(c, SECRET)
         link.send({"op": "hello", "replica": 2, "rank": 0, "world_size": 1, "step": 0})

@@ -6,7 +6,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unbroken.control.quorum import QuorumDecision, QuorumRequest, QuorumRules, QuorumState
+from unbroken.control.quorum import (
+    MAX_MEMBERS,
+    QuorumDecision,
+    QuorumRequest,
+    QuorumRules,
+    QuorumState,
+    member_runs,
+    members_of_runs,
+)
 
 
 def started(n: int = 3, min_replicas: int = 1, step: int = 0) -> QuorumState:
@@ -241,3 +249,37 @@ def test_invariants_hold_under_any_sequence_of_events(evs: list[tuple[str, int]]
                 steps[m] = d.step + 1
         if answer is not None:
             steps[r] = answer.step + 1
+
+
+@given(st.sets(st.integers(min_value=0, max_value=300)))
+def test_member_runs_round_trip(ids: set[int]) -> None:
+    members = tuple(sorted(ids))
+    runs = member_runs(members)
+    assert members_of_runs(runs) == members
+    assert all(b[0] > a[1] + 1 for a, b in zip(runs, runs[1:], strict=False))  # maximal runs: gaps between them
+    d = QuorumDecision(3, 7, members, behind=members[:1], donors=())
+    assert QuorumDecision.from_json(d.to_json()) == d
+
+
+def test_a_decision_of_1000_groups_less_one_is_two_runs() -> None:
+    members = tuple(m for m in range(1000) if m != 417)
+    assert QuorumDecision(2, 9, members).to_json()["member_runs"] == [[0, 416], [418, 999]]
+
+
+@pytest.mark.parametrize(
+    "runs",
+    [
+        {"0": 1},
+        [[0, 1], [1, 2]],  # overlapping
+        [[3, 4], [0, 1]],  # not increasing
+        [[2, 1]],
+        [[-1, 2]],
+        [[0, 1, 2]],
+        [[0, True]],
+        [[0.0, 1]],
+        [[0, MAX_MEMBERS]],  # one more than the bound: a pair of numbers must not allocate a job
+    ],
+)
+def test_malformed_member_runs_are_refused(runs: object) -> None:
+    with pytest.raises(ValueError, match="member_runs"):
+        members_of_runs(runs)

@@ -19,7 +19,7 @@ from tests.unit.control.test_client import HELLO, SECRET, FakeCoordinator
 from unbroken.config import ConfigError, parse_host_ports
 from unbroken.control import protocol
 from unbroken.control.client import CoordinatorClient
-from unbroken.control.heartbeat import plan_heartbeats
+from unbroken.control.heartbeat import heartbeat_due, plan_heartbeats
 from unbroken.control.state_store import StateDirInUse, StateStore, wait_for_state_dir
 
 
@@ -75,7 +75,7 @@ def test_fast_path_answers_are_short_whatever_the_membership(tmp_path: Path) -> 
                 answers = [await next_op(link, "quorum") for link in links]
                 sizes.append([len(protocol.encode(a, _NoMac())) for a in answers])
                 if step == 5:
-                    assert all(len(a["decision"]["members"]) == 40 for a in answers)
+                    assert all(a["decision"]["member_runs"] == [[0, 39]] for a in answers)
                 else:
                     assert all(
                         a == {"op": "quorum", "id": step, "same_epoch": answers[0]["same_epoch"], "step": step}
@@ -135,3 +135,9 @@ def test_a_standby_takes_the_state_directory_the_moment_the_active_one_lets_go(t
         standby.close()
     stop.set()
     assert wait_for_state_dir(tmp_path / "x", stop) is None  # given up when told to stop
+
+
+def test_a_heartbeat_is_due_only_after_a_period_without_any_line() -> None:
+    assert heartbeat_due(10.0, float("-inf"), 0.5)  # nothing sent yet
+    assert not heartbeat_due(10.0, 9.7, 0.5)  # a quorum request 0.3 s ago is the heartbeat
+    assert heartbeat_due(10.0, 9.5, 0.5)
