@@ -19,8 +19,12 @@ processes, speaking the real, authenticated protocol at a fixed step time. Per s
   asks, up to ``jitter`` of a step).
 
 Are the clients the bottleneck? Each client process reports its CPU time; ``client_cpu_util``
-is the busiest one's share of the run (under 0.5: it was not saturated). ``--client-procs``
-changes their number: the figures should not move.
+is the busiest one's share of the run (under 0.5: it was not saturated on average; an eviction
+is a burst that each client process handles in turn, so part of ``disconnect_to_epoch_ms`` is
+theirs). ``--client-procs`` changes their number: the figures should not move. Their garbage
+collector is off for the run (:mod:`unbroken.bench.coordinator_sim`): its pauses were theirs,
+not the coordinator's. At 5,000 groups they need a core between them, and on a 2-core machine
+the figures of that size vary from run to run (docs/operations.md).
 
 The machine is shared: timings are meaningful only when it is otherwise idle (``uptime``).
 """
