@@ -197,7 +197,14 @@ class SimReplica:
             await asyncio.wait_for(fut, max(5.0, 4 * self.plan.step_time))  # an overloaded coordinator: given up
 
     async def heartbeats(self) -> None:
-        """As a replica's client: a heartbeat line only when nothing else went out for a period."""
+        """As a replica's client: a heartbeat line only when nothing else went out for a period.
+
+        Each group at its own phase, as ranks started by different processes are: started
+        together, a thousand groups heartbeat in one burst every period, and at the start of
+        each step, among the first quorum requests (fast-path p99 10 ms instead of 2 to 4 ms
+        at 1,000 groups).
+        """
+        await asyncio.sleep(random.Random(self.replica).uniform(0.0, self.heartbeat_s))
         while not self.closed:
             if heartbeat_due(time.monotonic(), self._last_sent, self.heartbeat_s):
                 self._send({"op": "heartbeat", "step": self.step, "compute_s": None})
