@@ -315,9 +315,9 @@ def listed_decision(data: object) -> dict[str, Any]:
     if (
         not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ids)
         or any(len(pair) != 2 for pair in d.donors)
-        or not set(d.behind) <= set(d.members)
+        or not d.behind_set <= d.member_set
     ):
         raise ValueError(f"a malformed quorum decision: {data!r:.80}")
-    listed = {k: v for k, v in data.items() if k != "member_runs"}
-    listed["members"] = list(d.members)
+    listed = {k: v for k, v in data.items() if k not in ("member_runs", "behind_runs")}
+    listed["members"], listed["behind"] = list(d.members), list(d.behind)
     return listed

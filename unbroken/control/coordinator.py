@@ -809,11 +809,14 @@ class Coordinator:
         the fast path costs the same at 5,000 members as at 3. A full answer's text is made once
         per store address and shared; only a replica that is behind gets a transfer address, its
         donor's (the one it fetches from), so an epoch's answers do not carry every member's
-        address to every member (at 1,000 members that was 35 KB per answer, 35 MB per epoch).
+        address to every member (at 1,000 members that was 35 KB per answer, 35 MB per epoch),
+        and a member named in donor pairs gets those alone (every pair to every member was 60 KB
+        an answer with most of 5,000 members behind).
         """
         tails: dict[str, bytes] = {}
         decision: dict[str, object] | None = None
         donors = dict(d.donors)
+        pairs = d.donors_by_replica() if d.donors else {}  # a member gets only the pairs that name it
         for replica, ranks in waiting.items():
             for rank, (conn, req_id, _, _) in ranks.items():
                 if conn.epoch == d.epoch and not d.behind:
@@ -821,14 +824,15 @@ class Coordinator:
                     continue
                 conn.epoch = d.epoch
                 store = self._store_for(conn.link)
-                decision = decision or d.to_json()
+                decision = decision or {**d.to_json(), "donors": []}
                 donor = donors.get(replica)
-                if donor is not None:  # its own answer: the address of its donor's rank of the same index
-                    peer = self.replicas.get(donor, {}).get(rank)
-                    addrs = {str(donor): peer.transfer_addr} if peer is not None else {}
-                    conn.link.send_payload(
-                        protocol.answer_payload(req_id, protocol.answer_tail(decision, addrs, store))
-                    )
+                if replica in pairs:
+                    mine = {**decision, "donors": pairs[replica]}
+                    addrs: dict[str, str] = {}
+                    if donor is not None:  # the address of its donor's rank of the same index
+                        peer = self.replicas.get(donor, {}).get(rank)
+                        addrs = {str(donor): peer.transfer_addr} if peer is not None else {}
+                    conn.link.send_payload(protocol.answer_payload(req_id, protocol.answer_tail(mine, addrs, store)))
                     continue
                 tail = tails.get(store)
                 if tail is None:

@@ -151,7 +151,7 @@ def rank_plan(
 
 def contributing_of(decision: QuorumDecision) -> tuple[int, ...]:
     """The replicas whose gradient a step's exchange averages: members not catching up."""
-    return tuple(m for m in decision.members if m not in decision.behind)
+    return tuple(m for m in decision.members if m not in decision.behind_set)
 
 
 class SampleAccount:

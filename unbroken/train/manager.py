@@ -706,7 +706,7 @@ class Manager:
         d = self.decision
         if d is None:
             return False
-        up = [m for m in d.members if m not in d.behind]
+        up = [m for m in d.members if m not in d.behind_set]
         return bool(up) and self.config.replica_id == min(up)
 
     def _start_fetch(self, address: str, step: int) -> None:

@@ -156,10 +156,11 @@ def test_members_sent_as_runs_are_listed_for_the_training_thread() -> None:
         fake.accept()
         future = client.request_quorum(5)
         request = fake.next("quorum")
-        decision = {"epoch": 4, "step": 5, "member_runs": [[0, 2], [4, 6]], "behind": [6], "donors": [[6, 0]]}
+        decision = {"epoch": 4, "step": 5, "member_runs": [[0, 2], [4, 6]], "behind_runs": [[6, 6]], "donors": [[6, 0]]}
         fake.send({"op": "quorum", "id": request["id"], "decision": decision, "transfer_addrs": {}, "store": "s:1"})
         got = future.result(timeout=20)["decision"]
-        assert got["members"] == [0, 1, 2, 4, 5, 6] and got["behind"] == [6] and "member_runs" not in got
+        assert got["members"] == [0, 1, 2, 4, 5, 6] and got["behind"] == [6] and got["donors"] == [[6, 0]]
+        assert "member_runs" not in got and "behind_runs" not in got
         # The next step's short answer is completed from it, members and all.
         future = client.request_quorum(6)
         fake.send(protocol.QuorumSame(id=fake.next("quorum")["id"], same_epoch=4, step=6).to_msg())

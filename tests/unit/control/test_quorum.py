@@ -283,3 +283,13 @@ def test_a_decision_of_1000_groups_less_one_is_two_runs() -> None:
 def test_malformed_member_runs_are_refused(runs: object) -> None:
     with pytest.raises(ValueError, match="member_runs"):
         members_of_runs(runs)
+
+
+def test_each_replica_named_in_a_donor_pair_gets_its_own_pairs() -> None:
+    d = QuorumDecision(5, 9, tuple(range(6)), behind=(3, 4, 5), donors=((3, 0), (4, 1), (5, 0)))
+    by = d.donors_by_replica()
+    assert by == {3: [[3, 0]], 0: [[3, 0], [5, 0]], 4: [[4, 1]], 1: [[4, 1]], 5: [[5, 0]]}
+    assert 2 not in by  # an up-to-date member that serves nobody gets no pair
+    assert d.to_json()["behind_runs"] == [[3, 5]]
+    mine = QuorumDecision.from_json({**d.to_json(), "donors": by[4]})
+    assert mine.donor_of(4) == 1 and mine.contributing == 3 and mine.behind_set == {3, 4, 5}
