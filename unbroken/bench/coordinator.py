@@ -150,6 +150,7 @@ def run_size(
         ctx = multiprocessing.get_context("spawn")
         victim = size - 1
         chunks = [tuple(range(size))[i::client_procs] for i in range(client_procs) if i < size]
+        answered = ctx.Value("q", -1)  # the newest step the coordinator answered any group
         links = []
         for i, chunk in enumerate(chunks):
             plan = Plan(
@@ -169,7 +170,7 @@ def run_size(
             ready_r, ready_w = ctx.Pipe(duplex=False)
             go_r, go_w = ctx.Pipe(duplex=False)
             out_r, out_w = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=client_process, args=(plan, ready_w, go_r, out_w), daemon=True)
+            p = ctx.Process(target=client_process, args=(plan, ready_w, go_r, out_w, answered), daemon=True)
             p.start()
             procs.append(p)
             links.append((ready_r, go_w, out_r))

@@ -75,8 +75,9 @@ class Answer:
 class SimReplica:
     """One simulated replica group (one rank) and its connection."""
 
-    def __init__(self, plan: Plan, replica: int, offset: float) -> None:
+    def __init__(self, plan: Plan, replica: int, offset: float, answered: Any) -> None:
         self.plan = plan
+        self.answered = answered  # the newest step answered to any group, shared by the client processes
         self.replica = replica
         self.offset = offset
         self.secret = JobSecret(plan.key)
@@ -175,6 +176,9 @@ class SimReplica:
             step, asked, failed, fut = entry
             d = msg["decision"]
             self.epoch = d["epoch"]
+            if d["step"] > self.answered.value:
+                with self.answered.get_lock():
+                    self.answered.value = max(self.answered.value, d["step"])
             self.answers.append(Answer(step, asked, time.monotonic(), d["epoch"], len(d["members"]), failed))
             if not fut.done():  # not given up on
                 fut.set_result(msg)
@@ -247,11 +251,13 @@ class SimReplica:
                     await self.ask(self.step)
                     continue
             await _until(plan.step_start(k) + self.offset)
-            # Late (its last answer came after this step's time): its peers, which a real
-            # exchange would have held back, have moved on in this simulation; it asks for the
-            # step the schedule is at, as a replica kept in step by its exchange would. Asking
-            # for an older one would be a state that went back (and is evicted as one).
-            now = min(int((time.monotonic() - plan.t0) / plan.step_time), plan.steps - 1)
+            # Late (its last answer came after its peers moved on): they, whom a real exchange
+            # would have held back, train a newer step in this simulation; it asks for the newest
+            # step the coordinator has answered any group, as a replica kept in step by its
+            # exchange would. An older one would be a state that went back (evicted as one); the
+            # step its schedule is at could be ahead of every peer, whose requests for the step
+            # before would then be evicted in turn (a cascade seen at 5,000 groups).
+            now = min(self.answered.value, plan.steps - 1)
             if now > k and self.replica != plan.victim:
                 self.bytes_at.extend([self.bytes_in] * (now - k))
                 k = now
@@ -278,9 +284,9 @@ async def _until(t: float) -> None:
         await asyncio.sleep(delay)
 
 
-async def _main(plan: Plan, ready: Any, go: Any) -> list[dict[str, Any]]:
+async def _main(plan: Plan, ready: Any, go: Any, answered: Any) -> list[dict[str, Any]]:
     rng = random.Random(plan.seed)
-    sims = [SimReplica(plan, r, rng.uniform(0.0, plan.jitter * plan.step_time)) for r in plan.replicas]
+    sims = [SimReplica(plan, r, rng.uniform(0.0, plan.jitter * plan.step_time), answered) for r in plan.replicas]
     sem = asyncio.Semaphore(64)  # handshakes in flight: not a SYN flood of the listener's backlog
 
     async def connect(s: SimReplica) -> None:
@@ -306,8 +312,8 @@ async def _main(plan: Plan, ready: Any, go: Any) -> list[dict[str, Any]]:
     return [s.records() for s in sims]
 
 
-def client_process(plan: Plan, ready: Any, go: Any, out: Any) -> None:
+def client_process(plan: Plan, ready: Any, go: Any, out: Any, answered: Any) -> None:
     """A client process's body: connects its groups, waits for the start time, runs, reports."""
-    records = event_loop.run(_main(plan, ready, go))
+    records = event_loop.run(_main(plan, ready, go, answered))
     usage = resource.getrusage(resource.RUSAGE_SELF)
     out.send(json.dumps({"records": records, "cpu_s": usage.ru_utime + usage.ru_stime}))
