@@ -105,7 +105,10 @@ class QuorumDecision:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> QuorumDecision:
-        """The decision in ``data`` (parsed JSON, so the caller checks its members' types).
+        """The decision in ``data`` (parsed JSON, so the caller checks its members' types):
+        the wire's form (``member_runs``, ``behind_runs``) or the listed one the replica's
+        client hands its training thread (``members``, ``behind``:
+        :func:`unbroken.control.client.listed_decision`).
 
         Raises:
             ValueError: ``member_runs`` or ``behind_runs`` that are not increasing, disjoint
