@@ -132,7 +132,8 @@ def test_kill_9_of_an_agent_moves_its_replica_to_a_spare_slot(tmp_path: Path) ->
         wait_until("a's workers to die with it", lambda: not any(alive(p) for p in pids), timeout=5)
         lost = wait_until("the coordinator to notice", lambda: cluster.events("agent_lost"))
         assert lost[0]["node"] == "a" and lost[0]["replicas"] == [0]
-        moved = cluster.events("replica_reassigned")
+        # The coordinator writes agent_lost, then evicts, then moves: the move can land a moment later.
+        moved = wait_until("the replica to move", lambda: cluster.events("replica_reassigned"), timeout=10)
         assert [(e["replica"], e["from_node"], e["to_node"]) for e in moved] == [(0, "a", "c")]
         cluster.wait_agents(["b", "c"])
     assert [e["replica"] for e in cluster.agent_events("c", "process_started")] == [0]
