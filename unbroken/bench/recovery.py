@@ -22,9 +22,13 @@ all-reduce over the replicas (torch's HSDP), so ``overhead_ratio`` is the cost o
 fault-tolerant hook. The crash kills one rank of the victim replica (its group restarts); the
 result adds ``samples_skipped`` and ``samples_repeated`` from the job's data account.
 
-Baseline and steady alternate (``--rounds``) so that a busy machine slows both alike; the
-overhead ratio compares their median step times from the same invocation. The figures are
-computed by the pure functions below from the per-step JSON lines the workers write.
+Baseline and steady alternate (``--rounds``), in ABBA order (:func:`pair_order`), so that a
+busy or drifting machine slows both alike; ``overhead_ratio`` is the median over rounds of each
+round's ratio of median step times (:func:`paired_ratio`), ``ratio_of_medians`` the ratio of the
+medians over all rounds (this benchmark's figure before ABBA rounds). Where the worker records
+its training thread's CPU time per step (the Llama example's ``cpu_s``), ``train_cpu_ratio``
+compares that too. The figures are computed by the pure functions below from the per-step JSON
+lines the workers write.
 """
 
 from __future__ import annotations
@@ -72,17 +76,22 @@ def ready_times(rows: list[Row]) -> list[float]:
     return [r["t"] for r in rows if r.get("event") == "ready"]
 
 
-def median_step(rows_by_replica: dict[int, list[Row]], before: float | None = None) -> float:
-    """Median step time over all replicas' committed steps after warm-up (and before ``before``)."""
+def median_step(rows_by_replica: dict[int, list[Row]], before: float | None = None, key: str = "step_s") -> float:
+    """Median of ``key`` (the step time) over all replicas' committed steps after warm-up (and
+    before ``before``)."""
     times = [
-        r["step_s"]
+        r[key]
         for rows in rows_by_replica.values()
         for r in step_rows(rows)
-        if r.get("committed") and r["step"] >= WARMUP_STEPS and (before is None or r["t1"] < before)
+        if r.get("committed") and r["step"] >= WARMUP_STEPS and (before is None or r["t1"] < before) and key in r
     ]
     if not times:
-        raise ValueError("no steady steps recorded: raise --steps")
+        raise ValueError(f"no steady steps with {key!r} recorded: raise --steps")
     return statistics.median(times)
+
+
+def has_field(rows_by_replica: dict[int, list[Row]], key: str) -> bool:
+    return any(key in r for rows in rows_by_replica.values() for r in step_rows(rows))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,35 +392,71 @@ def run_unbroken(
     return {r: read_rows(out / f"steps-r{r}.jsonl") for r in range(s.replicas)}, fault_t, code
 
 
+def paired_ratio(baseline: list[float], ours: list[float]) -> float:
+    """The median over rounds of each round's ours / baseline: the two jobs of a round ran
+    back to back, so their ratio is free of the drift between rounds that a ratio of the
+    medians still carries."""
+    if not baseline or len(baseline) != len(ours):
+        raise ValueError(f"paired rounds need as many baseline as measured runs, got {len(baseline)} and {len(ours)}")
+    return statistics.median(u / b for b, u in zip(baseline, ours, strict=True))
+
+
+def pair_order(round_index: int) -> tuple[str, str]:
+    """Which job of a round runs first: baseline first in even rounds, steady first in odd ones.
+
+    ABBA order: a machine whose speed drifts during the invocation (these shared VMs' does, by
+    a third within minutes) then slows the first and the second job of the pairs alike, where
+    a fixed order charged the drift to one job.
+    """
+    return ("baseline", "steady") if round_index % 2 == 0 else ("steady", "baseline")
+
+
 def run_all(s: BenchSettings, rounds: int, log: Any, scenarios: tuple[str, ...] = SCENARIOS) -> dict[str, Any]:
     victim = s.replicas - 1
     baseline_medians, steady_medians = [], []
+    baseline_cpu, steady_cpu = [], []  # the training thread's CPU per step, where the worker records it
     identical: dict[str, bool] = {}
     result: dict[str, Any] = {"replicas": s.replicas, "params_m": s.params_m, "steps": s.steps}
     if s.model != "mlp":
         del result["params_m"]  # the MLP's size; the example Llama has its own (3.9M)
         result |= {"model": s.model, "ranks_per_replica": s.ranks}
     for i in range(rounds if "steady" in scenarios else 0):
-        log(f"round {i + 1}/{rounds}: baseline (plain all-reduce)")
-        base = run_baseline(s, _fresh(s.root / f"baseline-{i}"), model=s.model)
-        baseline_medians.append(median_step(base))
-        log(f"round {i + 1}/{rounds}: steady (unbroken, no faults)")
-        out = _fresh(s.root / f"steady-{i}")
-        steady, _, code = run_unbroken(s, out, None, victim, model=s.model)
-        if code != 0:
-            raise click.ClickException(f"the steady run failed (exit {code}); see {out}/logs")
-        steady_medians.append(median_step(steady))
-        identical[f"steady-{i}"] = digests_identical(out, s.replicas)
+        for job in pair_order(i):
+            if job == "baseline":
+                log(f"round {i + 1}/{rounds}: baseline (plain all-reduce)")
+                base = run_baseline(s, _fresh(s.root / f"baseline-{i}"), model=s.model)
+                baseline_medians.append(median_step(base))
+                if has_field(base, "cpu_s"):
+                    baseline_cpu.append(median_step(base, key="cpu_s"))
+                continue
+            log(f"round {i + 1}/{rounds}: steady (unbroken, no faults)")
+            out = _fresh(s.root / f"steady-{i}")
+            steady, _, code = run_unbroken(s, out, None, victim, model=s.model)
+            if code != 0:
+                raise click.ClickException(f"the steady run failed (exit {code}); see {out}/logs")
+            steady_medians.append(median_step(steady))
+            if has_field(steady, "cpu_s"):
+                steady_cpu.append(median_step(steady, key="cpu_s"))
+            identical[f"steady-{i}"] = digests_identical(out, s.replicas)
         log(f"  baseline {baseline_medians[-1]:.4f}s  steady {steady_medians[-1]:.4f}s")
     if steady_medians:
         result |= {
             "baseline_step_s": round(statistics.median(baseline_medians), 4),
             "steady_step_s": round(statistics.median(steady_medians), 4),
-            "overhead_ratio": round(statistics.median(steady_medians) / statistics.median(baseline_medians), 4),
+            "overhead_ratio": round(paired_ratio(baseline_medians, steady_medians), 4),
+            "ratio_of_medians": round(statistics.median(steady_medians) / statistics.median(baseline_medians), 4),
             "rounds": [
                 {"baseline_step_s": round(b, 4), "steady_step_s": round(u, 4), "ratio": round(u / b, 4)}
                 for b, u in zip(baseline_medians, steady_medians, strict=False)
             ],
+        }
+    if baseline_cpu and len(baseline_cpu) == len(steady_cpu):
+        # The same work on the training thread in both jobs: a ratio near 1 says the gap in step
+        # time is waiting (quorum, exchange) and the other threads' and processes' CPU.
+        result |= {
+            "baseline_train_cpu_s": round(statistics.median(baseline_cpu), 4),
+            "steady_train_cpu_s": round(statistics.median(steady_cpu), 4),
+            "train_cpu_ratio": round(statistics.median(steady_cpu) / statistics.median(baseline_cpu), 4),
         }
     for fault in [f for f in ("crash", "hang") if f in scenarios]:
         log(f"{fault}: replica {victim} at step {s.fault_step}")
@@ -468,27 +513,31 @@ def hidden_share(rows_by_replica: dict[int, list[Row]]) -> dict[str, float]:
 
 
 def ddp_figures(s: BenchSettings, model: str, rounds: int, log: Any, identical: dict[str, bool]) -> dict[str, Any]:
-    """unbroken's DDP wrapper against torch's DDP on ``model``, alternating ``rounds`` times."""
+    """unbroken's DDP wrapper against torch's DDP on ``model``, ``rounds`` pairs in ABBA order."""
     torch_medians, ours_medians, shares = [], [], []
     for i in range(rounds):
-        log(f"round {i + 1}/{rounds}: torch DDP ({model})")
-        base = run_baseline(s, _fresh(s.root / f"torch-ddp-{model}-{i}"), mode="torch_ddp", model=model)
-        torch_medians.append(median_step(base))
-        log(f"round {i + 1}/{rounds}: unbroken DistributedDataParallel ({model})")
-        out = _fresh(s.root / f"ddp-{model}-{i}")
-        ours, _, code = run_unbroken(s, out, None, s.replicas - 1, mode="ddp", model=model)
-        if code != 0:
-            raise click.ClickException(f"the DDP run failed (exit {code}); see {out}/logs")
-        ours_medians.append(median_step(ours))
-        shares.append(hidden_share(ours))
-        identical[f"ddp-{model}-{i}"] = digests_identical(out, s.replicas)
+        for job in pair_order(i):
+            if job == "baseline":
+                log(f"round {i + 1}/{rounds}: torch DDP ({model})")
+                base = run_baseline(s, _fresh(s.root / f"torch-ddp-{model}-{i}"), mode="torch_ddp", model=model)
+                torch_medians.append(median_step(base))
+                continue
+            log(f"round {i + 1}/{rounds}: unbroken DistributedDataParallel ({model})")
+            out = _fresh(s.root / f"ddp-{model}-{i}")
+            ours, _, code = run_unbroken(s, out, None, s.replicas - 1, mode="ddp", model=model)
+            if code != 0:
+                raise click.ClickException(f"the DDP run failed (exit {code}); see {out}/logs")
+            ours_medians.append(median_step(ours))
+            shares.append(hidden_share(ours))
+            identical[f"ddp-{model}-{i}"] = digests_identical(out, s.replicas)
         log(f"  torch DDP {torch_medians[-1]:.4f}s  unbroken DDP {ours_medians[-1]:.4f}s  {shares[-1]}")
     t, u = statistics.median(torch_medians), statistics.median(ours_medians)
     hidden = [x["exchange_hidden_share"] for x in shares if x]
     return {
         "torch_ddp_step_s": round(t, 4),
         "unbroken_ddp_step_s": round(u, 4),
-        "overhead_ratio": round(u / t, 4),
+        "overhead_ratio": round(paired_ratio(torch_medians, ours_medians), 4),
+        "ratio_of_medians": round(u / t, 4),
         "exchange_hidden_share": round(statistics.median(hidden), 4) if hidden else None,
         "rounds": [
             {"torch_ddp_step_s": round(a, 4), "unbroken_ddp_step_s": round(b, 4), "ratio": round(b / a, 4), **x}
@@ -511,10 +560,10 @@ def ddp_figures(s: BenchSettings, model: str, rounds: int, log: Any, identical: 
 )
 @click.option(
     "--rounds",
-    type=click.IntRange(1, 5),
+    type=click.IntRange(1, 10),
     default=2,
     show_default=True,
-    help="Alternating baseline/steady pairs for the overhead ratio.",
+    help="Baseline/steady pairs for the overhead ratio, in ABBA order (an even number cancels a steady drift).",
 )
 @click.option(
     "--only",
@@ -606,14 +655,20 @@ def recovery(
         table = Table(title="unbroken bench recovery")
         table.add_column("figure")
         table.add_column("value")
-        for key in ("baseline_step_s", "steady_step_s", "overhead_ratio"):
+        for key in ("baseline_step_s", "steady_step_s", "overhead_ratio", "ratio_of_medians", "train_cpu_ratio"):
             if key in result:
                 table.add_row(key, str(result[key]))
         for fault in [f for f in ("crash", "hang") if f in result]:
             for key, value in result[fault].items():
                 table.add_row(f"{fault}.{key}", str(value))
         for model, figures in result.get("ddp", {}).items():
-            for key in ("torch_ddp_step_s", "unbroken_ddp_step_s", "overhead_ratio", "exchange_hidden_share"):
+            for key in (
+                "torch_ddp_step_s",
+                "unbroken_ddp_step_s",
+                "overhead_ratio",
+                "ratio_of_medians",
+                "exchange_hidden_share",
+            ):
                 table.add_row(f"ddp.{model}.{key}", str(figures[key]))
         table.add_row("replicas_identical", str(result["replicas_identical"]))
         Console().print(table)

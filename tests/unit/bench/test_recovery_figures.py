@@ -7,11 +7,19 @@ stall, rejoin steps and donor slowdown are pinned without running processes.
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
 
-from unbroken.bench.recovery import digests_identical, fault_figures, median_step, serving_figures
+from unbroken.bench.recovery import (
+    digests_identical,
+    fault_figures,
+    median_step,
+    pair_order,
+    paired_ratio,
+    serving_figures,
+)
 
 
 def _steps(replica: int, steps: range, t_start: float, step_s: float, **extra: object) -> list[dict]:
@@ -95,6 +103,33 @@ def test_no_rejoin_is_reported_as_missing_not_zero() -> None:
 def test_median_needs_steady_steps() -> None:
     with pytest.raises(ValueError, match="--steps"):
         median_step({0: _steps(0, range(3), 0.0, 0.1)})
+
+
+def test_median_of_another_field_skips_rows_without_it() -> None:
+    rows = _steps(0, range(30), 0.0, 0.1)
+    for i, r in enumerate(rows):
+        if i % 2 == 0:
+            r["cpu_s"] = 0.01 * i
+    assert median_step({0: rows}, key="cpu_s") == pytest.approx(statistics.median(0.01 * i for i in range(6, 30, 2)))
+    with pytest.raises(ValueError, match="cpu_s"):
+        median_step({0: _steps(0, range(30), 0.0, 0.1)}, key="cpu_s")
+
+
+def test_the_overhead_is_the_median_of_each_rounds_ratio() -> None:
+    # The machine ran twice as fast in the second round: each round's ratio is 1.1.
+    assert paired_ratio([1.0, 0.5, 1.0], [1.1, 0.55, 1.1]) == pytest.approx(1.1)
+    assert paired_ratio([1.0, 1.0, 1.0], [1.0, 1.2, 1.05]) == pytest.approx(1.05)
+    with pytest.raises(ValueError, match="paired"):
+        paired_ratio([1.0], [1.0, 1.0])
+
+
+def test_rounds_alternate_which_job_runs_first() -> None:
+    orders = [pair_order(i) for i in range(4)]
+    assert orders == [("baseline", "steady"), ("steady", "baseline")] * 2
+    # Over an even number of rounds each job runs first as often as second: a linear drift of the
+    # machine's speed adds the same total to both.
+    firsts = [o[0] for o in orders]
+    assert firsts.count("baseline") == firsts.count("steady")
 
 
 def test_digests_identical_requires_every_replica(tmp_path: Path) -> None:
