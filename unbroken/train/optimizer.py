@@ -146,6 +146,7 @@ class Optimizer(torch.optim.Optimizer):
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if not self.manager.sync_gradients(gradients(params)):
             return None
+        self.manager.request_next_quorum()  # its answer travels while the wrapped optimizer steps
         scale = self.manager.lr_scale
         saved = [g["lr"] for g in self.optimizer.param_groups]
         if scale != 1.0:

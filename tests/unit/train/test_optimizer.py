@@ -40,6 +40,9 @@ class FakeManager:
         self.synced.append(grads)
         return self.answer
 
+    def request_next_quorum(self) -> None:
+        self.calls.append("request_next_quorum")
+
     def commit(self) -> None:
         self.calls.append("commit")
         self.last_step_committed = True
@@ -84,7 +87,8 @@ def test_a_committed_step_is_the_wrapped_optimizers_step() -> None:
         ref_opt.zero_grad()
         backward(reference, seed)
         ref_opt.step()
-    assert manager.calls == ["start_step", "sync_gradients", "commit"] * 3
+    # The next step's quorum is asked for before the wrapped optimizer steps, never after a failed exchange.
+    assert manager.calls == ["start_step", "sync_gradients", "request_next_quorum", "commit"] * 3
     for p, q in zip(model.parameters(), reference.parameters(), strict=False):
         assert torch.equal(p, q)
 

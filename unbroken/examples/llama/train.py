@@ -311,8 +311,10 @@ def train_unbroken(args: argparse.Namespace) -> None:
         records = Records(run_dir, args.log_name, c.replica_id, c.rank)
         while manager.step < args.steps:
             t0 = time.time()
+            c0 = time.thread_time()
             manager.start_step()  # the quorum request travels while the batches are read
             plan = batches.plan()  # this rank's micro-batches: waits for the step's quorum
+            t_plan = time.time()
             optimizer.zero_grad(set_to_none=True)
             loss = forward_backward(model, data, plan.micro_batches, plan.loss_scale, device, bf16)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
@@ -321,6 +323,7 @@ def train_unbroken(args: argparse.Namespace) -> None:
             # a catching-up replica has no gradients and sends zeros): True when it may commit.
             committed = unbroken.average_gradients(manager, model.parameters())
             if committed:
+                manager.request_next_quorum()  # the answer travels while the optimizer steps
                 optimizer.step()
                 scheduler.step()
                 manager.commit()
@@ -328,6 +331,7 @@ def train_unbroken(args: argparse.Namespace) -> None:
                 unbroken.save_if_due(manager, checkpointer, args.checkpoint_every)
                 if args.dcp_dir is not None and manager.step % args.dcp_every == 0 and manager.writes_checkpoints:
                     save_dcp(model, optimizer, args.dcp_dir, manager.step)
+            cpu_s = time.thread_time() - c0
             time.sleep(max(0.0, args.pace_s - (time.time() - t0)))
             t1 = time.time()
             d = manager.decision
@@ -353,6 +357,8 @@ def train_unbroken(args: argparse.Namespace) -> None:
                     "t1": t1,
                     "step_s": t1 - t0,
                     "compute_s": t_exchange - t0,
+                    "quorum_wait_s": t_plan - t0,
+                    "cpu_s": cpu_s,
                     "exchange_s": st["last_exchange_s"],
                     "recovery_s": st["last_recovery_s"],
                     "fetch_s": st.get("last_fetch_s", 0.0),
@@ -405,6 +411,7 @@ def train_plain(args: argparse.Namespace) -> None:
     records = Records(args.run_dir or Path("."), args.log_name, replica, local)
     for step in range(args.steps):
         t0 = time.time()
+        c0 = time.thread_time()
         plan = rank_plan(
             plan_step(step, replicas, range(replicas), args.policy),
             replica,
@@ -419,6 +426,7 @@ def train_plain(args: argparse.Namespace) -> None:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
         optimizer.step()
         scheduler.step()
+        cpu_s = time.thread_time() - c0
         t1 = time.time()
         records.write(
             {
@@ -430,6 +438,7 @@ def train_plain(args: argparse.Namespace) -> None:
                 "t1": t1,
                 "step_s": t1 - t0,
                 "compute_s": t_exchange - t0,
+                "cpu_s": cpu_s,
             }
         )
     records.finish(args.steps, state_digest(model, optimizer), [], group=mesh["shard"].get_group())
