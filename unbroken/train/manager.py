@@ -154,8 +154,8 @@ class Manager:
             "last_join_wait_s": 0.0,
         }
         self._quorum: Future[dict[str, Any]] | None = None
-        # The next step's request, sent before this one's commit (request_next_quorum): (step, answer, sent at).
-        self._next_quorum: tuple[int, Future[dict[str, Any]], float] | None = None
+        # The next step's request, sent before this one's commit (request_next_quorum): (step, answer).
+        self._next_quorum: tuple[int, Future[dict[str, Any]]] | None = None
         self._may_commit = False  # this step's sync_gradients() returned True and it is not committed yet
         self._buffer: torch.Tensor | None = None
         self._snapshot: SnapshotCopy | None = None  # a donation still being copied
@@ -225,7 +225,7 @@ class Manager:
                     self._own_state = self._local_state()
             asked, self._next_quorum = self._next_quorum, None
             if asked is not None and asked[0] == self.step:
-                self._quorum, self._step_began = asked[1], asked[2]  # asked when the last step's exchange ended
+                self._quorum = asked[1]  # asked when the last step's exchange ended
             else:
                 self._quorum = self._request_quorum(None)
                 if self.prepare_early:
@@ -326,11 +326,10 @@ class Manager:
         self._may_commit = False
         if self._quorum is not None or self._own_state is not None or self._fetch is not None:
             return  # a request of this step is outstanding, or a fetch may still write into our tensors
-        began = time.monotonic()
         fut = self._request_quorum(None, step=self.step + 1)
         if self.prepare_early:
             fut.add_done_callback(self._prepare_soon)
-        self._next_quorum = (self.step + 1, fut, began)
+        self._next_quorum = (self.step + 1, fut)
 
     def _sync_gradients(self, grads: list[torch.Tensor]) -> bool:
         overlap = self._overlap
@@ -607,9 +606,9 @@ class Manager:
     def _request_quorum(self, failed_epoch: int | None, step: int | None = None) -> Future[dict[str, Any]]:
         """Asks for this step's quorum (again, after ``failed_epoch``); the attempt begins now.
 
-        ``step``: the next step's, asked for before this one is committed (see sync_gradients)."""
-        if step is None:
-            self._step_began = time.monotonic()
+        ``step``: the next step's, asked for before this one is committed (request_next_quorum);
+        that step's attempt begins then (this step's vote, the last use of the old time, is over)."""
+        self._step_began = time.monotonic()
         return self.client.request_quorum(self.step if step is None else step, failed_epoch, self._step_time)
 
     def _await_quorum(self, failed_epoch: int | None) -> QuorumDecision:
