@@ -98,14 +98,18 @@ def test_a_connection_that_keeps_sending_garbage_is_dropped_and_reconnected() ->
         client.wait_connected(20)
         future = client.request_quorum(9)
         assert fake.conn is not None
-        fake.conn.sendall(b"x" * (protocol.MAX_LINE + 2))  # one endless line
         first = fake.conn
+        # The client may drop the connection before the whole line is sent (it reads faster on
+        # more cores): a reset here is the outcome under test, not a failure.
+        with contextlib.suppress(OSError):
+            first.sendall(b"x" * (protocol.MAX_LINE + 2))  # one endless line
         assert fake.accept()["op"] == "hello"  # the client came back on a new connection...
         first.close()
         fake.answer(fake.next("quorum"))  # ...and re-sent its pending request there
         assert future.result(timeout=20)["decision"]["step"] == 9
-        for _ in range(30):
-            fake.send({"op": "abort", "epoch": -1})
+        with contextlib.suppress(OSError):  # dropped mid-flood, as on a fast machine
+            for _ in range(30):
+                fake.send({"op": "abort", "epoch": -1})
         assert fake.accept()["op"] == "hello"  # a flood of malformed messages: dropped again
     finally:
         client.close(finished=False)
