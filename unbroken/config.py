@@ -33,6 +33,15 @@ ENV_LINK_FAULT = "UNBROKEN_LINK_FAULT"
 # CPU-driven ring with per-connection timings for link diagnosis, unbroken.comm.ring).
 ENV_EXCHANGE = "UNBROKEN_EXCHANGE"
 EXCHANGES = ("backend", "ring")
+# The backend of the cross-replica group (``unbroken run --cross-replica-backend``): "auto" (the
+# default: NCCL when every member of an epoch holds a distinct GPU, else Gloo), "nccl" or "gloo".
+ENV_CROSS_REPLICA_BACKEND = "UNBROKEN_CROSS_REPLICA_BACKEND"
+CROSS_REPLICA_BACKENDS = ("auto", "nccl", "gloo")
+# Set by the launcher unless the user set it: NCCL's reaction to a failed or timed-out
+# collective. 2 (clean up only) aborts the communicator and raises on the next wait; torch's
+# default tears the process down, which would turn a peer's fault into this rank's crash.
+ENV_NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NCCL_ASYNC_ERROR_HANDLING = "2"
 # Seconds a rank waits for its first connection to the coordinator; overrides
 # unbroken.init(connect_timeout_s=...).
 ENV_CONNECT_TIMEOUT = "UNBROKEN_CONNECT_TIMEOUT"
@@ -133,6 +142,21 @@ def exchange_mode(env: Mapping[str, str] | None = None) -> str:
     return mode
 
 
+def cross_replica_backend(env: Mapping[str, str] | None = None) -> str:
+    """``UNBROKEN_CROSS_REPLICA_BACKEND``: ``auto`` (default), ``nccl`` or ``gloo``."""
+    value = _environ(env).get(ENV_CROSS_REPLICA_BACKEND, "auto") or "auto"
+    if value not in CROSS_REPLICA_BACKENDS:
+        raise ConfigError(
+            f"{ENV_CROSS_REPLICA_BACKEND} must be one of {', '.join(CROSS_REPLICA_BACKENDS)}, got {value!r}"
+        )
+    return value
+
+
+def nccl_async_error_handling(env: Mapping[str, str] | None = None) -> str:
+    """``TORCH_NCCL_ASYNC_ERROR_HANDLING`` for the workers: the user's, else clean-up only."""
+    return _environ(env).get(ENV_NCCL_ASYNC_ERROR_HANDLING) or NCCL_ASYNC_ERROR_HANDLING
+
+
 def connect_timeout_s(default: float, env: Mapping[str, str] | None = None) -> float:
     """``UNBROKEN_CONNECT_TIMEOUT`` in seconds when set, else ``default``."""
     raw = _environ(env).get(ENV_CONNECT_TIMEOUT)
@@ -184,6 +208,15 @@ def local_rank(env: Mapping[str, str] | None = None) -> int:
         return int(raw)
     except ValueError:
         raise ConfigError(f"{ENV_LOCAL_RANK} must be an integer, got {raw!r}") from None
+
+
+def local_world_size(env: Mapping[str, str] | None = None) -> int:
+    """torchrun's ``LOCAL_WORLD_SIZE`` (1 when unset): how many ranks share this node's devices."""
+    raw = _environ(env).get(ENV_LOCAL_WORLD_SIZE, "1")
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{ENV_LOCAL_WORLD_SIZE} must be an integer, got {raw!r}") from None
 
 
 def master_address(env: Mapping[str, str] | None = None) -> tuple[str, str] | None:

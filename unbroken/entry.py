@@ -33,6 +33,7 @@ def init(
     max_attempts: int = DEFAULT_MAX_ATTEMPTS,
     quorum_timeout_s: float = DEFAULT_QUORUM_TIMEOUT_S,
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    cross_replica_backend: str | None = None,
 ) -> Manager:
     """Joins the fault-tolerant job this process was launched into (see ``unbroken run``).
 
@@ -40,6 +41,10 @@ def init(
     (``state_dict``/``load_state_dict`` here register one state under ``"state"``). The
     default process group of the replica's own ranks is created only if the script has not
     created it. Use as ``with unbroken.init() as manager:`` to leave the job cleanly.
+
+    ``cross_replica_backend``: ``auto`` (NCCL when every member of an epoch holds a distinct
+    GPU, else Gloo carrying the CUDA tensors), ``nccl`` or ``gloo``; None takes
+    ``unbroken run --cross-replica-backend`` (``UNBROKEN_CROSS_REPLICA_BACKEND``), else ``auto``.
     """
     config = config or ReplicaConfig.from_env()
     return Manager(
@@ -53,4 +58,5 @@ def init(
         connect_timeout_s=connect_timeout_s,
         fault_hook=WorkerChaos.from_env(config.replica_id),
         link_fault=LinkFault.from_env(),
+        cross_replica_backend=cross_replica_backend,
     )

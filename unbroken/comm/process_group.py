@@ -4,10 +4,16 @@ Every quorum epoch gets a fresh ``torch.distributed`` group on a fresh store pre
 waits on its work's future together with an abort flag (set when the coordinator pushes an
 abort) and a deadline; whichever comes first ends the wait. A group whose operation was
 abandoned is never used again and its buffers are never reused (the backend may still write
-into them), and it is never destroyed, not even when the process exits: destroying a Gloo group
-with a stuck operation blocks until that operation times out, and once the peer of that
-operation has gone, its destructor can throw and abort the process (seen at exit, after the
-job had finished, when the garbage collector reached a Manager).
+into them). Every group an epoch leaves behind (abandoned, failed, or replaced by the next
+epoch's) is handed to a :class:`~unbroken.comm.retire.GroupReaper`, which releases it off the
+training thread once its operations are over (NCCL: once aborted), so that a long or flapping
+job does not keep every epoch's sockets, threads and GPU memory.
+
+The backend of each epoch's group is chosen by :mod:`unbroken.comm.backend` (``auto``: NCCL
+when every member holds a distinct GPU, else Gloo carrying the CUDA tensors). An error is kept
+with its epoch (:attr:`CrossReplicaGroup.last_failure`) so that the rank reports its text with
+the failed epoch, and the coordinator can tell a configuration that can never work from a fault
+(:mod:`unbroken.comm.failure`).
 
 The groups rendezvous on the job's authenticated store (:mod:`unbroken.comm.store`), so nobody
 without the job's secret can read or write their keys. Gloo's own pair connections, which
@@ -19,7 +25,6 @@ for any torch.distributed job.
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import threading
 import time
@@ -29,19 +34,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from unbroken.comm.backend import BACKENDS, choose_backend, gpu_identity
 from unbroken.comm.recorder import FlightRecorder
+from unbroken.comm.retire import GroupReaper
 from unbroken.comm.ring import ring_allreduce_sum
 from unbroken.comm.store import AuthenticatedStore
 from unbroken.config import exchange_mode, gloo_socket_ifname, local_address_towards, parse_host_port
+from unbroken.control.failure import MAX_FAILURE_CHARS
 from unbroken.wire.auth import JobSecret
 
 # "backend" (default): the backend's all-reduce; "ring": unbroken's CPU-driven ring, slower on
 # CPU but with per-connection timings (the diagnosis can then name a link).
 
-
-def _keep_forever(pg: Any) -> None:
-    """Leaks one reference to an abandoned group so that its destructor never runs."""
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
+# Past the backend's timeout, by which a Gloo operation has ended (with an error): a retired
+# group whose operation runs longer is stuck.
+LINGER_MARGIN_S = 30.0
 
 
 class ExchangeFailed(RuntimeError):
@@ -70,12 +77,28 @@ class CrossReplicaGroup:
             lingers, since waits are bounded by the learned deadline.
         rendezvous_s: the longest wait for the members of a new epoch to build its group; a
             crash or hang during it is normally cut short sooner by the coordinator's abort.
+        backend: ``auto``, ``nccl`` or ``gloo`` (:mod:`unbroken.comm.backend`).
+        reaper: releases the groups that epochs leave behind; None makes one.
     """
 
-    def __init__(self, secret: JobSecret, timeout_s: float = 60.0, rendezvous_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        secret: JobSecret,
+        timeout_s: float = 60.0,
+        rendezvous_s: float = 10.0,
+        backend: str = "auto",
+        reaper: GroupReaper | None = None,
+    ) -> None:
         if not isinstance(secret, JobSecret):
             raise TypeError(f"CrossReplicaGroup needs the job's JobSecret, got {type(secret).__name__}")
+        if backend not in BACKENDS:
+            raise ValueError(f"the cross-replica backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self._secret = secret
+        self.backend_setting = backend
+        self.backend = ""  # the backend of the current epoch's group, once built
+        self.reaper = reaper or GroupReaper(linger_s=timeout_s + LINGER_MARGIN_S)
+        self._works: list[Any] = []  # operations started on the current group that may still run
+        self.last_failure: tuple[int | None, str] | None = None  # (epoch, error) of the last failed exchange
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.rendezvous_s = rendezvous_s
         self.epoch: int | None = None
@@ -123,31 +146,60 @@ class CrossReplicaGroup:
         def build() -> None:
             try:
                 prefix = dist.PrefixStore(f"unbroken/{tag}/epoch{epoch}", self._store(store_address))
-                if device.type == "cuda":
-                    pending.set_result(dist.ProcessGroupNCCL(prefix, rank, size, dist.ProcessGroupNCCL.Options()))
-                else:
-                    pending.set_result(dist.ProcessGroupGloo(prefix, rank, size, self._gloo_options(store_address)))
+                backend = self._choose(prefix, rank, size, device)
+                pending.set_result((backend, self.make_group(backend, prefix, rank, size, store_address, device)))
             except BaseException as e:  # noqa: BLE001 - handed to the waiting exchange
                 pending.set_exception(e)
 
         threading.Thread(target=build, name=f"unbroken-group-epoch{epoch}", daemon=True).start()
         self._pending = pending
 
+    def _choose(self, store: Any, rank: int, size: int, device: torch.device) -> str:
+        """This epoch's backend; with ``auto`` on CUDA the members first tell each other their GPU."""
+        if self.backend_setting != "auto" or device.type != "cuda":
+            return choose_backend(self.backend_setting, device.type)
+        store.set(f"gpu/{rank}", gpu_identity(device))
+        identities = [store.get(f"gpu/{r}").decode() for r in range(size)]
+        return choose_backend("auto", "cuda", identities)
+
+    def make_group(
+        self, backend: str, store: Any, rank: int, size: int, store_address: str, device: torch.device
+    ) -> Any:
+        """A torch process group of ``backend`` on ``store`` (what each epoch builds on its thread)."""
+        if backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = self.timeout
+            pg = dist.ProcessGroupNCCL(store, rank, size, options)
+            if device.type == "cuda" and hasattr(pg, "eager_connect_single_device"):
+                # The communicator is made here, on the build thread, not lazily inside the first
+                # all-reduce on the training thread; NCCL's refusals (invalid usage) surface here.
+                index = device.index if device.index is not None else torch.cuda.current_device()
+                try:
+                    pg.eager_connect_single_device(torch.device("cuda", index))
+                except BaseException:
+                    self.reaper.retire(pg, "nccl", None, ())  # aborted and released off this thread
+                    raise
+            return pg
+        return dist.ProcessGroupGloo(store, rank, size, self._gloo_options(store_address))
+
     def abandon(self) -> None:
-        """Stops using the current group (its operation or rendezvous may still be running)."""
+        """Stops using the current group (its operation or rendezvous may still be running); the
+        reaper releases it once its operations are over."""
         if self._pending is not None:
-            self._pending.add_done_callback(self._keep_abandoned)
+            self._pending.add_done_callback(self._retire_built)
             self._pending = None
-        if self._pg is not None:
-            if hasattr(self._pg, "abort") and not isinstance(self._pg, dist.ProcessGroupGloo):
-                self._pg.abort()  # NCCL: releases the GPU-side operation
-            _keep_forever(self._pg)
-            self._pg = None
+        pg, self._pg = self._pg, None
+        works, self._works = self._works, []
+        if pg is not None:
+            self.reaper.retire(pg, self.backend, self.epoch, works)
+        del pg
         self.epoch = None
 
-    def _keep_abandoned(self, pending: Future[Any]) -> None:
+    def _retire_built(self, pending: Future[Any]) -> None:
+        """A group whose rendezvous completed after its epoch was abandoned: nothing ran on it."""
         if pending.exception() is None:
-            _keep_forever(pending.result())
+            backend, pg = pending.result()
+            self.reaper.retire(pg, backend, None, ())
 
     def abort(self, epoch: int) -> None:
         """Called from the coordinator connection's thread: ends a wait on ``epoch`` now."""
@@ -167,13 +219,13 @@ class CrossReplicaGroup:
         if self.size == 1:
             return 0.0
         if self._pg is None and self._pending is None:
-            raise ExchangeFailed("no group: this epoch was abandoned")
+            raise self._failed(self.epoch, "no group: this epoch was abandoned")
         epoch = self.epoch
         start = time.perf_counter()
         wake = threading.Event()
         with self._lock:
             if self._aborted_epoch == epoch:
-                raise ExchangeFailed(f"epoch {epoch} was aborted by the coordinator")
+                raise self._aborted(epoch)
             self._wake = wake
         self.last_join_wait_s = 0.0
         if self._pg is None:
@@ -195,14 +247,14 @@ class CrossReplicaGroup:
                 except Exception as e:  # the backend's error: a peer's connection closed
                     ok = None
                     self.abandon()
-                    raise ExchangeFailed(f"exchange failed in epoch {epoch}: {e}") from e
+                    raise self._failed(epoch, f"exchange failed in epoch {epoch}: {e}") from e
                 ok = True
                 return time.perf_counter() - start
             self.abandon()
             if woke:
                 ok = None
-                raise ExchangeFailed(f"epoch {epoch} was aborted by the coordinator")
-            raise ExchangeFailed(f"exchange in epoch {epoch} passed its {deadline_s:.2f}s deadline")
+                raise self._failed(epoch, f"epoch {epoch} was aborted by the coordinator")
+            raise self._failed(epoch, f"exchange in epoch {epoch} passed its {deadline_s:.2f}s deadline")
         finally:
             if rec is not None and token is not None:
                 rec.end(token, ok)
@@ -230,7 +282,7 @@ class CrossReplicaGroup:
             raise RuntimeError("overlapped sums need the backend's all-reduce, not UNBROKEN_EXCHANGE=ring")
         if self._pg is None and self._pending is None:
             self._batch_over(None)
-            raise ExchangeFailed("no group: this epoch was abandoned")
+            raise self._failed(self.epoch, "no group: this epoch was abandoned")
         epoch = self.epoch
         with self._lock:
             aborted = self._aborted_epoch == epoch
@@ -238,9 +290,10 @@ class CrossReplicaGroup:
                 self._batch = (threading.Event(), None)
                 self._wake = self._batch[0]
         if aborted:  # sums of this batch may be in flight: their group goes with them
+            error = self._aborted(epoch)
             self.abandon()
             self._batch_over(None)
-            raise ExchangeFailed(f"epoch {epoch} was aborted by the coordinator")
+            raise error
         assert self._batch is not None
         wake = self._batch[0]
         if self._batch[1] is None:
@@ -267,12 +320,13 @@ class CrossReplicaGroup:
         try:
             pg = self._pg
             if pg is None:  # the coordinator's thread abandoned the group since the join
-                raise ExchangeFailed(f"the group of epoch {epoch} was abandoned")
+                raise self._failed(epoch, f"the group of epoch {epoch} was abandoned")
             fut = pg.allreduce([tensor], opts).get_future()
+            self._track(fut)
         except Exception as e:  # a peer's connection closed before this started
             self.abandon()
             self._batch_over(None)
-            raise ExchangeFailed(f"exchange failed in epoch {epoch}: {e}") from e
+            raise self._failed(epoch, f"exchange failed in epoch {epoch}: {e}") from e
         pending = PendingSum(epoch, fut)
 
         def done(_: Any) -> None:
@@ -302,7 +356,7 @@ class CrossReplicaGroup:
         batch = self._batch
         if batch is None or epoch != self.epoch:
             self._batch_over(None)
-            raise ExchangeFailed(f"epoch {epoch} was abandoned while its sums were in flight")
+            raise self._failed(epoch, f"epoch {epoch} was abandoned while its sums were in flight")
         wake = batch[0]
         end = start + deadline_s
         ok: bool | None = False
@@ -316,11 +370,11 @@ class CrossReplicaGroup:
                 if aborted:
                     ok = None
                     self.abandon()
-                    raise ExchangeFailed(f"epoch {epoch} was aborted by the coordinator")
+                    raise self._failed(epoch, f"epoch {epoch} was aborted by the coordinator")
                 left = end - time.perf_counter()
                 if left <= 0:
                     self.abandon()
-                    raise ExchangeFailed(f"exchange in epoch {epoch} passed its {deadline_s:.2f}s deadline")
+                    raise self._failed(epoch, f"exchange in epoch {epoch} passed its {deadline_s:.2f}s deadline")
                 wake.wait(left)
             for p in pending:
                 try:
@@ -328,7 +382,7 @@ class CrossReplicaGroup:
                 except Exception as e:  # the backend's error: a peer's connection closed
                     ok = None
                     self.abandon()
-                    raise ExchangeFailed(f"exchange failed in epoch {epoch}: {e}") from e
+                    raise self._failed(epoch, f"exchange failed in epoch {epoch}: {e}") from e
             ok = True
             return time.perf_counter() - start
         finally:
@@ -345,10 +399,13 @@ class CrossReplicaGroup:
     def _start(self, tensor: torch.Tensor, wake: threading.Event) -> Any:
         """Starts the sum; returns a future that ``wake`` is set on when it is done."""
         if self.mode == "ring":
-            return _RingRun(self._pg, tensor, self.rank, self.size, self.recorder, wake)
+            run = _RingRun(self._pg, tensor, self.rank, self.size, self.recorder, wake)
+            self._track(run)
+            return run
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # torch's stub: RedOpType converts to ReduceOp
         fut = self._pg.allreduce([tensor], opts).get_future()
+        self._track(fut)
         fut.add_done_callback(lambda _: wake.set())
         return fut
 
@@ -362,23 +419,49 @@ class CrossReplicaGroup:
             with self._lock:
                 self._wake = None
             self.abandon()
-            raise ExchangeFailed(
-                f"epoch {epoch}: the group's rendezvous did not complete in {timeout_s:.1f}s" " or was aborted"
+            raise self._failed(
+                epoch, f"epoch {epoch}: the group's rendezvous did not complete in {timeout_s:.1f}s or was aborted"
             )
         self._pending = None
         try:
-            self._pg = pending.result()
+            self.backend, self._pg = pending.result()
         except Exception as e:
             with self._lock:
                 self._wake = None
             self.abandon()
-            raise ExchangeFailed(f"epoch {epoch}: building the group failed: {e}") from e
+            raise self._failed(epoch, f"epoch {epoch}: building the group failed: {e}") from e
         wake.clear()
         with self._lock:
             if self._aborted_epoch == epoch:
                 self._wake = None
                 self.abandon()
-                raise ExchangeFailed(f"epoch {epoch} was aborted by the coordinator")
+                raise self._failed(epoch, f"epoch {epoch} was aborted by the coordinator")
+
+    def _failed(self, epoch: int | None, error: str) -> ExchangeFailed:
+        """Remembers the error of ``epoch`` (reported with the next quorum request) and returns it."""
+        self.last_failure = (epoch, error[:MAX_FAILURE_CHARS])
+        return ExchangeFailed(error)
+
+    def _aborted(self, epoch: int | None) -> ExchangeFailed:
+        """The coordinator aborted ``epoch``, most likely because a peer reported it failed: when
+        this member's own build failed too, that error is the one to report (all members failing
+        the same way is what tells a configuration error from a fault)."""
+        pending = self._pending
+        if pending is not None and pending.done() and pending.exception() is not None:
+            return self._failed(epoch, f"epoch {epoch}: building the group failed: {pending.exception()}")
+        return self._failed(epoch, f"epoch {epoch} was aborted by the coordinator")
+
+    def _track(self, work: Any) -> None:
+        """Keeps an operation started on the current group until it is over (what the reaper waits
+        for when the group is retired); those already over are dropped, so the list stays short."""
+        self._works = [w for w in self._works if not w.done()]
+        self._works.append(work)
+
+    def close(self, timeout_s: float = 0.0) -> None:
+        """Leaves the current epoch and waits up to ``timeout_s`` for the groups to be released."""
+        self.abandon()
+        if timeout_s > 0:
+            self.reaper.drain(timeout_s)
 
     def _gloo_options(self, store_address: str) -> Any:
         """Gloo's options: its pairs listen on loopback when the job is on one machine (the store,

@@ -29,6 +29,7 @@ from typing import Any
 
 from unbroken.config import parse_host_ports
 from unbroken.control import protocol
+from unbroken.control.failure import MAX_FAILURE_CHARS
 from unbroken.control.heartbeat import heartbeat_due
 from unbroken.control.quorum import QuorumDecision
 from unbroken.control.silence import SilenceWatch
@@ -114,12 +115,27 @@ class CoordinatorClient:
             )
 
     def request_quorum(
-        self, step: int, failed_epoch: int | None = None, step_time: float | None = None
+        self,
+        step: int,
+        failed_epoch: int | None = None,
+        step_time: float | None = None,
+        failure: str | None = None,
     ) -> Future[dict[str, Any]]:
-        """Asks for the quorum of ``step``; the future resolves with the coordinator's answer."""
+        """Asks for the quorum of ``step``; the future resolves with the coordinator's answer.
+
+        ``failure``: the error text of the exchange that failed in ``failed_epoch``, from which
+        the coordinator tells a configuration error from a fault."""
         self.step = step
         req_id = next(self._ids)
-        msg = {"op": "quorum", "id": req_id, "step": step, "failed_epoch": failed_epoch, "step_time": step_time}
+        msg: dict[str, Any] = {
+            "op": "quorum",
+            "id": req_id,
+            "step": step,
+            "failed_epoch": failed_epoch,
+            "step_time": step_time,
+        }
+        if failure is not None and failed_epoch is not None:
+            msg["failure"] = failure[:MAX_FAILURE_CHARS]
         fut: Future[dict[str, Any]] = Future()
         with self._lock:
             self._pending[req_id] = (msg, fut)

@@ -11,7 +11,8 @@ write or read one), so a line cannot be forged, replayed, reordered or reflected
 anyone who can reach the port; on-path injection into an established TCP connection is out of
 scope, as for Gloo and NCCL.
 
-Client -> coordinator ops: ``hello``, ``heartbeat``, ``quorum``, ``bye``, ``exited``.
+Client -> coordinator ops: ``hello``, ``heartbeat``, ``quorum`` (with ``failed_epoch`` and the
+exchange's ``failure`` text after a failed exchange), ``bye``, ``exited``.
 Coordinator -> client ops: ``welcome``, ``quorum`` (the answer, same ``id``), ``abort``,
 ``error``. A quorum answer in the epoch this connection was last answered with, with nobody
 behind (the fast path: same members, next step), is short: ``same_epoch`` and ``step`` only,
@@ -28,7 +29,8 @@ Telemetry batches are parsed by the diagnosis master.
 Node agents (``unbroken agent``) keep a connection of their own: agent -> coordinator
 ``agent_hello`` (node, slots), ``agent_heartbeat``, ``exited``, ``stack``; coordinator -> agent
 ``assign`` (replica ids to start), ``agent_status`` (their steps), ``dump_stack``,
-``job_finished``, ``error``. The agent's connection closing means every replica it ran is gone.
+``job_finished``, ``job_failed`` (the job is ended: stop, exit with its code), ``error``. The
+agent's connection closing means every replica it ran is gone.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import math
 import socket
 from typing import Any
 
+from unbroken.control.failure import MAX_FAILURE_CHARS
 from unbroken.wire.auth import JobSecret, Session, client_handshake, client_handshake_async
 
 Message = dict[str, Any]
@@ -254,21 +257,27 @@ class Heartbeat:
 
 @dataclasses.dataclass(frozen=True)
 class QuorumAsk:
-    """A rank's quorum request for ``step`` (``failed_epoch``: its exchange in that epoch failed)."""
+    """A rank's quorum request for ``step`` (``failed_epoch``: its exchange in that epoch failed,
+    ``failure``: with this error, which the coordinator classifies itself)."""
 
     id: int
     step: int
     step_time: float | None
     failed_epoch: int | None
+    failure: str | None = None
 
     @classmethod
     def from_msg(cls, msg: Message) -> QuorumAsk:
         failed = None if msg.get("failed_epoch") is None else count(msg, "failed_epoch")
+        failure = msg.get("failure")
+        if failure is not None and (not isinstance(failure, str) or len(failure) > MAX_FAILURE_CHARS):
+            raise ValueError(f"failure must be a string of at most {MAX_FAILURE_CHARS} characters")
         return cls(
             id=count(msg, "id"),
             step=count(msg, "step"),
             step_time=seconds(msg, "step_time", None),
             failed_epoch=failed,
+            failure=failure if failed is not None else None,
         )
 
 
@@ -453,3 +462,22 @@ class Error:
 
     def to_msg(self) -> Message:
         return {"op": "error", "message": self.message[:500]}
+
+
+@dataclasses.dataclass(frozen=True)
+class JobFailedNotice:
+    """Coordinator -> agent: the job is ended (:mod:`unbroken.control.job_health`); stop every
+    worker and exit with ``exit_code``."""
+
+    reason: str
+    exit_code: int
+
+    def to_msg(self) -> Message:
+        return {"op": "job_failed", "reason": self.reason[:1000], "exit_code": self.exit_code}
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> JobFailedNotice:
+        code = msg.get("exit_code")
+        if type(code) is not int or not 1 <= code <= 255:
+            raise ValueError(f"exit_code must be an integer from 1 to 255, got {code!r:.40}")
+        return cls(reason=text(msg, "reason", 1000), exit_code=code)

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from unbroken.comm.backend import check_backend
 from unbroken.comm.catchup import CatchupServer, SnapshotCopy, fetch_state, snapshot_layout
 from unbroken.comm.deadline import LearnedDeadline
 from unbroken.comm.process_group import CrossReplicaGroup, ExchangeFailed
@@ -44,6 +45,7 @@ from unbroken.config import (
     stack_signal,
 )
 from unbroken.config import connect_timeout_s as connect_timeout_from_env
+from unbroken.config import cross_replica_backend as env_cross_replica_backend
 from unbroken.control.client import CoordinatorClient
 from unbroken.control.quorum import QuorumDecision
 from unbroken.diagnosis.metrics import parse_policy, wants_skip
@@ -77,7 +79,11 @@ class Manager:
         state_dict, load_state_dict: a convenience for one state, registered under the key
             ``"state"``; :meth:`register_state_dict_fn` registers any number, at any time.
         config: where this rank sits; read from the environment when omitted.
-        device: where gradients live; picks Gloo (CPU) or NCCL (CUDA) for the exchange.
+        device: where gradients live (CPU: the exchange runs on Gloo; CUDA: see
+            ``cross_replica_backend``).
+        cross_replica_backend: ``auto`` (NCCL when every member of an epoch holds a distinct
+            GPU, else Gloo carrying the CUDA tensors), ``nccl`` or ``gloo``; None reads
+            ``UNBROKEN_CROSS_REPLICA_BACKEND`` (``unbroken run --cross-replica-backend``).
         deadline: how long an exchange may take before a peer is presumed hung.
         max_attempts: exchange attempts per step before the step is given up.
         quorum_timeout_s: how long to wait for a quorum (training waits while fewer than
@@ -120,6 +126,7 @@ class Manager:
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         fault_hook: FaultHook | None = None,
         link_fault: LinkDelay | None = None,
+        cross_replica_backend: str | None = None,
     ) -> None:
         if (state_dict is None) != (load_state_dict is None):
             raise ValueError(
@@ -140,7 +147,9 @@ class Manager:
         self.step = 0
         self.decision: QuorumDecision | None = None
         self.secret = JobSecret.required()  # the job's key: the store, the donors and peers demand it
-        self.group = CrossReplicaGroup(self.secret)
+        backend = cross_replica_backend or env_cross_replica_backend()
+        check_backend(backend, self.device)
+        self.group = CrossReplicaGroup(self.secret, backend=backend)
         # Peers on other nodes fetch from here: listen on the address that reaches the coordinator.
         self.catchup = CatchupServer(
             self.secret, host=local_address_towards(self.config.coordinator.rpartition(":")[0])
@@ -556,6 +565,7 @@ class Manager:
             return
         self._closed = True
         self.client.close(finished=finished)
+        self.group.close()
         self.catchup.close()
         if self._replica_store is not None and self._replica_store[1] is not None:
             self._replica_store[1].close()
@@ -609,7 +619,9 @@ class Manager:
         ``step``: the next step's, asked for before this one is committed (request_next_quorum);
         that step's attempt begins then (this step's vote, the last use of the old time, is over)."""
         self._step_began = time.monotonic()
-        return self.client.request_quorum(self.step if step is None else step, failed_epoch, self._step_time)
+        failure = self.group.last_failure
+        error = failure[1] if failure is not None and failed_epoch is not None and failure[0] == failed_epoch else None
+        return self.client.request_quorum(self.step if step is None else step, failed_epoch, self._step_time, error)
 
     def _await_quorum(self, failed_epoch: int | None) -> QuorumDecision:
         if failed_epoch is not None or self._quorum is None:

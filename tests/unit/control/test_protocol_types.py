@@ -39,3 +39,20 @@ def test_what_the_coordinator_sends_is_spelt_by_the_types() -> None:
     assert protocol.Error("x" * 600).to_msg()["message"] == "x" * 500
     answer = protocol.QuorumAnswer(id=1, decision={"epoch": 2}, transfer_addrs={"0": "a:1"}, store="s:2").to_msg()
     assert answer == {"op": "quorum", "id": 1, "decision": {"epoch": 2}, "transfer_addrs": {"0": "a:1"}, "store": "s:2"}
+
+
+def test_a_failed_exchange_reports_its_error_text_within_bounds() -> None:
+    msg = {"op": "quorum", "id": 1, "step": 3, "step_time": None, "failed_epoch": 5, "failure": "Unable to find"}
+    assert protocol.QuorumAsk.from_msg(msg).failure == "Unable to find"
+    assert protocol.QuorumAsk.from_msg({**msg, "failed_epoch": None}).failure is None  # no failed epoch: ignored
+    for bad in (7, ["x"], "x" * 2001):
+        with pytest.raises(ValueError):
+            protocol.QuorumAsk.from_msg({**msg, "failure": bad})
+
+
+def test_the_job_failed_notice_to_agents_round_trips_and_refuses_bad_codes() -> None:
+    notice = protocol.JobFailedNotice(reason="every member failed", exit_code=78)
+    assert protocol.JobFailedNotice.from_msg(notice.to_msg()) == notice
+    for code in (0, 256, "78", True):
+        with pytest.raises(ValueError):
+            protocol.JobFailedNotice.from_msg({"op": "job_failed", "reason": "r", "exit_code": code})

@@ -7,6 +7,7 @@ tests pin which step each request names, which the coordinator's quorum rules de
 from __future__ import annotations
 
 from concurrent.futures import Future
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,7 +22,11 @@ class RecordingClient:
         self.answers: list[Future[dict[str, Any]]] = []
 
     def request_quorum(
-        self, step: int, failed_epoch: int | None = None, step_time: float | None = None
+        self,
+        step: int,
+        failed_epoch: int | None = None,
+        step_time: float | None = None,
+        failure: str | None = None,
     ) -> Future[dict[str, Any]]:
         self.asked.append((step, failed_epoch))
         self.answers.append(Future())
@@ -33,6 +38,7 @@ def manager_at_step(step: int, exchange_ok: bool) -> tuple[Manager, RecordingCli
     m = Manager.__new__(Manager)
     client = RecordingClient()
     m.client = client  # type: ignore[assignment]
+    m.group = SimpleNamespace(last_failure=None)  # type: ignore[assignment]
     m.step = step
     m._quorum = None
     m._next_quorum = None

@@ -1,0 +1,184 @@
+"""Releasing the groups that epochs leave behind, off the training thread.
+
+Every membership change builds a new cross-replica group; the old one must go, or a long job
+keeps every epoch's sockets, threads and (with NCCL) hundreds of MiB of GPU memory. It cannot
+simply be dropped on the training thread:
+
+* a Gloo group whose operation is still running (a peer died mid-collective) blocks its
+  destructor until that operation times out, and its ``abort()`` does not end the operation;
+  once every operation has completed, with an error or not, it is released in milliseconds;
+* an NCCL communicator is released by ``abort()``, which can itself block (a call stuck in
+  NCCL), and must not be left for NCCL's watchdog to find.
+
+So a retired group goes to a :class:`GroupReaper`: one thread that aborts NCCL groups (each
+abort bounded by a watchdog thread), waits for a Gloo group's operations to end (bounded by the
+group's own timeout plus a margin), then drops the last reference. A group whose operations
+outlive that bound is stuck: it is kept, never destroyed (its destructor could block or, with
+its peer gone, throw and abort the process), and counted; :attr:`GroupReaper.stuck` is
+bounded by how many operations can be stuck at once, which each epoch's deadline limits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+
+class Work(Protocol):
+    def done(self) -> bool: ...
+
+
+@dataclasses.dataclass(eq=False)
+class Retired:
+    """A group an epoch left behind, with the operations that were started on it."""
+
+    group: Any
+    backend: str
+    epoch: int | None
+    works: Sequence[Work]
+    at: float
+    aborted: bool = False
+
+
+def fate(item: Retired, now: float, linger_s: float) -> str:
+    """What the reaper does with ``item`` now: ``abort`` (NCCL, not yet aborted), ``release``
+    (nothing runs on it any more: every operation ended, or NCCL's abort returned), ``wait`` (a
+    Gloo operation still runs) or ``stuck`` (one ran past ``linger_s`` after the group was
+    retired)."""
+    if item.backend == "nccl":  # an aborted communicator's work is over, done or not
+        return "release" if item.aborted else "abort"
+    if all(w.done() for w in item.works):
+        return "release"
+    return "stuck" if now - item.at > linger_s else "wait"
+
+
+def keep_forever(group: Any) -> None:
+    """Leaks one reference to ``group`` so that its destructor never runs."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+
+
+class GroupReaper:
+    """Releases retired groups on its own thread; see the module's docstring.
+
+    Args:
+        linger_s: how long a retired group's operations may run on before it is called stuck
+            (the backend's timeout plus a margin: a Gloo operation ends by then).
+        abort_timeout_s: how long one ``abort()`` may take before it is called stuck.
+        poll_s: how often groups with running operations are looked at again.
+        clock: monotonic seconds (tests pass their own).
+    """
+
+    def __init__(
+        self,
+        linger_s: float,
+        abort_timeout_s: float = 10.0,
+        poll_s: float = 0.2,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.linger_s, self.abort_timeout_s, self.poll_s, self.clock = linger_s, abort_timeout_s, poll_s, clock
+        self._waiting: deque[Retired] = deque()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.released = 0
+        self.aborted = 0
+        self.stuck = 0  # kept forever: an operation or an abort never ended
+        self.abort_errors = 0
+
+    def retire(self, group: Any, backend: str, epoch: int | None, works: Sequence[Work] = ()) -> None:
+        """Hands ``group`` over; the caller drops its own references at once."""
+        with self._cond:
+            self._waiting.append(Retired(group, backend, epoch, list(works), self.clock()))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="unbroken-group-reaper", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    @property
+    def pending(self) -> int:
+        """Groups retired and not yet released (nor called stuck)."""
+        with self._cond:
+            return len(self._waiting)
+
+    def drain(self, timeout_s: float) -> bool:
+        """Waits until every retired group is released or called stuck; False on timeout."""
+        end = time.monotonic() + timeout_s
+        with self._cond:
+            while self._waiting:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.notify()
+                self._cond.wait(min(left, self.poll_s))
+        return True
+
+    def close(self) -> None:
+        """Stops the thread; groups still waiting are kept (never destroyed)."""
+        with self._cond:
+            self._closed = True
+            for item in self._waiting:
+                keep_forever(item.group)
+            self._waiting.clear()
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                items = list(self._waiting)
+            over: set[int] = set()  # ids of the items released or called stuck in this pass
+            item: Retired | None = None
+            while items:
+                item = items.pop()
+                action = fate(item, self.clock(), self.linger_s)
+                if action == "abort":
+                    self._abort(item)
+                    action = "release" if item.aborted else "stuck"
+                if action == "stuck":
+                    self.stuck += 1
+                    keep_forever(item.group)
+                    log.error(
+                        "the %s group of epoch %s is stuck (an operation or its abort did not end in time): "
+                        "kept, not destroyed (%d so far)",
+                        item.backend,
+                        item.epoch,
+                        self.stuck,
+                    )
+                elif action == "release":
+                    self.released += 1
+                if action != "wait":
+                    over.add(id(item))
+            with self._cond:
+                old, self._waiting = self._waiting, deque(i for i in self._waiting if id(i) not in over)
+            del old, item  # the last references to released groups go here, on this thread
+            with self._cond:
+                self._cond.notify_all()
+                if not self._closed:
+                    self._cond.wait(self.poll_s if self._waiting else None)
+
+    def _abort(self, item: Retired) -> None:
+        """NCCL's ``abort()`` on a watchdog thread: a call stuck in NCCL holds that thread only."""
+        ended = threading.Event()
+
+        def run() -> None:
+            try:
+                item.group.abort()
+            except Exception as e:  # noqa: BLE001 - an abort that fails has still ended
+                self.abort_errors += 1
+                log.warning("aborting the group of epoch %s failed: %s", item.epoch, e)
+            finally:
+                ended.set()
+
+        threading.Thread(target=run, name=f"unbroken-abort-epoch{item.epoch}", daemon=True).start()
+        if ended.wait(self.abort_timeout_s):
+            item.aborted = True
+            self.aborted += 1
