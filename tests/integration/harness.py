@@ -39,6 +39,7 @@ class Job:
         train_args: list[str] | None = None,
         coordinator: str | None = None,
         script: Path = TRAIN,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.replicas = replicas
@@ -50,7 +51,7 @@ class Job:
             + ["--", sys.executable, str(script), "--steps", str(steps)]
             + (PACE if train_args is None else train_args)
         )
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
         self.log = open(run_dir.parent / f"{run_dir.name}-launcher.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -26,6 +26,7 @@ import logging
 import statistics
 import time
 from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,10 @@ from unbroken.config import anomaly_policy
 from unbroken.control import protocol
 from unbroken.control.assignment import Assignment
 from unbroken.control.event_loop import listen_backlog
+from unbroken.control.failure import classify
 from unbroken.control.groups import MAX_NODES_PER_REPLICA, GroupLaunch, advertised_address
 from unbroken.control.heartbeat import HeartbeatPlan, plan_heartbeats
+from unbroken.control.job_health import DEFAULT_FATAL_EPOCHS, DEFAULT_NO_PROGRESS_S, JobHealth, JobStop
 from unbroken.control.quorum import QuorumDecision, QuorumRequest, QuorumRules, QuorumState
 from unbroken.control.setaside import SetAside
 from unbroken.control.state_store import KEEP_EVENTS, StateStore
@@ -80,6 +83,9 @@ class CoordinatorSettings:
         heartbeat_s: how often each rank heartbeats (told in the welcome), while the job is small.
         max_heartbeats_per_s: heartbeat lines a second the coordinator spends on at most: past
             it the period and both silences above grow (:mod:`unbroken.control.heartbeat`).
+        fatal_epochs: epochs in a row failed by a configuration error at every member that end
+            the job (:mod:`unbroken.control.job_health`).
+        no_progress_timeout_s: seconds without a committed step that end the job; 0 never.
     """
 
     total_replicas: int
@@ -100,6 +106,8 @@ class CoordinatorSettings:
     max_world_size: int = 4096
     heartbeat_s: float = 0.1
     max_heartbeats_per_s: float = 2000.0
+    fatal_epochs: int = DEFAULT_FATAL_EPOCHS
+    no_progress_timeout_s: float = DEFAULT_NO_PROGRESS_S
 
 
 # A connection that sends this many malformed messages is not a replica gone astray: it is closed.
@@ -125,6 +133,7 @@ class _RankConn:
     finished: bool = False
     compute_s: float | None = None  # the rank's own compute time last step, from heartbeats
     epoch: int | None = None  # the last epoch this connection was answered with
+    failure: str | None = None  # the error of its exchange in the epoch its last request says failed
 
 
 @dataclasses.dataclass
@@ -190,6 +199,8 @@ class Coordinator:
         self.assignment = Assignment(settings.total_replicas)
         self.groups: GroupLaunch | None = None  # replica groups spanning nodes (agents' --nodes-per-replica)
         self.setaside = SetAside()  # replicas whose epochs keep failing (cut off from their peers)
+        self.health = JobHealth(settings.fatal_epochs, settings.no_progress_timeout_s)
+        self.job_failed: JobStop | None = None  # why the job was ended, once it was
         self._held: dict[int, dict[int, tuple[_RankConn, int, int, int | None]]] = {}  # their requests
         self.agents: dict[str, _AgentConn] = {}
         self.beat = self._plan_heartbeats(settings.total_replicas)
@@ -294,6 +305,7 @@ class Coordinator:
             "median_step_s": statistics.median(self.step_times) if self.step_times else None,
             "auth_failures": self.auth_failures,
             "verdicts": self.diagnosis.status(),
+            "job_failed": dataclasses.asdict(self.job_failed) if self.job_failed is not None else None,
         }
 
     # -- connections -----------------------------------------------------------------------
@@ -717,10 +729,14 @@ class Coordinator:
             return
         if failed is not None and not (member and cur is not None and failed == cur.epoch):
             failed = None  # not this replica's exchange to fail, or a stale report
+        conn.failure = ask.failure if failed is not None else None
         if step_time:
             self.step_times.append(step_time)
+        now = time.monotonic()
+        self.health.asked(now)
         if member and cur is not None and step > cur.step:
             self.setaside.progressed()
+            self.health.progressed(now)
         conn.step = step
         ranks = self.pending.setdefault(conn.replica, {})
         ranks[conn.rank] = (conn, req_id, conn.step, failed)
@@ -735,6 +751,7 @@ class Coordinator:
         cur = self.quorum.current
         failed_epochs = [f for (_, _, _, f) in ranks.values() if f is not None]
         if failed_epochs and cur is not None and max(failed_epochs) == cur.epoch:
+            self._judge_failure(cur.epoch, cur.members, replica, [c.failure for (c, _, _, _) in ranks.values()])
             victim = self.setaside.failed(cur.epoch, cur.members, self.settings.min_replicas, now)
             if victim is not None:
                 self.events.emit(
@@ -769,6 +786,36 @@ class Coordinator:
         self._push_aborts()
         if newcomer:  # only a newcomer's request changes the forecast: no scan of the members on every request
             self._hint_donors()
+
+    def _judge_failure(self, epoch: int, members: Iterable[int], replica: int, errors: list[str | None]) -> None:
+        """A replica's report that ``epoch`` failed: a configuration error at every member, epochs
+        in a row, ends the job (:mod:`unbroken.control.job_health`)."""
+        texts = [e for e in errors if e]
+        fatal = [e for e in texts if classify(e).fatal]
+        error = fatal[0] if fatal else texts[0] if texts else None
+        stop = self.health.failed(epoch, members, replica, error)
+        if stop is not None:
+            self._fail_job(stop)
+
+    def _fail_job(self, stop: JobStop) -> None:
+        """Ends the job: the event says why; ``unbroken run`` (subscribed) and every agent stop
+        their workers and exit with ``stop.exit_code``."""
+        if self.job_failed is not None:
+            return
+        self.job_failed = stop
+        log.error("the job is stopped: %s", stop.reason)
+        self.events.emit(
+            ev.JobFailed(
+                reason=stop.reason,
+                exit_code=stop.exit_code,
+                cause=stop.cause,
+                error=stop.error,
+                members=list(stop.members),
+                hint=stop.hint,
+            )
+        )
+        for agent in self.agents.values():
+            agent.link.send(protocol.JobFailedNotice(reason=stop.reason, exit_code=stop.exit_code).to_msg())
 
     def _hint_donors(self) -> None:
         """Tells each member about to serve a newcomer, once, so it snapshots at its next step start.
@@ -904,6 +951,11 @@ class Coordinator:
         self._deliver(self.quorum.evaluate(now))
         self._push_aborts()
         self.diagnosis.tick()
+        if self.job_failed is None:
+            cur = self.quorum.current
+            stop = self.health.check(now, cur.members if cur is not None else ())
+            if stop is not None:
+                self._fail_job(stop)
 
     def _scan_silence(self, now: float) -> set[int]:
         """Evicts the replicas silent past the timeout; returns those silent past the suspect time."""

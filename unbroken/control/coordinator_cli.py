@@ -21,13 +21,16 @@ import contextlib
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
 from unbroken.control import event_loop
 from unbroken.control import secret_file as secrets
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings
+from unbroken.control.job_health import DEFAULT_FATAL_EPOCHS, DEFAULT_NO_PROGRESS_S
 from unbroken.control.state_store import JOURNAL_MODES, wait_for_state_dir
 from unbroken.wire.auth import JobSecret
 
@@ -78,7 +81,27 @@ async def _serve(
     await coordinator.stop()
 
 
+def job_health_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """When the coordinator ends a job instead of looping (``unbroken run``, ``unbroken coordinator``)."""
+    fn = click.option(
+        "--no-progress-timeout",
+        type=float,
+        default=DEFAULT_NO_PROGRESS_S,
+        show_default=True,
+        help="Seconds without a committed step after which the job ends (exit code 95); 0: never.",
+    )(fn)
+    return click.option(
+        "--fatal-epochs",
+        type=click.IntRange(1, 3),
+        default=DEFAULT_FATAL_EPOCHS,
+        show_default=True,
+        help="Epochs in a row whose every member fails with an error no retry can mend (NCCL invalid usage, "
+        "an interface that does not exist) after which the job ends (exit code 78).",
+    )(fn)
+
+
 @click.command()
+@job_health_options
 @click.option("--replicas", type=int, required=True, help="Replicas the job is configured with.")
 @click.option("--min-replicas", type=int, default=None, help="Fewest replicas that may train [default: a majority].")
 @click.option("--host", default=CoordinatorSettings.host, show_default=True)
@@ -132,6 +155,8 @@ async def _serve(
     "(give workers and agents both addresses: --coordinator ACTIVE,STANDBY).",
 )
 def coordinator(
+    fatal_epochs: int,
+    no_progress_timeout: float,
     replicas: int,
     min_replicas: int | None,
     host: str,
@@ -157,6 +182,8 @@ def coordinator(
             startup_window_s=startup_window,
             journal_mode=journal_mode,
             max_connections=max_connections,
+            fatal_epochs=fatal_epochs,
+            no_progress_timeout_s=no_progress_timeout,
         )
         found = secrets.given(secret_file)
         if found is None and standby and not (state_dir / secrets.SECRET_NAME).exists():

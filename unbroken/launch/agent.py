@@ -96,6 +96,7 @@ class AgentSettings:
     advertise_addr: str | None = None
     http_port: int | None = None
     http_host: str = "127.0.0.1"
+    cross_replica_backend: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.term_grace_s < float("inf"):
@@ -325,6 +326,13 @@ class Agent:
         elif msg["op"] == "dump_stack":
             replica, rank = protocol.count(msg, "replica"), protocol.count(msg, "rank")
             self._tasks.append(asyncio.create_task(self._dump_stack(replica, rank)))
+        elif msg["op"] == "job_failed":
+            notice = protocol.JobFailedNotice.from_msg(msg)
+            self.events.emit("job_failed", reason=notice.reason, exit_code=notice.exit_code, cause="coordinator")
+            print(f"unbroken agent: the coordinator ended the job: {notice.reason}", file=sys.stderr, flush=True)
+            self.exit_code = notice.exit_code
+            self._stop.set()
+            return False
         elif msg["op"] == "job_finished":
             self._job_finished = True
             self.events.emit("job_finished")
@@ -462,6 +470,7 @@ class Agent:
                 threads=self._threads(),
                 secret_file=self.secret_file,
                 group=place,
+                cross_replica_backend=self.s.cross_replica_backend,
             )
             global_rank = int(environ[env.ENV_RANK])  # the rank in the whole group, across its nodes
             log = self.s.run_dir / "logs" / f"replica{r.replica}-rank{global_rank}.log"

@@ -14,6 +14,7 @@ from unbroken.launch.agent import AgentSettings
 from unbroken.launch.agent import run as run_agent
 from unbroken.launch.launcher import DEFAULT_TERM_GRACE_S
 from unbroken.launch.policy import RestartPolicy
+from unbroken.launch.run_cli import cross_replica_backend_option
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -109,10 +110,12 @@ from unbroken.launch.policy import RestartPolicy
     help="Serve /metrics and a dashboard of this node's replicas at this port (0: a free one) [default: none].",
 )
 @click.option("--http-host", default="127.0.0.1", show_default=True, help="Address --http-port binds.")
+@cross_replica_backend_option
 def agent(**kw: Any) -> None:
     """Run this node's share of a job: `unbroken agent --coordinator HOST:PORT --secret-file S -- python train.py`.
 
-    Exit codes: 0 the job finished, 1 it ended without this node's replicas finishing, 130 Ctrl-C,
+    Exit codes: 0 the job finished, 1 it ended without this node's replicas finishing, 78 and 95
+    the coordinator ended the job (a configuration that can never work; no progress), 130 Ctrl-C,
     143 SIGTERM (the workers were told to flush a checkpoint).
     """
     try:
@@ -140,6 +143,7 @@ def agent(**kw: Any) -> None:
             term_grace_s=kw.pop("term_grace_s"),
             http_port=kw.pop("http_port"),
             http_host=kw.pop("http_host"),
+            cross_replica_backend=kw.pop("cross_replica_backend"),
         )
         code = run_agent(settings)
     except (ValueError, OSError) as e:

@@ -42,6 +42,7 @@ from unbroken.checkpoint.disk import CorruptCheckpoint, check_writable, newest_v
 from unbroken.checkpoint.retention import discard_newer
 from unbroken.control import secret_file
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings
+from unbroken.control.job_health import DEFAULT_FATAL_EPOCHS, DEFAULT_NO_PROGRESS_S, JobHealth
 from unbroken.diagnosis import stacks
 from unbroken.diagnosis.metrics import parse_policy
 from unbroken.faults import supervisor as injector
@@ -102,6 +103,10 @@ class LaunchSettings:
             external ``coordinator``: the one it was started with).
         http_port: serve ``/metrics`` and the live dashboard on loopback at this port (0: a
             free one); None serves nothing (:mod:`unbroken.observe.http`).
+        cross_replica_backend: ``auto``, ``nccl`` or ``gloo`` for the workers; None leaves the
+            environment's (:mod:`unbroken.comm.backend`).
+        fatal_epochs, no_progress_timeout_s: when the coordinator ends the job instead of
+            looping (:mod:`unbroken.control.job_health`).
     """
 
     command: tuple[str, ...]
@@ -126,6 +131,9 @@ class LaunchSettings:
     term_grace_s: float = DEFAULT_TERM_GRACE_S
     secret_file: Path | None = None
     http_port: int | None = None
+    cross_replica_backend: str | None = None
+    fatal_epochs: int = DEFAULT_FATAL_EPOCHS
+    no_progress_timeout_s: float = DEFAULT_NO_PROGRESS_S
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -157,6 +165,12 @@ class LaunchSettings:
             raise ValueError(f"--term-grace-s must be 0 or more seconds, got {self.term_grace_s}")
         if self.on_hang not in HANG_ACTIONS:
             raise ValueError(f"--on-hang must be one of {', '.join(HANG_ACTIONS)}, got {self.on_hang!r}")
+        if self.cross_replica_backend is not None and self.cross_replica_backend not in env.CROSS_REPLICA_BACKENDS:
+            raise ValueError(
+                f"--cross-replica-backend must be one of {', '.join(env.CROSS_REPLICA_BACKENDS)}, "
+                f"got {self.cross_replica_backend!r}"
+            )
+        JobHealth(self.fatal_epochs, self.no_progress_timeout_s)  # the same checks as the coordinator's
         self.schedule.validate(self.replicas, self.ranks_per_replica, coordinator_in_process=self.coordinator is None)
         parse_policy(self.anomaly_policy)  # a typo fails here, with the kinds and actions it accepts
         if self.checkpoint_dir is not None:
@@ -297,6 +311,8 @@ class Launcher:
             port=port,
             heartbeat_timeout_s=self.s.heartbeat_timeout_s,
             anomaly_policy=self.s.anomaly_policy,
+            fatal_epochs=self.s.fatal_epochs,
+            no_progress_timeout_s=self.s.no_progress_timeout_s,
         )
 
     async def _stack_of(self, replica: int, rank: int) -> dict[str, Any]:
@@ -342,6 +358,7 @@ class Launcher:
             threads=self._threads(),
             secret_file=self.secret_file,
             extra=extra,
+            cross_replica_backend=self.s.cross_replica_backend,
         )
 
     def _warmable(self) -> bool:
@@ -537,7 +554,15 @@ class Launcher:
     # -- what the coordinator and diagnosis say ---------------------------------------------
 
     def _on_coordinator_event(self, e: ev.Event) -> None:
-        if isinstance(e, ev.ReplicaConnected) and e.replica in self.replicas:
+        if isinstance(e, ev.JobFailed):  # the coordinator ended the job (unbroken.control.job_health)
+            if self.exit_code is None:
+                print(f"unbroken: the job is stopped: {e.reason}", file=sys.stderr, flush=True)
+                if e.error:
+                    print(f"unbroken: the error: {e.error[:500]}", file=sys.stderr, flush=True)
+                self.exit_code = e.exit_code
+                self._stop.set()
+                self._changed.set()
+        elif isinstance(e, ev.ReplicaConnected) and e.replica in self.replicas:
             self._move(e.replica, State.WARMING_UP, "connected to the coordinator")
         elif isinstance(e, ev.Quorum):
             self._behind_at.update({r: e.step for r in e.behind})

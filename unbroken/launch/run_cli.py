@@ -9,6 +9,8 @@ from typing import Any
 
 import click
 
+from unbroken.config import CROSS_REPLICA_BACKENDS
+from unbroken.control.coordinator_cli import job_health_options
 from unbroken.faults.schedule import Schedule
 from unbroken.launch.launcher import (
     DEFAULT_TERM_GRACE_S,
@@ -20,6 +22,15 @@ from unbroken.launch.launcher import (
     run as run_job,
 )
 from unbroken.launch.policy import RestartPolicy
+
+cross_replica_backend_option = click.option(
+    "--cross-replica-backend",
+    type=click.Choice(CROSS_REPLICA_BACKENDS),
+    default=None,
+    help="The backend of the exchange across replicas: auto (NCCL when every member of an epoch holds a "
+    "distinct GPU, else Gloo carrying the CUDA tensors), nccl or gloo "
+    "[default: $UNBROKEN_CROSS_REPLICA_BACKEND, else auto].",
+)
 
 
 def supervisor_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -172,15 +183,20 @@ def supervisor_settings(kw: dict[str, Any]) -> dict[str, Any]:
     help="Serve /metrics (Prometheus) and a live dashboard on 127.0.0.1 at this port (0: a free one); "
     "the dashboard's URL, with the job's read-only token, is printed [default: none].",
 )
+@cross_replica_backend_option
+@job_health_options
 @supervisor_options
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 def run(**kw: Any) -> None:
     """Run COMMAND as fault-tolerant replicas: `unbroken run --replicas 3 -- python train.py`.
 
-    Exit codes: 0 done, 1 no replica finished, 93 crash loop, 94 job restart limit, 130 Ctrl-C,
-    143 SIGTERM (the workers were told to flush a checkpoint; run the same command to resume).
+    Exit codes: 0 done, 1 no replica finished, 78 a configuration that can never work (every member
+    of --fatal-epochs epochs in a row failed with it; the error and a hint are printed), 93 crash
+    loop, 94 job restart limit, 95 no step committed for --no-progress-timeout, 130 Ctrl-C, 143
+    SIGTERM (the workers were told to flush a checkpoint; run the same command to resume).
     """
     try:
+        kw["no_progress_timeout_s"] = kw.pop("no_progress_timeout")
         extra = supervisor_settings(kw)
         settings = LaunchSettings(command=kw.pop("command"), **kw, **extra)
         code = run_job(settings)

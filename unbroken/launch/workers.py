@@ -118,6 +118,7 @@ def worker_env(
     secret_file: Path,
     extra: dict[str, str] | None = None,
     group: GroupPlace | None = None,
+    cross_replica_backend: str | None = None,
 ) -> dict[str, str]:
     """What a worker sees: PyTorch's variables inside its replica group, plus unbroken's own.
 
@@ -129,7 +130,13 @@ def worker_env(
     restarts are this replica's restarts. A group spanning nodes (``group``) rendezvouses at the
     address its group rank 0 node advertised, and ``rank`` is then the index on this node
     (``LOCAL_RANK``); Gloo is pinned to the interface of this node's advertised address.
+
+    ``cross_replica_backend`` (``--cross-replica-backend``), when given, wins over the
+    environment's. NCCL is told to clean up a failed collective rather than tear the process
+    down (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``, unless the user set it): a peer's fault must
+    fail this rank's exchange, which the next epoch heals, not kill the rank.
     """
+    chosen = {env.ENV_CROSS_REPLICA_BACKEND: cross_replica_backend} if cross_replica_backend else {}
     local_world = world_size
     place: dict[str, str] = {}
     if group is not None:
@@ -169,6 +176,8 @@ def worker_env(
         env.ENV_OMP_NUM_THREADS: env.omp_num_threads(threads),
         "PYTHONUNBUFFERED": "1",
         "PYTHONFAULTHANDLER": "1",  # a crashing worker leaves its stack in the log
+        env.ENV_NCCL_ASYNC_ERROR_HANDLING: env.nccl_async_error_handling(),
+        **chosen,
         **place,
         **(extra or {}),
     }

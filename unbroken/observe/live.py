@@ -212,6 +212,8 @@ class JobView:
             self._faults_open.append(dict(record))
         elif isinstance(e, ev.Quorum):
             self.job.update(epoch=e.epoch, epoch_step=e.step, members=e.members)
+        elif isinstance(e, ev.JobFailed):
+            self.job["failed"] = {"reason": e.reason, "exit_code": e.exit_code, "cause": e.cause, "hint": e.hint}
         elif isinstance(e, ev.CheckpointSaved):
             self.checkpoint_stall.observe(e.stall_s)
             self.totals["checkpoint_snapshot_bytes"] += e.nbytes
@@ -309,6 +311,7 @@ class JobView:
                     "total": self.total or len(replicas),
                     "healthy": sum(1 for x in replicas if x["state"] == "training"),
                     "coordinator": status is not None,
+                    "failed": (status or {}).get("job_failed") or self.job.get("failed"),
                 },
                 "replicas": replicas,
                 "timeline": list(self.timeline)[-60:],
@@ -337,6 +340,8 @@ def _timeline_entry(e: ev.Event) -> dict[str, Any]:
         text = f"node {e.node} isolated: {e.reason}"
     elif isinstance(e, ev.Rollback):
         text = f"rollback to step {e.step}"
+    elif isinstance(e, ev.JobFailed):
+        text = f"job failed (exit {e.exit_code}): {e.reason}"
     else:
         text = e.KIND.replace("_", " ")
     return {"t": e.t, "kind": e.KIND, "text": text}

@@ -339,8 +339,16 @@ class NodeIsolated(Event):
 @_kind("job_failed")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class JobFailed(Event):
+    """The job was ended: by the supervisor's restart policy (a crash loop, the restart limit), or
+    by the coordinator (``cause``: ``configuration``, an error no retry can mend at every member
+    of epochs in a row, with the ``error``, the ``members`` and a ``hint``; ``no_progress``)."""
+
     reason: str
     exit_code: int
+    cause: str = ""
+    error: str = ""
+    members: list[int] = dataclasses.field(default_factory=list)
+    hint: str = ""
 
 
 @_kind("replica_given_up")

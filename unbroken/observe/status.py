@@ -65,10 +65,15 @@ def coordinator_from_events(events: Iterable[ev.Event]) -> str | None:
     return address
 
 
-def render(rows: list[dict[str, Any]], status: dict[str, Any] | None, error: str | None) -> Table:
+def render(
+    rows: list[dict[str, Any]], status: dict[str, Any] | None, error: str | None, failed: dict[str, Any] | None = None
+) -> Table:
     title = "unbroken status"
     if status is not None:
         title += f" - epoch {status.get('epoch')}, step {status.get('step')}, members {status.get('members')}"
+    failed = failed or (status or {}).get("job_failed")
+    if failed:
+        title += f" - [red]JOB FAILED (exit {failed.get('exit_code')}): {failed.get('reason')}[/]"
     if error:
         title += f" - [red]{error}[/]"
     table = Table(title=title)
@@ -126,7 +131,7 @@ def status(
 
     view = JobView(run_dir)
 
-    def snapshot() -> tuple[list[dict[str, Any]], dict[str, Any] | None, str | None]:
+    def snapshot() -> tuple[list[dict[str, Any]], dict[str, Any] | None, str | None, dict[str, Any] | None]:
         address = coordinator or coordinator_from_events(read_typed(run_dir / "events.jsonl"))
         view.refresh()
         st, error = None, None
@@ -137,11 +142,11 @@ def status(
                 st = fetch_status(address, secret)
             except OSError as e:
                 error = f"coordinator {address} unreachable ({e})"
-        return status_rows(st, view), st, error
+        return status_rows(st, view), st, error, (st or {}).get("job_failed") or view.job.get("failed")
 
     if as_json:
-        rows, st, error = snapshot()
-        click.echo(json.dumps({"rows": rows, "coordinator": st, "error": error}))
+        rows, st, error, failed = snapshot()
+        click.echo(json.dumps({"rows": rows, "coordinator": st, "error": error, "job_failed": failed}))
         return
     console = Console()
     if not watch:

@@ -114,7 +114,9 @@ async function refresh() {
     document.getElementById("step").textContent = s.job.step ?? "-";
     document.getElementById("healthy").textContent = s.job.healthy + " / " + s.job.total;
     document.getElementById("goodput").textContent = s.goodput ? (100 * s.goodput.goodput).toFixed(1) + "%" : "-";
-    err.textContent = s.job.coordinator ? "" : "(no coordinator answer: events only)";
+    err.textContent = s.job.failed
+      ? "JOB FAILED (exit " + s.job.failed.exit_code + "): " + s.job.failed.reason
+      : (s.job.coordinator ? "" : "(no coordinator answer: events only)");
     renderReplicas(s.replicas);
     renderTimeline(s.timeline);
     plot("loss", s.series, 1);
