@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 # then already satisfied, so pip never pulls a CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install demo test lint scenarios clean browser slurm
+.PHONY: install demo test test-gpu lint scenarios clean browser slurm
 
 install: $(STAMP)
 
@@ -23,6 +23,11 @@ demo: install
 
 test: install browser
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# The GPU tests (marked gpu; `make test` skips them where CUDA is absent). On a GPU machine whose
+# python3 already holds a CUDA build of torch: `make test-gpu PY=python3` (with PYTHONPATH=$PWD).
+test-gpu:
+	$(PY) -m pytest -q -p no:cacheprovider -m gpu tests/gpu
 
 # The dashboard's browser test needs Debian's chromium: installed here when running as root
 # (CI); otherwise that one test is skipped and says why.

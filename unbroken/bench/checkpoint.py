@@ -49,11 +49,11 @@ def _mlp(width: int, layers: int) -> torch.nn.Module:
 class Trainer:
     """An MLP, its Adam optimizer and a batch: the thing whose state is checkpointed."""
 
-    def __init__(self, width: int, layers: int, batch: int, seed: int = 0) -> None:
+    def __init__(self, width: int, layers: int, batch: int, seed: int = 0, device: str = "cpu") -> None:
         torch.manual_seed(seed)
-        self.model = _mlp(width, layers)
+        self.model = _mlp(width, layers).to(device)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4)
-        self.x = torch.randn(batch, width)
+        self.x = torch.randn(batch, width, device=device)
         self.step(self.forward_backward())  # creates the Adam state
 
     def forward_backward(self) -> float:
@@ -82,12 +82,12 @@ def _tensors(node: Any) -> list[torch.Tensor]:
     return []
 
 
-def _sized_trainer(size_mb: int) -> Trainer:
+def _sized_trainer(size_mb: int, device: str = "cpu") -> Trainer:
     """An MLP whose parameters + Adam moments total about ``size_mb``: 3 fp32 copies."""
     width = 2048 if size_mb >= 256 else 512
     per_layer = (width * width + width) * 4 * 3
     layers = max(1, round(size_mb * 2**20 / per_layer))
-    return Trainer(width, layers, batch=16)
+    return Trainer(width, layers, batch=16, device=device)
 
 
 def write_fsync(nbytes: int, directory: str) -> float:
@@ -350,9 +350,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run(size_mb: int, steps: int, rounds: int, workdir: str, every_step_rounds: int | None = None) -> dict[str, Any]:
+def run(
+    size_mb: int, steps: int, rounds: int, workdir: str, every_step_rounds: int | None = None, device: str = "cpu"
+) -> dict[str, Any]:
     """Every system, and the plain write+fsync, measured once per round in turn (rotating
-    the order), so that each ratio compares figures taken seconds apart on this noisy machine."""
+    the order), so that each ratio compares figures taken seconds apart on this noisy machine.
+    ``device``: where the checkpointed state lives (``cuda``: saves copy it out of device memory,
+    restores copy it back in)."""
     import torch.distributed as dist
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -366,7 +370,7 @@ def run(size_mb: int, steps: int, rounds: int, workdir: str, every_step_rounds: 
     }
     live: dict[str, System] = {}
     try:
-        trainer = _sized_trainer(size_mb)
+        trainer = _sized_trainer(size_mb, device)
         nbytes = trainer.nbytes()
         _log(f"state: {nbytes / 2**20:.0f} MiB in {len(_tensors(trainer.state()))} tensors")
         for name, make in makers.items():
@@ -386,8 +390,12 @@ def run(size_mb: int, steps: int, rounds: int, workdir: str, every_step_rounds: 
         systems = {}
         for name, rows in per_round.items():
             systems[name] = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
+            if "restore_memory_s" in systems[name]:
+                systems[name]["restore_memory_gb_s"] = round(nbytes / 1e9 / systems[name]["restore_memory_s"], 2)
+            systems[name]["restore_disk_gb_s"] = round(nbytes / 1e9 / systems[name]["restore_disk_s"], 2)
             systems[name]["rounds"] = rows
         result: dict[str, Any] = {
+            "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
             "size_mb": round(nbytes / 2**20),
             "rounds": rounds,
             "write_fsync_s": statistics.median(plain),
@@ -505,6 +513,13 @@ def _targets(r: dict[str, Any], per_round: dict[str, list[dict[str, Any]]], plai
     default=None,
     help="Where checkpoints are written (default: a temporary directory under runs/).",
 )
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    show_default=True,
+    help="Where the checkpointed state lives (cuda: the state is in GPU memory).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @click.option(
     "--out",
@@ -514,13 +529,22 @@ def _targets(r: dict[str, Any], per_round: dict[str, list[dict[str, Any]]], plai
     help="Where the JSON is also written.",
 )
 def checkpoint(
-    size_mb: int, steps: int, rounds: int, every_step_rounds: int, workdir: str | None, as_json: bool, out: str
+    size_mb: int,
+    steps: int,
+    rounds: int,
+    every_step_rounds: int,
+    workdir: str | None,
+    device: str,
+    as_json: bool,
+    out: str,
 ) -> None:
     """Stall, durable time and restores of four checkpointers on one state; every-step cost."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.UsageError("--device cuda: this machine's torch sees no CUDA GPU")
     os.makedirs("runs", exist_ok=True)
     work = tempfile.mkdtemp(prefix="bench-checkpoint-", dir=workdir or "runs")
     try:
-        result = run(size_mb, steps, rounds, work, every_step_rounds)
+        result = run(size_mb, steps, rounds, work, every_step_rounds, device)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     publish(result, out, as_json)

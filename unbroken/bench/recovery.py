@@ -252,6 +252,7 @@ class BenchSettings:
     api: str = "unbroken"  # the worker mode of steady, crash and hang: "unbroken" or "ddp"
     model: str = "mlp"  # of steady, crash and hang: "mlp" (recovery_worker) or "llama" (the example)
     ranks: int = 1  # ranks per replica
+    device: str = "cpu"  # where the llama trains (--model llama); the MLP trains on the CPU
 
     @property
     def processes(self) -> int:
@@ -270,6 +271,8 @@ class BenchSettings:
                 str(self.steps),
                 "--log-name",
                 "steps",
+                "--device",
+                self.device,
                 *LLAMA_ARGS,
                 *plain,
             )
@@ -594,6 +597,14 @@ def ddp_figures(s: BenchSettings, model: str, rounds: int, log: Any, identical: 
     default=None,
     help="Ranks per replica (FSDP2 shards over them); --model llama only, default 2.",
 )
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    show_default=True,
+    help="Where the llama trains (--model llama): cuda runs one rank per replica by default, the replicas "
+    "sharing the machine's GPUs (auto: Gloo across replicas on a shared GPU, NCCL otherwise).",
+)
 @click.option("--work-dir", type=click.Path(path_type=Path), default=Path("runs/bench/recovery"), show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/bench/recovery.json"), show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
@@ -608,6 +619,7 @@ def recovery(
     api: str,
     model: str,
     ranks_per_replica: int | None,
+    device: str,
     work_dir: Path,
     out: Path,
     as_json: bool,
@@ -619,6 +631,8 @@ def recovery(
         raise click.BadParameter(
             "the MLP scenarios run one rank per replica; use --model llama", param_hint="--ranks-per-replica"
         )
+    if device == "cuda" and model != "llama":
+        raise click.BadParameter("--device cuda trains the example Llama: add --model llama", param_hint="--device")
     if model == "llama":
         if api == "ddp" or "ddp" in only:
             raise click.BadParameter(
@@ -638,7 +652,8 @@ def recovery(
         work_dir,
         api="ddp" if api == "ddp" else "unbroken",
         model=model,
-        ranks=ranks_per_replica or (2 if model == "llama" else 1),
+        ranks=ranks_per_replica or (2 if model == "llama" and device == "cpu" else 1),
+        device=device,
     )
 
     def log(msg: str) -> None:

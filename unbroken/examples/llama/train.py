@@ -385,7 +385,10 @@ def train_plain(args: argparse.Namespace) -> None:
     bf16 = use_bf16(args.bf16, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("gloo" if device.type == "cpu" else "nccl")
+    # NCCL refuses two ranks on one GPU: ranks that share GPUs (more ranks on this node than GPUs)
+    # carry their CUDA tensors over Gloo, as unbroken's `auto` does across replicas.
+    shared = config.local_world_size() > torch.cuda.device_count()
+    dist.init_process_group("gloo" if device.type == "cpu" else "cuda:gloo,cpu:gloo" if shared else "nccl")
     world, rank = dist.get_world_size(), dist.get_rank()
     per = args.ranks_per_replica or world
     if world % per:
