@@ -19,11 +19,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "Checkpointer",
-    "DataParallel",
     "DistributedDataParallel",
     "Manager",
     "ModelState",
@@ -44,7 +43,7 @@ if TYPE_CHECKING:
     from unbroken.train.checkpointing import checkpointer_for, resume, save_if_due
     from unbroken.train.ddp import DistributedDataParallel
     from unbroken.train.manager import Manager
-    from unbroken.train.optimizer import DataParallel, Optimizer, average_gradients, gradient_numel
+    from unbroken.train.optimizer import Optimizer, average_gradients, gradient_numel
     from unbroken.train.state import ModelState, model_state
 
 
@@ -62,7 +61,7 @@ def __getattr__(name: str) -> Any:
         from unbroken.train.ddp import DistributedDataParallel
 
         return DistributedDataParallel
-    if name in ("Optimizer", "DataParallel", "average_gradients", "gradient_numel"):
+    if name in ("Optimizer", "average_gradients", "gradient_numel"):
         from unbroken.train import optimizer
 
         return getattr(optimizer, name)

@@ -160,30 +160,3 @@ class Optimizer(torch.optim.Optimizer):
         self.manager.commit()
         return loss
 
-
-class DataParallel(torch.nn.Module):
-    """A thin convenience: the forward pass starts the step; ``average_gradients()`` ends it
-    after the backward pass (for averaging during backward, see ``unbroken.DistributedDataParallel``).
-
-    For loops that call the optimizer themselves::
-
-        model = unbroken.DataParallel(net, manager)
-        loss = model(x).sum(); loss.backward()
-        if model.average_gradients():
-            opt.step(); manager.commit()
-    """
-
-    def __init__(self, module: torch.nn.Module, manager: Manager) -> None:
-        super().__init__()
-        self.module = module
-        self.manager = manager
-        numel = gradient_numel(module.parameters())
-        if numel:
-            manager.expect_gradients(numel)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.manager.start_step()
-        return self.module(*args, **kwargs)
-
-    def average_gradients(self) -> bool:
-        return average_gradients(self.manager, self.module.parameters())
