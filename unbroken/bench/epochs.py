@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -67,7 +68,13 @@ def churn(
         "wall_s": round(time.perf_counter() - started, 1),
         "reports": reports,
         "drift": [drift(r["rows"]) for r in reports],
+        "abort_ms_median": median_or_none([ms for r in reports for ms in r["abort_ms"]]),
+        "abort_ms_max": max((ms for r in reports for ms in r["abort_ms"]), default=None),
     }
+
+
+def median_or_none(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def drift(rows: list[dict[str, Any]]) -> dict[str, float]:

@@ -99,6 +99,7 @@ def run(args: argparse.Namespace) -> None:
         "released": reaper.released,
         "aborted": reaper.aborted,
         "stuck": reaper.stuck,
+        "abort_ms": sorted(round(s * 1e3, 3) for s in reaper.abort_s),
         "keep": args.keep,
     }
     with open(args.report, "w") as f:

@@ -92,6 +92,7 @@ class GroupReaper:
         self.aborted = 0
         self.stuck = 0  # kept forever: an operation or an abort never ended
         self.abort_errors = 0
+        self.abort_s: deque[float] = deque(maxlen=256)  # how long the latest aborts took (what abort costs)
 
     def retire(self, group: Any, backend: str, epoch: int | None, works: Sequence[Work] = ()) -> None:
         """Hands ``group`` over; the caller drops its own references at once."""
@@ -178,7 +179,9 @@ class GroupReaper:
             finally:
                 ended.set()
 
+        started = time.perf_counter()
         threading.Thread(target=run, name=f"unbroken-abort-epoch{item.epoch}", daemon=True).start()
         if ended.wait(self.abort_timeout_s):
+            self.abort_s.append(time.perf_counter() - started)
             item.aborted = True
             self.aborted += 1

@@ -159,4 +159,3 @@ class Optimizer(torch.optim.Optimizer):
                 g["lr"] = lr
         self.manager.commit()
         return loss
-
