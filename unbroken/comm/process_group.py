@@ -321,8 +321,9 @@ class CrossReplicaGroup:
             pg = self._pg
             if pg is None:  # the coordinator's thread abandoned the group since the join
                 raise self._failed(epoch, f"the group of epoch {epoch} was abandoned")
-            fut = pg.allreduce([tensor], opts).get_future()
-            self._track(fut)
+            work = pg.allreduce([tensor], opts)
+            fut = work.get_future()
+            self._track(_Held(work, fut))
         except Exception as e:  # a peer's connection closed before this started
             self.abandon()
             self._batch_over(None)
@@ -404,8 +405,9 @@ class CrossReplicaGroup:
             return run
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # torch's stub: RedOpType converts to ReduceOp
-        fut = self._pg.allreduce([tensor], opts).get_future()
-        self._track(fut)
+        work = self._pg.allreduce([tensor], opts)
+        fut = work.get_future()
+        self._track(_Held(work, fut))
         fut.add_done_callback(lambda _: wake.set())
         return fut
 
@@ -487,6 +489,19 @@ class CrossReplicaGroup:
                     address, self._secret, timeout=datetime.timedelta(seconds=30)
                 )
             return self._stores[address]
+
+
+class _Held:
+    """A backend operation and its future, kept together until it is over: the reaper holds both
+    until then, so that neither a running Gloo work nor its tensors are freed under it."""
+
+    __slots__ = ("future", "work")
+
+    def __init__(self, work: Any, future: Any) -> None:
+        self.work, self.future = work, future
+
+    def done(self) -> bool:
+        return bool(self.future.done())
 
 
 def _is_loopback(host: str) -> bool:
