@@ -6,6 +6,12 @@ view per rank and, on :meth:`evaluate`, applies the rules in order of urgency: h
 stragglers, then slow connections, then metric anomalies. Times are the coordinator's clock:
 each rank's monotonic clock is mapped with the smallest offset seen (send -> receive latency
 can only add). A finding is reported once until it clears.
+
+Nothing here grows with the length of the job: every membership change opens a new collective
+group, and a rank's per-group state (counters, exits, failed waits) is kept for its
+``group_window`` newest groups only; group members are kept while some rank's window, stall or
+arrival still names the group. The coordinator rescans this state every tick (50 ms, on its
+event loop): with every epoch kept, 200 stalls across 64 replicas made one tick take 0.45 s.
 """
 
 from __future__ import annotations
@@ -57,6 +63,9 @@ class MasterSettings:
     # 1.4x slower than its own best, and last at every collective, for 13 collectives.
     straggler_confirm: int = 6
     link_confirm: int = 5  # new collectives a slow-connection finding must hold over
+    # Groups (epochs) per rank whose counters and failed waits are kept: a hang is judged at a
+    # rank's latest group, and a stall's members are gone from older ones.
+    group_window: int = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,12 +134,12 @@ class DiagnosisMaster:
         self._periodic: list[Verdict] = []
         self._epoch_group: dict[int, str] = {}
         self._reported: dict[tuple[Any, ...], float] = {}
-        self.onset_hint: dict[Ident, float] = {}
         # (group, seq, rank) -> replica -> transfers still open when it abandoned the collective
         self.stalls: dict[tuple[str, int, int], dict[int, list[tuple[str, int, int, float]]]] = {}
         # ... of which at least one member gave up at its own deadline; the others may have been
         # aborted by the coordinator because of it (a crash fails every member at once instead)
         self._deadline_passed: set[tuple[str, int, int]] = set()
+        self._members_cap = 64  # members are pruned to the groups still named when they pass this
 
     # -- ingest ----------------------------------------------------------------------------
 
@@ -149,7 +158,7 @@ class DiagnosisMaster:
         for c in batch.records:
             group, seq = c.group, c.seq
             rq_enter, rq_exit = c.rq_enter_ns / 1e9, c.rq_exit_ns / 1e9
-            self.members[group] = list(c.members)
+            self._group(r, group, c.members)
             r.entered[group] = max(r.entered.get(group, -1), seq)
             enter, exit_ = c.enter_ns / 1e9 + to_c, c.exit_ns / 1e9 + to_c
             r.latest = group
@@ -170,7 +179,7 @@ class DiagnosisMaster:
                 r.failed[group] = (seq, enter)  # abandoned: the peer it waited for never came
         op = batch.open
         if op is not None:
-            self.members[op.group] = list(op.members)
+            self._group(r, op.group, op.members)
             r.entered[op.group] = max(r.entered.get(op.group, -1), op.seq)
             r.open = _Open(op.group, op.seq, op.enter_ns / 1e9 + to_c)
             r.latest = op.group
@@ -225,6 +234,55 @@ class DiagnosisMaster:
                             },
                         )
                     )
+
+    def _group(self, r: _Rank, group: str, members: list[int]) -> None:
+        """Notes that ``r`` works in ``group``; a rank's oldest group beyond the window is dropped."""
+        if group not in self.members and len(self.members) >= self._members_cap:
+            self._prune_members()
+        self.members[group] = list(members)
+        if group in r.entered:
+            return
+        r.entered[group] = -1
+        while len(r.entered) > self.s.group_window:
+            old = next(iter(r.entered))
+            del r.entered[old]
+            r.exits.pop(old, None)
+            r.failed.pop(old, None)
+
+    def _prune_members(self) -> None:
+        """Keeps the members of the groups still named anywhere; amortized over the groups added."""
+        live = {g for r in self.ranks.values() for g in r.entered}
+        live |= {k[0] for k in self.stalls} | {k[0] for k in self.arrivals}
+        for group in [g for g in self.members if g not in live]:
+            del self.members[group]
+        self._members_cap = max(64, 2 * len(self.members))
+
+    def footprint(self) -> int:
+        """Entries held, all containers together: what a long job must not grow."""
+        per_rank = sum(
+            len(r.entered) + len(r.failed) + sum(len(x) for x in r.exits.values()) + len(r.gaps) + len(r.open_recvs)
+            for r in self.ranks.values()
+        )
+        return (
+            per_rank
+            + len(self.ranks)
+            + len(self.members)
+            + len(self.waits)
+            + sum(len(x) for x in self.arrivals.values())
+            + sum(len(d) for d in self.best.values())
+            + sum(len(x) for c in self.compute.values() for x in c.values())
+            + sum(len(x) for x in self.last.values())
+            + sum(len(x) for x in self.cadence.values())
+            + sum(len(x) for x in self.cells.values())
+            + len(self._halves)
+            + len(self.detectors)
+            + len(self._change_streak)
+            + len(self._straggler_streak)
+            + len(self._epoch_group)
+            + len(self._reported)
+            + sum(len(x) for x in self.stalls.values())
+            + len(self._deadline_passed)
+        )
 
     def _detector(self, ident: Ident) -> MetricDetector:
         det = self.detectors.get(ident)
@@ -332,6 +390,10 @@ class DiagnosisMaster:
             del self.cells[key]
         for comp in self.compute.values():
             comp.pop(replica, None)
+        for best in self.best.values():
+            best.pop(replica, None)
+        for key in [k for k in self._change_streak if k[0] == replica]:
+            del self._change_streak[key]
         for ident in [i for i in self.detectors if i[0] == replica]:
             # A restarted replica's first loss comes from fresh weights: not a spike to report.
             del self.detectors[ident]
@@ -358,8 +420,9 @@ class DiagnosisMaster:
     def _hangs(self, now: float) -> list[Verdict]:
         out = []
         silent_s = self.silent_s()
+        # A failed wait counts only at the rank's latest group (below): older ones explain nothing.
         groups = {r.open.group for r in self.ranks.values() if r.open} | {
-            g for r in self.ranks.values() for g in r.failed
+            r.latest for r in self.ranks.values() if r.latest in r.failed
         }
         for group in groups:
             members = self.members.get(group, [])
