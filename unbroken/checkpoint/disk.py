@@ -27,7 +27,7 @@ import uuid
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from unbroken.checkpoint import checksum, directio
+from unbroken.checkpoint import checksum, directio, history
 from unbroken.checkpoint.manifest import (
     DATA_FILE,
     LATEST_FILE,
@@ -182,11 +182,46 @@ def committed_shards(root: str, step: int) -> dict[tuple[int, int], str]:
     return {**prev, **found}
 
 
-def step_readers(root: str, step: int) -> dict[int, str]:
-    """rank -> the shard directory a restore reads for it (the lowest replica that saved it)."""
+def fences(root: str) -> history.Fences:
+    """The rollbacks recorded in ``root`` (:mod:`unbroken.checkpoint.history`).
+
+    Raises:
+        CorruptCheckpoint: the record is unreadable: nothing may load until it is repaired.
+    """
+    try:
+        return history.read(root)
+    except ValueError as e:
+        raise CorruptCheckpoint(f"{root}: {e}") from e
+
+
+def step_readers(root: str, step: int, known: history.Fences | None = None) -> dict[int, str]:
+    """rank -> the shard directory a restore reads for it (the lowest replica that saved it).
+
+    After a rollback, only shards of a history the rollback did not undo count: a step of the
+    undone history whose delete failed, or another replica's stale shard beside a step saved
+    again, is never read.
+
+    Raises:
+        CorruptCheckpoint: the step is entirely of an undone history (the reason), or the
+            rollbacks' record is unreadable.
+    """
+    known = fences(root) if known is None else known
     dirs: dict[int, str] = {}
+    undone = ""
     for (_, rank), path in sorted(committed_shards(root, step).items()):
-        dirs.setdefault(rank, path)
+        if rank in dirs:
+            continue
+        if known.fences:
+            try:
+                why = known.undone(step, history.history_of(read_manifest(path).extra))
+            except (CorruptCheckpoint, OSError, ValueError):
+                why = None  # damage: the reader's own checks name it
+            if why:
+                undone = why
+                continue
+        dirs[rank] = path
+    if not dirs and undone:
+        raise CorruptCheckpoint(undone)
     return dirs
 
 

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from unbroken import config as env
 from unbroken.checkpoint.disk import CorruptCheckpoint, check_writable, newest_verified_step
+from unbroken.checkpoint.history import record_rollback
 from unbroken.checkpoint.retention import discard_newer
 from unbroken.control import secret_file
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings
@@ -660,6 +661,11 @@ class Launcher:
             )
         if self._stop.is_set():
             return
+        try:
+            # Before any process stops: from here no tier offers a step of the undone history.
+            await asyncio.to_thread(record_rollback, root, target)
+        except (OSError, ValueError) as exc:
+            return ignore(f"cannot record the rollback to step {target} in {root}: {exc}")
         self.events.emit("verdict_acted", verdict_class=e.get("class"), replica=replica, action=ROLLBACK, reason=why)
         self.events.emit(
             "rollback",
