@@ -186,7 +186,7 @@ def replicas_identical(run_dir: Path) -> bool:
     import torch
 
     finals = {
-        r: torch.load(run_dir / f"final-r{r}.pt", weights_only=False)
+        r: torch.load(run_dir / f"final-r{r}.pt", weights_only=True)  # plain tensors and numbers: no pickle of code
         for r in range(REPLICAS)
         if (run_dir / f"final-r{r}.pt").exists()
     }
