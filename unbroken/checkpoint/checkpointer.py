@@ -200,7 +200,7 @@ class Checkpointer:
         tensors, skeleton = flatten(state, known=self._known)
         objects = wire_objects.dumps(skeleton)
         try:
-            wire_objects.loads(objects)  # tens of microseconds for an optimizer's hyperparameters
+            wire_objects.loads(objects, own=True)  # tens of microseconds for an optimizer's hyperparameters
         except wire_objects.UnsafeObjectError as e:
             raise ValueError(f"this state cannot be checkpointed: {e}") from None
         manifest = ShardManifest(
@@ -526,7 +526,9 @@ class Checkpointer:
             else:
                 tensors[e.name] = src.clone()
         copy_all(pairs)
-        state = unflatten(wire_objects.loads(slot.objects), tensors, {e.name: e for e in slot.manifest.tensors})
+        state = unflatten(
+            wire_objects.loads(slot.objects, own=True), tensors, {e.name: e for e in slot.manifest.tensors}
+        )
         return Restored(slot.manifest.step, state, "memory", skipped, slot.manifest.world_size)
 
     def _from_bytes(
