@@ -169,12 +169,12 @@ class DCPWriter(StorageWriter, BlockingAsyncStager):
         """Writes this rank's items into one file of the staging directory, fsynced, with CRCs."""
         target: _Target = plan.storage_data
         staging = self._staging(target.staging)
-        os.makedirs(staging, exist_ok=True)
+        os.makedirs(staging, mode=disk.DIR_MODE, exist_ok=True)
         name = f"{target.prefix}0.distcp"
         results: list[WriteResult] = []
         # Objects first, then tensors, as FileSystemWriter orders them.
         items = sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO)
-        with open(os.path.join(staging, name), "wb") as f:
+        with open(os.path.join(staging, name), "wb", opener=disk.private_opener) as f:
             for item in items:
                 results.append(self._write_item(f, item, planner, name))
             f.flush()
@@ -217,7 +217,7 @@ class DCPWriter(StorageWriter, BlockingAsyncStager):
         metadata.storage_meta = self.storage_meta()
         root, name = os.path.split(os.path.abspath(self.path))
         staging = self._staging(self._staging_name)
-        os.makedirs(staging, exist_ok=True)
+        os.makedirs(staging, mode=disk.DIR_MODE, exist_ok=True)
         write_checksums(staging, pickle.dumps(metadata), items)
         commit(root, name, staging)
         if self.keep_last is not None and parse_step_dir(name) is not None:

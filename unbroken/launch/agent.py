@@ -590,4 +590,5 @@ class Agent:
 
 
 def run(settings: AgentSettings) -> int:
+    os.umask(0o077)  # the run's directory, logs, events, metrics and checkpoints: 0700/0600, workers' too
     return asyncio.run(Agent(settings).run())

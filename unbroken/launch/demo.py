@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -328,6 +329,7 @@ def demo(
     for f in settings.schedule:
         console.print(f"  scheduled: {f.label}")
     t0 = time.time()
+    os.umask(0o077)  # as `unbroken run`: the run's files are the job's own
     code = asyncio.run(_run(settings, console, steps))
     wall = time.time() - t0
     reference = None

@@ -946,6 +946,7 @@ class Launcher:
 
 
 def run(settings: LaunchSettings) -> int:
+    os.umask(0o077)  # the run's directory, logs, events, metrics and checkpoints: 0700/0600, workers' too
     return asyncio.run(Launcher(settings).run())
 
 
