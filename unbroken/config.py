@@ -158,6 +158,23 @@ def nccl_async_error_handling(env: Mapping[str, str] | None = None) -> str:
     return _environ(env).get(ENV_NCCL_ASYNC_ERROR_HANDLING) or NCCL_ASYNC_ERROR_HANDLING
 
 
+def check_seconds(values: Mapping[str, float], zero_ok: bool = False) -> None:
+    """Refuses, naming each, the values that are not a finite number of seconds > 0 (>= 0 with
+    ``zero_ok``). Written as what a value must be, so that NaN, which every comparison fails,
+    is refused too (``x <= 0`` lets it through).
+
+    Raises:
+        ConfigError: what is wrong and what was given.
+    """
+    bad = [
+        f"{name}={value!r}"
+        for name, value in values.items()
+        if not (isinstance(value, (int, float)) and (value >= 0 if zero_ok else value > 0) and value < float("inf"))
+    ]
+    if bad:
+        raise ConfigError(f"must be a finite number of seconds {'>= 0' if zero_ok else '> 0'}: {', '.join(bad)}")
+
+
 def connect_timeout_s(default: float, env: Mapping[str, str] | None = None) -> float:
     """``UNBROKEN_CONNECT_TIMEOUT`` in seconds when set, else ``default``."""
     raw = _environ(env).get(ENV_CONNECT_TIMEOUT)

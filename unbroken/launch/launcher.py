@@ -164,6 +164,7 @@ class LaunchSettings:
             raise ValueError(f"--on-verdict must be one of {', '.join(VERDICT_ACTIONS)}, got {self.on_verdict!r}")
         if not 0 <= self.term_grace_s < float("inf"):
             raise ValueError(f"--term-grace-s must be 0 or more seconds, got {self.term_grace_s}")
+        env.check_seconds({"--heartbeat-timeout": self.heartbeat_timeout_s})  # NaN too, before any replica starts
         if self.on_hang not in HANG_ACTIONS:
             raise ValueError(f"--on-hang must be one of {', '.join(HANG_ACTIONS)}, got {self.on_hang!r}")
         if self.cross_replica_backend is not None and self.cross_replica_backend not in env.CROSS_REPLICA_BACKENDS:
