@@ -7,6 +7,8 @@ process" is a new Checkpointer on the same directory and peer.
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -132,3 +134,35 @@ def test_the_rollback_record_is_the_jobs_own(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError):
         with Checkpointer(str(root)) as ck:
             ck.load_latest()
+
+
+def _immutable(path: Path, on: bool) -> bool:
+    """chattr +i / -i (root on ext4 and most local filesystems): even root cannot rename it."""
+    chattr = shutil.which("chattr")
+    return (
+        chattr is not None
+        and subprocess.run([chattr, "+i" if on else "-i", str(path)], capture_output=True).returncode == 0
+    )
+
+
+def test_a_step_the_rollbacks_discard_could_not_delete_never_loads(tmp_path: Path) -> None:
+    root = str(tmp_path / "ckpt")
+    with Checkpointer(root, keep_last=5) as ck:
+        save(ck, [10, 20, 30, 40])
+    stuck = Path(root) / "step-00000040"
+    if not _immutable(stuck, True):
+        pytest.skip("needs chattr +i (root, a filesystem with the immutable flag)")
+    try:
+        history.record_rollback(root, 20)
+        with pytest.raises(OSError):
+            retention.discard_newer(root, 20)  # what the supervisor reports as checkpoints_kept
+        assert disk.complete_steps(root) == [40, 30, 20, 10]  # the undone steps are all still there
+        assert disk.newest_verified_step(root)[0] == 20
+        with Checkpointer(root, keep_last=1) as restarted:
+            got = restarted.load_latest()
+            assert got.step == 20 and sum("undone by the rollback to step 20" in s for s in got.skipped) == 2
+            save(restarted, [25])
+        with Checkpointer(root) as again:
+            assert again.load_latest().step == 25  # kept by retention: 40 is not counted
+    finally:
+        _immutable(stuck, False)
