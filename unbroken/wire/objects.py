@@ -115,36 +115,92 @@ def _opcode_table() -> dict[str, tuple[int, int, bool]]:
 _OPS = _opcode_table()
 
 
+_ATOM = _CONSUME + 1  # pushes a value with no parts (a string, a number, a class): no item kept
+_LEAF = -2  # an atom on the replayed stack: counts 1, has no children
+_CONTAINERS = frozenset({"EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET"})
+
+
+def _code_table() -> dict[int, tuple[str, int, int, bool, int, int]]:
+    """opcode byte -> (name, stack kind, items taken, takes a mark, argument bytes (negative:
+    lines), length-prefix bytes)."""
+    prefix = {
+        pickletools.TAKEN_FROM_ARGUMENT1: 1,
+        pickletools.TAKEN_FROM_ARGUMENT4: 4,
+        pickletools.TAKEN_FROM_ARGUMENT4U: 4,
+        pickletools.TAKEN_FROM_ARGUMENT8U: 8,
+    }
+    table = {}
+    for op in pickletools.opcodes:
+        kind, fixed, marked = _OPS[op.name]
+        if kind == _BUILD and not fixed and not marked and op.name not in _CONTAINERS:
+            kind = _ATOM
+        n = op.arg.n if op.arg is not None else 0
+        if n == pickletools.UP_TO_NEWLINE:
+            args, pre = (-2 if op.arg.name.endswith("_pair") else -1), 0  # type: ignore[union-attr]
+        elif n < 0:
+            args, pre = 0, prefix[n]
+        else:
+            args, pre = n, 0
+        table[ord(op.code)] = (op.name, kind, fixed, marked, args, pre)
+    return table
+
+
+_CODES = _code_table()
+
+
 def expanded_size(data: bytes | bytearray | memoryview) -> tuple[int, int]:
     """(items of the pickled value with every shared reference expanded, distinct items).
 
     Replays the pickle's stack and memo on item numbers only (nothing is built, no global is
-    looked up), then sums each item's children once per reference, each item computed once.
+    looked up, arguments are skipped by their length), then sums each item's parts once per
+    reference, each item computed once.
 
     Raises:
         UnsafeObjectError: malformed, or a value that contains itself.
     """
+    data = bytes(data)
     children: list[list[int]] = []
     stack: list[int] = []
     marks: list[int] = []  # stack heights at each open mark
     memo: dict[int, int] = {}
     root = None
+    codes = _CODES
+    i, n, atoms = 0, len(data), 0
     try:
-        for op, arg, _ in pickletools.genops(bytes(data)):
-            kind, fixed, marked = _OPS[op.name]
-            if kind == _SKIP:
-                continue
-            if kind == _STOP:
-                root = stack[-1]
-                break
-            if kind == _PUSH_MARK:
-                marks.append(len(stack))
-            elif kind == _PUT:
-                memo[int(arg or 0)] = stack[-1]
+        while True:
+            name, kind, fixed, marked, args, pre = codes[data[i]]
+            i += 1
+            arg = 0
+            if args > 0:
+                if kind == _GET or kind == _PUT:
+                    arg = int.from_bytes(data[i : i + args], "little")
+                i += args
+            elif pre:
+                i += pre + int.from_bytes(data[i : i + pre], "little")
+            elif args < 0:
+                for _ in range(-args):
+                    end = data.index(b"\n", i)
+                    if kind == _GET or kind == _PUT:
+                        arg = int(data[i:end])
+                    i = end + 1
+            if i > n:
+                raise ValueError(f"{name} runs past the end of the data")
+            if kind == _ATOM:
+                stack.append(_LEAF)
+                atoms += 1
             elif kind == _MEMOIZE:
                 memo[len(memo)] = stack[-1]
             elif kind == _GET:
-                stack.append(memo[int(arg or 0)])
+                stack.append(memo[arg])
+            elif kind == _PUT:
+                memo[arg] = stack[-1]
+            elif kind == _PUSH_MARK:
+                marks.append(len(stack))
+            elif kind == _SKIP:
+                continue
+            elif kind == _STOP:
+                root = stack[-1]
+                break
             elif kind == _DUP:
                 stack.append(stack[-1])
             elif kind == _POP:
@@ -160,20 +216,23 @@ def expanded_size(data: bytes | bytearray | memoryview) -> tuple[int, int]:
                     del stack[at:]
                 if fixed:
                     if len(stack) - fixed < (marks[-1] if marks else 0):
-                        raise ValueError(f"{op.name} reaches past a mark")
-                    held = stack[-fixed:]
+                        raise ValueError(f"{name} reaches past a mark")
+                    items = stack[-fixed:] + items
                     del stack[-fixed:]
-                    items = held + items
                 if kind == _IN_PLACE_OP:
+                    if items[0] < 0:
+                        raise ValueError(f"{name} on a value with no parts")
                     children[items[0]].extend(items[1:])
                     stack.append(items[0])
                 elif kind == _BUILD:
                     children.append(items)
                     stack.append(len(children) - 1)
     except (IndexError, KeyError, ValueError, TypeError) as e:
-        raise UnsafeObjectError(f"the state's objects are not a valid pickle: {e}") from None
+        raise UnsafeObjectError(f"the state's objects are not a valid pickle: {e!r}") from None
     if root is None:
         raise UnsafeObjectError("the state's objects are not a valid pickle: no value before STOP")
+    if root == _LEAF:
+        return 1, 1
     size: dict[int, int] = {}
     open_: set[int] = set()
     work = [root]
@@ -182,17 +241,17 @@ def expanded_size(data: bytes | bytearray | memoryview) -> tuple[int, int]:
         if node in size:
             work.pop()
             continue
-        pending = [c for c in children[node] if c not in size]
+        pending = [c for c in children[node] if c >= 0 and c not in size]
         if not pending:
             open_.discard(node)
-            size[node] = 1 + sum(size[c] for c in children[node])
+            size[node] = 1 + sum(size[c] if c >= 0 else 1 for c in children[node])
             work.pop()
         elif node in open_ or any(c in open_ for c in pending):
             raise UnsafeObjectError("the state's objects contain themselves")
         else:
             open_.add(node)
             work.extend(pending)
-    return size[root], len(children)
+    return size[root], len(children) + atoms
 
 
 def dumps(obj: Any) -> bytes:
