@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from unbroken.train.replica_group import gloo_interface_for, loopback_interface
+pytestmark = pytest.mark.integration
+
 
 CHILD = r"""
 import json, os, sys, socket
@@ -61,12 +62,6 @@ def external_address() -> str | None:
     except OSError:
         return None
     return None if addr.startswith("127.") else addr
-
-
-def test_the_choice_of_interface() -> None:
-    assert gloo_interface_for("127.0.0.1") == loopback_interface() == "lo"
-    assert gloo_interface_for("localhost") == "lo"
-    assert gloo_interface_for("10.0.0.7") is None  # a spanning group: the launcher pins its interface
 
 
 @pytest.mark.skipif(
