@@ -9,10 +9,11 @@ process (which reads nothing).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 ENV_COORDINATOR = "UNBROKEN_COORDINATOR"
 ENV_REPLICA_ID = "UNBROKEN_REPLICA_ID"
@@ -157,6 +158,23 @@ def nccl_async_error_handling(env: Mapping[str, str] | None = None) -> str:
     return _environ(env).get(ENV_NCCL_ASYNC_ERROR_HANDLING) or NCCL_ASYNC_ERROR_HANDLING
 
 
+def check_seconds(values: Mapping[str, float], zero_ok: bool = False) -> None:
+    """Refuses, naming each, the values that are not a finite number of seconds > 0 (>= 0 with
+    ``zero_ok``). Written as what a value must be, so that NaN, which every comparison fails,
+    is refused too (``x <= 0`` lets it through).
+
+    Raises:
+        ConfigError: what is wrong and what was given.
+    """
+    bad = [
+        f"{name}={value!r}"
+        for name, value in values.items()
+        if not (isinstance(value, (int, float)) and (value >= 0 if zero_ok else value > 0) and value < float("inf"))
+    ]
+    if bad:
+        raise ConfigError(f"must be a finite number of seconds {'>= 0' if zero_ok else '> 0'}: {', '.join(bad)}")
+
+
 def connect_timeout_s(default: float, env: Mapping[str, str] | None = None) -> float:
     """``UNBROKEN_CONNECT_TIMEOUT`` in seconds when set, else ``default``."""
     raw = _environ(env).get(ENV_CONNECT_TIMEOUT)
@@ -184,6 +202,24 @@ def secret_file(env: Mapping[str, str] | None = None) -> str | None:
 def gloo_socket_ifname(env: Mapping[str, str] | None = None) -> str | None:
     """``GLOO_SOCKET_IFNAME`` when the user chose Gloo's interface; None otherwise."""
     return _environ(env).get(ENV_GLOO_SOCKET_IFNAME) or None
+
+
+@contextlib.contextmanager
+def gloo_interface(ifname: str | None) -> Iterator[None]:
+    """``GLOO_SOCKET_IFNAME`` set to ``ifname`` while a group is built, then unset again.
+
+    torch's default group takes Gloo's device from the environment only (its options are not
+    passed on), and without it binds what the host name resolves to, which may be an address
+    other nodes reach. The user's own choice stays; ``None`` changes nothing.
+    """
+    if ifname is None or os.environ.get(ENV_GLOO_SOCKET_IFNAME):
+        yield
+        return
+    os.environ[ENV_GLOO_SOCKET_IFNAME] = ifname
+    try:
+        yield
+    finally:
+        os.environ.pop(ENV_GLOO_SOCKET_IFNAME, None)
 
 
 def omp_num_threads(default: int, env: Mapping[str, str] | None = None) -> str:

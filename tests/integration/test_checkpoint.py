@@ -21,6 +21,7 @@ from tests.shard_writer import write_shard_here
 from unbroken.checkpoint import Checkpointer, CheckpointError, PeerStore, PersistOutcome, Shard, directio, disk
 from unbroken.checkpoint.checkpointer import SnapshotTaken
 from unbroken.checkpoint.cli import checkpoint as checkpoint_cli
+from unbroken.config import local_address_towards
 from unbroken.wire.auth import JobSecret
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -268,15 +269,17 @@ def secret(tmp_path: Path) -> tuple[JobSecret, Path]:
 
 @pytest.fixture
 def peer_process(secret: tuple[JobSecret, Path]) -> Iterator[tuple[str, int]]:
+    # As docs/checkpoints.md runs it for another node: on this node's network address.
+    host = local_address_towards("192.0.2.254")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "unbroken", "checkpoint", "serve-peer", "--secret-file", str(secret[1])],
+        [sys.executable, "-m", "unbroken", "checkpoint", "serve-peer", "--host", host, "--secret-file", str(secret[1])],
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONPATH": os.getcwd()},
     )
     try:
         port = int(proc.stdout.readline())  # type: ignore[union-attr]
-        yield ("127.0.0.1", port)
+        yield (host, port)
     finally:
         proc.kill()
         proc.wait()

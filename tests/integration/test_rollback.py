@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.integration.harness import PACE, Job, assert_identical
-from unbroken.checkpoint import Checkpointer
+from unbroken.checkpoint import Checkpointer, history
 from unbroken.checkpoint.disk import complete_steps
 
 pytestmark = pytest.mark.integration
@@ -43,6 +43,8 @@ def test_nan_gradients_roll_the_whole_job_back_to_the_last_good_checkpoint(tmp_p
     losses = [row["loss"] for row in job.metrics(0) if row["committed"]]
     assert math.isfinite(losses[-1]) and losses[-1] < losses[0]
 
+    # The rollback was recorded before any process stopped: no tier may offer the undone steps.
+    assert history.read(str(ckpt)).fences == (history.Fence(1, 20),)
     # The checkpoints of the abandoned history are gone; the newest one loads and is healthy.
     assert max(complete_steps(str(ckpt))) == 40
     with Checkpointer(str(ckpt)) as ck:

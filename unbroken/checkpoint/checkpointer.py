@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from unbroken.checkpoint import disk, reshard, restore
+from unbroken.checkpoint import disk, history, reshard, restore
 from unbroken.checkpoint.manifest import (
     ShardManifest,
     TensorEntry,
@@ -152,6 +152,9 @@ class Checkpointer:
             )
         disk.check_writable(directory)
         self.directory = directory
+        # The history this process saves in: a rollback recorded after it started makes its
+        # newer saves part of the undone history (see unbroken.checkpoint.history).
+        self.history = disk.fences(directory).current
         self.keep_last = keep_last
         self.replica, self.replicas, self.rank, self.world_size = replica, replicas, rank, world_size
         self.peer = peer
@@ -197,7 +200,7 @@ class Checkpointer:
         tensors, skeleton = flatten(state, known=self._known)
         objects = wire_objects.dumps(skeleton)
         try:
-            wire_objects.loads(objects)  # tens of microseconds for an optimizer's hyperparameters
+            wire_objects.loads(objects, own=True)  # tens of microseconds for an optimizer's hyperparameters
         except wire_objects.UnsafeObjectError as e:
             raise ValueError(f"this state cannot be checkpointed: {e}") from None
         manifest = ShardManifest(
@@ -207,6 +210,7 @@ class Checkpointer:
             self.rank,
             self.world_size,
             self._entries([spec for _, spec in tensors.values()]),
+            extra={history.HISTORY_KEY: self.history},
         )
         with self._cond:
             slot = self._take_slot(manifest.data_len)
@@ -441,6 +445,10 @@ class Checkpointer:
 
     def _restore(self, step: int | None, into: Any, at_most: int | None = None) -> Restored:
         self.fence()
+        try:
+            fences = disk.fences(self.directory)
+        except disk.CorruptCheckpoint as exc:
+            raise CheckpointError(f"could not restore from {self.directory}: {exc}") from exc
         want = flatten(into)[0] if into is not None else None
         candidates: list[tuple[int, int, str, Any]] = []
         with self._cond:
@@ -463,6 +471,11 @@ class Checkpointer:
         skipped: list[str] = []
         for cstep, _, source, handle in candidates:
             try:
+                if source != "disk":  # the disk's shards are sorted by history in disk.step_readers
+                    manifest = handle.manifest
+                    why = fences.undone(manifest.step, history.history_of(manifest.extra))
+                    if why:
+                        raise disk.CorruptCheckpoint(why)
                 if source == "memory":
                     return self._from_memory(handle, want, skipped)
                 if source == "peer":
@@ -470,7 +483,7 @@ class Checkpointer:
                     return self._from_bytes(
                         handle.manifest, handle.objects, memoryview(handle.data), want, "peer", skipped
                     )
-                return self._from_disk(cstep, want, skipped)
+                return self._from_disk(cstep, want, skipped, fences)
             except Exception as exc:  # noqa: BLE001 - whatever broke this candidate, try the next
                 reason = f"step {cstep} from {source}: {exc}"
                 log.warning("checkpoint: skipping %s", reason)
@@ -513,7 +526,9 @@ class Checkpointer:
             else:
                 tensors[e.name] = src.clone()
         copy_all(pairs)
-        state = unflatten(wire_objects.loads(slot.objects), tensors, {e.name: e for e in slot.manifest.tensors})
+        state = unflatten(
+            wire_objects.loads(slot.objects, own=True), tensors, {e.name: e for e in slot.manifest.tensors}
+        )
         return Restored(slot.manifest.step, state, "memory", skipped, slot.manifest.world_size)
 
     def _from_bytes(
@@ -537,8 +552,10 @@ class Checkpointer:
         state = unflatten(wire_objects.loads(objects), tensors, {e.name: e for e in manifest.tensors})
         return Restored(manifest.step, state, source, skipped, manifest.world_size)
 
-    def _from_disk(self, step: int, want: dict[str, Any] | None, skipped: list[str]) -> Restored:
-        shards = restore.open_step(self.directory, step)
+    def _from_disk(
+        self, step: int, want: dict[str, Any] | None, skipped: list[str], fences: history.Fences | None = None
+    ) -> Restored:
+        shards = restore.open_step(self.directory, step, fences)
         source_rank = reshard.objects_source_rank(self.rank, shards.world_size)
         skeleton = wire_objects.loads(shards.objects(source_rank))
         if want is None:

@@ -108,7 +108,14 @@ def export(directory: str, step: int | None, out: str) -> None:
 
 
 @checkpoint.command("serve-peer")
-@click.option("--port", type=int, default=0, help="TCP port on 127.0.0.1 (0: any free port).")
+@click.option("--port", type=int, default=0, help="TCP port (0: any free port).")
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="The address to listen on: this node's address on the job's network for replicas on other "
+    "nodes to push to (loopback serves this node only).",
+)
 @click.option(
     "--secret-file",
     type=click.Path(dir_okay=False),
@@ -122,7 +129,7 @@ def export(directory: str, step: int | None, out: str) -> None:
     show_default=True,
     help="The most memory the copies held (and arriving) may take.",
 )
-def serve_peer(port: int, secret_file: str | None, max_gb: float) -> None:
+def serve_peer(port: int, host: str, secret_file: str | None, max_gb: float) -> None:
     """Keep peers' snapshots in this process's memory (prints the port, serves until killed)."""
     from unbroken.checkpoint.peer import serve
     from unbroken.wire.auth import JobSecret
@@ -135,4 +142,7 @@ def serve_peer(port: int, secret_file: str | None, max_gb: float) -> None:
         secret = JobSecret.load(secret_file) if secret_file else JobSecret.required()
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
-    serve(secret, port, int(max_gb * (1 << 30)))
+    try:
+        serve(secret, port, int(max_gb * (1 << 30)), host=host)
+    except OSError as e:  # an address this machine does not have, a port in use
+        raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror or e}") from None

@@ -35,7 +35,7 @@ def staging_name(name: str, save_id: str) -> str:
 
 
 def fsync_file(path: str, blob: bytes) -> None:
-    with open(path, "wb") as f:
+    with open(path, "wb", opener=disk.private_opener) as f:
         f.write(blob)
         f.flush()
         os.fsync(f.fileno())

@@ -54,6 +54,7 @@ from unbroken.checkpoint.dcp_layout import (
     write_checksums,
 )
 from unbroken.checkpoint.manifest import parse_step_dir, step_dir_name
+from unbroken.wire.objects import UnsafeObjectError
 
 
 @dataclass(frozen=True)
@@ -168,12 +169,12 @@ class DCPWriter(StorageWriter, BlockingAsyncStager):
         """Writes this rank's items into one file of the staging directory, fsynced, with CRCs."""
         target: _Target = plan.storage_data
         staging = self._staging(target.staging)
-        os.makedirs(staging, exist_ok=True)
+        os.makedirs(staging, mode=disk.DIR_MODE, exist_ok=True)
         name = f"{target.prefix}0.distcp"
         results: list[WriteResult] = []
         # Objects first, then tensors, as FileSystemWriter orders them.
         items = sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO)
-        with open(os.path.join(staging, name), "wb") as f:
+        with open(os.path.join(staging, name), "wb", opener=disk.private_opener) as f:
             for item in items:
                 results.append(self._write_item(f, item, planner, name))
             f.flush()
@@ -216,7 +217,7 @@ class DCPWriter(StorageWriter, BlockingAsyncStager):
         metadata.storage_meta = self.storage_meta()
         root, name = os.path.split(os.path.abspath(self.path))
         staging = self._staging(self._staging_name)
-        os.makedirs(staging, exist_ok=True)
+        os.makedirs(staging, mode=disk.DIR_MODE, exist_ok=True)
         write_checksums(staging, pickle.dumps(metadata), items)
         commit(root, name, staging)
         if self.keep_last is not None and parse_step_dir(name) is not None:
@@ -232,6 +233,63 @@ class DCPWriter(StorageWriter, BlockingAsyncStager):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return FileSystem.validate_checkpoint_id(checkpoint_id)
+
+
+# (module, name) of every global a DCP ``.metadata`` names (torch's own dataclasses and value
+# types); the dtypes are checked by type. Anything else is refused before it is called.
+_METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # a lookup of torch.strided and its kind by name
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.distributed.checkpoint.metadata", "Metadata"),
+        ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+        ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+        ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+        ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("pathlib", "PosixPath"),  # a checkpoint_id given as a Path
+        ("pathlib", "PurePosixPath"),
+    }
+)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeObjectError(
+            f"refusing to load the global {module}.{name} from a checkpoint's {METADATA_FILE}: it may "
+            "only name DCP's metadata classes, torch.Size and dtypes (anything else could run code)"
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeObjectError(f"refusing a persistent id in a checkpoint's {METADATA_FILE}")
+
+
+def load_metadata(blob: bytes, file: str = METADATA_FILE) -> Metadata:
+    """DCP's ``.metadata`` (a pickle, as plain DCP writes it) through an allow-list unpickler:
+    whoever can write the checkpoint directory must not get to run code in the job.
+
+    Raises:
+        UnsafeObjectError: a global outside the allow-list, or not a valid pickle of a Metadata.
+    """
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(blob)).load()
+    except UnsafeObjectError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever a malformed pickle raises
+        raise UnsafeObjectError(f"{file} is not a valid pickle: {type(e).__name__}: {e}") from e
+    if not isinstance(metadata, Metadata):
+        raise UnsafeObjectError(f"{file} holds a {type(metadata).__name__}, not DCP's Metadata")
+    return metadata
 
 
 def apply_retention(root: str, keep_last: int, verified: set[str] | None = None) -> list[int]:
@@ -281,7 +339,7 @@ class DCPReader(StorageReader):
         sums = read_checksums(path)
         if sums is not None:  # checked before unpickling: a damaged pickle can do anything
             check(file, "the metadata", blob, sums["metadata"], sums["algorithm"])
-        metadata: Metadata = pickle.loads(blob)
+        metadata = load_metadata(blob, file)
         meta: StorageMeta | None = getattr(metadata, "storage_meta", None)
         if meta is None:
             meta = metadata.storage_meta = StorageMeta()
@@ -335,6 +393,15 @@ class DCPReader(StorageReader):
             elif len(blob) != length:
                 raise disk.CorruptCheckpoint(f"{file}: truncated at offset {offset}")
             if reqs[0].type == LoadItemType.BYTE_IO:
+                # DCP's planner loads these with torch.load(weights_only=False): only bytes that
+                # torch's allow-list loads first get that far.
+                try:
+                    torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+                except Exception as e:  # noqa: BLE001 - whatever the restricted load refused
+                    raise UnsafeObjectError(
+                        f"{file}: refusing the object {reqs[0].storage_index.fqn!r} at offset {offset}: "
+                        f"it does not load with torch.load(weights_only=True) ({type(e).__name__}: {e})"
+                    ) from None
                 for req in reqs:
                     planner.load_bytes(req, io.BytesIO(blob))
                 continue

@@ -40,7 +40,7 @@ class ShortRead(OSError):
     """The file ended before the bytes its manifest promises (it was truncated)."""
 
 
-def open_file(path: str, flags: int, mode: int = 0o644) -> tuple[int, bool]:
+def open_file(path: str, flags: int, mode: int = 0o600) -> tuple[int, bool]:
     """Open with ``O_DIRECT`` where the filesystem allows it; returns ``(fd, direct)``."""
     if _O_DIRECT:
         try:

@@ -27,7 +27,7 @@ import uuid
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from unbroken.checkpoint import checksum, directio
+from unbroken.checkpoint import checksum, directio, history
 from unbroken.checkpoint.manifest import (
     DATA_FILE,
     LATEST_FILE,
@@ -68,7 +68,7 @@ def check_writable(root: str) -> None:
     if os.path.exists(root) and not os.path.isdir(root):
         raise ValueError(f"checkpoint path {root!r} exists and is not a directory")
     try:
-        os.makedirs(root, exist_ok=True)
+        os.makedirs(root, mode=DIR_MODE, exist_ok=True)
     except OSError as exc:
         raise ValueError(
             f"checkpoint directory {root!r} cannot be created: {exc.strerror}; "
@@ -76,7 +76,7 @@ def check_writable(root: str) -> None:
         ) from exc
     probe = os.path.join(root, f".probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        with open(probe, "wb") as f:  # no fsync: a refused write fails here already
+        with open(probe, "wb", opener=private_opener) as f:  # no fsync: a refused write fails here already
             f.write(b"x")
         os.unlink(probe)
     except OSError as exc:
@@ -86,8 +86,19 @@ def check_writable(root: str) -> None:
         ) from exc
 
 
+# A checkpoint is the job's own (weights, data positions, whatever the state holds): its files
+# 0600 and its directories 0700, whatever the umask. The checkpoint root a user made stays as made.
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+
+
+def private_opener(path: str, flags: int) -> int:
+    """``open(..., opener=private_opener)``: a file created 0600."""
+    return os.open(path, flags, FILE_MODE)
+
+
 def _write_file(path: str, blob: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
     try:
         view = memoryview(blob)
         while view:
@@ -120,10 +131,10 @@ def write_shard(
     step_dir = os.path.join(root, step_dir_name(manifest.step))
     # The step directory's own entry in ``root`` becomes durable with the fsync of ``root``
     # that follows the move of ``latest``; until then a crash can only lose this newest step.
-    os.makedirs(step_dir, exist_ok=True)
+    os.makedirs(step_dir, mode=DIR_MODE, exist_ok=True)
     final = os.path.join(step_dir, manifest.shard_name)
     tmp = os.path.join(step_dir, f".{manifest.shard_name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    os.mkdir(tmp)
+    os.mkdir(tmp, DIR_MODE)
     algorithm = manifest.checksum
     try:
         pending = checksum.start(data, [(t.begin, t.end) for t in manifest.tensors], _checksum_pool(), algorithm)
@@ -182,11 +193,46 @@ def committed_shards(root: str, step: int) -> dict[tuple[int, int], str]:
     return {**prev, **found}
 
 
-def step_readers(root: str, step: int) -> dict[int, str]:
-    """rank -> the shard directory a restore reads for it (the lowest replica that saved it)."""
+def fences(root: str) -> history.Fences:
+    """The rollbacks recorded in ``root`` (:mod:`unbroken.checkpoint.history`).
+
+    Raises:
+        CorruptCheckpoint: the record is unreadable: nothing may load until it is repaired.
+    """
+    try:
+        return history.read(root)
+    except ValueError as e:
+        raise CorruptCheckpoint(f"{root}: {e}") from e
+
+
+def step_readers(root: str, step: int, known: history.Fences | None = None) -> dict[int, str]:
+    """rank -> the shard directory a restore reads for it (the lowest replica that saved it).
+
+    After a rollback, only shards of a history the rollback did not undo count: a step of the
+    undone history whose delete failed, or another replica's stale shard beside a step saved
+    again, is never read.
+
+    Raises:
+        CorruptCheckpoint: the step is entirely of an undone history (the reason), or the
+            rollbacks' record is unreadable.
+    """
+    known = fences(root) if known is None else known
     dirs: dict[int, str] = {}
+    undone = ""
     for (_, rank), path in sorted(committed_shards(root, step).items()):
-        dirs.setdefault(rank, path)
+        if rank in dirs:
+            continue
+        if known.fences:
+            try:
+                why = known.undone(step, history.history_of(read_manifest(path).extra))
+            except (CorruptCheckpoint, OSError, ValueError):
+                why = None  # damage: the reader's own checks name it
+            if why:
+                undone = why
+                continue
+        dirs[rank] = path
+    if not dirs and undone:
+        raise CorruptCheckpoint(undone)
     return dirs
 
 
@@ -337,7 +383,7 @@ def verify_step(root: str, step: int) -> None:
             continue
         verify_shard(path)
         with contextlib.suppress(OSError):  # no marker only means reading it again next time
-            os.close(os.open(os.path.join(path, VERIFIED_FILE), os.O_WRONLY | os.O_CREAT, 0o644))
+            os.close(os.open(os.path.join(path, VERIFIED_FILE), os.O_WRONLY | os.O_CREAT, FILE_MODE))
     if world is None or not is_complete({(0, r) for r in readers}, world):
         raise CorruptCheckpoint(f"step {step} in {root} lacks the shards of some ranks")
 

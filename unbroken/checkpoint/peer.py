@@ -338,9 +338,9 @@ class PeerClient:
         return PeerCopy(manifest, objects, data)
 
 
-def serve(secret: JobSecret, port: int = 0, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
-    """Runs a store on loopback, prints its port, serves until interrupted."""
-    store = PeerStore(secret, port=port, max_bytes=max_bytes)
+def serve(secret: JobSecret, port: int = 0, max_bytes: int = DEFAULT_MAX_BYTES, host: str = "127.0.0.1") -> None:
+    """Runs a store on ``host`` (loopback unless told), prints its port, serves until interrupted."""
+    store = PeerStore(secret, host=host, port=port, max_bytes=max_bytes)
     print(store.address[1], flush=True)
     try:
         store.serve_forever()

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from unbroken.checkpoint import disk, reshard
+from unbroken.checkpoint import disk, history, reshard
 from unbroken.checkpoint.manifest import ShardManifest, TensorEntry
 
 
@@ -73,9 +73,10 @@ class StepShards:
                 f.close()
 
 
-def open_step(root: str, step: int) -> StepShards:
-    """Manifests of a step's shards, one per rank, lowest replica first."""
-    dirs = disk.step_readers(root, step)
+def open_step(root: str, step: int, fences: history.Fences | None = None) -> StepShards:
+    """Manifests of a step's shards, one per rank, lowest replica first, of the job's current
+    history (``fences``: the rollbacks, read from ``root`` when not given)."""
+    dirs = disk.step_readers(root, step, fences)
     if not dirs:
         raise disk.CorruptCheckpoint(f"step {step} has no committed shard in {root}")
     return StepShards(dirs, {rank: disk.read_manifest(path) for rank, path in dirs.items()})

@@ -31,7 +31,9 @@ class LearnedDeadline:
     min_samples: int = 5
 
     def __post_init__(self) -> None:
-        if self.floor_s <= 0 or self.factor < 1 or self.initial_s <= 0:
+        if not (
+            0 < self.floor_s < float("inf") and 1 <= self.factor < float("inf") and 0 < self.initial_s < float("inf")
+        ):
             raise ValueError("floor_s and initial_s must be > 0 and factor >= 1")
         self._seen: deque[float] = deque(maxlen=self.window)
 

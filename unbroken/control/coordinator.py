@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from unbroken.config import anomaly_policy
+from unbroken.config import anomaly_policy, check_seconds
 from unbroken.control import protocol
 from unbroken.control.assignment import Assignment
 from unbroken.control.event_loop import listen_backlog
@@ -108,6 +108,11 @@ class CoordinatorSettings:
     max_heartbeats_per_s: float = 2000.0
     fatal_epochs: int = DEFAULT_FATAL_EPOCHS
     no_progress_timeout_s: float = DEFAULT_NO_PROGRESS_S
+
+    def __post_init__(self) -> None:
+        names = ("heartbeat_timeout_s", "suspect_after_s", "join_window_floor_s", "startup_window_s", "hello_timeout_s")
+        check_seconds({n: getattr(self, n) for n in (*names, "heartbeat_s")})  # NaN included
+        check_seconds({"finish_grace_s": self.finish_grace_s}, zero_ok=True)
 
 
 # A connection that sends this many malformed messages is not a replica gone astray: it is closed.

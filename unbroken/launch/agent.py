@@ -125,8 +125,10 @@ class AgentSettings:
                 ipaddress.ip_address(self.advertise_addr)
             except ValueError:
                 raise ValueError(f"--advertise-addr must be an IP address, got {self.advertise_addr!r}") from None
-        if self.connect_timeout_s <= 0:
+        if not 0 < self.connect_timeout_s < float("inf"):  # NaN too
             raise ValueError(f"--connect-timeout must be > 0, got {self.connect_timeout_s}")
+        env.check_seconds({"heartbeat_s": self.heartbeat_s})
+        env.check_seconds({"finish_grace_s": self.finish_grace_s}, zero_ok=True)
         if self.secret_file is None:
             raise ValueError(
                 f"the agent needs the job's secret: --secret-file PATH (or {env.ENV_SECRET_FILE}), "
@@ -590,4 +592,5 @@ class Agent:
 
 
 def run(settings: AgentSettings) -> int:
+    os.umask(0o077)  # the run's directory, logs, events, metrics and checkpoints: 0700/0600, workers' too
     return asyncio.run(Agent(settings).run())

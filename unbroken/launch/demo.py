@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -186,7 +187,7 @@ def replicas_identical(run_dir: Path) -> bool:
     import torch
 
     finals = {
-        r: torch.load(run_dir / f"final-r{r}.pt", weights_only=False)
+        r: torch.load(run_dir / f"final-r{r}.pt", weights_only=True)  # plain tensors and numbers: no pickle of code
         for r in range(REPLICAS)
         if (run_dir / f"final-r{r}.pt").exists()
     }
@@ -328,6 +329,7 @@ def demo(
     for f in settings.schedule:
         console.print(f"  scheduled: {f.label}")
     t0 = time.time()
+    os.umask(0o077)  # as `unbroken run`: the run's files are the job's own
     code = asyncio.run(_run(settings, console, steps))
     wall = time.time() - t0
     reference = None

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from unbroken import config as env
 from unbroken.checkpoint.disk import CorruptCheckpoint, check_writable, newest_verified_step
+from unbroken.checkpoint.history import record_rollback
 from unbroken.checkpoint.retention import discard_newer
 from unbroken.control import secret_file
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings
@@ -163,6 +164,7 @@ class LaunchSettings:
             raise ValueError(f"--on-verdict must be one of {', '.join(VERDICT_ACTIONS)}, got {self.on_verdict!r}")
         if not 0 <= self.term_grace_s < float("inf"):
             raise ValueError(f"--term-grace-s must be 0 or more seconds, got {self.term_grace_s}")
+        env.check_seconds({"--heartbeat-timeout": self.heartbeat_timeout_s})  # NaN too, before any replica starts
         if self.on_hang not in HANG_ACTIONS:
             raise ValueError(f"--on-hang must be one of {', '.join(HANG_ACTIONS)}, got {self.on_hang!r}")
         if self.cross_replica_backend is not None and self.cross_replica_backend not in env.CROSS_REPLICA_BACKENDS:
@@ -660,6 +662,11 @@ class Launcher:
             )
         if self._stop.is_set():
             return
+        try:
+            # Before any process stops: from here no tier offers a step of the undone history.
+            await asyncio.to_thread(record_rollback, root, target)
+        except (OSError, ValueError) as exc:
+            return ignore(f"cannot record the rollback to step {target} in {root}: {exc}")
         self.events.emit("verdict_acted", verdict_class=e.get("class"), replica=replica, action=ROLLBACK, reason=why)
         self.events.emit(
             "rollback",
@@ -940,6 +947,7 @@ class Launcher:
 
 
 def run(settings: LaunchSettings) -> int:
+    os.umask(0o077)  # the run's directory, logs, events, metrics and checkpoints: 0700/0600, workers' too
     return asyncio.run(Launcher(settings).run())
 
 

@@ -31,13 +31,14 @@ def main() -> int:
     import torch.distributed as dist
 
     from unbroken.faults.worker import WorkerChaos
-    from unbroken.train.replica_group import rendezvous_store
+    from unbroken.train.replica_group import init_gloo_group, rendezvous_store
     from unbroken.wire.auth import JobSecret
 
     rank = 0 if args.role == "checked" else 1
     # The job's authenticated store on loopback, not a TCPStore listening on every interface.
     store, server = rendezvous_store(f"127.0.0.1:{args.port}", JobSecret.required(), rank == 0, timeout_s=20.0)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=20))
+    # Gloo's pairs on loopback too, not on what the host name resolves to.
+    init_gloo_group("gloo", store, rank, 2, "127.0.0.1", timeout=timedelta(seconds=20))
     chaos = WorkerChaos.from_env(-1) if rank == 0 else None
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))

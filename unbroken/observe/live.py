@@ -17,6 +17,7 @@ import bisect
 import collections
 import dataclasses
 import json
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -25,6 +26,7 @@ from typing import Any
 
 from unbroken.observe import goodput as gp
 from unbroken.observe import schema as ev
+from unbroken.observe.events import rotated_files
 
 # Seconds: the histograms' buckets (detection is sub-second to tens of seconds; a recovery
 # spans a process start and a catch-up).
@@ -49,21 +51,63 @@ GOODPUT_KINDS = frozenset({"quorum", "replica_state", "fault_injected", "coordin
 
 
 class JsonlTail:
-    """Reads the complete lines appended to a file since the last call (a torn last line waits)."""
+    """Reads the complete lines appended to a file since the last call (a torn last line waits).
+
+    A rotated file (:class:`~unbroken.observe.events.EventLog` renames a full log to ``.1``) is
+    read to its end, then the new file from its start; a file truncated in place is read again
+    from its start.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._offset = 0
         self._rest = b""
+        self._ino: tuple[int, int] | None = None
 
     def read(self, max_bytes: int = 1 << 24) -> list[dict[str, Any]]:
         try:
-            with open(self.path, "rb") as f:
-                f.seek(self._offset)
-                data = f.read(max_bytes)
+            f = open(self.path, "rb")
         except FileNotFoundError:
             return []
+        out: list[dict[str, Any]] = []
+        with f:
+            st = os.fstat(f.fileno())
+            ino = (st.st_ino, st.st_dev)
+            if ino != self._ino:  # rotated since the last read, or the first read: older files first
+                out += self._finish_rotated(max_bytes)
+                self._offset, self._rest = 0, b""
+            elif st.st_size < self._offset:
+                self._offset, self._rest = 0, b""
+            self._ino = ino
+            f.seek(self._offset)
+            data = f.read(max_bytes)
         self._offset += len(data)
+        return out + self._lines(data)
+
+    def _finish_rotated(self, max_bytes: int) -> list[dict[str, Any]]:
+        """The rest of the file this tail was reading, now under a rotated name, and any file
+        rotated after it, whole (when several rotations passed between two reads); on the first
+        read, every rotated file."""
+        olds = rotated_files(self.path)  # oldest first
+        out: list[dict[str, Any]] = []
+        found = self._ino is None
+        for old in olds:
+            try:
+                with open(old, "rb") as f:
+                    st = os.fstat(f.fileno())
+                    if not found and (st.st_ino, st.st_dev) != self._ino:
+                        continue
+                    f.seek(self._offset if not found else 0)
+                    data = f.read(max_bytes)
+            except OSError:
+                continue
+            found = True
+            # Its last line is complete: writers append to the path's new file now.
+            out += self._lines(data + b"\n")
+            self._rest = b""
+        return out
+
+    def _lines(self, data: bytes) -> list[dict[str, Any]]:
         lines = (self._rest + data).split(b"\n")
         self._rest = lines.pop()
         out = []

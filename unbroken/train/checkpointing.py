@@ -16,6 +16,12 @@ Replicas hold the same state, so one of them saves each checkpoint
   read of the checkpoint per restart, off the survivors' path;
 - else (no checkpoint) step 0, or a peer's state through catch-up.
 
+A directory that holds the job's checkpoints (a complete step, a ``latest`` pointer, a
+rollback's record) of which none loads stops the process with :class:`CheckpointError`, first
+start or restart: step 0 there would throw the run away. After a rollback no tier (memory, a
+peer's copy, a disk step whose delete failed) offers a step of the history it undid
+(:mod:`unbroken.checkpoint.history`).
+
 On SIGTERM, :func:`save_if_due` flushes the state and exits (see
 :mod:`unbroken.train.preemption`).
 
@@ -33,7 +39,7 @@ from __future__ import annotations
 
 import logging
 
-from unbroken.checkpoint import Checkpointer, CheckpointError, Restored
+from unbroken.checkpoint import Checkpointer, CheckpointError, Restored, disk
 from unbroken.checkpoint.checkpointer import PersistOutcome, SnapshotTaken
 from unbroken.checkpoint.disk import complete_steps
 from unbroken.diagnosis.telemetry import CheckpointPersisted, CheckpointSaved
@@ -61,6 +67,16 @@ def checkpointer_for(manager: Manager, keep_last: int = 3, **kwargs: object) -> 
     )
 
 
+def expects_checkpoint(directory: str) -> bool:
+    """Whether a process of this job must load a checkpoint from ``directory``: it holds a
+    complete step, a ``latest`` pointer (a step was saved) or a rollback's record."""
+    return (
+        bool(complete_steps(directory))
+        or disk.read_latest(directory) is not None
+        or bool(disk.fences(directory).fences)
+    )
+
+
 def resume(manager: Manager, checkpointer: Checkpointer | None) -> Restored | None:
     """Loads the checkpoint this process starts from, if any (see the module doc), and has the
     checkpointer's costs (stall, write time, bytes) reported to the coordinator's ``/metrics``."""
@@ -84,18 +100,18 @@ def resume(manager: Manager, checkpointer: Checkpointer | None) -> Restored | No
                 "; ".join(restored.skipped),
                 restored.step,
             )
-    elif complete_steps(checkpointer.directory):
+    elif expects_checkpoint(checkpointer.directory):
         try:
             restored = checkpointer.load_latest()
         except CheckpointError as exc:
-            if manager.config.restart_count == 0:
-                raise  # a relaunched job must not silently start over: say what is damaged
-            log.error(
-                "replica %d: no checkpoint loads (%s); starting from a peer's state or step 0",
-                manager.config.replica_id,
-                exc,
-            )
-            return None
+            # Never step 0 while the job has saved: when every replica restarts at once, none
+            # would be ahead to catch up from, the job would train from scratch and retention
+            # would delete each new save beside the newer ones that do not load.
+            raise CheckpointError(
+                f"replica {manager.config.replica_id}: {checkpointer.directory} holds this job's "
+                f"checkpoints but none loads, so this process will not start over from step 0 ({exc}). "
+                "Repair or move the damaged steps, or give the job a new --checkpoint-dir to start afresh."
+            ) from exc
     else:
         return None
     manager.load_state_dict(restored.state)

@@ -6,11 +6,20 @@ rendezvous keys of the replica's group. When unbroken creates the group (the scr
 rank 0 hosts unbroken's :class:`~unbroken.wire.store.StoreServer` instead, bound to
 ``MASTER_ADDR`` only (the launcher sets loopback: a replica group lives on one node) at
 ``MASTER_PORT``, and every rank rendezvouses through it with the job's secret.
+
+Gloo's own pairs listen too: on a one-node group (its store on loopback) they listen on the
+loopback interface, not on what the host name resolves to (often an address other nodes
+reach); a group spanning nodes is pinned to the interface of its node's advertised address by
+the launcher (``GLOO_SOCKET_IFNAME``), as is any choice the user made.
 """
 
 from __future__ import annotations
 
 import datetime
+import fcntl
+import ipaddress
+import socket
+import struct
 import time
 from collections.abc import Mapping
 
@@ -22,11 +31,46 @@ from unbroken.config import (
     ENV_MASTER_PORT,
     ConfigError,
     ReplicaConfig,
+    gloo_interface,
     master_address,
     parse_host_port,
 )
 from unbroken.wire.auth import JobSecret
 from unbroken.wire.store import StoreServer
+
+_SIOCGIFFLAGS = 0x8913
+_IFF_LOOPBACK = 0x8
+
+
+def loopback_interface() -> str | None:
+    """The name of this machine's loopback interface (``lo`` on Linux), None if none is found."""
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                raw = fcntl.ioctl(s.fileno(), _SIOCGIFFLAGS, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+        if struct.unpack_from("H", raw, 16)[0] & _IFF_LOOPBACK:
+            return name
+    return None
+
+
+def gloo_interface_for(store_host: str) -> str | None:
+    """Gloo's interface for a group whose store is at ``store_host``: loopback when the store is
+    (the group is on one node); None otherwise (the launcher pins a spanning group's)."""
+    try:
+        loopback = ipaddress.ip_address(store_host).is_loopback
+    except ValueError:
+        loopback = store_host == "localhost"
+    return loopback_interface() if loopback else None
+
+
+def init_gloo_group(
+    backend: str, store: dist.Store, rank: int, world_size: int, store_host: str, **kwargs: object
+) -> None:
+    """``init_process_group`` with Gloo's pairs on loopback when ``store_host`` is (see module doc)."""
+    with gloo_interface(gloo_interface_for(store_host) if "gloo" in backend else None):
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)  # type: ignore[arg-type]
 
 
 def rendezvous_store(
@@ -74,5 +118,7 @@ def init_replica_group(
     hosts. The caller must keep the store: torch holds only its C++ half, and once the Python
     object is collected every later call on the group's store fails ("Not implemented")."""
     store, server = replica_store(config, secret)
-    dist.init_process_group(backend, store=store, rank=config.rank, world_size=config.world_size)
+    master = master_address()
+    assert master is not None  # replica_store checked it
+    init_gloo_group(backend, store, config.rank, config.world_size, master[0])
     return store, server

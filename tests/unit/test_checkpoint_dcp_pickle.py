@@ -1,0 +1,58 @@
+"""A DCP checkpoint never runs code when DCPReader loads it: neither its ``.metadata`` (a pickle)
+nor its non-tensor items (``torch.save`` bytes that DCP's planner loads with weights_only=False).
+
+The checkpoints are written by plain DCP (FileSystemWriter: no checksums, as DCPReader accepts),
+which is what anyone who can write the checkpoint directory can also write. Plain objects
+still load: tests/unit/test_checkpoint_dcp.py round-trips a state with strings and numbers.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+
+from unbroken.checkpoint import DCPReader
+from unbroken.checkpoint.dcp_storage import load_metadata
+from unbroken.wire.objects import UnsafeObjectError
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+class Payload:
+    """Unpickling this runs a shell command (what an attacker's checkpoint would hold)."""
+
+    def __init__(self, mark: Path) -> None:
+        self.mark = mark
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.mark}",))
+
+
+def test_a_metadata_that_names_a_function_is_refused_before_it_runs(tmp_path: Path) -> None:
+    ckpt = tmp_path / "plain"
+    dcp.save({"w": torch.ones(4)}, storage_writer=FileSystemWriter(ckpt))
+    real = (ckpt / ".metadata").read_bytes()
+    assert load_metadata(real).state_dict_metadata.keys() == {"w"}  # DCP's own metadata loads
+    mark = tmp_path / "ran"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Payload(mark)))
+    with pytest.raises((CheckpointException, UnsafeObjectError), match="os.system|posix.system"):
+        dcp.load({"w": torch.zeros(4)}, storage_reader=DCPReader(ckpt))
+    assert not mark.exists()
+
+
+def test_a_non_tensor_item_that_names_a_function_is_refused_before_it_runs(tmp_path: Path) -> None:
+    ckpt = tmp_path / "plain"
+    mark = tmp_path / "ran"
+    dcp.save({"w": torch.ones(4), "extra": Payload(mark)}, storage_writer=FileSystemWriter(ckpt))
+    assert not mark.exists()  # saving pickles the payload; only a load would run it
+    with pytest.raises(CheckpointException, match="weights_only"):
+        dcp.load({"w": torch.zeros(4), "extra": None}, storage_reader=DCPReader(ckpt))
+    assert not mark.exists()
