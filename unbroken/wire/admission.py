@@ -8,9 +8,11 @@ slot and shut out the job's own processes. Three rules prevent it, shared by eve
   and :attr:`AdmissionPolicy.max_pending_per_source` per source address), apart from the
   slots of authenticated connections, which strangers never reach;
 - the newcomer wins: when the budget is full, the oldest pending connection of the source
-  holding the most is closed to make room, so a flood cannot lock the door behind it, and a
-  legitimate client (whose ticket arrives with its connection, :func:`~unbroken.wire.auth.make_ticket`)
-  is recognized long before as many new connections could push it out;
+  holding the most is closed to make room, so a flood cannot lock the door behind it; a
+  connection is not shed before it has had a moment (:attr:`AdmissionPolicy.min_age_s`) to
+  show its ticket, which a legitimate client sends with its connection
+  (:func:`~unbroken.wire.auth.make_ticket`), so a burst of newer connections cannot push
+  it out either, short of a hard cap (:attr:`AdmissionPolicy.overflow` times the budget);
 - a pending connection has a short deadline (:attr:`AdmissionPolicy.deadline_s`) as a whole,
   not per read, so a drip cannot stretch it.
 
@@ -38,11 +40,18 @@ class AdmissionPolicy:
         max_pending: held at once, all sources together.
         max_pending_per_source: held at once from one source address.
         deadline_s: the most a connection may take to authenticate, from its accept.
+        min_age_s: a connection younger than this is not shed for a newer one: a key holder's
+            ticket arrives with its connection, but the listener may read it only after a burst
+            of accepts.
+        overflow: over budget, younger connections are held up to this many times the budget;
+            beyond, the oldest is shed whatever its age.
     """
 
     max_pending: int = 128
     max_pending_per_source: int = 64
     deadline_s: float = 5.0
+    min_age_s: float = 0.25
+    overflow: int = 4
 
     def __post_init__(self) -> None:
         if not (1 <= self.max_pending_per_source <= self.max_pending):
@@ -52,6 +61,10 @@ class AdmissionPolicy:
             )
         if not (math.isfinite(self.deadline_s) and self.deadline_s > 0):
             raise ValueError(f"admission's deadline_s must be a finite number > 0, got {self.deadline_s!r}")
+        if not (math.isfinite(self.min_age_s) and 0 <= self.min_age_s < self.deadline_s):
+            raise ValueError(f"admission's min_age_s must be >= 0 and below deadline_s, got {self.min_age_s!r}")
+        if self.overflow < 1:
+            raise ValueError(f"admission's overflow must be >= 1, got {self.overflow!r}")
 
 
 DEFAULT_POLICY = AdmissionPolicy()
@@ -76,16 +89,32 @@ class Admission(Generic[K]):
         return key in self._since
 
     def admit(self, key: K, source: str, now: float) -> list[K]:
-        """Holds ``key`` as pending; returns the older pending connections to close for it."""
+        """Holds ``key`` as pending; returns the older pending connections to close for it.
+
+        Over budget, the oldest connection of the source at fault (this one if it holds its
+        share, else the busiest) makes room once it has had :attr:`AdmissionPolicy.min_age_s`
+        to show its ticket; while even that one is younger, the newcomer is held over budget (a
+        burst must not push out a key holder whose ticket is on its way), up to
+        :attr:`AdmissionPolicy.overflow` times the budget, where the oldest goes whatever its age.
+        """
         if key in self._since:
             raise ValueError(f"{key!r} is pending already")
-        victims: list[K] = []
+        p = self.policy
         mine = self._by_source.get(source)
-        if mine is not None and len(mine) >= self.policy.max_pending_per_source:
-            victims.append(next(iter(mine)))
-        elif len(self._since) >= self.policy.max_pending:
-            busiest = max(self._by_source.values(), key=len)  # on a tie, the source seen first
-            victims.append(next(iter(busiest)))
+        at_fault = None
+        if mine is not None and len(mine) >= p.max_pending_per_source:
+            at_fault = mine
+        elif len(self._since) >= p.max_pending:
+            at_fault = max(self._by_source.values(), key=len)  # on a tie, the source seen first
+        victims: list[K] = []
+        if at_fault is not None:
+            oldest = next(iter(at_fault))
+            if (
+                now - self._since[oldest][1] >= p.min_age_s
+                or len(self._since) >= p.overflow * p.max_pending
+                or len(at_fault) >= p.overflow * p.max_pending_per_source
+            ):
+                victims.append(oldest)
         for v in victims:
             self.release(v)
         self.evicted += len(victims)

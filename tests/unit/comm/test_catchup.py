@@ -262,12 +262,12 @@ def test_nobody_without_the_key_downloads_a_donors_state(monkeypatch: pytest.Mon
             fetch_state(server.address, 5, JobSecret.generate(), timeout_s=5.0)
         # A client that speaks the old, unauthenticated request gets no state either.
         host, port = server.address.rsplit(":", 1)
-        with socket.create_connection((host, int(port)), timeout=5.0) as sock:
+        with socket.create_connection((host, int(port)), timeout=10.0) as sock:
             sock.sendall(json.dumps({"step": 5, "wait_s": 1.0}).encode() + b"\n")
             got = b""
             while chunk := sock.recv(1 << 16):
                 got += chunk
-        assert len(got) < 64  # the handshake's greeting, then the donor hung up
+        assert len(got) < 64  # no ticket: at most a refusal, then the donor hung up (its deadline)
         assert torch.equal(fetch_state(server.address, 5, SECRET)["rng"], _state()["rng"])
     finally:
         server.close()
