@@ -116,16 +116,16 @@ class _Scenario:
         self.result: dict[str, Any] = {"flood": flood}
         self._flooder: subprocess.Popen[bytes] | None = None
 
-    async def run(self, launcher: Launcher, peer_address: str) -> None:
+    async def run(self, launcher: Launcher, peer_address: str, peer_pid: int) -> None:
         try:
-            await self._run(launcher, peer_address)
+            await self._run(launcher, peer_address, peer_pid)
         except Exception as e:  # the figure is the failure; the run still ends cleanly
             self.result["error"] = f"{type(e).__name__}: {e}"[:500]
         finally:
             self.result["flooder"] = await asyncio.to_thread(self._stop_flooder)
             launcher.stop()
 
-    async def _run(self, launcher: Launcher, peer_address: str) -> None:
+    async def _run(self, launcher: Launcher, peer_address: str, peer_pid: int) -> None:
         s = self.s
         deadline = time.monotonic() + 300
         while min(_steps(self.run_dir, r) for r in range(s.replicas)) < s.warm_step:
@@ -153,7 +153,11 @@ class _Scenario:
                     }
                 )
         pids = _pids(self.run_dir, s.replicas)
-        servers = {"launcher": os.getpid(), **{f"replica{r}": pid for r, pid in pids.items() if r != s.victim}}
+        servers = {
+            "launcher": os.getpid(),  # the coordinator, the store and the HTTP server
+            "peer_store": peer_pid,
+            **{f"replica{r}": pid for r, pid in pids.items() if r != s.victim},
+        }
         self.result["before"] = {k: process_figures(p) for k, p in servers.items()}
         if self.flood:
             self._start_flooder(launcher, targets)
@@ -248,7 +252,7 @@ def run_once(s: AbuseSettings, run_dir: Path, flood: bool, log: Any) -> dict[str
     try:
 
         async def go() -> int:
-            task = asyncio.create_task(scenario.run(launcher, peer_address))
+            task = asyncio.create_task(scenario.run(launcher, peer_address, peer.pid))
             code = await launcher.run()
             if not task.done():  # the job ended first (it failed): the scenario's figures stop here
                 task.cancel()
@@ -257,7 +261,6 @@ def run_once(s: AbuseSettings, run_dir: Path, flood: bool, log: Any) -> dict[str
             return code
 
         scenario.result["exit_code"] = asyncio.run(go())
-        scenario.result["peer_store"] = process_figures(peer.pid)
     finally:
         peer.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):

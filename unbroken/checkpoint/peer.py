@@ -203,6 +203,7 @@ class _Handler(socketserver.BaseRequestHandler):
 class _Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128  # the kernel's accept queue: socketserver's 5 drops a key holder's SYN in a flood
 
     def __init__(self, address: tuple[str, int], secret: JobSecret, max_bytes: int) -> None:
         super().__init__(address, _Handler)
