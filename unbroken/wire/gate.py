@@ -130,6 +130,9 @@ class Gate:
                         self._read(key.fileobj, key.data)  # type: ignore[arg-type]  # our own sockets
                 for conn in self.admission.expired(self._clock()):
                     self._drop(conn, f"no ticket within {self.admission.policy.deadline_s} s")
+        except Exception:  # a bug here would silently stop the listener: say so
+            log.exception("the %s listener's gate stopped", self._purpose)
+            raise
         finally:
             for key in list(self._sel.get_map().values()):
                 with contextlib.suppress(OSError):
