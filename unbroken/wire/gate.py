@@ -185,10 +185,10 @@ class Gate:
         try:
             self._first.check(bytes(buf))
         except (AuthError, ValueError) as e:
+            self.refused += 1  # counted before the client can learn of it
             with contextlib.suppress(OSError):
                 conn.send(self._first.refusal)
             self._close(conn)
-            self.refused += 1
             self.refusals.note(str(e), self._clock())
             return
         try:
