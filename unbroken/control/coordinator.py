@@ -303,7 +303,10 @@ class Coordinator:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # Until its ticket shows a key holder, a connection counts only against the budget of
-        # strangers (newest first, wire.admission), never against max_connections.
+        # strangers (newest first, wire.admission), never against max_connections. One yield
+        # first: the loop then reads what arrived with the connection (a key holder's ticket)
+        # before this burst of accepts can shed it.
+        await asyncio.sleep(0)
         peer = writer.get_extra_info("peername")
         for shed in self._admission.admit(writer, str(peer[0]) if peer else "", time.monotonic()):
             shed.transport.abort()

@@ -54,7 +54,7 @@ WORKERS = 4  # threads serving requests whose head has arrived; the server never
 MAX_QUEUED = 64  # complete requests waiting for a worker; more are closed (and logged)
 MAX_HEAD = 16 << 10  # a request line and headers; a dashboard's or Prometheus' take < 1 KiB
 REQUEST_DEADLINE_S = 10.0  # from the connection's accept to its whole head
-ADMISSION = AdmissionPolicy(max_pending=128, max_pending_per_source=128, deadline_s=REQUEST_DEADLINE_S)
+ADMISSION = AdmissionPolicy(max_pending=64, max_pending_per_source=64, deadline_s=REQUEST_DEADLINE_S)
 
 
 class _Head(FirstBytes):

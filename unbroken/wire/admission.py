@@ -51,7 +51,7 @@ class AdmissionPolicy:
     max_pending_per_source: int = 64
     deadline_s: float = 5.0
     min_age_s: float = 0.25
-    overflow: int = 4
+    overflow: int = 4  # a listener holds at most 4 x 128 strangers (raise_descriptor_limit)
 
     def __post_init__(self) -> None:
         if not (1 <= self.max_pending_per_source <= self.max_pending):

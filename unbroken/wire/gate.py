@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import resource
 import selectors
 import socket
 import threading
@@ -25,7 +26,22 @@ from unbroken.wire.auth import REFUSE, TICKET_BYTES, AuthError, JobSecret, check
 log = logging.getLogger(__name__)
 
 ACCEPTS_PER_ROUND = 32  # then the pending connections' tickets are read: a flood cannot starve them
+WANT_DESCRIPTORS = 1 << 16  # a process's soft limit is raised toward this (within its hard limit)
 Admitted = Callable[[socket.socket, bytes], None]
+
+
+def raise_descriptor_limit(want: int = WANT_DESCRIPTORS) -> int:
+    """Raises this process's soft limit on open descriptors toward ``want``, within the hard
+    limit; returns the soft limit now. A process serving several listeners may hold a few
+    hundred strangers' connections each, and the common soft default (1,024) would then run
+    out, failing everything else the process opens (event logs, a replica's pipes)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    return int(soft)
 
 
 class FirstBytes:
@@ -88,6 +104,7 @@ class Gate:
             first = Ticket(secret, purpose)
         self._sock, self._first, self._purpose, self._admitted = sock, first, purpose, admitted
         self._clock = clock
+        raise_descriptor_limit()
         self.admission: Admission[socket.socket] = Admission(policy)
         self.refusals = RefusalLog(log, f"the {purpose} listener shed or refused connections")
         self.refused = 0  # connections whose ticket was wrong (not a key holder)
