@@ -85,6 +85,9 @@ class Gate:
         admitted: called with each key holder's connection and its ticket.
         name: the thread's name.
         policy: the budget of connections that have not shown a ticket yet.
+        clock: monotonic seconds (tests pass their own).
+        first: what a connection must send instead of a ticket (the HTTP server: a whole
+            request head); ``secret`` may then be None.
     """
 
     def __init__(
