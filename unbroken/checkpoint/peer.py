@@ -14,6 +14,8 @@ MACed manifest. A push is accepted only if it is whole and consistent: a valid m
 checks of :func:`~unbroken.checkpoint.manifest.validate`) with a CRC for every tensor and the
 objects, byte counts equal to the manifest's, and every CRC matching; its sizes are bounded
 (objects, one copy, all copies held, owners, connections) and every connection has a timeout.
+Connections wait for their ticket in a :class:`~unbroken.wire.gate.Gate`, without a thread
+and within a budget apart from key holders' slots, so a stranger's flood cannot shut out a push.
 
 Which push wins: the newest push of an owner replaces its copy, whatever its step. Only
 holders of the key can push, so a step is not a claim to be weighed against the others; and a
@@ -41,13 +43,14 @@ from unbroken.checkpoint import checksum
 from unbroken.checkpoint.manifest import ShardManifest
 from unbroken.wire.auth import AuthError, JobSecret, Session, client_handshake, server_handshake
 from unbroken.wire.framing import recv_exact, recv_sealed, send_sealed
+from unbroken.wire.gate import Gate
 
 _TIMEOUT_S = 30.0
 PURPOSE = "peer-checkpoint"
 MAX_HEADER = 256 << 20  # a manifest of a million tensors
 MAX_OBJECTS = 256 << 20  # the pickled non-tensor state of one shard
 MAX_OWNERS = 4096
-MAX_CONNECTIONS = 32
+MAX_CONNECTIONS = 32  # authenticated, at once; strangers wait apart, in the gate
 DEFAULT_MAX_BYTES = 64 << 30  # every copy held plus those arriving
 _OWNER = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
@@ -120,7 +123,7 @@ class _Handler(socketserver.BaseRequestHandler):
         sock: socket.socket = self.request
         sock.settimeout(_TIMEOUT_S)
         try:
-            session = server_handshake(sock, self.server.secret, PURPOSE)
+            session = server_handshake(sock, self.server.secret, PURPOSE, ticket=self.server.take_ticket(sock))
         except (AuthError, OSError):
             self.server.refused += 1
             return
@@ -200,6 +203,7 @@ class _Handler(socketserver.BaseRequestHandler):
 class _Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128  # the kernel's accept queue: socketserver's 5 drops a key holder's SYN in a flood
 
     def __init__(self, address: tuple[str, int], secret: JobSecret, max_bytes: int) -> None:
         super().__init__(address, _Handler)
@@ -212,15 +216,28 @@ class _Server(socketserver.ThreadingTCPServer):
         self.refused = 0
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
 
-    def process_request(self, request: Any, client_address: Any) -> None:
+        self._tickets: dict[socket.socket, bytes] = {}
+        self.gate: Gate | None = None
+
+    def admitted(self, conn: socket.socket, ticket: bytes) -> None:
+        """A key holder's connection, from the gate: served on a thread of its own, within the bound."""
         if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)  # as many transfers as the node's shards need already
+            conn.close()  # as many transfers as the node's shards need already
             return
         try:
-            super().process_request(request, client_address)
+            with self.lock:
+                self._tickets[conn] = ticket
+            super().process_request(conn, conn.getpeername())
         except BaseException:
+            with self.lock:
+                self._tickets.pop(conn, None)
+            conn.close()
             self._slots.release()
             raise
+
+    def take_ticket(self, conn: socket.socket) -> bytes | None:
+        with self.lock:
+            return self._tickets.pop(conn, None)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
@@ -243,7 +260,7 @@ class PeerStore:
         if not isinstance(secret, JobSecret):
             raise TypeError(f"PeerStore needs the job's JobSecret, got {type(secret).__name__}")
         self._server = _Server((host, port), secret, max_bytes)
-        self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
 
     @property
     def address(self) -> tuple[str, int]:
@@ -253,25 +270,29 @@ class PeerStore:
     @property
     def refused(self) -> int:
         """Connections that failed authentication."""
-        return self._server.refused
+        return self._server.refused + (self._server.gate.refused if self._server.gate else 0)
 
     def start(self) -> PeerStore:
-        """Serve in a background thread (for a replica embedding the store)."""
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="unbroken-peer-store")
-        self._thread.start()
+        """Serve in background threads (for a replica embedding the store)."""
+        if self._server.gate is None:
+            self._server.gate = Gate(
+                self._server.socket, self._server.secret, PURPOSE, self._server.admitted, name="unbroken-peer-store"
+            )
         return self
 
     def serve_forever(self) -> None:
-        self._server.serve_forever()
+        """Serves until :meth:`close` (from another thread) or an interrupt."""
+        self.start()
+        self._stopped.wait()
 
     def owners(self) -> dict[str, int]:
         with self._server.lock:
             return {k: v.manifest.step for k, v in self._server.copies.items()}
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._server.shutdown()
-            self._thread.join()
+        self._stopped.set()
+        if self._server.gate is not None:
+            self._server.gate.close()  # closes the listening socket too
         self._server.server_close()
 
 

@@ -24,8 +24,12 @@ bytes are bound to that connection and CRC-checked (an on-path attacker injectin
 an established connection is out of scope, as for Gloo). The header is bounded and validated
 (its entries must tile the data as a checkpoint manifest's must), and the non-tensor objects load through
 the allow-list unpickler of :mod:`unbroken.wire.objects`: even a donor holding the key cannot
-make a replica run code. Every connection has a timeout, and the number being served at once
-is bounded, so silent clients cannot pin the donor's threads.
+make a replica run code. Connections wait for their ticket in a
+:class:`~unbroken.wire.gate.Gate` (no thread, a budget apart from key holders'), every
+connection has a timeout, and the transfers served at once are bounded: more recovering peers
+than that queue for a slot, and a peer shed by a donor under load tries again
+(:func:`fetch_state`), so neither a stranger's flood nor many recoveries at once crash a
+recovering replica.
 """
 
 from __future__ import annotations
@@ -57,8 +61,10 @@ from unbroken.checkpoint.manifest import (
 )
 from unbroken.checkpoint.snapshot import HostBuffer, TensorRef, copy_tensor, flatten, unflatten, view_bytes
 from unbroken.wire import objects
-from unbroken.wire.auth import AuthError, JobSecret, client_handshake, server_handshake
+from unbroken.wire.admission import RefusalLog
+from unbroken.wire.auth import AuthError, HandshakeInterrupted, JobSecret, client_handshake, server_handshake
 from unbroken.wire.framing import FrameError, recv_exact_into, recv_sealed, send_sealed
+from unbroken.wire.gate import Gate
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +80,9 @@ MAX_HEADER = 256 << 20  # entries and the skeleton of a state with a million ten
 MAX_WAIT_S = 600.0  # the longest a request may ask the donor to wait for its snapshot
 IO_TIMEOUT_S = 60.0  # any single read or write of a connection, once the snapshot is there
 MAX_SERVED_RECORDS = 256
-MAX_CONNECTIONS = 8  # served at once; more are closed at once (a catch-up needs one per rank)
+MAX_CONNECTIONS = 8  # transfers served at once; more authenticated requests queue for a slot
+MAX_WAITING = 256  # authenticated requests held at once (served or queued); more are shed, and retry
+RETRY_FIRST_S, RETRY_MAX_S = 0.05, 2.0  # a shed or busy fetch tries again after this, doubling
 
 
 class TransferError(RuntimeError):
@@ -198,9 +206,16 @@ class CatchupServer:
         self.address = "{}:{}".format(*self._sock.getsockname()[:2])
         self._closed = False
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._waiting = threading.BoundedSemaphore(MAX_WAITING)
         self.served: list[dict[str, float]] = []  # the latest transfers (bounded), for the benchmark
-        self.refused = 0  # connections that failed authentication or sent a bad request
-        threading.Thread(target=self._accept, name="unbroken-transfer", daemon=True).start()
+        self._refused = 0  # connections that failed authentication or sent a bad request
+        self._refusals = RefusalLog(log, "refused state transfer requests")
+        self.gate = Gate(self._sock, secret, PURPOSE, self._admitted, name="unbroken-transfer")
+
+    @property
+    def refused(self) -> int:
+        """Connections that failed authentication or sent a bad request."""
+        return self._refused + self.gate.refused
 
     def publish(self, snapshot: Snapshot) -> None:
         with self._cond:
@@ -216,28 +231,24 @@ class CatchupServer:
         with self._cond:
             self._closed = True
             self._cond.notify_all()  # requests waiting for a snapshot are answered now
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept thread; close alone does not
-        self._sock.close()
+        self.gate.close()
 
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            if not self._slots.acquire(blocking=False):
-                conn.close()  # as many transfers as a catch-up needs are running already
-                continue
-            try:
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
-                threading.Thread(target=self._serve, args=(conn,), name="unbroken-transfer-serve", daemon=True).start()
-            except BaseException:
-                conn.close()
-                self._slots.release()
-                raise
+    def _admitted(self, conn: socket.socket, ticket: bytes) -> None:
+        if not self._waiting.acquire(blocking=False):
+            conn.close()  # the peer sees the connection shed, and tries again (fetch_state)
+            self._refusals.note(f"over {MAX_WAITING} requests held at once", time.monotonic())
+            return
+        try:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+            threading.Thread(
+                target=self._serve, args=(conn, ticket), name="unbroken-transfer-serve", daemon=True
+            ).start()
+        except BaseException:
+            conn.close()
+            self._waiting.release()
+            raise
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, ticket: bytes) -> None:
         # Serving must not slow the donor's own training: where CPUs are scarce, this thread
         # yields to the training threads (Linux applies the nice value per thread).
         with contextlib.suppress(OSError, AttributeError):
@@ -247,22 +258,23 @@ class CatchupServer:
             with conn:
                 conn.settimeout(IO_TIMEOUT_S)
                 try:
-                    session = server_handshake(conn, self._secret, PURPOSE)
+                    session = server_handshake(conn, self._secret, PURPOSE, ticket=ticket)
                     step, wait_s = _parse_request(recv_sealed(conn, session, MAX_REQUEST))
                 except (AuthError, FrameError, ValueError, OSError) as e:
-                    self.refused += 1
-                    log.warning("refused a state transfer request: %s", e)
+                    self._refused += 1
+                    self._refusals.note(str(e), time.monotonic())
                     return
                 try:
                     self._send(conn, session, step, wait_s, start, cpu_start)
                 except OSError as e:
                     log.warning("state transfer to a peer failed: %s", e)
         finally:
-            self._slots.release()
+            self._waiting.release()
 
     def _send(
         self, conn: socket.socket, session: Any, step: int, wait_s: float, start: float, cpu_start: float
     ) -> None:
+        deadline = time.monotonic() + wait_s
         with self._cond:
             if (
                 not self._cond.wait_for(lambda: step in self._snapshots or self._closed, timeout=wait_s)
@@ -273,22 +285,15 @@ class CatchupServer:
             snap = self._snapshots[step]
             snap.readers += 1
         try:
-            header = json.dumps(
-                {
-                    "ok": True,
-                    "step": snap.step,
-                    "total": snap.total,
-                    "chunk": CHUNK,
-                    "entries": entries_to_json(snap.entries),
-                    "skeleton": base64.b64encode(snap.skeleton).decode(),
-                }
-            ).encode()
-            send_sealed(conn, session, header)
-            view = memoryview(snap.buffer.bytes.numpy())[: snap.total]  # type: ignore[arg-type]  # numpy types __buffer__ from 3.12 only
-            for off in range(0, snap.total, CHUNK):
-                chunk = view[off : off + CHUNK]
-                conn.sendall(chunk)
-                conn.sendall(_CRC.pack(checksum(chunk)))
+            # More recovering peers than slots wait their turn here, each holding only its
+            # connection and this thread (within MAX_WAITING).
+            if not self._slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                send_sealed(conn, session, json.dumps({"ok": False, "busy": True}).encode())
+                return
+            try:
+                self._send_snapshot(conn, session, snap)
+            finally:
+                self._slots.release()
         finally:
             with self._cond:
                 snap.readers -= 1
@@ -301,6 +306,25 @@ class CatchupServer:
             }
         )
         del self.served[:-MAX_SERVED_RECORDS]
+
+    @staticmethod
+    def _send_snapshot(conn: socket.socket, session: Any, snap: Snapshot) -> None:
+        header = json.dumps(
+            {
+                "ok": True,
+                "step": snap.step,
+                "total": snap.total,
+                "chunk": CHUNK,
+                "entries": entries_to_json(snap.entries),
+                "skeleton": base64.b64encode(snap.skeleton).decode(),
+            }
+        ).encode()
+        send_sealed(conn, session, header)
+        view = memoryview(snap.buffer.bytes.numpy())[: snap.total]  # type: ignore[arg-type]  # numpy types __buffer__ from 3.12 only
+        for off in range(0, snap.total, CHUNK):
+            chunk = view[off : off + CHUNK]
+            conn.sendall(chunk)
+            conn.sendall(_CRC.pack(checksum(chunk)))
 
 
 def _parse_request(payload: bytes) -> tuple[int, float]:
@@ -376,6 +400,26 @@ def fetch_state(address: str, step: int, secret: JobSecret, timeout_s: float = 1
             that does not hold together or objects outside the allow-list, or a chunk arrived
             corrupt.
     """
+    deadline = time.monotonic() + timeout_s
+    delay = RETRY_FIRST_S
+    while True:
+        try:
+            return _fetch_once(address, step, secret, max(0.0, deadline - time.monotonic()), into)
+        except _Shed as e:
+            # Shed by a donor under load (a flood, or more recoveries than its slots): nothing
+            # has been written into ``into`` yet, so trying again later is safe.
+            if time.monotonic() + delay >= deadline:
+                raise TransferError(f"the donor at {address} stayed too busy for {timeout_s:.0f} s: {e}") from e
+            log.info("the donor at %s is busy (%s); trying again in %.2f s", address, e, delay)
+            time.sleep(delay)
+            delay = min(2 * delay, RETRY_MAX_S)
+
+
+class _Shed(Exception):
+    """The donor closed the connection before it answered, or said it is busy: try again."""
+
+
+def _fetch_once(address: str, step: int, secret: JobSecret, timeout_s: float, into: Any) -> Any:
     host, _, port = address.rpartition(":")
     try:
         # The donor may wait up to timeout_s for the snapshot before it answers; allow for it.
@@ -385,11 +429,19 @@ def fetch_state(address: str, step: int, secret: JobSecret, timeout_s: float = 1
         raise TransferError(f"cannot reach the donor at {address}: {e}") from e
     try:
         with sock:
-            session = client_handshake(sock, secret, PURPOSE)
+            try:
+                session = client_handshake(sock, secret, PURPOSE)
+            except HandshakeInterrupted as e:
+                raise _Shed(str(e)) from e
             send_sealed(sock, session, json.dumps({"step": step, "wait_s": timeout_s}).encode())
-            header = json.loads(recv_sealed(sock, session, MAX_HEADER))
+            try:
+                header = json.loads(recv_sealed(sock, session, MAX_HEADER))
+            except FrameError as e:  # closed before the header: shed after the handshake
+                raise _Shed(str(e)) from e
             sock.settimeout(min(timeout_s + 5.0, IO_TIMEOUT_S))
             if isinstance(header, dict) and header.get("ok") is False:
+                if header.get("busy") is True:
+                    raise _Shed("all its transfer slots stayed taken")
                 raise TransferError(f"the donor at {address} has no snapshot of step {step}")
             return _receive(sock, address, parse_header(header, step), into)
     except AuthError as e:

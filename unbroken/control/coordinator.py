@@ -47,7 +47,8 @@ from unbroken.diagnosis.service import DiagnosisService, StackSource
 from unbroken.diagnosis.telemetry import TelemetryBatch
 from unbroken.observe import schema as ev
 from unbroken.observe.events import EventLog
-from unbroken.wire.auth import AuthError, JobSecret, server_handshake_async
+from unbroken.wire.admission import Admission, RefusalLog
+from unbroken.wire.auth import TICKET_BYTES, AuthError, JobSecret, server_handshake_async
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +219,8 @@ class Coordinator:
         self._hinted: dict[int, int] = {}  # newcomer -> the epoch in which its donor was told
         self._open: set[asyncio.StreamWriter] = set()  # every connection served now
         self.auth_failures = 0  # connections dropped for failing the handshake or a MAC
+        self._admission: Admission[asyncio.StreamWriter] = Admission()
+        self._refusals = RefusalLog(log, "dropped connections to the coordinator")
         self.lines_in = self.lines_out = 0  # over closed connections (what `unbroken bench auth` counts)
         self._server: asyncio.base_events.Server | None = None
         self._tick_task: asyncio.Task[None] | None = None
@@ -316,18 +319,29 @@ class Coordinator:
     # -- connections -----------------------------------------------------------------------
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self._open) >= self.settings.max_connections:
-            writer.close()
-            self._dropped(f"over {self.settings.max_connections} connections", auth=False)
-            return
+        # Until its ticket shows a key holder, a connection counts only against the budget of
+        # strangers (newest first, wire.admission), never against max_connections. One yield
+        # first: the loop then reads what arrived with the connection (a key holder's ticket)
+        # before this burst of accepts can shed it.
+        await asyncio.sleep(0)
+        peer = writer.get_extra_info("peername")
+        for shed in self._admission.admit(writer, str(peer[0]) if peer else "", time.monotonic()):
+            shed.transport.abort()
         self._open.add(writer)
         conn: _RankConn | None = None
         agent: _AgentConn | None = None
         try:
             try:
-                session = await server_handshake_async(reader, writer, self.secret, protocol.PURPOSE)
-            except (AuthError, OSError) as e:
-                self._dropped(str(e))
+                try:
+                    ticket = await asyncio.wait_for(reader.readexactly(TICKET_BYTES), self._admission.policy.deadline_s)
+                finally:
+                    self._admission.release(writer)
+                if len(self._open) - len(self._admission) > self.settings.max_connections:
+                    self._dropped(f"over {self.settings.max_connections} connections", auth=False)
+                    return
+                session = await server_handshake_async(reader, writer, self.secret, protocol.PURPOSE, ticket=ticket)
+            except (AuthError, OSError, asyncio.IncompleteReadError) as e:  # TimeoutError is an OSError
+                self._dropped(str(e) or "no ticket in time")
                 return
             link = protocol.Link(reader, writer, session)
             who: list[Any] = [None, None]
@@ -413,12 +427,10 @@ class Coordinator:
             self.events.emit(ev.CaughtUp(replica=replica, rank=rank, step=c.step, seconds=c.seconds, nbytes=c.nbytes))
 
     def _dropped(self, reason: str, auth: bool = True) -> None:
-        """Logs a refused connection: the first, then at powers of two (a flood is no log flood)."""
+        """Counts a refused connection; logs once per interval (a flood is no log flood)."""
         if auth:
             self.auth_failures += 1
-        n = self.auth_failures if auth else 1
-        if n & (n - 1) == 0:
-            log.warning("dropped a connection to the coordinator (%d so far): %s", n, reason)
+        self._refusals.note(reason, time.monotonic())
 
     def _dispatch(
         self, msg: dict[str, Any], link: protocol.Link, conn: _RankConn | None, agent: _AgentConn | None

@@ -5,7 +5,11 @@ job, a scanner) must not join the job, speak for a replica, read its state or pu
 checkpoints. Every listener runs :func:`server_handshake` before it reads anything else and
 every client runs :func:`client_handshake`: each side proves it holds the job's secret with
 HMAC-SHA256 over fresh nonces from both sides (nothing can be replayed from an earlier
-connection), and both derive one key per direction for this connection. Control messages then
+connection), and both derive one key per direction for this connection. The client speaks
+first, with a ticket (a MAC of its nonce, :func:`make_ticket`): a listener then tells a key
+holder from a stranger in the bytes that arrive with the connection, before it answers or
+spends a thread, and keeps its slots for key holders while strangers flood it
+(:mod:`unbroken.wire.admission`). Control messages then
 carry a MAC over an implicit sequence number (:class:`Session`), so none can be forged,
 replayed, reordered or reflected back to its sender.
 
@@ -22,6 +26,7 @@ and job-scheduler logs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import os
@@ -37,13 +42,21 @@ from unbroken.config import ENV_SECRET_FILE, ConfigError
 SECRET_BYTES = 32
 NONCE_BYTES = 16
 TAG_BYTES = 16
-_MAGIC = b"UNBK\x00\x01"  # protocol name and version: a mismatched peer fails at once, clearly
+_MAGIC = b"UNBK\x00\x02"  # protocol name and version: a mismatched peer fails at once, clearly
 _PROOF_BYTES = 32
+TICKET_BYTES = len(_MAGIC) + NONCE_BYTES + TAG_BYTES
+ACCEPT, REFUSE = b"Y", b"N"  # a listener's first byte: what it made of the ticket
+_ANSWER_BYTES = 1 + NONCE_BYTES + _PROOF_BYTES
 HANDSHAKE_TIMEOUT_S = 10.0
 
 
 class AuthError(ConnectionError):
     """The peer does not hold the job's secret, or a message failed its MAC."""
+
+
+class HandshakeInterrupted(AuthError):
+    """The peer closed the connection mid-handshake: a listener shedding load does that, so
+    (unlike a refusal) trying again later can succeed."""
 
 
 class JobSecret:
@@ -184,30 +197,89 @@ def _recv(sock: socket.socket, n: int) -> bytes:
     while len(buf) < n:
         chunk = sock.recv(n - len(buf))
         if not chunk:
-            raise AuthError("the peer closed the connection during authentication")
+            raise HandshakeInterrupted("the peer closed the connection during authentication")
         buf += chunk
     return bytes(buf)
 
 
+def make_ticket(secret: JobSecret, purpose: str) -> tuple[bytes, bytes]:
+    """``(ticket, client nonce)``: the first bytes a client sends, before the listener says anything.
+
+    The ticket is a MAC of a fresh nonce under the job's key: a listener that reads it knows at
+    once, without a round trip or a thread, that this connection comes from a key holder, and
+    so admits it ahead of the strangers flooding it (:mod:`unbroken.wire.admission`). It proves
+    nothing fresh (an on-path attacker could replay one): the proofs over the listener's nonce
+    that follow do.
+    """
+    nonce_c = secrets.token_bytes(NONCE_BYTES)
+    return _MAGIC + nonce_c + _ticket_mac(secret.key, purpose, nonce_c), nonce_c
+
+
+def _ticket_mac(key: bytes, purpose: str, nonce_c: bytes) -> bytes:
+    return hmac.digest(key, b"ticket" + purpose.encode() + b"\x00" + nonce_c, "sha256")[:TAG_BYTES]
+
+
+def check_ticket(secret: JobSecret, purpose: str, ticket: bytes) -> bytes:
+    """The client nonce of a valid ticket (:func:`make_ticket`); AuthError otherwise."""
+    if len(ticket) != TICKET_BYTES or ticket[: len(_MAGIC)] != _MAGIC:
+        raise AuthError(f"a client of the {purpose} listener does not speak unbroken's authentication")
+    nonce_c = ticket[len(_MAGIC) : len(_MAGIC) + NONCE_BYTES]
+    if not hmac.compare_digest(ticket[len(_MAGIC) + NONCE_BYTES :], _ticket_mac(secret.key, purpose, nonce_c)):
+        raise AuthError(f"a client failed to authenticate to the {purpose} listener")
+    return nonce_c
+
+
+def _server_hello(secret: JobSecret, purpose: str, nonce_c: bytes) -> tuple[bytes, bytes]:
+    nonce_s = secrets.token_bytes(NONCE_BYTES)
+    return ACCEPT + nonce_s + _proof(secret.key, b"server", purpose, nonce_s, nonce_c), nonce_s
+
+
+def _check_client(secret: JobSecret, purpose: str, nonce_s: bytes, nonce_c: bytes, proof_c: bytes) -> Session:
+    if not hmac.compare_digest(proof_c, _proof(secret.key, b"client", purpose, nonce_s, nonce_c)):
+        raise AuthError(f"a client failed to authenticate to the {purpose} listener")
+    return _session(secret.key, purpose, nonce_s, nonce_c, server=True)
+
+
+def _check_server(secret: JobSecret, purpose: str, nonce_c: bytes, answer: bytes) -> tuple[bytes, bytes]:
+    """``(server nonce, the client's proof to send)`` from the listener's answer to a ticket."""
+    if answer[:1] != ACCEPT:
+        raise AuthError(
+            f"the {purpose} listener refused this client: it does not hold this job's secret "
+            "(or speaks another version of unbroken)"
+        )
+    nonce_s, proof_s = answer[1 : 1 + NONCE_BYTES], answer[1 + NONCE_BYTES :]
+    if not hmac.compare_digest(proof_s, _proof(secret.key, b"server", purpose, nonce_s, nonce_c)):
+        raise AuthError(f"the {purpose} listener failed to authenticate: it does not hold this job's secret")
+    return nonce_s, _proof(secret.key, b"client", purpose, nonce_s, nonce_c)
+
+
 def server_handshake(
-    sock: socket.socket, secret: JobSecret, purpose: str, timeout_s: float = HANDSHAKE_TIMEOUT_S
+    sock: socket.socket,
+    secret: JobSecret,
+    purpose: str,
+    timeout_s: float = HANDSHAKE_TIMEOUT_S,
+    ticket: bytes | None = None,
 ) -> Session:
     """Authenticates a freshly accepted connection (and this listener to it); AuthError if not.
 
     ``purpose`` names the listener ("coordinator", "transfer", ...): a handshake made for one
-    cannot be used against another.
+    cannot be used against another. ``ticket``: the client's first bytes when a
+    :class:`~unbroken.wire.gate.Gate` has read them already.
     """
     old = sock.gettimeout()
     sock.settimeout(timeout_s)
     try:
-        nonce_s = secrets.token_bytes(NONCE_BYTES)
-        sock.sendall(_MAGIC + nonce_s)
-        answer = _recv(sock, NONCE_BYTES + _PROOF_BYTES)
-        nonce_c, proof_c = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
-        if not hmac.compare_digest(proof_c, _proof(secret.key, b"client", purpose, nonce_s, nonce_c)):
-            raise AuthError(f"a client failed to authenticate to the {purpose} listener")
-        sock.sendall(_proof(secret.key, b"server", purpose, nonce_s, nonce_c))
-        return _session(secret.key, purpose, nonce_s, nonce_c, server=True)
+        if ticket is None:
+            ticket = _recv(sock, TICKET_BYTES)
+        try:
+            nonce_c = check_ticket(secret, purpose, ticket)
+        except AuthError:
+            with contextlib.suppress(OSError):
+                sock.sendall(REFUSE)
+            raise
+        hello, nonce_s = _server_hello(secret, purpose, nonce_c)
+        sock.sendall(hello)
+        return _check_client(secret, purpose, nonce_s, nonce_c, _recv(sock, _PROOF_BYTES))
     except TimeoutError as e:
         raise AuthError(f"a client did not authenticate to the {purpose} listener in {timeout_s} s") from e
     finally:
@@ -217,21 +289,25 @@ def server_handshake(
 def client_handshake(
     sock: socket.socket, secret: JobSecret, purpose: str, timeout_s: float = HANDSHAKE_TIMEOUT_S
 ) -> Session:
-    """Authenticates this client to a listener and the listener to it; AuthError if either fails."""
+    """Authenticates this client to a listener and the listener to it; AuthError if either fails.
+
+    HandshakeInterrupted (an AuthError) when the listener closed the connection before
+    answering: an overloaded listener sheds connections that way, so a retry may succeed.
+    """
     old = sock.gettimeout()
     sock.settimeout(timeout_s)
     try:
-        hello = _recv(sock, len(_MAGIC) + NONCE_BYTES)
-        if hello[: len(_MAGIC)] != _MAGIC:
-            raise AuthError(f"the {purpose} listener does not speak unbroken's authentication (version mismatch?)")
-        nonce_s, nonce_c = hello[len(_MAGIC) :], secrets.token_bytes(NONCE_BYTES)
-        sock.sendall(nonce_c + _proof(secret.key, b"client", purpose, nonce_s, nonce_c))
-        proof_s = _recv(sock, _PROOF_BYTES)
-        if not hmac.compare_digest(proof_s, _proof(secret.key, b"server", purpose, nonce_s, nonce_c)):
-            raise AuthError(f"the {purpose} listener failed to authenticate: it does not hold this job's secret")
+        ticket, nonce_c = make_ticket(secret, purpose)
+        sock.sendall(ticket)
+        first = _recv(sock, 1)
+        answer = first + (_recv(sock, _ANSWER_BYTES - 1) if first == ACCEPT else b"")
+        nonce_s, proof_c = _check_server(secret, purpose, nonce_c, answer)
+        sock.sendall(proof_c)
         return _session(secret.key, purpose, nonce_s, nonce_c, server=False)
     except TimeoutError as e:
         raise AuthError(f"the {purpose} listener did not authenticate in {timeout_s} s") from e
+    except (ConnectionResetError, BrokenPipeError) as e:
+        raise HandshakeInterrupted(f"the {purpose} listener closed the connection during authentication") from e
     finally:
         sock.settimeout(old)
 
@@ -242,23 +318,25 @@ async def server_handshake_async(
     secret: JobSecret,
     purpose: str,
     timeout_s: float = HANDSHAKE_TIMEOUT_S,
+    ticket: bytes | None = None,
 ) -> Session:
     """:func:`server_handshake` for an asyncio listener."""
 
     async def run() -> Session:
-        nonce_s = secrets.token_bytes(NONCE_BYTES)
-        writer.write(_MAGIC + nonce_s)
-        await writer.drain()
         try:
-            answer = await reader.readexactly(NONCE_BYTES + _PROOF_BYTES)
+            data = ticket if ticket is not None else await reader.readexactly(TICKET_BYTES)
+            try:
+                nonce_c = check_ticket(secret, purpose, data)
+            except AuthError:
+                writer.write(REFUSE)
+                raise
+            hello, nonce_s = _server_hello(secret, purpose, nonce_c)
+            writer.write(hello)
+            await writer.drain()
+            proof_c = await reader.readexactly(_PROOF_BYTES)
         except asyncio.IncompleteReadError as e:
-            raise AuthError("the peer closed the connection during authentication") from e
-        nonce_c, proof_c = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
-        if not hmac.compare_digest(proof_c, _proof(secret.key, b"client", purpose, nonce_s, nonce_c)):
-            raise AuthError(f"a client failed to authenticate to the {purpose} listener")
-        writer.write(_proof(secret.key, b"server", purpose, nonce_s, nonce_c))
-        await writer.drain()
-        return _session(secret.key, purpose, nonce_s, nonce_c, server=True)
+            raise HandshakeInterrupted("the peer closed the connection during authentication") from e
+        return _check_client(secret, purpose, nonce_s, nonce_c, proof_c)
 
     try:
         return await asyncio.wait_for(run(), timeout_s)
@@ -276,18 +354,17 @@ async def client_handshake_async(
     """:func:`client_handshake` for an asyncio connection."""
 
     async def run() -> Session:
+        ticket, nonce_c = make_ticket(secret, purpose)
         try:
-            hello = await reader.readexactly(len(_MAGIC) + NONCE_BYTES)
-            if hello[: len(_MAGIC)] != _MAGIC:
-                raise AuthError(f"the {purpose} listener does not speak unbroken's authentication")
-            nonce_s, nonce_c = hello[len(_MAGIC) :], secrets.token_bytes(NONCE_BYTES)
-            writer.write(nonce_c + _proof(secret.key, b"client", purpose, nonce_s, nonce_c))
+            writer.write(ticket)
             await writer.drain()
-            proof_s = await reader.readexactly(_PROOF_BYTES)
-        except asyncio.IncompleteReadError as e:
-            raise AuthError("the peer closed the connection during authentication") from e
-        if not hmac.compare_digest(proof_s, _proof(secret.key, b"server", purpose, nonce_s, nonce_c)):
-            raise AuthError(f"the {purpose} listener failed to authenticate: it does not hold this job's secret")
+            first = await reader.readexactly(1)
+            answer = first + (await reader.readexactly(_ANSWER_BYTES - 1) if first == ACCEPT else b"")
+            nonce_s, proof_c = _check_server(secret, purpose, nonce_c, answer)
+            writer.write(proof_c)
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionResetError, BrokenPipeError) as e:
+            raise HandshakeInterrupted(f"the {purpose} listener closed the connection during authentication") from e
         return _session(secret.key, purpose, nonce_s, nonce_c, server=False)
 
     try:

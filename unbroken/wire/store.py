@@ -6,7 +6,9 @@ member of a group). This one binds only the host it is given (the coordinator's)
 only clients that prove they hold the job's secret (:func:`~unbroken.wire.auth.server_handshake`,
 purpose ``"store"``); every request and answer is MACed. Sizes are bounded: keys, values, the
 number of keys (the oldest are dropped beyond it: each epoch's groups write fresh keys, and the
-keys of long-finished epochs are never read again) and connections. The client side, a
+keys of long-finished epochs are never read again) and connections: authenticated ones, and
+apart from them those still authenticating, which a :class:`~unbroken.wire.gate.Gate` holds
+without a thread (a stranger's flood cannot take a key holder's slot). The client side, a
 ``torch.distributed.Store`` that Gloo rendezvous through, is
 :class:`unbroken.comm.store.AuthenticatedStore`.
 
@@ -26,11 +28,14 @@ import logging
 import math
 import socket
 import threading
+import time
 from collections import OrderedDict
 from typing import Any
 
+from unbroken.wire.admission import DEFAULT_POLICY, AdmissionPolicy, RefusalLog
 from unbroken.wire.auth import AuthError, JobSecret, server_handshake
 from unbroken.wire.framing import FrameError, recv_sealed, send_sealed
+from unbroken.wire.gate import Gate
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +45,7 @@ MAX_VALUE = 1 << 20
 MAX_KEYS = 1 << 18
 MAX_TOTAL_BYTES = 256 << 20
 MAX_WAIT_S = 3600.0
-MAX_CONNECTIONS = 4096  # every rank of every replica keeps one or two open
-MAX_HANDSHAKING = 64  # not yet authenticated: a flood of silent connections cannot fill the rest
+MAX_CONNECTIONS = 4096  # authenticated: every rank of every replica keeps one or two open
 MAX_REQUEST = 4 * MAX_VALUE  # base64 of a value, keys and JSON around them
 
 
@@ -57,9 +61,13 @@ class StoreServer:
             loopback store).
         secret: the job's secret.
         port: 0 picks a free port.
+        admission: the budget of connections that have not authenticated (a
+            :class:`~unbroken.wire.gate.Gate` holds them; strangers never reach a thread).
     """
 
-    def __init__(self, host: str, secret: JobSecret, port: int = 0) -> None:
+    def __init__(
+        self, host: str, secret: JobSecret, port: int = 0, admission: AdmissionPolicy = DEFAULT_POLICY
+    ) -> None:
         if not isinstance(secret, JobSecret):
             raise TypeError(f"StoreServer needs the job's JobSecret, got {type(secret).__name__}")
         self._secret = secret
@@ -71,10 +79,15 @@ class StoreServer:
         self._closed = False
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
-        self._handshaking = threading.BoundedSemaphore(MAX_HANDSHAKING)
-        self.refused = 0
+        self._refusals = RefusalLog(log, "refused store connections")
+        self._refused = 0
         self.dropped_keys = 0
-        threading.Thread(target=self._accept, name="unbroken-store", daemon=True).start()
+        self.gate = Gate(self._sock, secret, PURPOSE, self._admitted, name="unbroken-store", policy=admission)
+
+    @property
+    def refused(self) -> int:
+        """Connections refused: a wrong ticket or proof, or over the bound of authenticated ones."""
+        return self._refused + self.gate.refused
 
     @property
     def address(self) -> str:
@@ -84,40 +97,39 @@ class StoreServer:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
+        self.gate.close()
         with self._conns_lock:
             for conn in list(self._conns):
                 with contextlib.suppress(OSError):
                     conn.shutdown(socket.SHUT_RDWR)
 
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
+    def _admitted(self, conn: socket.socket, ticket: bytes) -> None:
+        """A key holder's connection, from the gate: a thread of its own, within the bound."""
+        with self._conns_lock:
+            full = len(self._conns) >= MAX_CONNECTIONS
+            if not full:
+                self._conns.add(conn)
+        if full:
+            conn.close()
+            self._refused += 1
+            self._refusals.note(f"over {MAX_CONNECTIONS} authenticated connections", time.monotonic())
+            return
+        try:
+            threading.Thread(target=self._serve, args=(conn, ticket), name="unbroken-store-conn", daemon=True).start()
+        except BaseException:
             with self._conns_lock:
-                full = len(self._conns) >= MAX_CONNECTIONS or not self._handshaking.acquire(blocking=False)
-                if not full:
-                    self._conns.add(conn)
-            if full:
-                conn.close()
-                continue
-            threading.Thread(target=self._serve, args=(conn,), name="unbroken-store-conn", daemon=True).start()
+                self._conns.discard(conn)
+            raise
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, ticket: bytes) -> None:
         try:
             with conn:
                 try:
-                    session = server_handshake(conn, self._secret, PURPOSE)
+                    session = server_handshake(conn, self._secret, PURPOSE, ticket=ticket)
                 except (AuthError, OSError) as e:
-                    self.refused += 1
-                    log.warning("refused a store connection: %s", e)
+                    self._refused += 1
+                    self._refusals.note(str(e), time.monotonic())
                     return
-                finally:
-                    self._handshaking.release()
                 # Authenticated clients keep their connection between epochs: no idle timeout.
                 conn.settimeout(None)
                 while not self._closed:
