@@ -511,7 +511,8 @@ class Manager:
                 self.fault_hook.before_exchange(self.step, decision.members, 4 * sum(g.numel() for g in grads), grads)
             if failed is None:  # this rank's own time for the step, without waiting for peers
                 self.client.compute_s = time.perf_counter() - self._compute_t0
-            ok = self._vote(self._exchange(grads, decision, zero=behind))
+            exchanged = self._exchange(grads, decision, zero=behind)
+            ok = self._vote(exchanged and (not behind or self._fetched()))
             if ok:
                 if behind:
                     self._finish_recovery(decision)
@@ -774,6 +775,27 @@ class Manager:
             return _Fetched(state, time.perf_counter(), time.thread_time() - cpu)
 
         self._fetch = (time.perf_counter(), in_background("unbroken-fetch", run))
+
+    def _fetched(self) -> bool:
+        """Waits for this behind replica's download (bounded by its own timeout); False when it
+        failed (a donor that died mid-transfer, a refusal past the retries).
+
+        A failed catch-up is then a failed step at this rank, voted down like a failed exchange:
+        the epoch is reported failed, the replica is still behind in the next one and fetches
+        again, from whichever donor that epoch names. Before, it raised, and the process crashed
+        into the supervisor's restart loop (10 restarts, then the replica was gone for good).
+        """
+        if self._fetch is None:
+            return False
+        try:
+            self._fetch[1].result()
+        except Exception as e:  # noqa: BLE001 - any failed download is retried in the next epoch
+            log.warning("replica %d: catch-up from a donor failed (%s); fetching again", self.config.replica_id, e)
+            self.stats["catch_up_failures"] = self.stats.get("catch_up_failures", 0) + 1
+            self._fetch = self._refetch = None
+            self._prepared_for = None
+            return False
+        return True
 
     def _finish_recovery(self, decision: QuorumDecision) -> None:
         assert self._fetch is not None
