@@ -37,6 +37,7 @@ BENCHMARKS: dict[str, str] = {
     "cluster": "unbroken.bench.cluster:cluster",
     "metrics": "unbroken.bench.metrics:metrics",
     "coordinator": "unbroken.bench.coordinator:coordinator",
+    "iccl": "unbroken.bench.iccl:iccl",
 }
 
 
