@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from unbroken.comm.iccl import IcclRing
+from unbroken.comm.iccl.paths import ring_for_epoch
 from unbroken.comm.recorder import FlightRecorder
 from unbroken.comm.ring import ring_allreduce_sum
 from unbroken.comm.store import AuthenticatedStore
@@ -123,7 +125,13 @@ class CrossReplicaGroup:
         def build() -> None:
             try:
                 prefix = dist.PrefixStore(f"unbroken/{tag}/epoch{epoch}", self._store(store_address))
-                if device.type == "cuda":
+                if self.mode == "iccl" and device.type == "cpu":  # unbroken.comm.iccl: its own connections
+                    host = parse_host_port(store_address, "store address")[0]
+                    tag_epoch = f"{tag}/epoch{epoch}"
+                    pending.set_result(
+                        ring_for_epoch(self._secret, rank, size, prefix, host, tag_epoch, self.rendezvous_s)
+                    )
+                elif device.type == "cuda":
                     pending.set_result(dist.ProcessGroupNCCL(prefix, rank, size, dist.ProcessGroupNCCL.Options()))
                 else:
                     pending.set_result(dist.ProcessGroupGloo(prefix, rank, size, self._gloo_options(store_address)))
@@ -138,6 +146,9 @@ class CrossReplicaGroup:
         if self._pending is not None:
             self._pending.add_done_callback(self._keep_abandoned)
             self._pending = None
+        if isinstance(self._pg, IcclRing):
+            self._pg.close()  # its own threads and sockets: nothing of it lingers or needs keeping
+            self._pg = None
         if self._pg is not None:
             if hasattr(self._pg, "abort") and not isinstance(self._pg, dist.ProcessGroupGloo):
                 self._pg.abort()  # NCCL: releases the GPU-side operation
@@ -147,7 +158,10 @@ class CrossReplicaGroup:
 
     def _keep_abandoned(self, pending: Future[Any]) -> None:
         if pending.exception() is None:
-            _keep_forever(pending.result())
+            if isinstance(pending.result(), IcclRing):
+                pending.result().close()
+            else:
+                _keep_forever(pending.result())
 
     def abort(self, epoch: int) -> None:
         """Called from the coordinator connection's thread: ends a wait on ``epoch`` now."""
@@ -210,7 +224,7 @@ class CrossReplicaGroup:
     @property
     def overlaps(self) -> bool:
         """Whether several sums may be in flight at once (the backend's; the ring's may not)."""
-        return self.mode == "backend"
+        return self.mode in ("backend", "iccl")
 
     def start_allreduce_sum(self, tensor: torch.Tensor, deadline_s: float, nbytes_total: int = 0) -> PendingSum:
         """Starts summing ``tensor`` in place and returns at once; see :meth:`finish_allreduce_sums`.

@@ -56,7 +56,7 @@ def rings(n: int, faults: dict[int, object] | None = None, **kw: object) -> Iter
     finally:
         for r in out:
             if r is not None:
-                r.close()
+                r.close(wait_s=2.0)
         for x in listeners:
             x.close()
 

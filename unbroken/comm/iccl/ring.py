@@ -83,6 +83,10 @@ class IcclWork:
         if self._error is not None:
             raise self._error
 
+    def get_future(self) -> IcclWork:
+        """Itself: the work is its own future (the backend's ``work.get_future()`` shape)."""
+        return self
+
     def add_done_callback(self, fn: Callable[[IcclWork], None]) -> None:
         with self._lock:
             if not self._done.is_set():
@@ -263,8 +267,16 @@ class IcclRing:
             self._cv.notify_all()
         return work
 
-    def close(self) -> None:
-        """Ends the ring: pending collectives fail, connections and listeners close."""
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> IcclWork:
+        """The backend's call shape (one tensor; the ring only sums), so that a process group's
+        code drives the ring as it drives Gloo: ``ring.allreduce([t], opts).get_future()``."""
+        if len(tensors) != 1:
+            raise ValueError(f"the ICCL ring sums one tensor per call, got {len(tensors)}")
+        return self.start(tensors[0])
+
+    def close(self, wait_s: float = 0.0) -> None:
+        """Ends the ring: pending collectives fail, connections and listeners close. Never blocks
+        longer than ``wait_s`` (its threads end on their own within a fraction of a second)."""
         with self._cv:
             self._closed = True
             self._fail(RingBroken("the ring was closed"))
@@ -274,9 +286,10 @@ class IcclRing:
         for s in socks:
             _shut(s)
         self._listener.close()
+        end = time.monotonic() + wait_s
         for t in self._threads:
             if t is not threading.current_thread():
-                t.join(2.0)
+                t.join(max(0.0, end - time.monotonic()))
 
     def link_stats(self) -> list[dict[str, Any]]:
         """Per outgoing connection: its monitor's figures and its failures (the diagnosis' input)."""
