@@ -322,6 +322,7 @@ class ReplicaConfig:
 # -- ICCL exchange (UNBROKEN_EXCHANGE=iccl, unbroken.comm.iccl) -------------------------------
 ENV_ICCL_PATHS = "UNBROKEN_ICCL_PATHS"
 ENV_ICCL_STALL = "UNBROKEN_ICCL_STALL_S"
+ENV_ICCL_CORRUPT = "UNBROKEN_ICCL_CORRUPT"  # fault injection (benchmarks): LIMIT[/EVERY] chunks
 
 
 def iccl_paths(env: Mapping[str, str] | None = None) -> tuple[str, str] | None:
@@ -337,8 +338,8 @@ def iccl_paths(env: Mapping[str, str] | None = None) -> tuple[str, str] | None:
 
 
 def iccl_stall_s(env: Mapping[str, str] | None = None) -> float:
-    """``UNBROKEN_ICCL_STALL_S``: how long a path may stall before its hop moves (default 0.5)."""
-    raw = _environ(env).get(ENV_ICCL_STALL, "0.5")
+    """``UNBROKEN_ICCL_STALL_S``: how long a path may stall before its hop moves (default 0.3)."""
+    raw = _environ(env).get(ENV_ICCL_STALL, "0.3")
     try:
         value = float(raw)
     except ValueError:
@@ -346,3 +347,8 @@ def iccl_stall_s(env: Mapping[str, str] | None = None) -> float:
     if not 0.05 <= value <= 60.0:
         raise ConfigError(f"{ENV_ICCL_STALL} must be seconds between 0.05 and 60, got {raw!r}")
     return value
+
+
+def iccl_corrupt(env: Mapping[str, str] | None = None) -> str | None:
+    """``UNBROKEN_ICCL_CORRUPT``: a benchmark's injected NIC corruption (``LIMIT[/EVERY]``); None off."""
+    return _environ(env).get(ENV_ICCL_CORRUPT) or None

@@ -26,22 +26,6 @@ import click
 from unbroken.bench.output import publish
 
 
-class CorruptingNic:
-    """A fault hook: flips one byte of every ``every``-th chunk sent, ``limit`` times in all."""
-
-    def __init__(self, every: int, limit: int) -> None:
-        self.every, self.limit, self.count, self._n = max(1, every), limit, 0, 0
-
-    def payload(self, seq: int, chunk: int, path: int, data: memoryview) -> memoryview | bytes:
-        self._n += 1
-        if self.count >= self.limit or self._n % self.every or len(data) == 0:
-            return data
-        self.count += 1
-        bad = bytearray(data)
-        bad[len(bad) // 2] ^= 0x40
-        return bytes(bad)
-
-
 def _worker(rank: int, size: int, port: int, cfg: dict[str, Any], out: Any) -> None:
     import os
 
@@ -50,6 +34,7 @@ def _worker(rank: int, size: int, port: int, cfg: dict[str, Any], out: Any) -> N
     import torch.distributed as dist
 
     from unbroken.comm.iccl import IcclRing
+    from unbroken.comm.iccl.faults import CorruptingNic
     from unbroken.wire.auth import JobSecret
 
     torch.set_num_threads(1)
@@ -59,7 +44,7 @@ def _worker(rank: int, size: int, port: int, cfg: dict[str, Any], out: Any) -> N
         protocol.crc_of = lambda data, value=0: 0  # type: ignore[assignment]
     store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=datetime.timedelta(seconds=120))
     gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, datetime.timedelta(seconds=120))
-    fault = CorruptingNic(cfg["corrupt_every"], cfg["corrupt"]) if cfg["corrupt"] and rank == 0 else None
+    fault = CorruptingNic(cfg["corrupt"], cfg["corrupt_every"]) if cfg["corrupt"] and rank == 0 else None
     ring = IcclRing.rendezvous(
         JobSecret(bytes.fromhex(cfg["key"])),
         rank,
@@ -75,8 +60,9 @@ def _worker(rank: int, size: int, port: int, cfg: dict[str, Any], out: Any) -> N
     src = torch.arange(numel, dtype=torch.float32).remainder_(1000.0).add_(rank)
     expected = torch.arange(numel, dtype=torch.float32).remainder_(1000.0).mul_(size).add_(size * (size - 1) / 2)
     work = torch.empty_like(src)
-    times: dict[str, list[float]] = {"gloo": [], "iccl": []}
-    wrong = {"gloo": 0, "iccl": 0}
+    methods = ["gloo", "iccl"] + (["iccl_nomon"] if cfg["monitor_ab"] else [])
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    wrong = {m: 0 for m in methods}
     failover: dict[str, Any] = {}
 
     def barrier() -> None:
@@ -91,6 +77,7 @@ def _worker(rank: int, size: int, port: int, cfg: dict[str, Any], out: Any) -> N
             opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
             gloo.allreduce([work], opts).wait()  # type: ignore[attr-defined]
         else:
+            ring._monitor = method == "iccl"  # iccl_nomon: the same ring without its window monitor
             w = ring.start(work)
             if rank == 0 and r == cfg["fail_primary_at"]:
                 time.sleep(0.02)
@@ -107,8 +94,8 @@ def _worker(rank: int, size: int, port: int, cfg: dict[str, Any], out: Any) -> N
             wrong[method] += 1
 
     for r in range(cfg["rounds"]):
-        order = ("gloo", "iccl") if r % 2 == 0 else ("iccl", "gloo")
-        for m in order:
+        order = methods[r % len(methods) :] + methods[: r % len(methods)]
+        for m in order if r % 2 == 0 else order[::-1]:
             one(m, r)
     stats = ring.link_stats()
     corrupt_seen = ring.corrupt_chunks
@@ -137,6 +124,7 @@ def run_ab(
     fail_primary_at: int = -1,
     socket_buffer: int = 4 << 20,
     no_checksum: bool = False,
+    monitor_ab: bool = False,
 ) -> dict[str, Any]:
     import multiprocessing as mp
     import socket
@@ -155,6 +143,7 @@ def run_ab(
         "fail_primary_at": fail_primary_at,
         "socket_buffer": socket_buffer,
         "no_checksum": no_checksum,
+        "monitor_ab": monitor_ab,
         "key": JobSecret.generate().key.hex(),
     }
     ctx = mp.get_context("spawn")
@@ -173,10 +162,20 @@ def run_ab(
                 pr.kill()
     results.sort(key=lambda r: r["rank"])
     # The collective's time is the slowest member's.
-    per_round = {m: [max(r["times"][m][i] for r in results) for i in range(rounds)] for m in ("gloo", "iccl")}
+    methods = list(results[0]["times"])
+    per_round = {m: [max(r["times"][m][i] for r in results) for i in range(rounds)] for m in methods}
     med = {m: statistics.median(v) for m, v in per_round.items()}
     pairs = [i / g for i, g in zip(per_round["iccl"], per_round["gloo"], strict=True)]
+    extra: dict[str, Any] = {}
+    if "iccl_nomon" in med:
+        mon = [a / b for a, b in zip(per_round["iccl"], per_round["iccl_nomon"], strict=True)]
+        extra = {
+            "iccl_nomon_median_s": round(med["iccl_nomon"], 4),
+            "monitor_cost_paired_median": round(statistics.median(mon) - 1.0, 4),
+            "iccl_nomon_s": [round(x, 4) for x in per_round["iccl_nomon"]],
+        }
     return {
+        **extra,
         "size": size,
         "numel": numel,
         "mbytes": numel * 4 / 1e6,
@@ -188,7 +187,7 @@ def run_ab(
         "paired_median_ratio": round(statistics.median(pairs), 3),
         "gloo_s": [round(x, 4) for x in per_round["gloo"]],
         "iccl_s": [round(x, 4) for x in per_round["iccl"]],
-        "wrong_sums": {m: sum(r["wrong"][m] for r in results) for m in ("gloo", "iccl")},
+        "wrong_sums": {m: sum(r["wrong"][m] for r in results) for m in methods},
         "corrupted_sent": sum(r["corrupted_sent"] for r in results),
         "corrupt_detected": sum(r["corrupt_detected"] for r in results),
         "failover": results[0]["failover"],
@@ -212,6 +211,7 @@ def run_ab(
     hidden=True,
     help="Measure what the CRC costs: ICCL without it (never for training).",
 )
+@click.option("--monitor-ab", is_flag=True, help="Also time the ring with its window monitor off (its cost).")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/bench/iccl.json"), show_default=True)
 def iccl(
@@ -224,6 +224,7 @@ def iccl(
     corrupt_every: int,
     fail_primary_at: int,
     no_checksum: bool,
+    monitor_ab: bool,
     as_json: bool,
     out: Path,
 ) -> None:
@@ -234,11 +235,21 @@ def iccl(
     for size in sizes:
         for numel in numels:
             rec = run_ab(
-                size, numel, rounds, chunk_bytes, corrupt, corrupt_every, fail_primary_at, socket_buffer, no_checksum
+                size,
+                numel,
+                rounds,
+                chunk_bytes,
+                corrupt,
+                corrupt_every,
+                fail_primary_at,
+                socket_buffer,
+                no_checksum,
+                monitor_ab,
             )
             click.echo(
                 f"n={size} numel={numel}: gloo {rec['gloo_median_s']}s iccl {rec['iccl_median_s']}s "
-                f"ratio {rec['ratio_of_medians']} (paired {rec['paired_median_ratio']}) wrong {rec['wrong_sums']}",
+                f"ratio {rec['ratio_of_medians']} (paired {rec['paired_median_ratio']}) wrong {rec['wrong_sums']}"
+                + (f" monitor cost {rec['monitor_cost_paired_median']:+.4f}" if monitor_ab else ""),
                 err=True,
             )
             records.append(rec)

@@ -194,6 +194,7 @@ class CrossReplicaGroup:
             self._join_group(wake, max(deadline_s, self.rendezvous_s))
             self.last_join_wait_s = time.perf_counter() - start
             start = time.perf_counter()  # the learned deadline times the exchange alone
+        deadline_s = max(deadline_s, getattr(self._pg, "min_deadline_s", 0.0))  # ICCL: room for a failover
         rec = self.recorder
         nbytes = tensor.numel() * tensor.element_size()
         token = rec.begin(f"{self.tag}/epoch{epoch}", "allreduce", nbytes, self.members) if rec else None
@@ -318,7 +319,7 @@ class CrossReplicaGroup:
             self._batch_over(None)
             raise ExchangeFailed(f"epoch {epoch} was abandoned while its sums were in flight")
         wake = batch[0]
-        end = start + deadline_s
+        end = start + max(deadline_s, getattr(self._pg, "min_deadline_s", 0.0))  # ICCL: room for a failover
         ok: bool | None = False
         try:
             while True:

@@ -16,7 +16,7 @@ def test_paths_setting_names_primary_and_backup() -> None:
 
 
 def test_stall_bound_is_checked() -> None:
-    assert config.iccl_stall_s({}) == 0.5
+    assert config.iccl_stall_s({}) == 0.3
     assert config.iccl_stall_s({"UNBROKEN_ICCL_STALL_S": "0.25"}) == 0.25
     for bad in ("0", "soon", "1e9"):
         with pytest.raises(config.ConfigError, match="UNBROKEN_ICCL_STALL_S"):

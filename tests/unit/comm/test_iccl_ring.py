@@ -194,3 +194,20 @@ def test_bad_input_gets_a_clear_error() -> None:
             IcclRing(SECRET, 0, 1, listener, [])
     finally:
         listener.close()
+
+
+def test_a_chunk_is_never_summed_twice_across_failovers() -> None:
+    """Regression: an acknowledgement that fails on the dying path must not leave a chunk summed
+    but not accepted (its resend on the backup was then summed again: wrong on every member)."""
+    for _ in range(4):
+        with rings(3, chunk_bytes=4096, window_chunks=4, probe_s=0.1) as rs:
+            ts, expected = inputs(3, 300_000)
+            works = [r.start(t) for r, t in zip(rs, ts, strict=True)]
+            time.sleep(0.003)
+            sock = rs[0]._out[0]
+            assert sock is not None
+            sock.shutdown(socket.SHUT_RDWR)
+            for w in works:
+                w.wait(30)
+            for t in ts:
+                assert torch.equal(t.to(torch.float64), expected)

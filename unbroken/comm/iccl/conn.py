@@ -78,16 +78,20 @@ def dial(
     stall_s: float,
     timeout_s: float,
     buffer: int | None = SOCKET_BUFFER,
+    handshake_s: float = 5.0,
 ) -> socket.socket:
     """An authenticated connection to a peer's listener, introduced by ``hello``; OSError or
-    AuthError when the peer cannot be reached or does not hold the secret."""
+    AuthError when the peer cannot be reached (in ``timeout_s``) or does not hold the secret.
+
+    The handshake has its own, longer bound: a peer busy importing or collecting garbage may
+    take a while to answer, and a dial given up too soon is retried forever."""
     host, port = parse_host_port(address, "ICCL address")
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         tune(sock, stall_s, buffer)  # before connect: the window scale is agreed in the handshake
         sock.settimeout(timeout_s)
         sock.connect((host, port))
-        session = client_handshake(sock, secret, PURPOSE, timeout_s)
+        session = client_handshake(sock, secret, PURPOSE, handshake_s)
         send_sealed(sock, session, json.dumps(hello).encode())
         sock.settimeout(None)  # sends block; the kernel's user timeout ends them on a dead link
         return sock

@@ -21,6 +21,32 @@ from unbroken.diagnosis.window import WindowMonitor
 
 FLAP_WINDOW_S = 30.0
 MAX_DOWNS = 64
+MAX_LOG = 512
+
+
+class PathLog:
+    """This process's path events (down, up, failover, failback, flagged), newest last, bounded;
+    readers take what is new since their last read (:meth:`since`). A worker's metrics and the
+    diagnosis read it; every ring of the process writes to :data:`PATH_LOG`."""
+
+    def __init__(self, capacity: int = MAX_LOG) -> None:
+        self._events: collections.deque[dict[str, Any]] = collections.deque(maxlen=capacity)
+        self.count = 0
+        self.corrupt_chunks = 0  # chunks that arrived failing their CRC (resent, never summed)
+        self.corrupted_sent = 0  # chunks an injected fault altered on their way out
+
+    def add(self, event: dict[str, Any]) -> None:
+        self._events.append(event)
+        self.count += 1
+
+    def since(self, count: int) -> tuple[list[dict[str, Any]], int]:
+        """The events after the ``count``-th (as many as are still kept), and the new count."""
+        total = self.count
+        new = min(total - count, len(self._events))
+        return (list(self._events)[-new:] if new > 0 else []), total
+
+
+PATH_LOG = PathLog()
 
 
 class LinkWatch:
@@ -52,14 +78,31 @@ class LinkWatch:
         flagged = mon.completed(nbytes, seconds, outstanding)
         if flagged and not was:
             self.flags[path] += 1
+            self._log(time.time(), path, "flagged", f"throughput {mon.throughput_bps / 1e6:.1f} MB/s")
         return flagged
 
     def failed(self, path: int, why: str) -> None:
-        self._downs[path].append((time.time(), why))
+        t = time.time()
+        self._downs[path].append((t, why))
         self.last_event[path] = f"down: {why}"
+        self._log(t, path, "down", why)
 
     def event(self, path: int, what: str) -> None:
         self.last_event[path] = what
+        self._log(time.time(), path, what, "")
+
+    def _log(self, t: float, path: int, what: str, why: str) -> None:
+        PATH_LOG.add(
+            {
+                "t": t,
+                "host": self.host,
+                "interface": self.interfaces[path],
+                "path": PATH_NAMES[path],
+                "peer": self.peer,
+                "what": what,
+                "why": why[:200],
+            }
+        )
 
     def verdicts(self, now: float | None = None) -> list[dict[str, Any]]:
         """Ports that failed in the last :data:`FLAP_WINDOW_S`: ``failing`` once, ``flapping`` more."""

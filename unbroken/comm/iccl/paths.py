@@ -13,8 +13,9 @@ import socket
 import struct
 from typing import Any
 
+from unbroken.comm.iccl.faults import CorruptingNic
 from unbroken.comm.iccl.ring import IcclRing
-from unbroken.config import ConfigError, iccl_paths, iccl_stall_s, local_address_towards
+from unbroken.config import ConfigError, iccl_corrupt, iccl_paths, iccl_stall_s, local_address_towards
 from unbroken.wire.auth import JobSecret
 
 _SIOCGIFADDR = 0x8915
@@ -51,6 +52,7 @@ def ring_for_epoch(
 ) -> IcclRing:
     """The ring of one epoch: listens on this member's paths, meets the others in ``store``."""
     addrs, names = local_paths(store_host)
+    corrupt = iccl_corrupt()
     return IcclRing.rendezvous(
         secret,
         rank,
@@ -62,4 +64,15 @@ def ring_for_epoch(
         stall_s=iccl_stall_s(),
         host=f"{socket.gethostname()}/{addrs[0]}",
         interfaces=names,
+        fault=_corrupting_nic(corrupt) if corrupt else None,
     )
+
+
+_NICS: dict[str, CorruptingNic] = {}
+
+
+def _corrupting_nic(spec: str) -> CorruptingNic:
+    """One corrupting NIC per process: its limit counts across the epochs' rings."""
+    if spec not in _NICS:
+        _NICS[spec] = CorruptingNic.parse(spec)
+    return _NICS[spec]

@@ -37,7 +37,7 @@ from unbroken.comm.iccl.conn import (
     send_all,
     set_recv_timeout,
 )
-from unbroken.comm.iccl.monitor import LinkWatch
+from unbroken.comm.iccl.monitor import PATH_LOG, LinkWatch
 from unbroken.wire.auth import AuthError, JobSecret
 from unbroken.wire.framing import FrameError
 
@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 4 << 20
 WINDOW_CHUNKS = 8
 _DRAIN = 1 << 20
+WHOLE_WAIT_S = 3.0
+STALL_S = 0.3
+_POLL_S = 0.05  # an inbound read wakes this often to see whether the sender moved paths
 _NET_ERRORS = (OSError, p.ProtocolError, FrameError, AuthError)
 
 
@@ -147,7 +150,7 @@ class IcclRing:
         peers: list[PathAddrs],
         *,
         ring_id: str = "",
-        stall_s: float = 0.5,
+        stall_s: float = STALL_S,
         chunk_bytes: int = CHUNK_BYTES,
         window_chunks: int = WINDOW_CHUNKS,
         probe_s: float = 0.5,
@@ -156,6 +159,7 @@ class IcclRing:
         host: str = "",
         interfaces: tuple[str, str] = ("primary", "backup"),
         socket_buffer: int | None = SOCKET_BUFFER,
+        monitor: bool = True,
     ) -> None:
         if size < 2 or not 0 <= rank < size or len(peers) != size:
             raise ValueError(
@@ -174,6 +178,7 @@ class IcclRing:
         self.ring_id, self.stall_s, self.chunk_bytes = ring_id, stall_s, chunk_bytes
         self._window, self._probe_s, self._fault = window_chunks, probe_s, fault
         self._buffer = socket_buffer
+        self._monitor = monitor  # off only to measure what the window monitor costs
         self._cv = threading.Condition()
         self._out: list[socket.socket | None] = [None, None]
         self._in: list[socket.socket | None] = [None, None]
@@ -181,6 +186,7 @@ class IcclRing:
         self.watch = LinkWatch(host or f"rank{rank}", interfaces, self.succ)
         self._ops: dict[int, _Op] = {}
         self._next_seq = 0
+        self._rseq = 0  # the collective the receiver takes chunks of (only the receiver moves it)
         self._error: BaseException | None = None
         self._closed = False
         self._scratch = torch.empty(chunk_bytes, dtype=torch.uint8)
@@ -195,15 +201,26 @@ class IcclRing:
         ]
         for t in self._threads:
             t.start()
+        # Ready when a path works each way; both paths are waited for a little longer (a
+        # missing one is redialled by the prober, but a ring that starts whole is the norm).
         deadline = time.monotonic() + connect_timeout_s
+        whole_by: float | None = None
         with self._cv:
-            while not all(self.paths.up) and time.monotonic() < deadline and self._error is None:
+            while time.monotonic() < deadline and self._error is None:
+                one_way = any(self.paths.up) and any(s is not None for s in self._in)
+                if all(self.paths.up) and all(s is not None for s in self._in):
+                    break
+                if one_way:
+                    whole_by = whole_by or time.monotonic() + WHOLE_WAIT_S
+                    if time.monotonic() > whole_by:
+                        break
                 self._cv.wait(0.05)
-            ok = any(self.paths.up)
+            ok = any(self.paths.up) and any(s is not None for s in self._in)
         if not ok:
             self.close()
             raise RingBroken(
-                f"rank {rank} reached neither path of its successor ({self._succ_addrs}) " f"in {connect_timeout_s} s"
+                f"rank {rank} was not connected to its successor ({self._succ_addrs}) and from its "
+                f"predecessor on any path in {connect_timeout_s} s"
             )
 
     # -- construction from the rendezvous store ------------------------------------------------
@@ -221,16 +238,25 @@ class IcclRing:
     ) -> IcclRing:
         """Listens on ``hosts`` (primary, backup), publishes those addresses in ``store`` (the
         epoch's prefix store), reads every member's, and connects the ring."""
-        listener = Listener(secret, hosts, kwargs.get("stall_s", 0.5), kwargs.get("socket_buffer", SOCKET_BUFFER))
+        listener = Listener(secret, hosts, kwargs.get("stall_s", STALL_S), kwargs.get("socket_buffer", SOCKET_BUFFER))
         try:
             store.set(f"iccl/{rank}", listener.addrs.to_json())
             keys = [f"iccl/{r}" for r in range(size)]
             store.wait(keys, _timedelta(timeout_s))
             peers = [PathAddrs.from_json(bytes(store.get(k))) for k in keys]
-            return cls(secret, rank, size, listener, peers, connect_timeout_s=timeout_s, **kwargs)
+            ring = cls(secret, rank, size, listener, peers, connect_timeout_s=timeout_s, **kwargs)
         except BaseException:
             listener.close()
             raise
+        try:
+            # Every member connected before any starts: the first collective then waits for no
+            # one's connections (its deadline is the exchange's, not the rendezvous').
+            store.set(f"iccl/ready/{rank}", b"1")
+            store.wait([f"iccl/ready/{r}" for r in range(size)], _timedelta(timeout_s))
+        except BaseException:
+            ring.close()
+            raise
+        return ring
 
     # -- the caller's surface ------------------------------------------------------------------
 
@@ -291,6 +317,13 @@ class IcclRing:
             if t is not threading.current_thread():
                 t.join(max(0.0, end - time.monotonic()))
 
+    @property
+    def min_deadline_s(self) -> float:
+        """The shortest wait for a collective that leaves room for one failover: the stall bound,
+        the resend of a window, and slack. A caller's deadline below it would call a hop that is
+        moving to its backup a hang."""
+        return 2 * self.stall_s + 0.5
+
     def link_stats(self) -> list[dict[str, Any]]:
         """Per outgoing connection: its monitor's figures and its failures (the diagnosis' input)."""
         with self._cv:
@@ -330,8 +363,11 @@ class IcclRing:
         self._out[path] = None
         _shut(sock)
         was_active = self.paths.active == path
+        failovers = self.paths.failovers
         ok = self.paths.failed(path, time.time(), why)
         self.watch.failed(path, why)
+        if self.paths.failovers > failovers:
+            self.watch.event(p.BACKUP, "failover")
         if was_active:
             for op in self._ops.values():
                 op.window.rewind()
@@ -394,7 +430,8 @@ class IcclRing:
                 with self._cv:
                     self._path_failed(path, sock, f"send failed: {e}")
             else:
-                self.watch.sent(path, len(data))
+                if self._monitor:
+                    self.watch.sent(path, len(data))
 
     def _ack_loop(self, path: int, sock: socket.socket) -> None:
         header = bytearray(p.HEADER_BYTES)
@@ -408,7 +445,7 @@ class IcclRing:
                     op = self._ops.get(f.seq)
                     if op is not None and f.kind is p.Kind.ACK:
                         before = op.window.acked
-                        if op.window.ack(f.chunk):
+                        if op.window.ack(f.chunk) and self._monitor:
                             first = op.posted[before]
                             self.watch.acked(
                                 path,
@@ -417,7 +454,7 @@ class IcclRing:
                                 now,
                                 (op.window.next - op.window.acked) * self.chunk_bytes,
                             )
-                            self._cv.notify_all()
+                        self._cv.notify_all()
                     elif op is not None and f.kind is p.Kind.NACK:
                         op.window.nack(f.chunk)
                         self._cv.notify_all()
@@ -447,7 +484,7 @@ class IcclRing:
                         self._secret,
                         hello,
                         self.stall_s,
-                        timeout_s=2.0 if first else max(self.stall_s, 0.5),
+                        timeout_s=2.0 if first else max(2 * self.stall_s, 1.0),
                         buffer=self._buffer,
                     )
                 except (OSError, AuthError, ValueError) as e:
@@ -481,17 +518,17 @@ class IcclRing:
             )
             sock.close()
             return
-        set_recv_timeout(sock, max(2 * self.stall_s, 1.0))  # a frame stopped midway this long: the path is dead
+        set_recv_timeout(sock, _POLL_S)  # see _read
         with self._cv:
             old, self._in[path] = self._in[path], sock
             if self._closed:
                 self._in[path] = None
                 old = sock
+            self._cv.notify_all()
         if old is not None:
             _shut(old)
 
     def _recv_loop(self) -> None:
-        seq = 0
         header = bytearray(p.HEADER_BYTES)
         hview = memoryview(header)
         while True:
@@ -510,7 +547,7 @@ class IcclRing:
                 if sock not in ready:
                     continue
                 try:
-                    seq = self._recv_frame(sock, path, seq, header, hview)
+                    self._recv_frame(sock, path, header, hview)
                 except _NET_ERRORS as e:
                     log.info("ICCL inbound %s connection from rank %d dropped: %s", p.PATH_NAMES[path], self.pred, e)
                     with self._cv:
@@ -519,15 +556,38 @@ class IcclRing:
                     _shut(sock)
                 break  # the set of sockets may have changed
 
-    def _recv_frame(self, sock: socket.socket, path: int, seq: int, header: bytearray, hview: memoryview) -> int:
-        recv_exact_into(sock, hview)
+    def _read(self, sock: socket.socket, path: int, view: memoryview) -> None:
+        """Fills ``view`` from an inbound connection, giving it up (ProtocolError, TimeoutError)
+        when the sender has moved to the other path (data waits there) or when no byte came for
+        the stall bound: a frame stopped midway on a dead link must not hold the receiver."""
+        got, n, quiet = 0, len(view), 0.0
+        bound = max(2 * self.stall_s, 1.0)
+        while got < n:
+            try:
+                k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+            except BlockingIOError:
+                quiet += _POLL_S
+                other = self._in[1 - path]
+                if other is not None and select.select([other], [], [], 0)[0]:
+                    raise p.ProtocolError("the sender moved to the other path mid-frame") from None
+                if quiet >= bound:
+                    raise TimeoutError(f"a frame stopped midway for {bound:.1f} s") from None
+                continue
+            if k == 0:
+                raise FrameError(f"the peer closed the connection after {got} of {n} bytes")
+            got += k
+            quiet = 0.0
+
+    def _recv_frame(self, sock: socket.socket, path: int, header: bytearray, hview: memoryview) -> None:
+        seq = self._rseq
+        self._read(sock, path, hview)
         f = p.unpack(header, self.chunk_bytes)
         if f.kind is not p.Kind.DATA:
             raise p.ProtocolError(f"a {f.kind.name} frame on a data connection")
         if p.seq_before(f.seq, seq):  # a resend of a collective already complete here
-            self._drain(sock, f.nbytes)
+            self._drain(sock, path, f.nbytes)
             self._reply(sock, p.Kind.ACK, path, f.seq, p.ALL_CHUNKS)
-            return seq
+            return
         if f.seq != seq:
             raise p.ProtocolError(f"collective {f.seq} arrived while {seq} is not complete")
         with self._cv:
@@ -538,47 +598,55 @@ class IcclRing:
         cur = op.cursor
         verdict = cur.classify(f.chunk)
         if verdict is p.Verdict.DUPLICATE:
-            self._drain(sock, f.nbytes)
+            self._drain(sock, path, f.nbytes)
             self._reply(sock, p.Kind.ACK, path, seq, cur.expected)
-            return seq
+            return
         if verdict is p.Verdict.AHEAD:
-            self._drain(sock, f.nbytes)
+            self._drain(sock, path, f.nbytes)
             if cur.nack_ahead():
                 self._reply(sock, p.Kind.NACK, path, seq, cur.expected)
-            return seq
+            return
         a, b, reduce = op.sched.recv_item(f.chunk)
         n = (b - a) * op.esize
         if f.nbytes != n:
             raise p.ProtocolError(f"chunk {f.chunk} of collective {seq} has {f.nbytes} bytes; {n} expected")
         dest = self._scratch_raw[:n] if reduce else op.raw[a * op.esize : b * op.esize]
-        recv_exact_into(sock, dest)
+        self._read(sock, path, dest)
         pcrc = p.crc_of(dest)
         if not p.payload_ok(f, header, pcrc):
             cur.corrupted()
             self.corrupt_chunks += 1
+            PATH_LOG.corrupt_chunks += 1
             self._reply(sock, p.Kind.NACK, path, seq, cur.expected)
-            return seq
+            return
         if reduce:
             op.tensor[a:b].add_(self._scratch[:n].view(op.tensor.dtype))
         else:
             op.fwd_crc[f.chunk] = pcrc
+        # Accepted (summed) before anything can fail: a chunk added is never taken again. Then
+        # acknowledged before the collective can finish here: a member that then closes its
+        # ring leaves no predecessor waiting for an acknowledgement.
         with self._cv:
             cur.accepted()
-            if cur.done:
-                op.recv_done = True
-                self._maybe_finish(op)
             self._cv.notify_all()
-        self._reply(sock, p.Kind.ACK, path, seq, cur.expected)
-        return seq + 1 if cur.done else seq
+        try:
+            self._reply(sock, p.Kind.ACK, path, seq, cur.expected)
+        finally:
+            if cur.done:
+                with self._cv:
+                    self._rseq = seq + 1
+                    op.recv_done = True
+                    self._maybe_finish(op)
+                    self._cv.notify_all()
 
     def _reply(self, sock: socket.socket, kind: p.Kind, path: int, seq: int, chunk: int) -> None:
         sock.sendall(p.pack(kind, path, seq, chunk, 0))
 
-    def _drain(self, sock: socket.socket, n: int) -> None:
+    def _drain(self, sock: socket.socket, path: int, n: int) -> None:
         view = memoryview(self._discard)
         while n > 0:
             k = min(n, len(view))
-            recv_exact_into(sock, view[:k])
+            self._read(sock, path, view[:k])
             n -= k
 
 
