@@ -145,7 +145,7 @@ def test_a_primary_that_dies_mid_collective_moves_the_hop_to_the_backup_and_back
                 assert torch.equal(t.to(torch.float64), expected)
         assert rs[0].paths.failbacks == 1 and rs[0].paths.active == 0
         verdicts = rs[0].watch.verdicts()
-        assert [(v["state"], v["path"], v["peer"]) for v in verdicts] == [("failing", "primary", 1)]
+        assert [(v["state"], v["interface"], v["peer"]) for v in verdicts] == [("failing", "primary", 1)]
 
 
 def test_losing_both_paths_fails_the_collective_instead_of_hanging() -> None:

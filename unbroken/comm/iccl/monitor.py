@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from unbroken.comm.iccl.protocol import PATH_NAMES, HopPaths
+from unbroken.diagnosis.links import port_findings
 from unbroken.diagnosis.window import WindowMonitor
 
 FLAP_WINDOW_S = 30.0
@@ -105,27 +106,21 @@ class LinkWatch:
         )
 
     def verdicts(self, now: float | None = None) -> list[dict[str, Any]]:
-        """Ports that failed in the last :data:`FLAP_WINDOW_S`: ``failing`` once, ``flapping`` more."""
-        now = time.time() if now is None else now
-        out = []
-        for path in (0, 1):
-            recent = [t for t, _ in self._downs[path] if now - t <= FLAP_WINDOW_S]
-            if recent:
-                out.append(
-                    {
-                        "class": "link",
-                        "state": "flapping" if len(recent) >= 2 else "failing",
-                        "host": self.host,
-                        "interface": self.interfaces[path],
-                        "path": PATH_NAMES[path],
-                        "peer": self.peer,
-                        "failures": len(recent),
-                        "first_t": recent[0],
-                        "last_t": recent[-1],
-                        "why": self._downs[path][-1][1],
-                    }
-                )
-        return out
+        """This hop's ports that failed in the last :data:`FLAP_WINDOW_S`
+        (:func:`~unbroken.diagnosis.links.port_findings`: ``failing`` once, ``flapping`` more)."""
+        events = [
+            {
+                "t": t,
+                "host": self.host,
+                "interface": self.interfaces[path],
+                "peer": self.peer,
+                "what": "down",
+                "why": why,
+            }
+            for path in (0, 1)
+            for t, why in self._downs[path]
+        ]
+        return [f.to_json() for f in port_findings(events, time.time() if now is None else now, FLAP_WINDOW_S)]
 
     def stats(self, paths: HopPaths) -> list[dict[str, Any]]:
         rows = []
