@@ -62,6 +62,7 @@ def _worker(rank: int, size: int, port: int, cfg: dict[str, Any], out: Any) -> N
     work = torch.empty_like(src)
     methods = ["gloo", "iccl"] + (["iccl_nomon"] if cfg["monitor_ab"] else [])
     times: dict[str, list[float]] = {m: [] for m in methods}
+    cpu: dict[str, float] = {m: 0.0 for m in methods}  # this process's CPU seconds (every thread)
     wrong = {m: 0 for m in methods}
     failover: dict[str, Any] = {}
 
@@ -71,7 +72,7 @@ def _worker(rank: int, size: int, port: int, cfg: dict[str, Any], out: Any) -> N
     def one(method: str, r: int) -> None:
         work.copy_(src)
         barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if method == "gloo":
             opts = dist.AllreduceOptions()
             opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
@@ -88,6 +89,7 @@ def _worker(rank: int, size: int, port: int, cfg: dict[str, Any], out: Any) -> N
                     sock.shutdown(socket.SHUT_RDWR)  # the primary connection dies mid-collective
                     failover["at_s"] = time.perf_counter() - t0
             w.wait(120)
+        cpu[method] += time.process_time() - c0
         barrier()
         times[method].append(time.perf_counter() - t0)
         if not torch.equal(work, expected):
@@ -105,6 +107,7 @@ def _worker(rank: int, size: int, port: int, cfg: dict[str, Any], out: Any) -> N
         {
             "rank": rank,
             "times": times,
+            "cpu": cpu,
             "wrong": wrong,
             "corrupted_sent": fault.count if fault else 0,
             "corrupt_detected": corrupt_seen,
@@ -188,6 +191,8 @@ def run_ab(
         "gloo_s": [round(x, 4) for x in per_round["gloo"]],
         "iccl_s": [round(x, 4) for x in per_round["iccl"]],
         "wrong_sums": {m: sum(r["wrong"][m] for r in results) for m in methods},
+        # CPU seconds per all-reduce, summed over the members: what a busy machine pays
+        "cpu_s_per_allreduce": {m: round(sum(r["cpu"][m] for r in results) / rounds, 4) for m in methods},
         "corrupted_sent": sum(r["corrupted_sent"] for r in results),
         "corrupt_detected": sum(r["corrupt_detected"] for r in results),
         "failover": results[0]["failover"],
@@ -249,7 +254,8 @@ def iccl(
             click.echo(
                 f"n={size} numel={numel}: gloo {rec['gloo_median_s']}s iccl {rec['iccl_median_s']}s "
                 f"ratio {rec['ratio_of_medians']} (paired {rec['paired_median_ratio']}) wrong {rec['wrong_sums']}"
-                + (f" monitor cost {rec['monitor_cost_paired_median']:+.4f}" if monitor_ab else ""),
+                + (f" monitor cost {rec['monitor_cost_paired_median']:+.4f}" if monitor_ab else "")
+                + f" cpu/allreduce {rec['cpu_s_per_allreduce']}",
                 err=True,
             )
             records.append(rec)

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 4 << 20
 WINDOW_CHUNKS = 8
+ACK_EVERY = 2  # chunks per acknowledgement (cumulative; the last chunk of a collective always)
 _DRAIN = 1 << 20
 WHOLE_WAIT_S = 3.0
 STALL_S = 0.3
@@ -630,7 +631,8 @@ class IcclRing:
             cur.accepted()
             self._cv.notify_all()
         try:
-            self._reply(sock, p.Kind.ACK, path, seq, cur.expected)
+            if cur.done or cur.expected % ACK_EVERY == 0:
+                self._reply(sock, p.Kind.ACK, path, seq, cur.expected)
         finally:
             if cur.done:
                 with self._cv:
