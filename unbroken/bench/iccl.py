@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import statistics
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -267,6 +266,3 @@ def _load() -> str:
         return Path("/proc/loadavg").read_text().strip()
     except OSError:
         return ""
-
-
-_ = threading  # the workers' threads are the ring's own

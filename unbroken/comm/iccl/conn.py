@@ -23,6 +23,7 @@ import struct
 import threading
 from collections.abc import Callable
 
+from unbroken.comm.iccl.protocol import ProtocolError
 from unbroken.config import parse_host_port
 from unbroken.wire.auth import AuthError, JobSecret, client_handshake, server_handshake
 from unbroken.wire.framing import FrameError, recv_sealed, send_sealed
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 PURPOSE = "iccl"
 MAX_HELLO = 1024
 SOCKET_BUFFER = 4 << 20
+POLL_S = 0.05  # an inbound read wakes this often to see whether the sender moved paths
 MAX_HANDSHAKES = 4  # accepted connections authenticating at once; more wait in the backlog
 
 
@@ -229,3 +231,36 @@ def send_all(sock: socket.socket, header: bytes, payload: memoryview | bytes) ->
             sent += sock.sendmsg([header[sent:], payload])
         else:
             sent += sock.send(payload[sent - len(header) :])
+
+
+def read_inbound(
+    sock: socket.socket, view: memoryview, other: Callable[[], socket.socket | None], bound_s: float
+) -> None:
+    """Fills ``view`` from an inbound connection (reads wake every :data:`POLL_S`), giving it up
+    when the sender has moved to the other path (data waits on ``other()``: ProtocolError) or
+    when no byte came for ``bound_s`` (TimeoutError): a frame stopped midway on a dead link must
+    not hold the receiver while the chunks come again on the backup."""
+    got, n, quiet = 0, len(view), 0.0
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+        except BlockingIOError:
+            quiet += POLL_S
+            alt = other()
+            if alt is not None and select.select([alt], [], [], 0)[0]:
+                raise ProtocolError("the sender moved to the other path mid-frame") from None
+            if quiet >= bound_s:
+                raise TimeoutError(f"a frame stopped midway for {bound_s:.1f} s") from None
+            continue
+        if k == 0:
+            raise FrameError(f"the peer closed the connection after {got} of {n} bytes")
+        got += k
+        quiet = 0.0
+
+
+def shut(sock: socket.socket) -> None:
+    """Closes a connection now, waking any thread blocked on it."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(OSError):
+        sock.close()

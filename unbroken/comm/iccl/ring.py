@@ -15,29 +15,33 @@ Built once per quorum epoch (the members' addresses come from the epoch's rendez
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import datetime
 import logging
 import select
 import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from unbroken.comm.iccl import protocol as p
 from unbroken.comm.iccl.conn import (
+    POLL_S,
     SOCKET_BUFFER,
     Listener,
     PathAddrs,
     dial,
+    read_inbound,
     recv_exact_into,
     send_all,
     set_recv_timeout,
+    shut,
 )
 from unbroken.comm.iccl.monitor import PATH_LOG, LinkWatch
+from unbroken.comm.iccl.work import FaultHook, IcclWork, RingBroken
 from unbroken.wire.auth import AuthError, JobSecret
 from unbroken.wire.framing import FrameError
 
@@ -49,64 +53,7 @@ ACK_EVERY = 2  # chunks per acknowledgement (cumulative; the last chunk of a col
 _DRAIN = 1 << 20
 WHOLE_WAIT_S = 3.0
 STALL_S = 0.3
-_POLL_S = 0.05  # an inbound read wakes this often to see whether the sender moved paths
 _NET_ERRORS = (OSError, p.ProtocolError, FrameError, AuthError)
-
-
-class RingBroken(RuntimeError):
-    """The ring cannot complete its collectives: both paths of a hop are gone, or it was closed."""
-
-
-class FaultHook(Protocol):
-    """Alters what goes on the wire (benchmarks and tests: a corrupting NIC)."""
-
-    def payload(self, seq: int, chunk: int, path: int, data: memoryview) -> memoryview | bytes: ...
-
-
-class IcclWork:
-    """The future of one all-reduce: ``done()``, ``wait()``, ``exception()``, callbacks."""
-
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-        self._callbacks: list[Callable[[IcclWork], None]] = []
-        self._lock = threading.Lock()
-        self.started = time.perf_counter()
-        self.finished: float | None = None
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def exception(self) -> BaseException | None:
-        return self._error
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Blocks until done (or ``timeout``: TimeoutError); raises the collective's error."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"the all-reduce did not complete in {timeout} s")
-        if self._error is not None:
-            raise self._error
-
-    def get_future(self) -> IcclWork:
-        """Itself: the work is its own future (the backend's ``work.get_future()`` shape)."""
-        return self
-
-    def add_done_callback(self, fn: Callable[[IcclWork], None]) -> None:
-        with self._lock:
-            if not self._done.is_set():
-                self._callbacks.append(fn)
-                return
-        fn(self)
-
-    def _finish(self, error: BaseException | None) -> None:
-        with self._lock:
-            if self._done.is_set():
-                return
-            self._error, self.finished = error, time.perf_counter()
-            self._done.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            fn(self)
 
 
 @dataclasses.dataclass
@@ -243,7 +190,7 @@ class IcclRing:
         try:
             store.set(f"iccl/{rank}", listener.addrs.to_json())
             keys = [f"iccl/{r}" for r in range(size)]
-            store.wait(keys, _timedelta(timeout_s))
+            store.wait(keys, datetime.timedelta(seconds=timeout_s))
             peers = [PathAddrs.from_json(bytes(store.get(k))) for k in keys]
             ring = cls(secret, rank, size, listener, peers, connect_timeout_s=timeout_s, **kwargs)
         except BaseException:
@@ -253,7 +200,7 @@ class IcclRing:
             # Every member connected before any starts: the first collective then waits for no
             # one's connections (its deadline is the exchange's, not the rendezvous').
             store.set(f"iccl/ready/{rank}", b"1")
-            store.wait([f"iccl/ready/{r}" for r in range(size)], _timedelta(timeout_s))
+            store.wait([f"iccl/ready/{r}" for r in range(size)], datetime.timedelta(seconds=timeout_s))
         except BaseException:
             ring.close()
             raise
@@ -311,7 +258,7 @@ class IcclRing:
             self._out, self._in = [None, None], [None, None]
             self._cv.notify_all()
         for s in socks:
-            _shut(s)
+            shut(s)
         self._listener.close()
         end = time.monotonic() + wait_s
         for t in self._threads:
@@ -362,7 +309,7 @@ class IcclRing:
         if self._out[path] is not sock:
             return
         self._out[path] = None
-        _shut(sock)
+        shut(sock)
         was_active = self.paths.active == path
         failovers = self.paths.failovers
         ok = self.paths.failed(path, time.time(), why)
@@ -493,7 +440,7 @@ class IcclRing:
                     continue
                 with self._cv:
                     if self._closed:
-                        _shut(sock)
+                        shut(sock)
                         return
                     self._out[path] = sock
                     self.paths.restored(path, time.time())
@@ -519,7 +466,7 @@ class IcclRing:
             )
             sock.close()
             return
-        set_recv_timeout(sock, _POLL_S)  # see _read
+        set_recv_timeout(sock, POLL_S)  # see read_inbound
         with self._cv:
             old, self._in[path] = self._in[path], sock
             if self._closed:
@@ -527,7 +474,7 @@ class IcclRing:
                 old = sock
             self._cv.notify_all()
         if old is not None:
-            _shut(old)
+            shut(old)
 
     def _recv_loop(self) -> None:
         header = bytearray(p.HEADER_BYTES)
@@ -554,30 +501,12 @@ class IcclRing:
                     with self._cv:
                         if self._in[path] is sock:
                             self._in[path] = None
-                    _shut(sock)
+                    shut(sock)
+                    self._ack_again(1 - path)
                 break  # the set of sockets may have changed
 
     def _read(self, sock: socket.socket, path: int, view: memoryview) -> None:
-        """Fills ``view`` from an inbound connection, giving it up (ProtocolError, TimeoutError)
-        when the sender has moved to the other path (data waits there) or when no byte came for
-        the stall bound: a frame stopped midway on a dead link must not hold the receiver."""
-        got, n, quiet = 0, len(view), 0.0
-        bound = max(2 * self.stall_s, 1.0)
-        while got < n:
-            try:
-                k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
-            except BlockingIOError:
-                quiet += _POLL_S
-                other = self._in[1 - path]
-                if other is not None and select.select([other], [], [], 0)[0]:
-                    raise p.ProtocolError("the sender moved to the other path mid-frame") from None
-                if quiet >= bound:
-                    raise TimeoutError(f"a frame stopped midway for {bound:.1f} s") from None
-                continue
-            if k == 0:
-                raise FrameError(f"the peer closed the connection after {got} of {n} bytes")
-            got += k
-            quiet = 0.0
+        read_inbound(sock, view, lambda: self._in[1 - path], max(2 * self.stall_s, 1.0))
 
     def _recv_frame(self, sock: socket.socket, path: int, header: bytearray, hview: memoryview) -> None:
         seq = self._rseq
@@ -641,6 +570,24 @@ class IcclRing:
                     self._maybe_finish(op)
                     self._cv.notify_all()
 
+    def _ack_again(self, path: int) -> None:
+        """After the other inbound path broke: its last acknowledgements may be lost with it (the
+        chunks arrived, the ACKs did not; the sender, with nothing unacknowledged in TCP, would
+        never notice), so they are repeated on ``path``, which the sender also reads."""
+        sock = self._in[path]
+        if sock is None:
+            return
+        with self._cv:
+            seq = self._rseq
+            op = self._ops.get(seq)
+            upto = op.cursor.expected if op is not None else 0
+        try:
+            self._reply(sock, p.Kind.ACK, path, seq - 1, p.ALL_CHUNKS)
+            if upto:
+                self._reply(sock, p.Kind.ACK, path, seq, upto)
+        except OSError:
+            pass  # that path is going too: the sender's own failure detection takes over
+
     def _reply(self, sock: socket.socket, kind: p.Kind, path: int, seq: int, chunk: int) -> None:
         sock.sendall(p.pack(kind, path, seq, chunk, 0))
 
@@ -655,16 +602,3 @@ class IcclRing:
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, writable, without a copy."""
     return memoryview(t.view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy types __buffer__ from 3.12 only
-
-
-def _shut(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
-    with contextlib.suppress(OSError):
-        sock.close()
-
-
-def _timedelta(seconds: float) -> Any:
-    import datetime
-
-    return datetime.timedelta(seconds=seconds)
