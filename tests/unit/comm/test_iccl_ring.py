@@ -8,6 +8,7 @@ bytes altered on their way out), not mocks.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -211,3 +212,18 @@ def test_a_chunk_is_never_summed_twice_across_failovers() -> None:
                 w.wait(30)
             for t in ts:
                 assert torch.equal(t.to(torch.float64), expected)
+
+
+def test_rings_built_and_closed_epoch_after_epoch_leave_no_thread_or_socket_behind() -> None:
+    before = threading.active_count()
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        with rings(2, chunk_bytes=4096) as rs:
+            ts, _ = inputs(2, 10_000)
+            for w in [r.start(t) for r, t in zip(rs, ts, strict=True)]:
+                w.wait(30)
+    deadline = time.monotonic() + 5
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= before, [t.name for t in threading.enumerate()]
+    assert len(os.listdir("/proc/self/fd")) <= fds
