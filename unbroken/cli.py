@@ -38,6 +38,7 @@ BENCHMARKS: dict[str, str] = {
     "metrics": "unbroken.bench.metrics:metrics",
     "coordinator": "unbroken.bench.coordinator:coordinator",
     "epochs": "unbroken.bench.epochs:epochs",
+    "iccl": "unbroken.bench.iccl:iccl",
 }
 
 

@@ -33,7 +33,7 @@ ENV_LINK_FAULT = "UNBROKEN_LINK_FAULT"
 # The cross-replica exchange: "backend" (the backend's all-reduce, the default) or "ring" (a
 # CPU-driven ring with per-connection timings for link diagnosis, unbroken.comm.ring).
 ENV_EXCHANGE = "UNBROKEN_EXCHANGE"
-EXCHANGES = ("backend", "ring")
+EXCHANGES = ("backend", "ring", "iccl")
 # The backend of the cross-replica group (``unbroken run --cross-replica-backend``): "auto" (the
 # default: NCCL when every member of an epoch holds a distinct GPU, else Gloo), "nccl" or "gloo".
 ENV_CROSS_REPLICA_BACKEND = "UNBROKEN_CROSS_REPLICA_BACKEND"
@@ -136,10 +136,10 @@ def link_fault_spec(env: Mapping[str, str] | None = None) -> str | None:
 
 
 def exchange_mode(env: Mapping[str, str] | None = None) -> str:
-    """``UNBROKEN_EXCHANGE``: ``backend`` (default) or ``ring``."""
+    """``UNBROKEN_EXCHANGE``: ``backend`` (default), ``ring`` or ``iccl`` (:mod:`unbroken.comm.iccl`)."""
     mode = _environ(env).get(ENV_EXCHANGE, "backend")
     if mode not in EXCHANGES:
-        raise ConfigError(f"{ENV_EXCHANGE} must be 'backend' or 'ring', got {mode!r}")
+        raise ConfigError(f"{ENV_EXCHANGE} must be 'backend' or 'ring' or 'iccl', got {mode!r}")
     return mode
 
 
@@ -386,3 +386,38 @@ class ReplicaConfig:
             checkpoint_dir=env.get(ENV_CHECKPOINT_DIR) or None,
             resume_step=integer(ENV_RESUME_STEP) if env.get(ENV_RESUME_STEP) else None,
         )
+
+
+# -- ICCL exchange (UNBROKEN_EXCHANGE=iccl, unbroken.comm.iccl) -------------------------------
+ENV_ICCL_PATHS = "UNBROKEN_ICCL_PATHS"
+ENV_ICCL_STALL = "UNBROKEN_ICCL_STALL_S"
+ENV_ICCL_CORRUPT = "UNBROKEN_ICCL_CORRUPT"  # fault injection (benchmarks): LIMIT[/EVERY] chunks
+
+
+def iccl_paths(env: Mapping[str, str] | None = None) -> tuple[str, str] | None:
+    """``UNBROKEN_ICCL_PATHS``: ``PRIMARY,BACKUP``, each an interface name (``eth0``) or an IPv4
+    address of this host; None when unset (both paths on the address towards the store)."""
+    raw = _environ(env).get(ENV_ICCL_PATHS)
+    if not raw:
+        return None
+    parts = [x.strip() for x in raw.split(",")]
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"{ENV_ICCL_PATHS} must be PRIMARY,BACKUP (interface names or addresses), got {raw!r}")
+    return parts[0], parts[1]
+
+
+def iccl_stall_s(env: Mapping[str, str] | None = None) -> float:
+    """``UNBROKEN_ICCL_STALL_S``: how long a path may stall before its hop moves (default 0.3)."""
+    raw = _environ(env).get(ENV_ICCL_STALL, "0.3")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0.05 <= value <= 60.0:
+        raise ConfigError(f"{ENV_ICCL_STALL} must be seconds between 0.05 and 60, got {raw!r}")
+    return value
+
+
+def iccl_corrupt(env: Mapping[str, str] | None = None) -> str | None:
+    """``UNBROKEN_ICCL_CORRUPT``: a benchmark's injected NIC corruption (``LIMIT[/EVERY]``); None off."""
+    return _environ(env).get(ENV_ICCL_CORRUPT) or None

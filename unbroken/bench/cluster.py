@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from unbroken.bench.output import publish
-from unbroken.cluster import scenarios
+from unbroken.cluster import iccl_scenarios, scenarios
 from unbroken.cluster.box import unavailable
 from unbroken.cluster.slurm import missing as slurm_missing
 
@@ -32,11 +32,12 @@ def cluster(names: tuple[str, ...], slurm: bool, quick: bool, run_dir: Path, as_
     why = unavailable()
     if why is not None:
         raise click.UsageError(f"cannot build the cluster box: {why}")
-    known = {s.name: s for s in (*scenarios.SCENARIOS, scenarios.SLURM)}
+    default = (*scenarios.SCENARIOS, *iccl_scenarios.SCENARIOS)
+    known = {s.name: s for s in (*default, scenarios.SLURM)}
     unknown = [n for n in names if n not in known]
     if unknown:
         raise click.UsageError(f"unknown scenario(s) {unknown}; known: {', '.join(known)}")
-    chosen = [known[n] for n in names] if names or slurm else list(scenarios.SCENARIOS)
+    chosen = [known[n] for n in names] if names or slurm else list(default)
     if slurm and scenarios.SLURM not in chosen:
         chosen.append(scenarios.SLURM)
     if scenarios.SLURM in chosen and (why := slurm_missing()) is not None:

@@ -12,6 +12,10 @@ here. Faults are the kernel's, not ours:
 * slow link: the ``tbf`` qdisc on both ends of a host's veth (``netem`` is not built into every
   kernel; ``tbf`` is).
 
+``Box(n, paths=2)`` gives every host a second interface (``eth1``) on a second bridge and subnet
+(198.19.0.0/16): a backup path, as a host with two NIC ports on two planes has. Link faults and
+shaping then take the interface (``eth0``, the default, or ``eth1``).
+
 The box ends only processes started in its own namespaces, and deletes everything it created
 on :meth:`Box.close` (a ``with`` block calls it even when the test fails). Names carry the
 creating process's id (``u<pid>x<n>-h0``), so boxes of concurrent runs never meet, and a box
@@ -36,7 +40,9 @@ from pathlib import Path
 from typing import IO
 
 SUBNET = "198.18.0.0/16"
+SUBNET2 = "198.19.0.0/16"  # the second path's plane (Box(paths=2))
 PREFIX_LEN = 16
+INTERFACES = ("eth0", "eth1")
 COORDINATOR_ADDR = "198.18.0.1"
 NOWHERE_MAC = "02:00:00:00:00:01"  # a locally administered address no interface in the box has
 _NAME = re.compile(r"^u(\d+)x(\d+)-")
@@ -55,6 +61,20 @@ class Host:
     netns: str
     addr: str
     veth: str
+    addr2: str = ""  # eth1's address, with a second path
+    veth2: str = ""  # eth1's veth end on the second bridge
+
+    def switch_end(self, interface: str) -> str:
+        """The veth end on the switch of this host's ``interface``."""
+        if interface == "eth0":
+            return self.veth
+        if interface == "eth1" and self.veth2:
+            return self.veth2
+        raise ValueError(f"host {self.name} has no interface {interface!r} (it has {', '.join(self.interfaces)})")
+
+    @property
+    def interfaces(self) -> tuple[str, ...]:
+        return INTERFACES if self.veth2 else INTERFACES[:1]
 
 
 def _run(*argv: str) -> str:
@@ -117,14 +137,32 @@ class Box:
         coordinator: the coordinator's host (``ctl``), 198.18.0.1.
     """
 
-    def __init__(self, hosts: int) -> None:
+    def __init__(self, hosts: int, paths: int = 1) -> None:
         if not 1 <= hosts <= 200:
             raise ValueError(f"a box holds 1 to 200 hosts, got {hosts}")
+        if paths not in (1, 2):
+            raise ValueError(f"a box's hosts have 1 or 2 paths (interfaces), got {paths}")
         self.tag = f"u{os.getpid()}x{next(_counter)}"
         self.bridge = f"{self.tag}b"
-        self.coordinator = Host("ctl", f"{self.tag}-ctl", COORDINATOR_ADDR, f"{self.tag}vc")
+        self.bridge2 = f"{self.tag}c" if paths == 2 else ""
+        self.coordinator = Host(
+            "ctl",
+            f"{self.tag}-ctl",
+            COORDINATOR_ADDR,
+            f"{self.tag}vc",
+            "198.19.0.1" if paths == 2 else "",
+            f"{self.tag}wc" if paths == 2 else "",
+        )
         self.hosts = {
-            f"h{i}": Host(f"h{i}", f"{self.tag}-h{i}", f"198.18.0.{10 + i}", f"{self.tag}v{i}") for i in range(hosts)
+            f"h{i}": Host(
+                f"h{i}",
+                f"{self.tag}-h{i}",
+                f"198.18.0.{10 + i}",
+                f"{self.tag}v{i}",
+                f"198.19.0.{10 + i}" if paths == 2 else "",
+                f"{self.tag}w{i}" if paths == 2 else "",
+            )
+            for i in range(hosts)
         }
         self._made: list[tuple[str, str]] = []  # ("netns" | "link", name), in creation order
         self._procs: list[subprocess.Popen[bytes]] = []
@@ -166,6 +204,16 @@ class Box:
             _run("ip", "-n", h.netns, "link", "set", "lo", "up")
             _run("ip", "-n", h.netns, "addr", "add", f"{h.addr}/{PREFIX_LEN}", "dev", "eth0")
             _run("ip", "-n", h.netns, "link", "set", "eth0", "up")
+        if self.bridge2:
+            _run("ip", "link", "add", self.bridge2, "type", "bridge")
+            self._made.append(("link", self.bridge2))
+            _run("ip", "link", "set", self.bridge2, "up")
+            for h in [self.coordinator, *self.hosts.values()]:
+                _run("ip", "link", "add", h.veth2, "type", "veth", "peer", "name", "eth1", "netns", h.netns)
+                self._made.append(("link", h.veth2))
+                _run("ip", "link", "set", h.veth2, "master", self.bridge2, "up")
+                _run("ip", "-n", h.netns, "addr", "add", f"{h.addr2}/{PREFIX_LEN}", "dev", "eth1")
+                _run("ip", "-n", h.netns, "link", "set", "eth1", "up")
 
     def close(self) -> None:
         """Ends every process in the box's namespaces, then deletes what it made (idempotent)."""
@@ -227,12 +275,13 @@ class Box:
                 p.wait(10)
         return pids
 
-    def link_down(self, host: str) -> None:
-        """``host`` cut off from everyone: its veth's end on the switch goes down."""
-        _run("ip", "link", "set", self.host(host).veth, "down")
+    def link_down(self, host: str, interface: str = "eth0") -> None:
+        """``host``'s ``interface`` cut off from its switch: the veth's end there goes down (with
+        one path, the host is cut off from everyone)."""
+        _run("ip", "link", "set", self.host(host).switch_end(interface), "down")
 
-    def link_up(self, host: str) -> None:
-        _run("ip", "link", "set", self.host(host).veth, "up")
+    def link_up(self, host: str, interface: str = "eth0") -> None:
+        _run("ip", "link", "set", self.host(host).switch_end(interface), "up")
 
     def cut(self, a: str, b: str) -> None:
         """``a`` and ``b`` no longer reach each other (both still reach everyone else)."""
@@ -259,20 +308,20 @@ class Box:
             with contextlib.suppress(RuntimeError):
                 _run("ip", "-n", src.netns, "neigh", "del", dst.addr, "dev", "eth0")
 
-    def slow(self, host: str, rate: str = "20mbit") -> None:
-        """Shapes ``host``'s link to ``rate`` in both directions with the kernel's ``tbf``."""
+    def slow(self, host: str, rate: str = "20mbit", interface: str = "eth0", burst: str = "32kb") -> None:
+        """Shapes ``host``'s ``interface`` to ``rate`` in both directions with the kernel's ``tbf``."""
         h = self.host(host)
-        shape = ("root", "tbf", "rate", rate, "burst", "32kb", "latency", "200ms")
-        _run("tc", "qdisc", "replace", "dev", h.veth, *shape)  # towards the host
-        _run("tc", "-n", h.netns, "qdisc", "replace", "dev", "eth0", *shape)  # from the host
+        shape = ("root", "tbf", "rate", rate, "burst", burst, "latency", "200ms")
+        _run("tc", "qdisc", "replace", "dev", h.switch_end(interface), *shape)  # towards the host
+        _run("tc", "-n", h.netns, "qdisc", "replace", "dev", interface, *shape)  # from the host
         self._slow.add(host)
 
-    def unslow(self, host: str) -> None:
+    def unslow(self, host: str, interface: str = "eth0") -> None:
         h = self.host(host)
         with contextlib.suppress(RuntimeError):
-            _run("tc", "qdisc", "del", "dev", h.veth, "root")
+            _run("tc", "qdisc", "del", "dev", h.switch_end(interface), "root")
         with contextlib.suppress(RuntimeError):
-            _run("tc", "-n", h.netns, "qdisc", "del", "dev", "eth0", "root")
+            _run("tc", "-n", h.netns, "qdisc", "del", "dev", interface, "root")
         self._slow.discard(host)
 
     def wait_reachable(self, a: str, b: str, port: int, timeout: float = 10.0) -> None:

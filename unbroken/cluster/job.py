@@ -54,6 +54,10 @@ class JobSpec:
     # runs it on the first node, next to that node's agent, bound to 0.0.0.0.
     coordinator_host: str = "ctl"
     coordinator_bind: str | None = None
+    # The plane the control traffic (coordinator, store) takes in a box with two paths: 1 keeps
+    # it off the primary data plane, as a management network would, so that a data-plane NIC
+    # fault (``nic_*`` scenarios) is not also a partition from the coordinator.
+    control_plane: int = 0
 
 
 class BoxJob:
@@ -63,7 +67,8 @@ class BoxJob:
         self.box, self.run_dir, self.spec = box, run_dir, spec
         run_dir.mkdir(parents=True, exist_ok=True)
         self.secret_file = JobSecret.generate().write(run_dir / "secret")
-        self.address = f"{box.host(spec.coordinator_host).addr}:{COORDINATOR_PORT}"
+        ctl = box.host(spec.coordinator_host)
+        self.address = f"{ctl.addr2 if spec.control_plane else ctl.addr}:{COORDINATOR_PORT}"
         self.agents: dict[str, Any] = {}
         self.coordinator: Any = None
         self.target = spec.steps  # the step the job ends at
@@ -79,7 +84,7 @@ class BoxJob:
 
     def start_coordinator(self) -> None:
         s = self.spec
-        bind = s.coordinator_bind or self.box.host(s.coordinator_host).addr
+        bind = s.coordinator_bind or self.address.rpartition(":")[0]
         argv = [sys.executable, "-m", "unbroken", "coordinator", "--host", bind]
         argv += ["--port", str(COORDINATOR_PORT), "--replicas", str(s.replicas), "--min-replicas", str(s.min_replicas)]
         argv += ["--state-dir", str(self.run_dir), "--startup-window", "3"]

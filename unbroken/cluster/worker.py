@@ -17,12 +17,14 @@ import hashlib
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import unbroken
+from unbroken.comm.iccl.monitor import PATH_LOG
 from unbroken.train.state import as_local
 
 
@@ -72,6 +74,7 @@ def main() -> None:
         run_dir = Path(cfg.run_dir)
         metrics = open(run_dir / f"metrics-r{cfg.replica_id}.jsonl", "a", buffering=1) if cfg.rank == 0 else None
         steps = args.steps
+        seen = 0  # ICCL path events already written
         while manager.step < steps:
             if args.stop_file is not None and args.stop_file.exists():
                 steps = min(steps, int(args.stop_file.read_text() or steps))
@@ -92,7 +95,7 @@ def main() -> None:
                 manager.commit()
             if metrics is not None:
                 d = manager.decision
-                row = {
+                row: dict[str, Any] = {
                     # The step this exchange committed: a catching-up replica's own count jumps to
                     # its donor's step in the exchange.
                     "step": manager.step - 1 if committed else step,
@@ -103,6 +106,13 @@ def main() -> None:
                     "step_s": round(time.perf_counter() - t0, 4),
                     "t": time.time(),
                 }
+                events, seen = PATH_LOG.since(seen)
+                if events or PATH_LOG.corrupted_sent or PATH_LOG.corrupt_chunks:  # UNBROKEN_EXCHANGE=iccl
+                    row["iccl"] = {
+                        "events": events,
+                        "corrupt_chunks": PATH_LOG.corrupt_chunks,
+                        "corrupted_sent": PATH_LOG.corrupted_sent,
+                    }
                 metrics.write(json.dumps(row) + "\n")
         final = {"step": manager.step, "digest": digest(as_local(state.state_dict()))}
         (run_dir / f"final-r{cfg.replica_id}-rank{cfg.rank}.json").write_text(json.dumps(final))

@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 
 from unbroken.comm.backend import BACKENDS, choose_backend, gpu_identity
+from unbroken.comm.iccl import IcclRing
+from unbroken.comm.iccl.paths import ring_for_epoch
 from unbroken.comm.recorder import FlightRecorder
 from unbroken.comm.retire import GroupReaper
 from unbroken.comm.ring import ring_allreduce_sum
@@ -146,6 +148,12 @@ class CrossReplicaGroup:
         def build() -> None:
             try:
                 prefix = dist.PrefixStore(f"unbroken/{tag}/epoch{epoch}", self._store(store_address))
+                if self.mode == "iccl" and device.type == "cpu":  # unbroken.comm.iccl: its own connections
+                    host = parse_host_port(store_address, "store address")[0]
+                    tag_epoch = f"{tag}/epoch{epoch}"
+                    ring = ring_for_epoch(self._secret, rank, size, prefix, host, tag_epoch, self.rendezvous_s)
+                    pending.set_result(("iccl", ring))
+                    return
                 backend = self._choose(prefix, rank, size, device)
                 pending.set_result((backend, self.make_group(backend, prefix, rank, size, store_address, device)))
             except BaseException as e:  # noqa: BLE001 - handed to the waiting exchange
@@ -190,7 +198,9 @@ class CrossReplicaGroup:
             self._pending = None
         pg, self._pg = self._pg, None
         works, self._works = self._works, []
-        if pg is not None:
+        if isinstance(pg, IcclRing):
+            pg.close()  # its own threads and sockets: nothing of it lingers or needs keeping
+        elif pg is not None:
             self.reaper.retire(pg, self.backend, self.epoch, works)
         del pg
         self.epoch = None
@@ -199,7 +209,10 @@ class CrossReplicaGroup:
         """A group whose rendezvous completed after its epoch was abandoned: nothing ran on it."""
         if pending.exception() is None:
             backend, pg = pending.result()
-            self.reaper.retire(pg, backend, None, ())
+            if isinstance(pg, IcclRing):
+                pg.close()
+            else:
+                self.reaper.retire(pg, backend, None, ())
 
     def abort(self, epoch: int) -> None:
         """Called from the coordinator connection's thread: ends a wait on ``epoch`` now."""
@@ -232,6 +245,7 @@ class CrossReplicaGroup:
             self._join_group(wake, max(deadline_s, self.rendezvous_s))
             self.last_join_wait_s = time.perf_counter() - start
             start = time.perf_counter()  # the learned deadline times the exchange alone
+        deadline_s = max(deadline_s, getattr(self._pg, "min_deadline_s", 0.0))  # ICCL: room for a failover
         rec = self.recorder
         nbytes = tensor.numel() * tensor.element_size()
         token = rec.begin(f"{self.tag}/epoch{epoch}", "allreduce", nbytes, self.members) if rec else None
@@ -262,7 +276,7 @@ class CrossReplicaGroup:
     @property
     def overlaps(self) -> bool:
         """Whether several sums may be in flight at once (the backend's; the ring's may not)."""
-        return self.mode == "backend"
+        return self.mode in ("backend", "iccl")
 
     def start_allreduce_sum(self, tensor: torch.Tensor, deadline_s: float, nbytes_total: int = 0) -> PendingSum:
         """Starts summing ``tensor`` in place and returns at once; see :meth:`finish_allreduce_sums`.
@@ -359,7 +373,7 @@ class CrossReplicaGroup:
             self._batch_over(None)
             raise self._failed(epoch, f"epoch {epoch} was abandoned while its sums were in flight")
         wake = batch[0]
-        end = start + deadline_s
+        end = start + max(deadline_s, getattr(self._pg, "min_deadline_s", 0.0))  # ICCL: room for a failover
         ok: bool | None = False
         try:
             while True:

@@ -92,3 +92,46 @@ def classify_slow(
         a, b = max(slow, key=lambda c: meds[c])  # the slower direction names the sender
         return LinkFinding("link", a, (a, b), slow_t, evidence)
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class PortFinding:
+    """A NIC port whose connection to a peer keeps failing: a link verdict naming the port.
+
+    ``host`` and ``interface`` are the sender's (the ICCL ring names its own side of each hop),
+    ``peer`` the replica (ring rank) at the other end.
+    """
+
+    state: str  # "failing": down once in the window; "flapping": down again and again
+    host: str
+    interface: str
+    peer: int
+    failures: int
+    first_t: float
+    last_t: float
+    why: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"class": "link"}
+
+
+def port_findings(
+    events: Sequence[Mapping[str, Any]], now: float, window_s: float = 30.0, flap_at: int = 2
+) -> list[PortFinding]:
+    """The ports with a ``down`` event in the last ``window_s``: ``flapping`` at ``flap_at`` or more.
+
+    ``events`` are path events as the ICCL ring logs them (``t``, ``host``, ``interface``, ``peer``,
+    ``what``, ``why``); anything else in the list is ignored.
+    """
+    if window_s <= 0 or flap_at < 2:
+        raise ValueError(f"need window_s > 0 and flap_at >= 2, got {window_s}, {flap_at}")
+    downs: dict[tuple[str, str, int], list[Mapping[str, Any]]] = {}
+    for e in events:
+        if e.get("what") == "down" and now - window_s <= e.get("t", -math.inf) <= now:
+            downs.setdefault((str(e.get("host")), str(e.get("interface")), int(e.get("peer", -1))), []).append(e)
+    out = []
+    for (host, iface, peer), es in sorted(downs.items()):
+        es = sorted(es, key=lambda e: e["t"])
+        state = "flapping" if len(es) >= flap_at else "failing"
+        out.append(PortFinding(state, host, iface, peer, len(es), es[0]["t"], es[-1]["t"], str(es[-1].get("why", ""))))
+    return out
