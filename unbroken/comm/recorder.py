@@ -24,14 +24,17 @@ import time
 from collections import deque
 from typing import Any, Protocol
 
+from unbroken.comm.iccl.monitor import PATH_LOG
 from unbroken.comm.runqueue import RunQueueWait
 from unbroken.diagnosis.telemetry import (
     MAX_COSTS,
+    PATH_EVENTS,
     CaughtUp,
     CheckpointPersisted,
     CheckpointSaved,
     Collective,
     FlaggedLink,
+    PathEvent,
     Stall,
     StepMetrics,
     TelemetryBatch,
@@ -69,6 +72,7 @@ class FlightRecorder:
         self._steps: deque[StepMetrics] = deque(maxlen=capacity)
         self._stalls: deque[Stall] = deque(maxlen=64)
         self._costs: deque[CheckpointSaved | CheckpointPersisted | CaughtUp] = deque(maxlen=MAX_COSTS)
+        self._paths_seen = PATH_LOG.count  # port events of this process already shipped
         self._window: deque[tuple[str, int, int, int, int]] = deque(maxlen=capacity)
         self._seq: dict[str, int] = {}
         self.open: Collective | None = None
@@ -184,7 +188,21 @@ class FlightRecorder:
             saved=[c for c in costs if isinstance(c, CheckpointSaved)],
             persisted=[c for c in costs if isinstance(c, CheckpointPersisted)],
             caught_up=[c for c in costs if isinstance(c, CaughtUp)],
+            paths=self._path_events(),
         )
+
+    def _path_events(self) -> list[PathEvent]:
+        """The ICCL rings' port events since the last batch (:data:`~unbroken.comm.iccl.monitor.PATH_LOG`),
+        at most :data:`MAX_COSTS` of them, as ages."""
+        events, self._paths_seen = PATH_LOG.since(self._paths_seen)
+        now = time.time()
+        return [
+            PathEvent(
+                max(0.0, now - e["t"]), e["host"][:64], e["interface"][:64], int(e["peer"]), e["what"], e["why"][:200]
+            )
+            for e in events[-MAX_COSTS:]
+            if e.get("what") in PATH_EVENTS
+        ]
 
 
 def _rss_bytes() -> float | None:

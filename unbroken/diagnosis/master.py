@@ -19,12 +19,22 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from unbroken.diagnosis import hang, links, straggler
+from unbroken.diagnosis import hang, links, ports, straggler
 from unbroken.diagnosis.master_state import Ident, MasterSettings, OpenCollective, OpenRecv, RankState
 from unbroken.diagnosis.metrics import DEFAULT_POLICY, MetricDetector
 from unbroken.diagnosis.robust import learned_threshold, median
 from unbroken.diagnosis.telemetry import StepMetrics, TelemetryBatch
-from unbroken.diagnosis.verdict import COMM_HANG, COMM_SLOW, METRIC_ANOMALY, NONCOMM_HANG, STRAGGLER, Culprit, Verdict
+from unbroken.diagnosis.verdict import (
+    COMM_HANG,
+    COMM_SLOW,
+    METRIC_ANOMALY,
+    NONCOMM_HANG,
+    STRAGGLER,
+    Culprit,
+    Verdict,
+)
+
+PORT_EVENTS_KEPT = 512  # the newest ICCL port events (down, up, ...) of the whole job
 
 
 class DiagnosisMaster:
@@ -61,6 +71,8 @@ class DiagnosisMaster:
         # aborted by the coordinator because of it (a crash fails every member at once instead)
         self._deadline_passed: set[tuple[str, int, int]] = set()
         self._members_cap = 64  # members are pruned to the groups still named when they pass this
+        # ICCL port events in the coordinator's clock, with the replica whose port it is
+        self.port_events: deque[dict[str, Any]] = deque(maxlen=PORT_EVENTS_KEPT)
 
     # -- ingest ----------------------------------------------------------------------------
 
@@ -134,6 +146,7 @@ class DiagnosisMaster:
             if t.direction == "recv"
         ]
         r.flags = list(batch.flags)
+        self.port_events.extend(ports.port_event(now, replica, p) for p in batch.paths)
         det = self._detector(ident)
         steps = list(batch.steps)
         if batch.memory is not None:
@@ -326,7 +339,9 @@ class DiagnosisMaster:
             # between collectives the last findings stand (and keep their findings reported).
             self._judged = self._arrived
             self._periodic = self._stragglers(count=True) + self._slow_links() + self._step_time()
-        found = self._hangs(now) + self._stalled(now) + self._silent(now) + self._periodic + self._pending_metric
+        found = (
+            self._hangs(now) + self._stalled(now) + self._silent(now) + self._periodic + self._pending_metric
+        ) + ports.port_verdicts(self.port_events, now)
         self._pending_metric = []
         fresh = []
         for v in found:

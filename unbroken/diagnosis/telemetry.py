@@ -203,6 +203,40 @@ class FlaggedLink:
         return cls(direction, _int(peer, "peer"))
 
 
+PATH_EVENTS = ("down", "up", "failover", "failback", "flagged")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PathEvent:
+    """Something that happened to one NIC port's connection of an ICCL hop (:mod:`unbroken.comm.iccl`):
+    ``age_s`` before the batch was made (an age, not a time: the hosts' clocks need not agree),
+    on ``host``'s ``interface`` towards ring rank ``peer``."""
+
+    age_s: float
+    host: str
+    interface: str
+    peer: int
+    what: str
+    why: str
+
+    def to_row(self) -> list[Any]:
+        return [self.age_s, self.host, self.interface, self.peer, self.what, self.why]
+
+    @classmethod
+    def from_row(cls, row: Any) -> PathEvent:
+        age, host, interface, peer, what, why = _row(row, 6, "path event")
+        if what not in PATH_EVENTS:
+            raise TelemetryError(f"a path event must be one of {', '.join(PATH_EVENTS)}, got {what!r:.40}")
+        return cls(
+            _seconds(age, "age_s"),
+            _text(host, "host"),
+            _text(interface, "interface"),
+            _int(peer, "peer"),
+            what,
+            _text(why, "why"),
+        )
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class CheckpointSaved:
     """A checkpoint snapshot taken: ``stall_s`` the training loop was blocked, ``nbytes`` copied."""
@@ -273,6 +307,7 @@ class TelemetryBatch:
     saved: list[CheckpointSaved] = dataclasses.field(default_factory=list)
     persisted: list[CheckpointPersisted] = dataclasses.field(default_factory=list)
     caught_up: list[CaughtUp] = dataclasses.field(default_factory=list)
+    paths: list[PathEvent] = dataclasses.field(default_factory=list)
 
     def to_msg(self) -> dict[str, Any]:
         return {
@@ -288,6 +323,7 @@ class TelemetryBatch:
             "saved": [x.to_row() for x in self.saved],
             "persisted": [x.to_row() for x in self.persisted],
             "caught_up": [x.to_row() for x in self.caught_up],
+            "paths": [x.to_row() for x in self.paths],
         }
 
     @classmethod
@@ -313,6 +349,7 @@ class TelemetryBatch:
             saved=_rows(msg.get("saved", []), "saved", CheckpointSaved, MAX_COSTS),
             persisted=_rows(msg.get("persisted", []), "persisted", CheckpointPersisted, MAX_COSTS),
             caught_up=_rows(msg.get("caught_up", []), "caught_up", CaughtUp, MAX_COSTS),
+            paths=_rows(msg.get("paths", []), "paths", PathEvent, MAX_COSTS),
         )
 
 

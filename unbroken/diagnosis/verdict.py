@@ -13,7 +13,10 @@ COMM_HANG = "comm_hang"
 STRAGGLER = "straggler"
 COMM_SLOW = "comm_slow"
 METRIC_ANOMALY = "metric_anomaly"
-CLASSES = (NONCOMM_HANG, COMM_HANG, STRAGGLER, COMM_SLOW, METRIC_ANOMALY)
+# A NIC port whose ICCL connection keeps failing (failing, then flapping); its hop moved to the
+# backup path, so the supervisor leaves the replica alone (an unknown class to it: ignored).
+PORT_FAILURE = "port_failure"
+CLASSES = (NONCOMM_HANG, COMM_HANG, STRAGGLER, COMM_SLOW, METRIC_ANOMALY, PORT_FAILURE)
 
 UNKNOWN_REPLICA = -1  # a comm hang seen without per-connection evidence names no replica
 
@@ -54,7 +57,14 @@ class Verdict:
 
     @property
     def key(self) -> tuple[Any, ...]:
-        return (self.kind, self.culprit.replica, self.culprit.link, self.evidence.get("anomaly"))
+        return (
+            self.kind,
+            self.culprit.replica,
+            self.culprit.link,
+            self.evidence.get("anomaly"),
+            self.evidence.get("interface"),
+            self.evidence.get("state"),
+        )
 
     def fields(self) -> dict[str, Any]:
         """The ``verdict`` event's fields (the supervisor's interface)."""

@@ -33,6 +33,7 @@ from unbroken.observe.events import rotated_files
 SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # A checkpoint's stall is milliseconds when it is working as designed (a copy to host memory).
 STALL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+MAX_PORTS = 1024  # NIC ports named by port verdicts that the view keeps
 TIMELINE_KINDS = (
     ev.Quorum,
     ev.FaultInjected,
@@ -182,6 +183,8 @@ class JobView:
         self.points: dict[int, collections.deque[tuple[int, float | None, float]]] = {}
         self.restarts: collections.Counter[str] = collections.Counter()
         self.verdicts: collections.Counter[str] = collections.Counter()
+        # (host, interface, peer) -> the last port verdict's state and failures (ICCL's NIC ports)
+        self.ports: dict[tuple[str, str, int], tuple[str, int]] = {}
         self.detection = Histogram()
         self.recovery = Histogram()
         self.catch_up = Histogram()
@@ -252,6 +255,11 @@ class JobView:
             self._replica(e.replica).restarts += 1
         elif isinstance(e, ev.Verdict):
             self.verdicts[e.verdict_class] += 1
+            if e.verdict_class == "port_failure":
+                ev_ = e.evidence
+                port = (str(ev_.get("host")), str(ev_.get("interface")), int(ev_.get("peer", -1)))
+                if port in self.ports or len(self.ports) < MAX_PORTS:
+                    self.ports[port] = (str(ev_.get("state")), int(ev_.get("failures", 0)))
         elif isinstance(e, ev.FaultInjected):
             self._faults_open.append(dict(record))
         elif isinstance(e, ev.Quorum):
@@ -362,6 +370,10 @@ class JobView:
                 "series": {str(r): list(p) for r, p in self.points.items()},
                 "goodput": good.to_json() if good is not None else None,
                 "verdicts": dict(self.verdicts),
+                "ports": [
+                    {"host": h, "interface": i, "peer": p, "state": s, "failures": n}
+                    for (h, i, p), (s, n) in sorted(self.ports.items())
+                ],
                 "restarts": dict(self.restarts),
             }
 

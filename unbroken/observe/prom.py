@@ -91,6 +91,14 @@ class JobCollector(Collector):
         for kind, n in sorted(state["verdicts"].items()):
             verdicts.add_metric([kind], n)
         yield verdicts
+        ports = GaugeMetricFamily(
+            "unbroken_port_failures",
+            "ICCL NIC ports named by a port verdict: failures within its 30 s window, by state (failing, flapping).",
+            labels=["host", "interface", "peer", "state"],
+        )
+        for p in state.get("ports", []):
+            ports.add_metric([p["host"], p["interface"], str(p["peer"]), p["state"]], p["failures"])
+        yield ports
 
         yield _histogram(
             "unbroken_detection_seconds", "From an injected fault to the event that detected it.", self.view.detection

@@ -46,6 +46,10 @@ def _write_job(run_dir: Path) -> None:
     log.emit(ev.ReplicaState(t=t + 8, replica=1, old="recovering", new="catching_up", reason="behind"))
     log.emit(ev.ReplicaState(t=t + 9, replica=1, old="catching_up", new="training", reason="caught up"))
     log.emit("verdict", culprit={"replica": 0}, confidence=0.9, **{"class": "straggler"})
+    port = {"host": "h1", "interface": "eth0", "peer": 2, "failures": 1, "state": "failing"}
+    log.emit("verdict", culprit={"replica": 1}, confidence=0.7, evidence=port, **{"class": "port_failure"})
+    port = {**port, "failures": 3, "state": "flapping"}
+    log.emit("verdict", culprit={"replica": 1}, confidence=0.9, evidence=port, **{"class": "port_failure"})
     for step in (10, 20):
         log.emit(ev.CheckpointSaved(t=t + step, replica=0, rank=0, step=step, stall_s=0.003, nbytes=1000))
     log.emit(ev.CheckpointPersisted(t=t + 11, replica=0, rank=0, step=10, ok=True, persist_s=0.4, nbytes=1000))
@@ -86,6 +90,8 @@ def test_metrics_follow_prometheus_names_and_count_what_the_events_say(server: O
     assert samples['unbroken_replica_state{replica="1",state="training"}'] == 1
     assert samples['unbroken_restarts_total{cause="process_exit"}'] == 1
     assert samples['unbroken_verdicts_total{class="straggler"}'] == 1
+    assert samples['unbroken_port_failures{host="h1",interface="eth0",peer="2",state="flapping"}'] == 3
+    assert not any("failing" in k for k in samples if k.startswith("unbroken_port_failures"))  # the latest state only
     assert samples["unbroken_detection_seconds_count"] == 1 and samples["unbroken_detection_seconds_sum"] == 0.5
     assert samples["unbroken_recovery_seconds_sum"] == pytest.approx(3.5)  # failed at +5.5, training at +9
     assert samples['unbroken_recovery_seconds_bucket{le="5"}'] == 1
@@ -108,7 +114,8 @@ def test_the_state_shows_the_replicas_history_and_the_timeline(server: ObserveSe
     assert code == 200
     (r1,) = [r for r in state["replicas"] if r["replica"] == 1]
     assert r1["history"] == ["training", "failed", "recovering", "catching_up", "training"]
-    assert [e["kind"] for e in state["timeline"]] == ["quorum", "fault_injected", "process_exited", "verdict"]
+    assert [e["kind"] for e in state["timeline"]] == ["quorum", "fault_injected", "process_exited"] + ["verdict"] * 3
+    assert state["ports"] == [{"host": "h1", "interface": "eth0", "peer": 2, "state": "flapping", "failures": 3}]
     assert [p[0] for p in state["series"]["0"]] == list(range(10))
 
 
