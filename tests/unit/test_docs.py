@@ -96,13 +96,23 @@ def test_a_benchmark_page_is_dated_and_says_how(page: Path) -> None:
     assert re.search(r"\b(machine|cores?|CPU|GPU|H100|H200)\b", text), f"{page.name}: no machine"
 
 
+def _anchors(doc: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces to hyphens."""
+    headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", doc.read_text(), flags=re.S), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
 def test_links_between_docs_resolve() -> None:
-    """A relative link in a user doc points to a file that exists (a moved log leaves no dead link)."""
+    """A relative link in a doc points to a file that exists, and to a heading of it when it names
+    one (a moved section leaves no dead link)."""
     dead = []
     for doc in USER_DOCS + BENCHMARK_PAGES:
-        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", doc.read_text()):
             if "://" in target or target.startswith("mailto:"):
                 continue
-            if not (doc.parent / target).exists():
+            path = (doc.parent / target) if target else doc
+            if not path.exists():
                 dead.append(f"{_rel(doc)} -> {target}")
+            elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+                dead.append(f"{_rel(doc)} -> {target}#{anchor}")
     assert not dead, dead
