@@ -27,7 +27,8 @@ COMMANDS: dict[str, str] = {
     "secret": "unbroken.control.secret_file:secret",
 }
 
-# name -> "module:attribute" of the `unbroken bench NAME` scenarios.
+# name -> "module:attribute" of the `unbroken bench NAME` scenarios: the one list of them
+# (`unbroken bench --help` shows it; tests/unit/test_docs.py holds the docs to it).
 BENCHMARKS: dict[str, str] = {
     "planner": "unbroken.bench.planner:planner",
     "checkpoint": "unbroken.bench.checkpoint:checkpoint",
@@ -39,6 +40,7 @@ BENCHMARKS: dict[str, str] = {
     "coordinator": "unbroken.bench.coordinator:coordinator",
     "epochs": "unbroken.bench.epochs:epochs",
     "iccl": "unbroken.bench.iccl:iccl",
+    "abuse": "unbroken.bench.abuse:abuse",
 }
 
 

@@ -59,3 +59,229 @@ def test_the_environment_is_read_only_in_config() -> None:
         if read.search(line)
     ]
     assert not found, found
+
+
+# --- the map in docs/architecture.md, checked against the code -----------------------------------
+#
+# The diagram is a Mermaid `graph` with one arrow per line: `a --> b & c` is a real import of `b`
+# and `c` by `a`; a dotted arrow (`a -. "why" .-> b`) is one that points up a layer and must say
+# why; `cli -. lazy .-> x` is a subcommand imported by name when invoked, not an import. The nodes
+# in `subgraph base` may be imported by anyone without an arrow, and import only each other.
+# A "unit" is a package under unbroken/ or a module directly in it.
+
+ROOT = PACKAGE.parent
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+NODE_ALIASES = {"api": "__init__"}  # Mermaid ids cannot read well as `__init__`
+OUTSIDE_NODES = {"user"}  # the user's training script
+NOT_MAPPED = {"__main__"}  # `python -m unbroken`: one line that calls cli.main
+ARROW = re.compile(r"\s*(-->|-\.\s*(?:\"[^\"]*\"|[\w ]*?)\s*\.->)\s*")
+NODE = re.compile(r"^(\w+)(?:\[\"[^\"]*\"\])?$")
+
+
+def _units() -> set[str]:
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    return packages | {p.stem for p in PACKAGE.glob("*.py")} - NOT_MAPPED
+
+
+def _unit_of(module: str, names: tuple[str, ...], units: set[str]) -> set[str]:
+    """The units an import statement reaches: `from unbroken import config` is the module
+    config.py, `from unbroken import Optimizer` the public API in __init__.py."""
+    parts = module.split(".")
+    if parts[0] != "unbroken":
+        return set()
+    if len(parts) > 1:
+        return {parts[1]}
+    return {n if n in units else "__init__" for n in names} or {"__init__"}
+
+
+def _real_imports() -> dict[str, set[str]]:
+    """unit -> the other units it imports, at the top or inside a function."""
+    units = _units()
+    out: dict[str, set[str]] = {u: set() for u in units}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).parts
+        source = rel[0] if len(rel) > 1 else path.stem
+        if source in NOT_MAPPED:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                out[source] |= _unit_of(node.module, tuple(a.name for a in node.names), units)
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    out[source] |= _unit_of(alias.name, (), units)
+        out[source].discard(source)
+    return out
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(heading)
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else len(text)]
+
+
+class Diagram:
+    """The arrows and nodes of the first Mermaid block of docs/architecture.md."""
+
+    def __init__(self, text: str) -> None:
+        block = text.split("```mermaid\n", 1)[1].split("```", 1)[0]
+        self.solid: set[tuple[str, str]] = set()
+        self.dotted: dict[tuple[str, str], str] = {}
+        self.nodes: set[str] = set()
+        self.base: set[str] = set()
+        in_base = False
+        for raw in block.splitlines()[1:]:
+            line = raw.strip()
+            if line.startswith("subgraph base"):
+                in_base = True
+                continue
+            if line == "end":
+                in_base = False
+                continue
+            if not line or line.startswith("%%"):
+                continue
+            pieces = ARROW.split(line)
+            assert len(pieces) in (1, 3), f"one arrow per line in the diagram: {line!r}"
+            sources = self._names(pieces[0], line)
+            self.nodes |= sources
+            if in_base:
+                self.base |= sources
+            if len(pieces) == 1:
+                continue
+            targets = self._names(pieces[2], line)
+            self.nodes |= targets
+            if in_base:
+                self.base |= targets
+            label = pieces[1].removeprefix("-.").removesuffix(".->").strip().strip('"')
+            for a in sources:
+                for b in targets:
+                    if pieces[1] == "-->":
+                        self.solid.add((a, b))
+                    else:
+                        self.dotted[(a, b)] = label
+
+    @staticmethod
+    def _names(side: str, line: str) -> set[str]:
+        out = set()
+        for item in side.split("&"):
+            match = NODE.match(item.strip())
+            assert match, f"cannot read node {item.strip()!r} in diagram line {line!r}"
+            out.add(NODE_ALIASES.get(match[1], match[1]))
+        return out
+
+    def arrows(self) -> set[tuple[str, str]]:
+        return self.solid | set(self.dotted)
+
+
+@pytest.fixture(scope="module")
+def diagram() -> Diagram:
+    return Diagram(ARCHITECTURE.read_text())
+
+
+@pytest.fixture(scope="module")
+def real() -> dict[str, set[str]]:
+    return _real_imports()
+
+
+def test_every_unit_is_a_node_of_the_diagram(diagram: Diagram) -> None:
+    assert sorted(_units() - diagram.nodes) == []
+    strangers = diagram.nodes - _units() - OUTSIDE_NODES
+    assert not strangers, f"the diagram names what is not under unbroken/: {sorted(strangers)}"
+
+
+def test_every_real_import_is_drawn(diagram: Diagram, real: dict[str, set[str]]) -> None:
+    missing = [
+        f"{a} --> {b}"
+        for a, targets in sorted(real.items())
+        for b in sorted(targets - diagram.base)
+        if (a, b) not in diagram.arrows()
+    ]
+    assert not missing, f"imported but not drawn in docs/architecture.md: {missing}"
+
+
+def test_every_drawn_arrow_is_a_real_import(diagram: Diagram, real: dict[str, set[str]]) -> None:
+    lazy = {(a, b) for (a, b), label in diagram.dotted.items() if label == "lazy"}
+    invented = [
+        f"{a} --> {b}"
+        for a, b in sorted(diagram.arrows() - lazy)
+        if a not in OUTSIDE_NODES and b not in real.get(a, set())
+    ]
+    assert not invented, f"drawn in docs/architecture.md but never imported: {invented}"
+
+
+def test_the_lazy_arrows_are_the_subcommands(diagram: Diagram) -> None:
+    from unbroken.cli import COMMANDS
+
+    drawn = {b for (a, b), label in diagram.dotted.items() if label == "lazy" and a == "cli"}
+    assert drawn == {target.split(".")[1] for target in COMMANDS.values()}
+
+
+def test_the_base_imports_only_the_base(diagram: Diagram, real: dict[str, set[str]]) -> None:
+    assert {"config", "wire"} <= diagram.base
+    wrong = {unit: real[unit] - diagram.base for unit in diagram.base if real[unit] - diagram.base}
+    assert not wrong, wrong
+
+
+def test_solid_arrows_point_down(diagram: Diagram) -> None:
+    """The solid arrows have no cycle, so they rank the layers; the few imports that point up
+    are drawn dotted with the reason beside them."""
+    assert all(label for label in diagram.dotted.values()), diagram.dotted
+    below: dict[str, set[str]] = {}
+    for a, b in diagram.solid:
+        below.setdefault(a, set()).add(b)
+    done: set[str] = set()
+
+    def visit(node: str, path: tuple[str, ...]) -> None:
+        assert node not in path, f"a cycle of solid arrows: {' --> '.join((*path, node))}"
+        if node not in done:
+            for b in below.get(node, ()):
+                visit(b, (*path, node))
+            done.add(node)
+
+    for node in sorted(below):
+        visit(node, ())
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_the_diagram_keeps_forbidden_layers_out_of_reach(diagram: Diagram, package: str) -> None:
+    """What the diagram lets a package reach, through any chain of arrows, is never a layer
+    that FORBIDDEN keeps above it."""
+    reach, todo = set(), [package]
+    while todo:
+        node = todo.pop()
+        for a, b in diagram.arrows():
+            if a == node and b not in reach:
+                reach.add(b)
+                todo.append(b)
+    assert not reach & set(FORBIDDEN[package]), sorted(reach & set(FORBIDDEN[package]))
+
+
+def _tour_rows() -> dict[str, str]:
+    """First cell of each row of the package tour (`train/`, `examples/gpt/`, `entry.py`) -> row."""
+    section = _section(ARCHITECTURE.read_text(), "## Layers, and where each concept lives")
+    rows = {}
+    for line in section.splitlines():
+        match = re.match(r"\| `([\w/.]+)` \|", line)
+        if match:
+            rows[match[1]] = line
+    return rows
+
+
+def test_every_unit_has_a_row_in_the_tour() -> None:
+    covered = {name.split("/")[0] if "/" in name else name.removesuffix(".py") for name in _tour_rows()}
+    assert sorted(_units() - covered) == []
+
+
+def test_every_module_the_architecture_names_exists() -> None:
+    """A module named in a row is under the row's package; a path elsewhere in the page starts at
+    a package (`train/manager.py`), at `unbroken/` or at `tests/`."""
+    missing = []
+    for first, row in _tour_rows().items():
+        base = PACKAGE / first if first.endswith("/") else PACKAGE
+        for name in re.findall(r"`([\w/]+\.py)`", row):
+            if not (base / name).is_file() and not (PACKAGE / name).is_file():
+                missing.append(f"{first}: {name}")
+    for path in set(re.findall(r"`((?:[a-z_]+/)+[a-z_]+\.py)`", ARCHITECTURE.read_text())):
+        start = ROOT if path.startswith(("unbroken/", "tests/")) else PACKAGE
+        if not (start / path).is_file():
+            missing.append(path)
+    assert not missing, f"docs/architecture.md names modules that do not exist: {sorted(missing)}"

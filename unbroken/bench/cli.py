@@ -7,6 +7,6 @@ import click
 from unbroken.cli import BENCHMARKS, LazyGroup
 
 
-@click.group(cls=LazyGroup, lazy={**BENCHMARKS, "abuse": "unbroken.bench.abuse:abuse"})
+@click.group(cls=LazyGroup, lazy=BENCHMARKS)
 def bench() -> None:
     """Measure unbroken against its baselines; every scenario prints JSON with --json."""
