@@ -24,7 +24,7 @@ is a burst that each client process handles in turn, so part of ``disconnect_to_
 theirs). ``--client-procs`` changes their number: the figures should not move. Their garbage
 collector is off for the run (:mod:`unbroken.bench.coordinator_sim`): its pauses were theirs,
 not the coordinator's. At 5,000 groups they need a core between them, and on a 2-core machine
-the figures of that size vary from run to run (docs/operations.md).
+the figures of that size vary from run to run (docs/benchmarks/2026-11-26-coordinator-scale.md).
 
 The machine is shared: timings are meaningful only when it is otherwise idle (``uptime``).
 """
