@@ -20,6 +20,7 @@ bounded by how many operations can be stuck at once, which each epoch's deadline
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import dataclasses
 import logging
@@ -93,6 +94,9 @@ class GroupReaper:
         self.stuck = 0  # kept forever: an operation or an abort never ended
         self.abort_errors = 0
         self.abort_s: deque[float] = deque(maxlen=256)  # how long the latest aborts took (what abort costs)
+        # At interpreter exit, groups still waiting are kept: destroyed during finalization, with
+        # this daemon thread frozen, a Gloo group's threads end in std::terminate.
+        atexit.register(self.close)
 
     def retire(self, group: Any, backend: str, epoch: int | None, works: Sequence[Work] = ()) -> None:
         """Hands ``group`` over; the caller drops its own references at once."""
@@ -126,7 +130,7 @@ class GroupReaper:
         with self._cond:
             self._closed = True
             for item in self._waiting:
-                keep_forever(item.group)
+                keep_forever(item)  # the group and the works held with it
             self._waiting.clear()
             self._cond.notify_all()
 

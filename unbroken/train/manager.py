@@ -66,6 +66,9 @@ LEGACY_STATE_KEY = "state"  # where init(state_dict=..., load_state_dict=...) re
 DEFAULT_MAX_ATTEMPTS = 8
 DEFAULT_QUORUM_TIMEOUT_S = 600.0
 DEFAULT_CONNECT_TIMEOUT_S = 60.0
+# How long leaving the job waits for the epoch groups to be released (a Gloo group whose peer is
+# gone releases in milliseconds; one with a stuck operation is kept, never destroyed, at exit).
+SHUTDOWN_RELEASE_S = 3.0
 
 
 class Manager:
@@ -566,7 +569,7 @@ class Manager:
             return
         self._closed = True
         self.client.close(finished=finished)
-        self.group.close()
+        self.group.close(timeout_s=SHUTDOWN_RELEASE_S)
         self.catchup.close()
         if self._replica_store is not None and self._replica_store[1] is not None:
             self._replica_store[1].close()
