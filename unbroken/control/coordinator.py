@@ -154,7 +154,7 @@ class Coordinator:
         self._tcp_store: Any = None
         self.store_address = ""
         # What a rank's connection may say once it said hello (``hello`` and ``status`` aside).
-        self._rank_ops: dict[str, Callable[[RankConn, protocol.Message], None]] = {
+        self.rank_ops: dict[str, Callable[[RankConn, protocol.Message], None]] = {
             protocol.Heartbeat.OP: lambda conn, msg: self._heartbeat(conn, protocol.Heartbeat.from_msg(msg)),
             protocol.Telemetry.OP: self._telemetry,
             protocol.QuorumAsk.OP: self._quorum,
@@ -299,8 +299,8 @@ class Coordinator:
             self.agents.handle(agent, op, msg)
         elif conn is None:
             link.send(protocol.Error("say hello first").to_msg())
-        elif op in self._rank_ops:
-            self._rank_ops[op](conn, msg)
+        elif op in self.rank_ops:
+            self.rank_ops[op](conn, msg)
         return op, conn, agent
 
     def _telemetry(self, conn: RankConn, msg: protocol.Message) -> None:
