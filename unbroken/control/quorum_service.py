@@ -46,7 +46,7 @@ class RankConn:
 
 
 # A rank's request: its connection, the request's id, the step it asks for, the epoch it says failed.
-Asked = tuple[RankConn, int, int, "int | None"]
+Asked = tuple[RankConn, int, int, int | None]
 
 
 class QuorumService:

@@ -22,17 +22,16 @@ from unbroken.control.quorum_service import RankConn
 from unbroken.wire.admission import Admission, RefusalLog
 from unbroken.wire.auth import TICKET_BYTES, AuthError, JobSecret, server_handshake_async
 
-log = logging.getLogger("unbroken.control.coordinator")
+log = logging.getLogger("unbroken.control.coordinator")  # the coordinator's log, as before the split
 
 # A connection that sends this many malformed messages is not a replica gone astray: it is closed.
 MAX_BAD_MESSAGES = 100
 
-Who = tuple["RankConn | None", "AgentConn | None"]
 # Acts on one message (msg, link, the rank and agent it spoke as so far) and returns the op and
 # who the connection speaks as now; the op ``stop`` ends the connection.
 Dispatch = Callable[
-    [protocol.Message, protocol.Link, "RankConn | None", "AgentConn | None"],
-    tuple[str, "RankConn | None", "AgentConn | None"],
+    [protocol.Message, protocol.Link, RankConn | None, AgentConn | None],
+    tuple[str, RankConn | None, AgentConn | None],
 ]
 
 
