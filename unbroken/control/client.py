@@ -17,6 +17,7 @@ fails its MAC ends the connection (the thread reconnects).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import selectors
@@ -25,11 +26,10 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
 from unbroken.config import parse_host_ports
 from unbroken.control import protocol
-from unbroken.control.failure import MAX_FAILURE_CHARS
 from unbroken.control.heartbeat import heartbeat_due
 from unbroken.control.quorum import QuorumDecision
 from unbroken.control.silence import SilenceWatch
@@ -52,6 +52,28 @@ class OutOfStep(ConnectionError):
     """A short quorum answer this connection cannot complete: it is dropped, and re-asks in full."""
 
 
+class QuorumClient(Protocol):
+    """What a replica's training loop (:class:`~unbroken.train.manager.Manager`) uses of its
+    coordinator connection: :class:`CoordinatorClient` is the one implementation, and every
+    stand-in for it in tests is checked against it (``tests/unit/control/test_client_interface.py``)."""
+
+    store_address: str | None
+    compute_s: float | None
+    silence: SilenceWatch
+
+    def wait_connected(self, timeout: float) -> None: ...
+
+    def request_quorum(
+        self,
+        step: int,
+        failed_epoch: int | None = None,
+        step_time: float | None = None,
+        failure: str | None = None,
+    ) -> Future[dict[str, Any]]: ...
+
+    def close(self, finished: bool = True) -> None: ...
+
+
 class CoordinatorClient:
     """A persistent, self-healing connection to the coordinator.
 
@@ -60,7 +82,8 @@ class CoordinatorClient:
             active coordinator and its standbys (``unbroken coordinator --standby``), tried in
             turn until one answers; after a loss, the one that answered last is tried first.
         secret: the job's secret (:meth:`JobSecret.required` reads the one a worker was started with).
-        hello: identity sent on every (re)connection: replica, rank, world_size, transfer_addr...
+        hello: identity sent on every (re)connection: replica, rank, world_size, transfer_addr,
+            node (the fields of :class:`~unbroken.control.protocol.Hello`, checked here).
         on_abort: called from the connection thread with the epoch to abort.
         on_donate: called from the connection thread when this replica will likely serve a
             newcomer (its id) at its next step.
@@ -85,7 +108,10 @@ class CoordinatorClient:
         self.addresses = parse_host_ports(address, "coordinator address")
         self.host, self.port = self.addresses[0]  # the one connected to (or tried) last
         self.secret = secret
-        self.hello = dict(hello)
+        try:
+            self.hello = protocol.Hello.from_msg({**hello, "step": 0})
+        except ValueError as e:
+            raise ValueError(f"CoordinatorClient's hello: {e}") from None
         self.on_abort = on_abort
         self.on_donate = on_donate
         self.heartbeat_s = heartbeat_s
@@ -127,15 +153,9 @@ class CoordinatorClient:
         the coordinator tells a configuration error from a fault."""
         self.step = step
         req_id = next(self._ids)
-        msg: dict[str, Any] = {
-            "op": "quorum",
-            "id": req_id,
-            "step": step,
-            "failed_epoch": failed_epoch,
-            "step_time": step_time,
-        }
-        if failure is not None and failed_epoch is not None:
-            msg["failure"] = failure[:MAX_FAILURE_CHARS]
+        msg = protocol.QuorumAsk(
+            id=req_id, step=step, step_time=step_time, failed_epoch=failed_epoch, failure=failure
+        ).to_msg()
         fut: Future[dict[str, Any]] = Future()
         with self._lock:
             self._pending[req_id] = (msg, fut)
@@ -145,7 +165,7 @@ class CoordinatorClient:
     def close(self, finished: bool = True) -> None:
         """Says goodbye (a finished replica is not a failed one) and stops the thread."""
         if finished:
-            self._send({"op": "bye"})
+            self._send(protocol.Bye().to_msg())
         self._closed.set()
         self._thread.join(timeout=2.0)
         if self._sock is not None:
@@ -178,7 +198,7 @@ class CoordinatorClient:
             try:
                 sock, session = protocol.connect(self.host, self.port, self.secret, timeout=5.0)
                 sock.settimeout(None)
-                hello = {"op": "hello", "step": self.step, **self.hello}
+                hello = dataclasses.replace(self.hello, step=self.step).to_msg()
                 sock.sendall(protocol.encode(hello, session))
                 return sock, session
             except AuthError as e:
@@ -231,11 +251,11 @@ class CoordinatorClient:
                 now = time.monotonic()
                 if now >= next_beat:
                     self.silence.beat(now)
-                    beat = {"step": self.step, "compute_s": self.compute_s}
+                    beat = protocol.Heartbeat(step=self.step, compute_s=self.compute_s)
                     if self.telemetry is not None:  # one line: the batch carries the heartbeat
-                        self._send({"op": "telemetry", **beat, **self.telemetry().to_msg()})
+                        self._send(protocol.Telemetry(beat, self.telemetry().to_msg()).to_msg())
                     elif heartbeat_due(now, self._last_sent, self.heartbeat_s):
-                        self._send({"op": "heartbeat", **beat})
+                        self._send(beat.to_msg())
                     next_beat = now + self.heartbeat_s
                 if not sel.select(timeout=max(0.0, next_beat - now)):
                     continue
@@ -281,38 +301,40 @@ class CoordinatorClient:
 
     def _handle(self, msg: dict[str, Any]) -> None:
         op = msg["op"]
-        if op == "welcome":
-            if not isinstance(msg.get("store"), str):
-                raise ValueError("a welcome without a store address")
-            self.store_address = msg["store"]
-            period = protocol.seconds(msg, "heartbeat_s", None)
-            if period is not None:  # the coordinator's pace for a job of its size
-                self.heartbeat_s = min(max(period, MIN_HEARTBEAT_S), MAX_HEARTBEAT_S)
-            timeout = protocol.seconds(msg, "timeout_s", None)
-            if timeout:
-                self.silence.limit_s = timeout / 2
+        if op == protocol.Welcome.OP:
+            welcome = protocol.Welcome.from_msg(msg)
+            self.store_address = welcome.store
+            if welcome.heartbeat_s is not None:  # the coordinator's pace for a job of its size
+                self.heartbeat_s = min(max(welcome.heartbeat_s, MIN_HEARTBEAT_S), MAX_HEARTBEAT_S)
+            if welcome.timeout_s:
+                self.silence.limit_s = welcome.timeout_s / 2
             self._connected.set()
-        elif op == "quorum":
-            try:
-                msg = protocol.expand_answer(msg, self._last_answer)
-            except ValueError as e:
-                raise OutOfStep(str(e)) from e
-            msg = {**msg, "decision": listed_decision(msg.get("decision"))}
-            self._last_answer = msg
-            store = msg.get("store", self.store_address)
-            if not isinstance(store, str):
-                raise ValueError("a store address that is no string")
-            self.store_address = store
-            with self._lock:
-                entry = self._pending.pop(protocol.count(msg, "id"), None)
-            if entry is not None:
-                entry[1].set_result(msg)
-        elif op == "abort" and self.on_abort is not None:
-            self.on_abort(protocol.count(msg, "epoch"))
-        elif op == "donate" and self.on_donate is not None:
-            self.on_donate(protocol.count(msg, "to"))
-        elif op == "error":
-            log.warning("coordinator: %s", msg.get("message"))
+        elif op == protocol.QuorumAnswer.OP:
+            self._answer(msg)
+        elif op == protocol.Abort.OP and self.on_abort is not None:
+            self.on_abort(protocol.Abort.from_msg(msg).epoch)
+        elif op == protocol.Donate.OP and self.on_donate is not None:
+            self.on_donate(protocol.Donate.from_msg(msg).to)
+        elif op == protocol.Error.OP:
+            log.warning("coordinator: %s", protocol.Error.from_msg(msg).message)
+
+    def _answer(self, msg: dict[str, Any]) -> None:
+        """A quorum answer (:class:`~unbroken.control.protocol.QuorumAnswer` in full, or
+        :class:`~unbroken.control.protocol.QuorumSame`): resolves the request it answers."""
+        try:
+            msg = protocol.expand_answer(msg, self._last_answer)
+        except ValueError as e:
+            raise OutOfStep(str(e)) from e
+        msg = {**msg, "decision": listed_decision(msg.get("decision"))}
+        self._last_answer = msg
+        store = msg.get("store", self.store_address)
+        if not isinstance(store, str):
+            raise ValueError("a store address that is no string")
+        self.store_address = store
+        with self._lock:
+            entry = self._pending.pop(protocol.count(msg, "id"), None)
+        if entry is not None:
+            entry[1].set_result(msg)
 
     def _fail_pending(self, exc: Exception) -> None:
         with self._lock:

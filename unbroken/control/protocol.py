@@ -11,45 +11,112 @@ write or read one), so a line cannot be forged, replayed, reordered or reflected
 anyone who can reach the port; on-path injection into an established TCP connection is out of
 scope, as for Gloo and NCCL.
 
-Client -> coordinator ops: ``hello``, ``heartbeat``, ``quorum`` (with ``failed_epoch`` and the
-exchange's ``failure`` text after a failed exchange), ``bye``, ``exited``.
-Coordinator -> client ops: ``welcome``, ``quorum`` (the answer, same ``id``), ``abort``,
-``error``. A quorum answer in the epoch this connection was last answered with, with nobody
-behind (the fast path: same members, next step), is short: ``same_epoch`` and ``step`` only,
-and the client fills in the rest from that last full answer (:func:`expand_answer`). The
-members and their addresses travel once per epoch, not once per step: on the fast path a
-client receives a few dozen bytes whatever the job's size.
-
-Each incoming op is parsed into a frozen dataclass below (:class:`Hello`, :class:`QuorumAsk`,
-:class:`Heartbeat`, :class:`Exited`, :class:`AgentHello`, :class:`StackReport`) with the bounds
-of :func:`count`, :func:`seconds` and :func:`text`; what the coordinator sends is built from
-the dataclasses of its ops (:class:`Welcome`, :class:`QuorumAnswer`, :class:`Abort`, ...).
-Telemetry batches are parsed by the diagnosis master.
-
-Node agents (``unbroken agent``) keep a connection of their own: agent -> coordinator
-``agent_hello`` (node, slots), ``agent_heartbeat``, ``exited``, ``stack``; coordinator -> agent
-``assign`` (replica ids to start), ``agent_status`` (their steps), ``dump_stack``,
-``job_finished``, ``job_failed`` (the job is ended: stop, exit with its code), ``error``. The
-agent's connection closing means every replica it ran is gone.
+The operations, and the typed message of each, are listed once, in
+:data:`unbroken.control.messages.MESSAGES` (re-exported here, with every message class, so that
+``protocol.Hello`` and the rest read as before). A quorum answer in the epoch this connection
+was last answered with, with nobody behind (the fast path: same members, next step), is short:
+``same_epoch`` and ``step`` only, and the client fills in the rest from that last full answer
+(:func:`expand_answer`). The members and their addresses travel once per epoch, not once per
+step: on the fast path a client receives a few dozen bytes whatever the job's size. Node agents
+(``unbroken agent``) keep a connection of their own; its closing means every replica the agent
+ran is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
-import math
 import socket
 from typing import Any
 
-from unbroken.control.failure import MAX_FAILURE_CHARS
+from unbroken.control.messages import (
+    MAX_SECONDS,
+    MAX_STACK,
+    MESSAGES,
+    Abort,
+    AgentHeartbeat,
+    AgentHello,
+    AgentStatus,
+    Assign,
+    Bye,
+    Direction,
+    Donate,
+    DumpStack,
+    Error,
+    Exited,
+    GroupAssign,
+    GroupPort,
+    GroupRelease,
+    GroupStop,
+    Heartbeat,
+    Hello,
+    JobFailedNotice,
+    JobFinished,
+    Message,
+    QuorumAnswer,
+    QuorumAsk,
+    QuorumSame,
+    StackReport,
+    StatusRequest,
+    Telemetry,
+    Welcome,
+    count,
+    ops,
+    seconds,
+    text,
+)
 from unbroken.wire.auth import JobSecret, Session, client_handshake, client_handshake_async
 
-Message = dict[str, Any]
+__all__ = [
+    "MAX_LINE",
+    "MAX_SECONDS",
+    "MAX_STACK",
+    "MESSAGES",
+    "PURPOSE",
+    "Abort",
+    "AgentHeartbeat",
+    "AgentHello",
+    "AgentStatus",
+    "Assign",
+    "Bye",
+    "Direction",
+    "Donate",
+    "DumpStack",
+    "Error",
+    "Exited",
+    "GroupAssign",
+    "GroupPort",
+    "GroupRelease",
+    "GroupStop",
+    "Heartbeat",
+    "Hello",
+    "JobFailedNotice",
+    "JobFinished",
+    "Link",
+    "Message",
+    "QuorumAnswer",
+    "QuorumAsk",
+    "QuorumSame",
+    "StackReport",
+    "StatusRequest",
+    "Telemetry",
+    "Welcome",
+    "answer_payload",
+    "answer_tail",
+    "connect",
+    "connect_async",
+    "count",
+    "decode",
+    "encode",
+    "expand_answer",
+    "ops",
+    "request",
+    "seconds",
+    "text",
+]
 
 MAX_LINE = 1 << 20
 PURPOSE = "coordinator"  # binds the handshake to this listener: no other's can be replayed here
-MAX_SECONDS = 86400.0  # no duration the job reports (a step, a compute time) is longer than a day
 
 
 def encode(msg: Message, session: Session) -> bytes:
@@ -160,40 +227,6 @@ def request(host: str, port: int, secret: JobSecret, msg: Message, timeout: floa
     return decode(buf.split(b"\n", 1)[0], session)
 
 
-def count(msg: Message, key: str, default: int | None = None) -> int:
-    """``msg[key]`` as a non-negative integer (a step, an id, an epoch); ValueError otherwise."""
-    value = msg.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 62:
-        raise ValueError(f"{key} must be an integer >= 0, got {value!r:.40}")
-    return value
-
-
-def seconds(msg: Message, key: str, default: float | None) -> float | None:
-    """``msg[key]`` as a duration of 0 to :data:`MAX_SECONDS`, or None; ValueError otherwise.
-
-    Bounded, not merely finite: a step time of 1e308 would stretch the join window forever.
-    """
-    value = msg.get(key, default)
-    if value is None:
-        return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or not 0 <= value <= MAX_SECONDS
-    ):
-        raise ValueError(f"{key} must be a number of seconds from 0 to {MAX_SECONDS:g}, got {value!r:.40}")
-    return float(value)
-
-
-def text(msg: Message, key: str, max_len: int = 256) -> str:
-    """``msg[key]`` as a string of at most ``max_len`` characters ("" when absent); ValueError otherwise."""
-    value = msg.get(key, "")
-    if not isinstance(value, str) or len(value) > max_len:
-        raise ValueError(f"{key} must be a string of at most {max_len} characters, got {value!r:.40}")
-    return value
-
-
 def connected_to_itself(sock: socket.socket) -> bool:
     """Whether a loopback connect met no listener but its own port (TCP simultaneous open).
 
@@ -207,167 +240,7 @@ def connected_to_itself(sock: socket.socket) -> bool:
         return False
 
 
-# -- typed messages --------------------------------------------------------------------------
-#
-# What a peer sends is parsed once, at the coordinator's edge, into one of these: every field
-# validated by the functions above (types, bounds, lengths), so the handlers past
-# :meth:`Coordinator._dispatch` work with named, typed fields and never with the raw dict. The
-# job-relative checks (a replica id below the job's count, a rank below its world size) stay
-# with the coordinator, which knows the job. What the coordinator sends is built from these
-# too (:meth:`to_msg`), so both sides of a line are spelt in one place.
-
-MAX_STACK = 8000  # characters of a stack kept in an event
-
-
-@dataclasses.dataclass(frozen=True)
-class Hello:
-    """A rank says who it is (the first line of a replica's connection)."""
-
-    replica: int
-    rank: int
-    world_size: int
-    transfer_addr: str
-    node: str
-    step: int
-
-    @classmethod
-    def from_msg(cls, msg: Message) -> Hello:
-        return cls(
-            replica=count(msg, "replica"),
-            rank=count(msg, "rank"),
-            world_size=count(msg, "world_size"),
-            transfer_addr=text(msg, "transfer_addr"),
-            node=text(msg, "node"),
-            step=count(msg, "step", 0),
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class Heartbeat:
-    """A rank is alive; its step and compute time, when it sends them."""
-
-    step: int | None
-    compute_s: float | None
-
-    @classmethod
-    def from_msg(cls, msg: Message) -> Heartbeat:
-        step = None if msg.get("step") is None else count(msg, "step")
-        return cls(step=step, compute_s=seconds(msg, "compute_s", None))
-
-
-@dataclasses.dataclass(frozen=True)
-class QuorumAsk:
-    """A rank's quorum request for ``step`` (``failed_epoch``: its exchange in that epoch failed,
-    ``failure``: with this error, which the coordinator classifies itself)."""
-
-    id: int
-    step: int
-    step_time: float | None
-    failed_epoch: int | None
-    failure: str | None = None
-
-    @classmethod
-    def from_msg(cls, msg: Message) -> QuorumAsk:
-        failed = None if msg.get("failed_epoch") is None else count(msg, "failed_epoch")
-        failure = msg.get("failure")
-        if failure is not None and (not isinstance(failure, str) or len(failure) > MAX_FAILURE_CHARS):
-            raise ValueError(f"failure must be a string of at most {MAX_FAILURE_CHARS} characters")
-        return cls(
-            id=count(msg, "id"),
-            step=count(msg, "step"),
-            step_time=seconds(msg, "step_time", None),
-            failed_epoch=failed,
-            failure=failure if failed is not None else None,
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class Exited:
-    """A process of ``replica`` exited (reported by its supervisor, agent, or a sibling rank)."""
-
-    replica: int
-    exitcode: int | None
-
-    @classmethod
-    def from_msg(cls, msg: Message) -> Exited:
-        code = msg.get("exitcode")
-        if code is not None and (type(code) is not int or not -256 <= code <= 255):
-            raise ValueError(f"exitcode must be an integer from -256 to 255, got {code!r:.40}")
-        return cls(replica=count(msg, "replica"), exitcode=code)
-
-
-@dataclasses.dataclass(frozen=True)
-class AgentHello:
-    """A node agent says which node it is, how many replicas it can run and which run already."""
-
-    node: str
-    slots: int
-    running: tuple[int, ...]
-    nodes_per_replica: int = 1  # nodes each replica group spans (every agent of a job says the same)
-    addr: str = ""  # where the group's other nodes reach this one (checked when groups span nodes)
-
-    @classmethod
-    def from_msg(cls, msg: Message, max_slots: int, max_nodes_per_replica: int = 1024) -> AgentHello:
-        node, slots, running = text(msg, "node"), count(msg, "slots", 1), msg.get("running", [])
-        if not node or not 1 <= slots <= max_slots or not isinstance(running, list) or len(running) > max_slots:
-            raise ValueError(f"an agent_hello needs a node name, 1 to {max_slots} slots and a list of running replicas")
-        nodes_per_replica = count(msg, "nodes_per_replica", 1)
-        if not 1 <= nodes_per_replica <= max_nodes_per_replica:
-            raise ValueError(f"nodes_per_replica must be 1 to {max_nodes_per_replica}, got {nodes_per_replica}")
-        return cls(
-            node=node,
-            slots=slots,
-            running=tuple(count({"r": r}, "r") for r in running),
-            nodes_per_replica=nodes_per_replica,
-            addr=text(msg, "addr", 64),
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class StackReport:
-    """A node agent's answer to ``dump_stack``: the hung rank's stack, or why there is none."""
-
-    replica: int
-    rank: int
-    process_state: str
-    stack: str | None
-    stack_note: str
-
-    @classmethod
-    def from_msg(cls, msg: Message) -> StackReport:
-        stack = msg.get("stack")
-        return cls(
-            replica=count(msg, "replica"),
-            rank=count(msg, "rank"),
-            process_state=text(msg, "process_state", 4),
-            stack=stack[-MAX_STACK:] if isinstance(stack, str) else None,
-            stack_note=text(msg, "stack_note", 500),
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class Welcome:
-    store: str
-    epoch: int
-    heartbeat_s: float  # the period the rank must heartbeat at (it grows with the job's size)
-    timeout_s: float  # silence after which the coordinator evicts a replica
-
-    def to_msg(self) -> Message:
-        return {"op": "welcome", **dataclasses.asdict(self)}
-
-
-@dataclasses.dataclass(frozen=True)
-class QuorumAnswer:
-    """A full quorum answer's fields; the coordinator sends it pre-encoded (:func:`answer_tail`),
-    with ``transfer_addrs`` holding only a behind replica's donor (nobody else fetches)."""
-
-    id: int
-    decision: dict[str, Any]
-    transfer_addrs: dict[str, str]
-    store: str
-
-    def to_msg(self) -> Message:
-        return {"op": "quorum", **dataclasses.asdict(self)}
+# -- quorum answers, encoded once and shared --------------------------------------------------
 
 
 def answer_tail(decision: dict[str, Any], transfer_addrs: dict[str, str], store: str) -> bytes:
@@ -385,18 +258,6 @@ def answer_payload(req_id: int, tail: bytes) -> bytes:
     return b'{"op":"quorum","id":%d,%s' % (req_id, tail)
 
 
-@dataclasses.dataclass(frozen=True)
-class QuorumSame:
-    """The fast path's answer: the epoch this connection holds, now at ``step``, nobody behind."""
-
-    id: int
-    same_epoch: int
-    step: int
-
-    def to_msg(self) -> Message:
-        return {"op": "quorum", "id": self.id, "same_epoch": self.same_epoch, "step": self.step}
-
-
 def expand_answer(msg: Message, last: Message | None) -> Message:
     """A quorum answer in full: a short one (:class:`QuorumSame`) completed from ``last``, the
     last full answer on the same connection; a full one as it is.
@@ -412,72 +273,3 @@ def expand_answer(msg: Message, last: Message | None) -> Message:
         raise ValueError(f"a short quorum answer for epoch {epoch}, which this connection was never told")
     decision = {**last["decision"], "step": step, "behind": [], "donors": []}
     return {**last, "id": msg.get("id"), "decision": decision}
-
-
-@dataclasses.dataclass(frozen=True)
-class Abort:
-    epoch: int
-
-    def to_msg(self) -> Message:
-        return {"op": "abort", "epoch": self.epoch}
-
-
-@dataclasses.dataclass(frozen=True)
-class Donate:
-    to: int
-
-    def to_msg(self) -> Message:
-        return {"op": "donate", "to": self.to}
-
-
-@dataclasses.dataclass(frozen=True)
-class Assign:
-    replicas: list[int]
-    num_replicas: int
-
-    def to_msg(self) -> Message:
-        return {"op": "assign", "replicas": list(self.replicas), "num_replicas": self.num_replicas}
-
-
-@dataclasses.dataclass(frozen=True)
-class AgentStatus:
-    steps: dict[str, int]
-
-    def to_msg(self) -> Message:
-        return {"op": "agent_status", "steps": dict(self.steps)}
-
-
-@dataclasses.dataclass(frozen=True)
-class DumpStack:
-    replica: int
-    rank: int
-
-    def to_msg(self) -> Message:
-        return {"op": "dump_stack", "replica": self.replica, "rank": self.rank}
-
-
-@dataclasses.dataclass(frozen=True)
-class Error:
-    message: str
-
-    def to_msg(self) -> Message:
-        return {"op": "error", "message": self.message[:500]}
-
-
-@dataclasses.dataclass(frozen=True)
-class JobFailedNotice:
-    """Coordinator -> agent: the job is ended (:mod:`unbroken.control.job_health`); stop every
-    worker and exit with ``exit_code``."""
-
-    reason: str
-    exit_code: int
-
-    def to_msg(self) -> Message:
-        return {"op": "job_failed", "reason": self.reason[:1000], "exit_code": self.exit_code}
-
-    @classmethod
-    def from_msg(cls, msg: Message) -> JobFailedNotice:
-        code = msg.get("exit_code")
-        if type(code) is not int or not 1 <= code <= 255:
-            raise ValueError(f"exit_code must be an integer from 1 to 255, got {code!r:.40}")
-        return cls(reason=text(msg, "reason", 1000), exit_code=code)

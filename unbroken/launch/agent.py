@@ -186,7 +186,7 @@ class Agent:
                     if self.s.http_port is not None:
                         self._serve_http()
                     self._link = await self._connect()
-                    self._send(self._hello())
+                    self._send(self._hello().to_msg())
                     self.events.emit(
                         "agent_started", node=self.s.node, slots=self.s.slots, coordinator=self.s.coordinator
                     )
@@ -258,11 +258,14 @@ class Agent:
                 await asyncio.sleep(0.2 if len(addresses) == 1 else 0.05)
         raise AssertionError("unreachable")
 
-    def _hello(self) -> dict[str, Any]:
-        hello: dict[str, Any] = {"op": "agent_hello", "node": self.s.node, "slots": self.s.slots}
-        if self.s.nodes_per_replica > 1:
-            hello.update(nodes_per_replica=self.s.nodes_per_replica, addr=self.addr)
-        return hello
+    def _hello(self, running: list[int] | None = None) -> protocol.AgentHello:
+        return protocol.AgentHello(
+            node=self.s.node,
+            slots=self.s.slots,
+            running=None if running is None else tuple(running),
+            nodes_per_replica=self.s.nodes_per_replica,
+            addr=self.addr if self.s.nodes_per_replica > 1 else "",
+        )
 
     def _send(self, msg: dict[str, Any]) -> None:
         if self._link is not None:
@@ -270,7 +273,7 @@ class Agent:
 
     async def _heartbeat(self) -> None:
         while True:
-            self._send({"op": "agent_heartbeat"})
+            self._send(protocol.AgentHeartbeat().to_msg())
             await asyncio.sleep(self.s.heartbeat_s)
 
     async def _listen(self) -> None:
@@ -303,74 +306,68 @@ class Agent:
 
     async def _handle(self, msg: dict[str, Any]) -> bool:
         """Acts on one message from the coordinator; False when the agent must stop listening."""
-        if msg["op"] == "assign":
-            ids = msg["replicas"]
-            num_replicas = protocol.count(msg, "num_replicas")
-            if not isinstance(ids, list) or not all(type(r) is int and 0 <= r < num_replicas for r in ids):
-                raise ValueError(f"replicas must be a list of replica ids below {num_replicas}")
+        op = msg["op"]
+        if op == protocol.Assign.OP:
+            assign = protocol.Assign.from_msg(msg)
             if self._rejoining is not None:
-                self.events.emit("coordinator_reconnected", running=self._rejoining, assigned=msg["replicas"])
+                self.events.emit("coordinator_reconnected", running=self._rejoining, assigned=assign.replicas)
                 self._rejoining = None
-            self.num_replicas = int(msg["num_replicas"])
-            self.events.emit("replicas_assigned", replicas=msg["replicas"])
-            for r in msg["replicas"]:
-                await self._spawn(self.replicas.setdefault(int(r), _Replica(int(r))))  # running ones stay
-        elif msg["op"] == "group_assign":
-            await self._group_assign(msg)
-        elif msg["op"] == "group_stop":
-            r = self.replicas.get(protocol.count(msg, "replica"))
-            if r is not None and r.procs:
-                self.events.emit("group_stopped", replica=r.replica, incarnation=r.incarnation)
-                procs, r.procs = r.procs, []
+            self.num_replicas = assign.num_replicas
+            self.events.emit("replicas_assigned", replicas=assign.replicas)
+            for r in assign.replicas:
+                await self._spawn(self.replicas.setdefault(r, _Replica(r)))  # running ones stay
+        elif op == protocol.GroupAssign.OP:
+            await self._group_assign(protocol.GroupAssign.from_msg(msg))
+        elif op == protocol.GroupStop.OP:
+            stopped = self.replicas.get(protocol.GroupStop.from_msg(msg).replica)
+            if stopped is not None and stopped.procs:
+                self.events.emit("group_stopped", replica=stopped.replica, incarnation=stopped.incarnation)
+                procs, stopped.procs = stopped.procs, []
                 await workers.kill_groups(procs, self._guardian)
-        elif msg["op"] == "agent_status":
-            self._progress({int(r): int(s) for r, s in msg["steps"].items()})
-        elif msg["op"] == "dump_stack":
-            replica, rank = protocol.count(msg, "replica"), protocol.count(msg, "rank")
-            self._tasks.append(asyncio.create_task(self._dump_stack(replica, rank)))
-        elif msg["op"] == "job_failed":
+        elif op == protocol.AgentStatus.OP:
+            self._progress({int(r): s for r, s in protocol.AgentStatus.from_msg(msg).steps.items()})
+        elif op == protocol.DumpStack.OP:
+            dump = protocol.DumpStack.from_msg(msg)
+            self._tasks.append(asyncio.create_task(self._dump_stack(dump.replica, dump.rank)))
+        elif op == protocol.JobFailedNotice.OP:
             notice = protocol.JobFailedNotice.from_msg(msg)
             self.events.emit("job_failed", reason=notice.reason, exit_code=notice.exit_code, cause="coordinator")
             print(f"unbroken agent: the coordinator ended the job: {notice.reason}", file=sys.stderr, flush=True)
             self.exit_code = notice.exit_code
             self._stop.set()
             return False
-        elif msg["op"] == "job_finished":
+        elif op == protocol.JobFinished.OP:
             self._job_finished = True
             self.events.emit("job_finished")
             self._tasks.append(asyncio.create_task(self._end_after_grace()))
             self._maybe_done()
-        elif msg["op"] == "error":
-            self.error = f"the coordinator refused this agent: {msg.get('message')}"
+        elif op == protocol.Error.OP:
+            self.error = f"the coordinator refused this agent: {protocol.Error.from_msg(msg).message}"
             self._stop.set()
             return False
         return True
 
-    async def _group_assign(self, msg: dict[str, Any]) -> None:
+    async def _group_assign(self, a: protocol.GroupAssign) -> None:
         """Starts this node's ranks of a replica group spanning nodes, as the coordinator says.
 
         Group rank 0 (``master`` empty) picks the rendezvous port on this node's advertised
         address and tells the coordinator, which passes it to the group's other nodes.
         """
-        replica, incarnation = protocol.count(msg, "replica"), protocol.count(msg, "incarnation")
-        group_rank = protocol.count(msg, "group_rank")
-        nodes = protocol.count(msg, "nodes_per_replica")
-        num_replicas = protocol.count(msg, "num_replicas")
-        master = protocol.text(msg, "master", 80)
-        if nodes != self.s.nodes_per_replica or not group_rank < nodes or not replica < num_replicas:
+        replica, incarnation, group_rank, nodes = a.replica, a.incarnation, a.group_rank, a.nodes_per_replica
+        if nodes != self.s.nodes_per_replica:
             raise ValueError(f"a group_assign for {nodes} nodes per replica, group rank {group_rank}")
-        self.num_replicas = num_replicas
+        self.num_replicas = a.num_replicas
         r = self.replicas.setdefault(replica, _Replica(replica))
         if r.procs:  # an older start of the group: ended before the new one begins
             procs, r.procs = r.procs, []
             await workers.kill_groups(procs, self._guardian)
         r.incarnation = incarnation
         failed, r.failed = r.failed, None
-        if failed is not None and msg.get("blamed") is True:
+        if failed is not None and a.blamed:
             # The group failed here first: this node's restart policy applies (its peers' do not).
             if failed.action != "restart":
                 r.done = True
-                self._send({"op": "group_release", "replica": replica})
+                self._send(protocol.GroupRelease(replica=replica).to_msg())
                 self.events.emit("replica_given_up", replica=replica, reason=failed.reason)
                 return
             r.restarts += 1
@@ -379,12 +376,12 @@ class Agent:
             await asyncio.sleep(failed.delay_s)
             if r.incarnation != incarnation or self._stop.is_set():
                 return
-        if master:
-            host, port = env.parse_host_port(master, "master")
+        if a.master:
+            host, port = env.parse_host_port(a.master, "master")
             ipaddress.ip_address(host)
         else:
             host, port = self.addr, workers.free_port(self.addr)
-            self._send({"op": "group_port", "replica": replica, "incarnation": incarnation, "port": port})
+            self._send(protocol.GroupPort(replica=replica, incarnation=incarnation, port=port).to_msg())
         place = workers.GroupPlace(group_rank, nodes, host, port, self._ifname)
         self.events.emit(
             "replicas_assigned",
@@ -408,16 +405,10 @@ class Agent:
             except env.ConfigError as e:
                 extra = {"stack_note": str(e)}
         self.events.emit("stack", replica=replica, rank=rank, **extra)
-        self._send(
-            {
-                "op": "stack",
-                "replica": replica,
-                "rank": rank,
-                "process_state": extra.get("process_state") or "",
-                "stack": extra.get("stack"),
-                "stack_note": extra.get("stack_note", "")[:500],
-            }
+        report = protocol.StackReport(
+            replica, rank, extra.get("process_state") or "", extra.get("stack"), extra.get("stack_note", "")
         )
+        self._send(report.to_msg())
 
     async def _reconnect(self) -> bool:
         """Waits up to ``connect_timeout_s`` for a coordinator at the same address (restarted on
@@ -435,7 +426,7 @@ class Agent:
         except ConnectionError:
             return False
         running = sorted(r.replica for r in self.replicas.values() if r.procs)
-        self._send({**self._hello(), "running": running})
+        self._send(self._hello(running).to_msg())
         # Reported when the coordinator answers: a connect can also reach a dying coordinator's
         # listening socket in the instant before the kernel closes it, and be reset at once.
         self._rejoining = running
@@ -511,7 +502,7 @@ class Agent:
                 self.events.emit("replica_finished", replica=r.replica)
                 self._maybe_done()
             return
-        self._send({"op": "exited", "replica": r.replica, "exitcode": code, "incarnation": r.incarnation})
+        self._send(protocol.Exited(replica=r.replica, exitcode=code, incarnation=r.incarnation).to_msg())
         decision = self.book.decide(r.replica)
         if self._job_finished or self._coordinator_lost:
             decision = dataclasses.replace(decision, action="stop", reason="the job is over: nothing to rejoin")

@@ -52,7 +52,7 @@ def test_an_epoch_is_never_issued_twice_across_restarts(tmp_path: Path) -> None:
     for _ in range(3):
         c = coordinator(tmp_path)
         _, formed = c.quorum.request(QuorumRequest(replica=0, step=0), time.monotonic())
-        c._deliver(formed)
+        c.requests.deliver(formed)
         issued.append(formed[0].epoch)
         asyncio.run(c.stop())
     assert issued == sorted(set(issued)), issued

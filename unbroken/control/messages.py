@@ -1,0 +1,569 @@
+"""Every message of the coordinator's protocol, typed, and the one list of its operations.
+
+What a peer sends is parsed once, at the receiving edge, into one of the frozen dataclasses
+below (``from_msg``): every field validated by :func:`count`, :func:`seconds` and :func:`text`
+(types, bounds, lengths), so the handlers past the edge work with named, typed fields and never
+with the raw dict. The job-relative checks (a replica id below the job's count, a rank below
+its world size) stay with the coordinator, which knows the job. What a side sends is built from
+the same dataclasses (``to_msg``), so both sides of a line are spelt in one place: the
+coordinator, the rank's :class:`~unbroken.control.client.CoordinatorClient` and the node agent.
+
+:data:`MESSAGES` is the list of operations, by direction: the module docstrings point here
+instead of listing them, and a unit test checks every op sent or dispatched on against it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any, ClassVar
+
+from unbroken.control.failure import MAX_FAILURE_CHARS
+
+Message = dict[str, Any]
+
+MAX_SECONDS = 86400.0  # no duration the job reports (a step, a compute time) is longer than a day
+MAX_STACK = 8000  # characters of a stack kept in an event
+
+
+def count(msg: Message, key: str, default: int | None = None) -> int:
+    """``msg[key]`` as a non-negative integer (a step, an id, an epoch); ValueError otherwise."""
+    value = msg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 62:
+        raise ValueError(f"{key} must be an integer >= 0, got {value!r:.40}")
+    return value
+
+
+def seconds(msg: Message, key: str, default: float | None) -> float | None:
+    """``msg[key]`` as a duration of 0 to :data:`MAX_SECONDS`, or None; ValueError otherwise.
+
+    Bounded, not merely finite: a step time of 1e308 would stretch the join window forever.
+    """
+    value = msg.get(key, default)
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not 0 <= value <= MAX_SECONDS
+    ):
+        raise ValueError(f"{key} must be a number of seconds from 0 to {MAX_SECONDS:g}, got {value!r:.40}")
+    return float(value)
+
+
+def text(msg: Message, key: str, max_len: int = 256) -> str:
+    """``msg[key]`` as a string of at most ``max_len`` characters ("" when absent); ValueError otherwise."""
+    value = msg.get(key, "")
+    if not isinstance(value, str) or len(value) > max_len:
+        raise ValueError(f"{key} must be a string of at most {max_len} characters, got {value!r:.40}")
+    return value
+
+
+def _exitcode(msg: Message) -> int | None:
+    code = msg.get("exitcode")
+    if code is not None and (type(code) is not int or not -256 <= code <= 255):
+        raise ValueError(f"exitcode must be an integer from -256 to 255, got {code!r:.40}")
+    return code
+
+
+# -- rank -> coordinator ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Hello:
+    """A rank says who it is (the first line of a replica's connection)."""
+
+    OP: ClassVar[str] = "hello"
+    replica: int
+    rank: int
+    world_size: int
+    transfer_addr: str = ""
+    node: str = ""
+    step: int = 0
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> Hello:
+        return cls(
+            replica=count(msg, "replica"),
+            rank=count(msg, "rank"),
+            world_size=count(msg, "world_size"),
+            transfer_addr=text(msg, "transfer_addr"),
+            node=text(msg, "node"),
+            step=count(msg, "step", 0),
+        )
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP, **dataclasses.asdict(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Heartbeat:
+    """A rank is alive; its step and compute time, when it sends them."""
+
+    OP: ClassVar[str] = "heartbeat"
+    step: int | None
+    compute_s: float | None
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> Heartbeat:
+        step = None if msg.get("step") is None else count(msg, "step")
+        return cls(step=step, compute_s=seconds(msg, "compute_s", None))
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP, "step": self.step, "compute_s": self.compute_s}
+
+
+@dataclasses.dataclass(frozen=True)
+class Telemetry:
+    """A heartbeat carrying the rank's flight-recorder batch (parsed by the diagnosis master)."""
+
+    OP: ClassVar[str] = "telemetry"
+    beat: Heartbeat
+    batch: Message
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP, "step": self.beat.step, "compute_s": self.beat.compute_s, **self.batch}
+
+
+@dataclasses.dataclass(frozen=True)
+class QuorumAsk:
+    """A rank's quorum request for ``step`` (``failed_epoch``: its exchange in that epoch failed,
+    ``failure``: with this error, which the coordinator classifies itself)."""
+
+    OP: ClassVar[str] = "quorum"
+    id: int
+    step: int
+    step_time: float | None
+    failed_epoch: int | None
+    failure: str | None = None
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> QuorumAsk:
+        failed = None if msg.get("failed_epoch") is None else count(msg, "failed_epoch")
+        failure = msg.get("failure")
+        if failure is not None and (not isinstance(failure, str) or len(failure) > MAX_FAILURE_CHARS):
+            raise ValueError(f"failure must be a string of at most {MAX_FAILURE_CHARS} characters")
+        return cls(
+            id=count(msg, "id"),
+            step=count(msg, "step"),
+            step_time=seconds(msg, "step_time", None),
+            failed_epoch=failed,
+            failure=failure if failed is not None else None,
+        )
+
+    def to_msg(self) -> Message:
+        msg: Message = {
+            "op": self.OP,
+            "id": self.id,
+            "step": self.step,
+            "failed_epoch": self.failed_epoch,
+            "step_time": self.step_time,
+        }
+        if self.failure is not None and self.failed_epoch is not None:
+            msg["failure"] = self.failure[:MAX_FAILURE_CHARS]
+        return msg
+
+
+@dataclasses.dataclass(frozen=True)
+class Bye:
+    """A rank finished training (a finished replica is not a failed one)."""
+
+    OP: ClassVar[str] = "bye"
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP}
+
+
+@dataclasses.dataclass(frozen=True)
+class Exited:
+    """A process of ``replica`` exited (reported by its supervisor, agent, or a sibling rank);
+    ``incarnation``: the start of a replica group it belonged to (:mod:`unbroken.control.groups`)."""
+
+    OP: ClassVar[str] = "exited"
+    replica: int
+    exitcode: int | None
+    incarnation: int = 0
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> Exited:
+        return cls(replica=count(msg, "replica"), exitcode=_exitcode(msg), incarnation=count(msg, "incarnation", 0))
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP, "replica": self.replica, "exitcode": self.exitcode, "incarnation": self.incarnation}
+
+
+@dataclasses.dataclass(frozen=True)
+class StatusRequest:
+    """``unbroken status``: the coordinator answers with :meth:`Coordinator.status`."""
+
+    OP: ClassVar[str] = "status"
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP}
+
+
+# -- agent -> coordinator --------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentHello:
+    """A node agent says which node it is, how many replicas it can run and which run already."""
+
+    OP: ClassVar[str] = "agent_hello"
+    node: str
+    slots: int
+    running: tuple[int, ...] | None = None  # sent only when rejoining a restarted coordinator
+    nodes_per_replica: int = 1  # nodes each replica group spans (every agent of a job says the same)
+    addr: str = ""  # where the group's other nodes reach this one (checked when groups span nodes)
+
+    @classmethod
+    def from_msg(cls, msg: Message, max_slots: int, max_nodes_per_replica: int = 1024) -> AgentHello:
+        node, slots, running = text(msg, "node"), count(msg, "slots", 1), msg.get("running", [])
+        if not node or not 1 <= slots <= max_slots or not isinstance(running, list) or len(running) > max_slots:
+            raise ValueError(f"an agent_hello needs a node name, 1 to {max_slots} slots and a list of running replicas")
+        nodes_per_replica = count(msg, "nodes_per_replica", 1)
+        if not 1 <= nodes_per_replica <= max_nodes_per_replica:
+            raise ValueError(f"nodes_per_replica must be 1 to {max_nodes_per_replica}, got {nodes_per_replica}")
+        return cls(
+            node=node,
+            slots=slots,
+            running=tuple(count({"r": r}, "r") for r in running),
+            nodes_per_replica=nodes_per_replica,
+            addr=text(msg, "addr", 64),
+        )
+
+    def to_msg(self) -> Message:
+        msg: Message = {"op": self.OP, "node": self.node, "slots": self.slots}
+        if self.nodes_per_replica > 1:
+            msg.update(nodes_per_replica=self.nodes_per_replica, addr=self.addr)
+        if self.running is not None:
+            msg["running"] = list(self.running)
+        return msg
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentHeartbeat:
+    OP: ClassVar[str] = "agent_heartbeat"
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP}
+
+
+@dataclasses.dataclass(frozen=True)
+class StackReport:
+    """A node agent's answer to ``dump_stack``: the hung rank's stack, or why there is none."""
+
+    OP: ClassVar[str] = "stack"
+    replica: int
+    rank: int
+    process_state: str
+    stack: str | None
+    stack_note: str
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> StackReport:
+        stack = msg.get("stack")
+        return cls(
+            replica=count(msg, "replica"),
+            rank=count(msg, "rank"),
+            process_state=text(msg, "process_state", 4),
+            stack=stack[-MAX_STACK:] if isinstance(stack, str) else None,
+            stack_note=text(msg, "stack_note", 500),
+        )
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP, **dataclasses.asdict(self), "stack_note": self.stack_note[:500]}
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupPort:
+    """Group rank 0 of a replica group picked its rendezvous port."""
+
+    OP: ClassVar[str] = "group_port"
+    replica: int
+    incarnation: int
+    port: int
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> GroupPort:
+        port = count(msg, "port")
+        if not 0 < port < 65536:
+            raise ValueError(f"port must be 1 to 65535, got {port}")
+        return cls(replica=count(msg, "replica"), incarnation=count(msg, "incarnation"), port=port)
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP, "replica": self.replica, "incarnation": self.incarnation, "port": self.port}
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupRelease:
+    """A node gives up on a replica group (its restart limit): another node takes its place."""
+
+    OP: ClassVar[str] = "group_release"
+    replica: int
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> GroupRelease:
+        return cls(replica=count(msg, "replica"))
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP, "replica": self.replica}
+
+
+# -- coordinator -> rank ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Welcome:
+    OP: ClassVar[str] = "welcome"
+    store: str
+    epoch: int
+    heartbeat_s: float | None  # the period the rank must heartbeat at (it grows with the job's size)
+    timeout_s: float | None  # silence after which the coordinator evicts a replica
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> Welcome:
+        if not isinstance(msg.get("store"), str):
+            raise ValueError("a welcome without a store address")
+        return cls(
+            store=msg["store"],
+            epoch=count(msg, "epoch", 0),
+            heartbeat_s=seconds(msg, "heartbeat_s", None),
+            timeout_s=seconds(msg, "timeout_s", None),
+        )
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP, **dataclasses.asdict(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class QuorumAnswer:
+    """A full quorum answer's fields; the coordinator sends it pre-encoded
+    (:func:`~unbroken.control.protocol.answer_tail`), with ``transfer_addrs`` holding only a
+    behind replica's donor (nobody else fetches)."""
+
+    OP: ClassVar[str] = "quorum"
+    id: int
+    decision: dict[str, Any]
+    transfer_addrs: dict[str, str]
+    store: str
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP, **dataclasses.asdict(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class QuorumSame:
+    """The fast path's answer: the epoch this connection holds, now at ``step``, nobody behind."""
+
+    OP: ClassVar[str] = "quorum"
+    id: int
+    same_epoch: int
+    step: int
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP, "id": self.id, "same_epoch": self.same_epoch, "step": self.step}
+
+
+@dataclasses.dataclass(frozen=True)
+class Abort:
+    OP: ClassVar[str] = "abort"
+    epoch: int
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> Abort:
+        return cls(epoch=count(msg, "epoch"))
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP, "epoch": self.epoch}
+
+
+@dataclasses.dataclass(frozen=True)
+class Donate:
+    OP: ClassVar[str] = "donate"
+    to: int
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> Donate:
+        return cls(to=count(msg, "to"))
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP, "to": self.to}
+
+
+@dataclasses.dataclass(frozen=True)
+class Error:
+    OP: ClassVar[str] = "error"
+    message: str
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> Error:
+        return cls(message=str(msg.get("message"))[:500])
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP, "message": self.message[:500]}
+
+
+# -- coordinator -> agent --------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Assign:
+    OP: ClassVar[str] = "assign"
+    replicas: list[int]
+    num_replicas: int
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> Assign:
+        ids, num_replicas = msg.get("replicas"), count(msg, "num_replicas")
+        if not isinstance(ids, list) or not all(type(r) is int and 0 <= r < num_replicas for r in ids):
+            raise ValueError(f"replicas must be a list of replica ids below {num_replicas}")
+        return cls(replicas=list(ids), num_replicas=num_replicas)
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP, "replicas": list(self.replicas), "num_replicas": self.num_replicas}
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupAssign:
+    """Start this node's ranks of a replica group; ``master`` empty: pick the rendezvous port
+    here (group rank 0) and answer :class:`GroupPort`. ``blamed``: the group failed here first."""
+
+    OP: ClassVar[str] = "group_assign"
+    replica: int
+    incarnation: int
+    group_rank: int
+    nodes_per_replica: int
+    master: str
+    blamed: bool
+    num_replicas: int
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> GroupAssign:
+        a = cls(
+            replica=count(msg, "replica"),
+            incarnation=count(msg, "incarnation"),
+            group_rank=count(msg, "group_rank"),
+            nodes_per_replica=count(msg, "nodes_per_replica"),
+            master=text(msg, "master", 80),
+            blamed=msg.get("blamed") is True,
+            num_replicas=count(msg, "num_replicas"),
+        )
+        if not a.group_rank < a.nodes_per_replica or not a.replica < a.num_replicas:
+            raise ValueError(f"a group_assign for {a.nodes_per_replica} nodes per replica, group rank {a.group_rank}")
+        return a
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP, **dataclasses.asdict(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupStop:
+    OP: ClassVar[str] = "group_stop"
+    replica: int
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> GroupStop:
+        return cls(replica=count(msg, "replica"))
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP, "replica": self.replica}
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentStatus:
+    """The steps of the replicas an agent runs (its progress watch)."""
+
+    OP: ClassVar[str] = "agent_status"
+    steps: dict[str, int]
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> AgentStatus:
+        steps = msg.get("steps")
+        if not isinstance(steps, dict):
+            raise ValueError("an agent_status without steps")
+        return cls(steps={str(count({"r": int(r)}, "r")): count(steps, r) for r in steps})
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP, "steps": dict(self.steps)}
+
+
+@dataclasses.dataclass(frozen=True)
+class DumpStack:
+    OP: ClassVar[str] = "dump_stack"
+    replica: int
+    rank: int
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> DumpStack:
+        return cls(replica=count(msg, "replica"), rank=count(msg, "rank"))
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP, "replica": self.replica, "rank": self.rank}
+
+
+@dataclasses.dataclass(frozen=True)
+class JobFinished:
+    """Every replica that still runs finished (or the grace after the first finish passed)."""
+
+    OP: ClassVar[str] = "job_finished"
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP}
+
+
+@dataclasses.dataclass(frozen=True)
+class JobFailedNotice:
+    """Coordinator -> agent: the job is ended (:mod:`unbroken.control.job_health`); stop every
+    worker and exit with ``exit_code``."""
+
+    OP: ClassVar[str] = "job_failed"
+    reason: str
+    exit_code: int
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP, "reason": self.reason[:1000], "exit_code": self.exit_code}
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> JobFailedNotice:
+        code = msg.get("exit_code")
+        if type(code) is not int or not 1 <= code <= 255:
+            raise ValueError(f"exit_code must be an integer from 1 to 255, got {code!r:.40}")
+        return cls(reason=text(msg, "reason", 1000), exit_code=code)
+
+
+# -- the list of operations ------------------------------------------------------------------
+
+
+class Direction(enum.Enum):
+    RANK_TO_COORDINATOR = "rank -> coordinator"
+    COORDINATOR_TO_RANK = "coordinator -> rank"
+    AGENT_TO_COORDINATOR = "agent -> coordinator"
+    COORDINATOR_TO_AGENT = "coordinator -> agent"
+    STATUS = "status client -> coordinator"
+
+
+MESSAGES: dict[Direction, tuple[type[Any], ...]] = {
+    Direction.RANK_TO_COORDINATOR: (Hello, Heartbeat, Telemetry, QuorumAsk, Bye, Exited),
+    # ``quorum``: a full answer (sent pre-encoded) or the fast path's short one.
+    Direction.COORDINATOR_TO_RANK: (Welcome, QuorumAnswer, QuorumSame, Abort, Donate, Error),
+    Direction.AGENT_TO_COORDINATOR: (AgentHello, AgentHeartbeat, Exited, StackReport, GroupPort, GroupRelease),
+    Direction.COORDINATOR_TO_AGENT: (
+        Assign,
+        GroupAssign,
+        GroupStop,
+        AgentStatus,
+        DumpStack,
+        JobFinished,
+        JobFailedNotice,
+        Error,
+    ),
+    Direction.STATUS: (StatusRequest,),  # answered with a ``status`` line of the coordinator's state
+}
+
+
+def ops(direction: Direction) -> frozenset[str]:
+    """The operation names that travel in ``direction``."""
+    return frozenset(cls.OP for cls in MESSAGES[direction])

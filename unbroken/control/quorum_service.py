@@ -1,0 +1,284 @@
+"""Ranks' quorum requests: gathered per replica, formed into epochs, answered, with pushed aborts.
+
+The coordinator's connections hand each rank's ``quorum`` request here (:meth:`QuorumService.ask`).
+A replica's request counts once all its ranks asked; it is then answered at once (the epoch
+stands), held (the replica is set aside: :mod:`unbroken.control.setaside`) or left pending
+until the pure :class:`~unbroken.control.quorum.QuorumState` forms the next epoch. Each epoch
+formed is recorded, answered to every member waiting for it, and its donors are told ahead;
+the members of a broken epoch are told to abort their exchange. What this needs of the rest of
+the coordinator (evicting a replica, ending the job, the store's address as a connection sees
+it) it is given through its constructor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from unbroken.control import protocol
+from unbroken.control.failure import classify
+from unbroken.control.job_health import JobHealth, JobStop
+from unbroken.control.quorum import QuorumDecision, QuorumRequest, QuorumState
+from unbroken.control.setaside import SetAside
+from unbroken.control.state_store import StateStore
+from unbroken.observe import schema as ev
+from unbroken.observe.events import EventLog
+
+
+@dataclasses.dataclass
+class RankConn:
+    """One rank's connection, and what the coordinator knows of that rank."""
+
+    replica: int
+    rank: int
+    world_size: int
+    link: protocol.Link
+    transfer_addr: str
+    node: str
+    last_heartbeat: float
+    step: int = 0
+    finished: bool = False
+    compute_s: float | None = None  # the rank's own compute time last step, from heartbeats
+    epoch: int | None = None  # the last epoch this connection was answered with
+    failure: str | None = None  # the error of its exchange in the epoch its last request says failed
+
+
+# A rank's request: its connection, the request's id, the step it asks for, the epoch it says failed.
+Asked = tuple[RankConn, int, int, int | None]
+
+
+class QuorumService:
+    """Answers the quorum requests of one coordinator's replicas.
+
+    Args:
+        quorum: the pure quorum state.
+        replicas: the coordinator's connected ranks by replica (shared, read here).
+        min_replicas: fewest replicas that may train (a set-aside never goes below it).
+        store: where each epoch formed is recorded.
+        events: the coordinator's event log.
+        health: counts failed epochs and progress (:mod:`unbroken.control.job_health`).
+        evict: evicts a replica (cause, reason).
+        fail_job: ends the job.
+        store_for: the rendezvous store's address as the connection given sees it.
+    """
+
+    def __init__(
+        self,
+        quorum: QuorumState,
+        replicas: dict[int, dict[int, RankConn]],
+        min_replicas: int,
+        store: StateStore,
+        events: EventLog,
+        health: JobHealth,
+        evict: Callable[[int, ev.EvictCause, str], None],
+        fail_job: Callable[[JobStop], None],
+        store_for: Callable[[protocol.Link], str],
+    ) -> None:
+        self.quorum, self.replicas, self.min_replicas = quorum, replicas, min_replicas
+        self.store, self.events, self.health = store, events, health
+        self.evict, self.fail_job, self.store_for = evict, fail_job, store_for
+        self.pending: dict[int, dict[int, Asked]] = {}
+        self.held: dict[int, dict[int, Asked]] = {}  # the requests of replicas set aside
+        self.setaside = SetAside()  # replicas whose epochs keep failing (cut off from their peers)
+        self.step_times: deque[float] = deque(maxlen=200)
+        self.aborted: dict[int, int] = {}
+        self.aborts_pushed: int | None = None  # the broken epoch whose members were told to abort
+        self.hinted: dict[int, int] = {}  # newcomer -> the epoch in which its donor was told
+
+    def forget(self, replica: int) -> None:
+        """``replica`` is evicted: its requests are void."""
+        self.pending.pop(replica, None)
+        self.held.pop(replica, None)
+
+    def release_held(self, now: float) -> set[int]:
+        """Submits the requests of replicas no longer set aside; returns those still set aside."""
+        held = self.setaside.held(now)
+        for replica in [r for r in self.held if r not in held]:
+            asked = {k: v for k, v in self.held.pop(replica).items() if self.replicas.get(replica, {}).get(k) is v[0]}
+            if asked and len(asked) == next(iter(asked.values()))[0].world_size:
+                self.submit(replica, asked)
+        return held
+
+    def ask(self, conn: RankConn, ask: protocol.QuorumAsk) -> None:
+        """Validates a rank's quorum request, and forms or answers what it can.
+
+        A member may not ask for a step below the one its epoch trains (steps it has committed):
+        that is a replica whose state went back, and it is treated as the failure it is (evicted:
+        it rejoins as a newcomer and catches up), not as a reason to re-form every member's
+        epoch. A failure report counts only from a member of the current epoch about that epoch:
+        anything else would let one replica abort exchanges it is not part of.
+        """
+        step_time, step, req_id, failed = ask.step_time, ask.step, ask.id, ask.failed_epoch
+        if conn.finished:
+            raise ValueError("a replica that said bye asks for no quorum")
+        if failed is not None and failed > self.quorum.epoch:
+            raise ValueError(f"failed_epoch {failed} was never formed (the newest is {self.quorum.epoch})")
+        cur = self.quorum.current
+        # This very connection trains in the current epoch (a restarted process of a member
+        # of it is a newcomer: it asks for the step of its checkpoint, and catches up).
+        member = cur is not None and conn.epoch == cur.epoch and conn.replica in cur.member_set
+        if cur is not None and member and step < cur.step:
+            self.evict(
+                conn.replica,
+                ev.EvictCause.STEP_WENT_BACK,
+                f"rank {conn.rank} asked for step {step}, below step {cur.step} that its " f"epoch {cur.epoch} trains",
+            )
+            return
+        if failed is not None and not (member and cur is not None and failed == cur.epoch):
+            failed = None  # not this replica's exchange to fail, or a stale report
+        conn.failure = ask.failure if failed is not None else None
+        if step_time:
+            self.step_times.append(step_time)
+        now = time.monotonic()
+        self.health.asked(now)
+        if member and cur is not None and step > cur.step:
+            self.setaside.progressed()
+            self.health.progressed(now)
+        conn.step = step
+        ranks = self.pending.setdefault(conn.replica, {})
+        ranks[conn.rank] = (conn, req_id, conn.step, failed)
+        if len(ranks) < conn.world_size:
+            return
+        del self.pending[conn.replica]
+        self.submit(conn.replica, ranks)
+
+    def submit(self, replica: int, ranks: dict[int, Asked]) -> None:
+        """A replica's request, once all its ranks asked: answered, forming, or held (set aside)."""
+        now = time.monotonic()
+        cur = self.quorum.current
+        failed_epochs = [f for (_, _, _, f) in ranks.values() if f is not None]
+        if failed_epochs and cur is not None and max(failed_epochs) == cur.epoch:
+            self._judge_failure(cur.epoch, cur.members, replica, [c.failure for (c, _, _, _) in ranks.values()])
+            victim = self.setaside.failed(cur.epoch, cur.members, self.min_replicas, now)
+            if victim is not None:
+                self.events.emit(
+                    "replica_set_aside",
+                    replica=victim,
+                    failed_epochs=list(self.setaside.streak),
+                    hold_s=round(self.setaside.until[victim] - now, 3),
+                    reason="its epochs keep failing: cut off from its peers?",
+                )
+                self.quorum.waiting.pop(victim, None)
+                if victim in self.pending and victim != replica:
+                    self.held[victim] = self.pending.pop(victim)
+        if replica in self.setaside.held(now):
+            self.held[replica] = ranks
+            return
+        conn = next(iter(ranks.values()))[0]
+        failures = [f for (_, _, _, f) in ranks.values() if f is not None]
+        req = QuorumRequest(
+            replica=conn.replica,
+            step=min(s for (_, _, s, _) in ranks.values()),
+            failed_epoch=max(failures) if failures else None,
+        )
+        if req.failed_epoch is not None:
+            self.events.emit(ev.ExchangeFailed(replica=req.replica, epoch=req.failed_epoch, step=req.step))
+        newcomer = cur is None or req.replica not in cur.member_set
+        answer, formed = self.quorum.request(req, time.monotonic())
+        if answer is not None:
+            self._reply(answer, {req.replica: ranks})
+        else:
+            self.pending[conn.replica] = ranks
+        self.deliver(formed)
+        self.push_aborts()
+        if newcomer:  # only a newcomer's request changes the forecast: no scan of the members on every request
+            self.hint_donors()
+
+    def _judge_failure(self, epoch: int, members: Iterable[int], replica: int, errors: list[str | None]) -> None:
+        """A replica's report that ``epoch`` failed: a configuration error at every member, epochs
+        in a row, ends the job (:mod:`unbroken.control.job_health`)."""
+        texts = [e for e in errors if e]
+        fatal = [e for e in texts if classify(e).fatal]
+        error = fatal[0] if fatal else texts[0] if texts else None
+        stop = self.health.failed(epoch, members, replica, error)
+        if stop is not None:
+            self.fail_job(stop)
+
+    def hint_donors(self) -> None:
+        """Tells each member about to serve a newcomer, once, so it snapshots at its next step start.
+
+        Without the hint a donor learns of its task from the quorum answer, mid-forward, and
+        can snapshot only after its backward pass (the training thread owns the state); the
+        transfer then spans that step and part of the next, which every member waits for.
+        """
+        epoch = self.quorum.epoch  # a forecast exists only while a decision stands
+        for joiner, donor in self.quorum.upcoming_donors().items():
+            if self.hinted.get(joiner) == epoch:
+                continue
+            self.hinted[joiner] = epoch
+            self.events.emit(ev.DonorTold(newcomer=joiner, donor=donor, epoch=epoch))
+            for conn in self.replicas.get(donor, {}).values():
+                conn.link.send(protocol.Donate(to=joiner).to_msg())
+
+    def deliver(self, decisions: list[QuorumDecision]) -> None:
+        for d in decisions:
+            self.setaside.formed(d.epoch, d.members)
+            self.store.record_epoch(d.epoch, d.step, list(d.members), list(d.behind))
+            self.events.emit(
+                ev.Quorum(
+                    epoch=d.epoch,
+                    step=d.step,
+                    members=list(d.members),
+                    behind=list(d.behind),
+                    donors=[list(p) for p in d.donors],
+                )
+            )
+            waiting = {m: self.pending.pop(m) for m in d.members if m in self.pending}
+            self._reply(d, waiting)
+
+    def _reply(self, d: QuorumDecision, waiting: dict[int, dict[int, Asked]]) -> None:
+        """Answers the ranks in ``waiting`` with ``d``.
+
+        A connection already told this epoch gets the short answer (:class:`protocol.QuorumSame`):
+        the fast path costs the same at 5,000 members as at 3. A full answer's text is made once
+        per store address and shared; only a replica that is behind gets a transfer address, its
+        donor's (the one it fetches from), so an epoch's answers do not carry every member's
+        address to every member (at 1,000 members that was 35 KB per answer, 35 MB per epoch),
+        and a member named in donor pairs gets those alone (every pair to every member was 60 KB
+        an answer with most of 5,000 members behind).
+        """
+        tails: dict[str, bytes] = {}
+        decision: dict[str, object] | None = None
+        donors = dict(d.donors)
+        pairs = d.donors_by_replica() if d.donors else {}  # a member gets only the pairs that name it
+        for replica, ranks in waiting.items():
+            for rank, (conn, req_id, _, _) in ranks.items():
+                if conn.epoch == d.epoch and not d.behind:
+                    conn.link.send(protocol.QuorumSame(id=req_id, same_epoch=d.epoch, step=d.step).to_msg())
+                    continue
+                conn.epoch = d.epoch
+                store = self.store_for(conn.link)
+                decision = decision or {**d.to_json(), "donors": []}
+                donor = donors.get(replica)
+                if replica in pairs:
+                    mine = {**decision, "donors": pairs[replica]}
+                    addrs: dict[str, str] = {}
+                    if donor is not None:  # the address of its donor's rank of the same index
+                        peer = self.replicas.get(donor, {}).get(rank)
+                        addrs = {str(donor): peer.transfer_addr} if peer is not None else {}
+                    conn.link.send_payload(protocol.answer_payload(req_id, protocol.answer_tail(mine, addrs, store)))
+                    continue
+                tail = tails.get(store)
+                if tail is None:
+                    tail = tails[store] = protocol.answer_tail(decision, {}, store)
+                conn.link.send_payload(protocol.answer_payload(req_id, tail))
+
+    def push_aborts(self) -> None:
+        """Tells every member still in the broken epoch's exchange to abort it, once per epoch.
+
+        Once: the members of a broken epoch only leave it, never join it, so after the first push
+        every later call would scan the whole membership (on each request while forming) to
+        find nobody.
+        """
+        cur = self.quorum.current
+        if cur is None or not self.quorum.broken or self.aborts_pushed == cur.epoch:
+            return
+        self.aborts_pushed = cur.epoch
+        for replica in self.quorum.in_flight_members():
+            if self.aborted.get(replica) == cur.epoch:
+                continue
+            self.aborted[replica] = cur.epoch
+            for conn in self.replicas.get(replica, {}).values():
+                conn.link.send(protocol.Abort(epoch=cur.epoch).to_msg())

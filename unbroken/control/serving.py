@@ -1,0 +1,164 @@
+"""The coordinator's connections: admitted, authenticated, read line by line, and bounded.
+
+Each connection is served by :meth:`ConnectionServer.serve` until it ends: nothing is read from
+it before it proves it holds the job's secret (:mod:`unbroken.wire.auth`), strangers count
+only against their own budget (:mod:`unbroken.wire.admission`), one that says nothing about who
+it is within ``hello_timeout_s`` is closed, and a flood of malformed messages ends it. Each
+message goes to the coordinator's ``dispatch``; the rank or agent a connection spoke as is
+handed to ``closed`` when it ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from unbroken.control import protocol
+from unbroken.control.placement import AgentConn
+from unbroken.control.quorum_service import RankConn
+from unbroken.wire.admission import Admission, RefusalLog
+from unbroken.wire.auth import TICKET_BYTES, AuthError, JobSecret, server_handshake_async
+
+log = logging.getLogger("unbroken.control.coordinator")  # the coordinator's log, as before the split
+
+# A connection that sends this many malformed messages is not a replica gone astray: it is closed.
+MAX_BAD_MESSAGES = 100
+
+# Acts on one message (msg, link, the rank and agent it spoke as so far) and returns the op and
+# who the connection speaks as now; the op ``stop`` ends the connection.
+Dispatch = Callable[
+    [protocol.Message, protocol.Link, RankConn | None, AgentConn | None],
+    tuple[str, RankConn | None, AgentConn | None],
+]
+
+
+class Refused(Exception):
+    """A request that ends its connection (a takeover of a live slot, a second identity)."""
+
+
+class ConnectionServer:
+    """Serves the coordinator's connections (``asyncio.start_server``'s callback is :meth:`serve`).
+
+    Args:
+        secret: the job's secret.
+        max_connections: connections served at once; more are closed at once.
+        hello_timeout_s: an authenticated connection that said nothing within this is closed.
+        dispatch: acts on one message (raises ValueError on a malformed one, Refused to end it).
+        closed: called with the rank and agent a connection spoke as, once it ended.
+    """
+
+    def __init__(
+        self,
+        secret: JobSecret,
+        max_connections: int,
+        hello_timeout_s: float,
+        dispatch: Dispatch,
+        closed: Callable[[RankConn | None, AgentConn | None], None],
+    ) -> None:
+        self.secret = secret
+        self.max_connections, self.hello_timeout_s = max_connections, hello_timeout_s
+        self.dispatch, self.closed = dispatch, closed
+        self.open: set[asyncio.StreamWriter] = set()  # every connection served now
+        self.auth_failures = 0  # connections dropped for failing the handshake or a MAC
+        self._admission: Admission[asyncio.StreamWriter] = Admission()
+        self._refusals = RefusalLog(log, "dropped connections to the coordinator")
+        self.lines_in = self.lines_out = 0  # over closed connections (what `unbroken bench auth` counts)
+
+    def close_all(self) -> None:
+        for writer in list(self.open):
+            writer.close()
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Until its ticket shows a key holder, a connection counts only against the budget of
+        # strangers (newest first, wire.admission), never against max_connections. One yield
+        # first: the loop then reads what arrived with the connection (a key holder's ticket)
+        # before this burst of accepts can shed it.
+        await asyncio.sleep(0)
+        peer = writer.get_extra_info("peername")
+        for shed in self._admission.admit(writer, str(peer[0]) if peer else "", time.monotonic()):
+            shed.transport.abort()
+        self.open.add(writer)
+        conn: RankConn | None = None
+        agent: AgentConn | None = None
+        try:
+            try:
+                try:
+                    ticket = await asyncio.wait_for(reader.readexactly(TICKET_BYTES), self._admission.policy.deadline_s)
+                finally:
+                    self._admission.release(writer)
+                if len(self.open) - len(self._admission) > self.max_connections:
+                    self.dropped(f"over {self.max_connections} connections", auth=False)
+                    return
+                session = await server_handshake_async(reader, writer, self.secret, protocol.PURPOSE, ticket=ticket)
+            except (AuthError, OSError, asyncio.IncompleteReadError) as e:  # TimeoutError is an OSError
+                self.dropped(str(e) or "no ticket in time")
+                return
+            link = protocol.Link(reader, writer, session)
+            who: list[Any] = [None, None]
+            try:
+                await self._converse(link, who)
+            finally:
+                conn, agent = who
+                self.lines_in += link.received
+                self.lines_out += link.sent
+        except (ConnectionError, asyncio.IncompleteReadError) as e:
+            log.debug("connection ended: %s", e)
+        finally:
+            self.open.discard(writer)
+            writer.close()
+            self.closed(conn, agent)
+
+    async def _converse(self, link: protocol.Link, who: list[Any]) -> None:
+        """Serves one authenticated connection until it ends; ``who`` holds the rank connection
+        and the agent it spoke as (kept up to date, so a connection error still cleans up)."""
+        bad = 0
+        while True:
+            conn, agent = who
+            anonymous = conn is None and agent is None
+            try:
+                # wait_for only until it said who it is: a layer of coroutine per line otherwise
+                line = await (asyncio.wait_for(link.readline(), self.hello_timeout_s) if anonymous else link.readline())
+            except (asyncio.TimeoutError, TimeoutError):
+                log.info("closed a connection that said no hello within %.0fs", self.hello_timeout_s)
+                return
+            if line is None:
+                return
+            error: Exception
+            try:
+                msg = link.decode(line)
+            except AuthError as e:
+                self.dropped(f"{e} (from {f'replica {conn.replica} rank {conn.rank}' if conn else 'a client'})")
+                return
+            except ValueError as e:
+                error = e
+            else:
+                try:
+                    kind, who[0], who[1] = self.dispatch(msg, link, conn, agent)
+                    if kind == "stop":
+                        return
+                    continue
+                except Refused as e:
+                    link.send(protocol.Error(str(e)).to_msg())
+                    log.warning("refused: %s", e)
+                    return
+                except Exception as e:
+                    error = e
+            # A malformed message is skipped, and the connection keeps serving; only a flood of
+            # them ends it.
+            bad += 1
+            if isinstance(error, (ValueError, TypeError, KeyError, OverflowError)):
+                log.debug("malformed message skipped: %s", error)
+            else:
+                log.error("a message could not be handled; skipped", exc_info=error)
+            link.send(protocol.Error(f"malformed message skipped: {error}").to_msg())
+            if bad >= MAX_BAD_MESSAGES:
+                return
+
+    def dropped(self, reason: str, auth: bool = True) -> None:
+        """Counts a refused connection; logs once per interval (a flood is no log flood)."""
+        if auth:
+            self.auth_failures += 1
+        self._refusals.note(reason, time.monotonic())
