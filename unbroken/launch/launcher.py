@@ -20,6 +20,10 @@ unless ``--secret-file`` names one; the workers get its path. Everything this pr
 on is bound to loopback (the coordinator, and the TCPStore it hosts): a single-machine job is
 reachable from no other machine. A hung rank's stack is fetched here, from the process this
 supervisor started (:mod:`unbroken.diagnosis.stacks`), never from a PID a connection named.
+
+The parts with state of their own are modules of their own, given what they act on:
+:mod:`~unbroken.launch.rollback`, :mod:`~unbroken.launch.fault_firing`,
+:mod:`~unbroken.launch.readmission`, :mod:`~unbroken.launch.warm_spare`.
 """
 
 from __future__ import annotations
@@ -32,16 +36,16 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from unbroken import config as env
 from unbroken.control import secret_file
-from unbroken.control.coordinator import Coordinator, CoordinatorSettings
+from unbroken.control.coordinator import Coordinator
 from unbroken.diagnosis import stacks
 from unbroken.faults.worker import worker_env
-from unbroken.launch import reaper, workers
+from unbroken.launch import dashboard, reaper, workers
 from unbroken.launch.fault_firing import FaultFiring
 from unbroken.launch.lifecycle import RUNNING, Lifecycle, State, Transition
 from unbroken.launch.policy import Placement, RestartBook, Slot
@@ -99,7 +103,7 @@ class Launcher:
         self.monitor_errors = 0
         self._guardian: reaper.Guardian | None = None
         self.warm = WarmSpare(
-            settings.command, settings.warm_spare, settings.ranks_per_replica, self._threads(), lambda: self._guardian
+            settings.command, settings.warm_spare, settings.ranks_per_replica, self.s.threads(), lambda: self._guardian
         )
         self.rollback = Rollback(
             settings.checkpoint_dir,
@@ -168,46 +172,18 @@ class Launcher:
     async def _start_coordinator(self) -> str:
         if self.s.coordinator is not None:
             return self.s.coordinator
-        self.coordinator = Coordinator(self._coordinator_settings(self.s.port), self.secret, self._stack_of)
+        self.coordinator = Coordinator(self.s.coordinator_settings(self.s.port), self.secret, self._stack_of)
         self.coordinator.events.subscribe(self._on_coordinator_event)
         await self.coordinator.start()
         return self.coordinator.address
 
     def _serve_http(self, port: int) -> None:
-        """``/metrics`` and the dashboard, from this run directory's events and rows and the
-        coordinator's status: asked on this loop when it runs here, over its port when not."""
-        from unbroken.observe import http
-        from unbroken.observe.live import JobView
-        from unbroken.observe.status import fetch_status
-
-        view = JobView(self.run_dir, replicas=self.s.replicas)
-        status: http.Status
-        if self.s.coordinator is not None:
-            address, secret = self.s.coordinator, self.secret
-
-            def status() -> dict[str, Any] | None:
-                return _or_none(fetch_status, address, secret)
-
-        else:
-            status = http.on_loop(asyncio.get_running_loop(), self._status)
-        self.http = http.ObserveServer("127.0.0.1", port, view, status, http.read_token(self.secret.key)).start()
+        s = self.s
+        self.http = dashboard.serve(self.run_dir, s.replicas, port, self.secret, s.coordinator, self._status)
         print(f"unbroken: dashboard {self.http.url} (metrics: /metrics, same token)", file=sys.stderr, flush=True)
 
     def _status(self) -> dict[str, Any] | None:
         return self.coordinator.status() if self.coordinator is not None else None
-
-    def _coordinator_settings(self, port: int) -> CoordinatorSettings:
-        return CoordinatorSettings(
-            total_replicas=self.s.replicas,
-            min_replicas=self.s.quorum_min,
-            state_dir=self.run_dir,
-            host="127.0.0.1",
-            port=port,
-            heartbeat_timeout_s=self.s.heartbeat_timeout_s,
-            anomaly_policy=self.s.anomaly_policy,
-            fatal_epochs=self.s.fatal_epochs,
-            no_progress_timeout_s=self.s.no_progress_timeout_s,
-        )
 
     async def _stack_of(self, replica: int, rank: int) -> dict[str, Any]:
         """A hung rank's stack, from the process this supervisor started for it."""
@@ -252,14 +228,11 @@ class Launcher:
             rank=rank,
             world_size=self.s.ranks_per_replica,
             master_port=master_port,
-            threads=self._threads(),
+            threads=self.s.threads(),
             secret_file=self.secret_file,
             extra=extra,
             cross_replica_backend=self.s.cross_replica_backend,
         )
-
-    def _threads(self) -> int:
-        return self.s.threads_per_rank or max(1, (os.cpu_count() or 1) // (self.s.replicas * self.s.ranks_per_replica))
 
     async def _spawn(self, r: SupervisedReplica) -> None:
         slot = self.placement.place(r.replica)
@@ -515,7 +488,7 @@ class Launcher:
         await self.coordinator.stop()
         self.coordinator = None
         await asyncio.sleep(down_s)
-        coordinator = Coordinator(self._coordinator_settings(port), self.secret, self._stack_of)
+        coordinator = Coordinator(self.s.coordinator_settings(port), self.secret, self._stack_of)
         coordinator.events.subscribe(self._on_coordinator_event)
         await coordinator.start()
         self.coordinator = coordinator
@@ -623,10 +596,3 @@ def run(settings: LaunchSettings) -> int:
 
 def _state_event(t: Transition) -> ev.ReplicaState:
     return ev.ReplicaState(replica=t.replica, old=t.old.value, new=t.new.value, reason=t.reason)
-
-
-def _or_none(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any] | None:
-    try:
-        return fn(*args)
-    except (OSError, ValueError):
-        return None

@@ -9,10 +9,12 @@ a bad flag fails here, with the flag's name and what it accepts, before any repl
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 from unbroken import config as env
 from unbroken.checkpoint.disk import check_writable
+from unbroken.control.coordinator import CoordinatorSettings
 from unbroken.control.job_health import DEFAULT_FATAL_EPOCHS, DEFAULT_NO_PROGRESS_S, JobHealth
 from unbroken.diagnosis.metrics import parse_policy
 from unbroken.faults.schedule import Schedule
@@ -136,6 +138,24 @@ class LaunchSettings:
     @property
     def quorum_min(self) -> int:
         return self.min_replicas if self.min_replicas is not None else self.replicas // 2 + 1
+
+    def threads(self) -> int:
+        """Torch threads per worker: ``threads_per_rank``, or this machine's cores split evenly."""
+        return self.threads_per_rank or max(1, (os.cpu_count() or 1) // (self.replicas * self.ranks_per_replica))
+
+    def coordinator_settings(self, port: int) -> CoordinatorSettings:
+        """The in-process coordinator's settings, on loopback at ``port``, its state in ``run_dir``."""
+        return CoordinatorSettings(
+            total_replicas=self.replicas,
+            min_replicas=self.quorum_min,
+            state_dir=self.run_dir,
+            host="127.0.0.1",
+            port=port,
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
+            anomaly_policy=self.anomaly_policy,
+            fatal_epochs=self.fatal_epochs,
+            no_progress_timeout_s=self.no_progress_timeout_s,
+        )
 
 
 def local_slots(replicas: int, spares: int) -> list[Slot]:
