@@ -17,6 +17,7 @@ _EXPORTS = {
     "PersistOutcome": "unbroken.checkpoint.checkpointer",
     "Restored": "unbroken.checkpoint.checkpointer",
     "Shard": "unbroken.checkpoint.snapshot",
+    "Tier": "unbroken.checkpoint.states",
     "PeerStore": "unbroken.checkpoint.peer",
 }
 

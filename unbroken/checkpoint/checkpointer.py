@@ -41,6 +41,7 @@ from unbroken.checkpoint.manifest import (
 from unbroken.checkpoint.peer import PeerClient
 from unbroken.checkpoint.persist import PersistProcess
 from unbroken.checkpoint.snapshot import HostBuffer, Shard, copy_all, copy_into, flatten, unflatten
+from unbroken.checkpoint.states import SlotState, Tier
 from unbroken.wire import objects as wire_objects
 from unbroken.wire.auth import JobSecret
 
@@ -81,7 +82,7 @@ class Restored:
 
     step: int
     state: Any
-    source: str  # "memory", "peer" or "disk"
+    source: Tier  # compares equal to "memory", "peer" or "disk"
     skipped: list[str] = field(default_factory=list)  # newer candidates that failed, and why
     saved_world_size: int = 1
 
@@ -89,7 +90,7 @@ class Restored:
 @dataclass
 class _Slot:
     buffer: HostBuffer
-    state: str = "free"  # free | writing | pending | inflight
+    state: SlotState = SlotState.FREE
     step: int | None = None
     manifest: ShardManifest | None = None
     objects: bytes = b""
@@ -253,16 +254,16 @@ class Checkpointer:
         while len(self._slots) < 2:  # both at once, so no later save pays for an allocation
             self._slots.append(_Slot(HostBuffer(nbytes)))
             self._attach(len(self._slots) - 1)
-        candidates = [s for s in self._slots if s.state != "inflight"]
+        candidates = [s for s in self._slots if s.state != SlotState.INFLIGHT]
         slot = min(candidates, key=lambda s: -1 if s.step is None else s.step)
-        if slot.state == "pending":  # the disk is still busy: the newer snapshot replaces it
+        if slot.state == SlotState.PENDING:  # the disk is still busy: the newer snapshot replaces it
             self.coalesced += 1
             self.skipped_steps.append(slot.step)
         if slot.buffer.capacity < nbytes:
             slot.buffer.close()
             slot.buffer = HostBuffer(int(nbytes * 1.25))
             self._attach(self._slots.index(slot))
-        slot.state, slot.step, slot.manifest = "writing", None, None
+        slot.state, slot.step, slot.manifest = SlotState.WRITING, None, None
         return slot
 
     def _attach(self, index: int) -> None:
@@ -273,14 +274,14 @@ class Checkpointer:
     def _snapshot(self, slot: _Slot, manifest: ShardManifest, objects: bytes, tensors: dict[str, Any]) -> None:
         copy_into(slot.buffer, manifest.tensors, tensors, single_thread=self._copier is not None)
         with self._cond:
-            slot.state, slot.step, slot.manifest, slot.objects = "pending", manifest.step, manifest, objects
+            slot.state, slot.step, slot.manifest, slot.objects = SlotState.PENDING, manifest.step, manifest, objects
             self._dispatch()
 
     def _dispatch(self) -> None:
         """Hand the newest pending snapshot to the persist process if it is idle (lock held)."""
-        if self._closing or any(s.state == "inflight" for s in self._slots):
+        if self._closing or any(s.state == SlotState.INFLIGHT for s in self._slots):
             return
-        pending = [s for s in self._slots if s.state == "pending"]
+        pending = [s for s in self._slots if s.state == SlotState.PENDING]
         if not pending:
             return
         wait_s = self._last_dispatch + self.persist_interval_s - time.monotonic()
@@ -293,7 +294,7 @@ class Checkpointer:
         slot = max(pending, key=lambda s: s.step or 0)
         for older in pending:  # both buffers can wait out an interval; only the newest goes
             if older is not slot:
-                older.state = "free"
+                older.state = SlotState.FREE
                 self.coalesced += 1
                 self.skipped_steps.append(older.step)
         self._last_dispatch = time.monotonic()
@@ -316,7 +317,7 @@ class Checkpointer:
                 "owner": self.owner,
             }
         )
-        slot.state = "inflight"
+        slot.state = SlotState.INFLIGHT
 
     def _on_timer(self) -> None:
         with self._cond:
@@ -325,7 +326,7 @@ class Checkpointer:
 
     def _on_message(self, message: dict[str, Any]) -> None:
         with self._cond:
-            inflight = [s for s in self._slots if s.state == "inflight"]
+            inflight = [s for s in self._slots if s.state == SlotState.INFLIGHT]
             if message["op"] == "done":
                 slot = self._slots[message["slot"]]
                 if message["ok"] and slot.manifest is not None:
@@ -360,7 +361,7 @@ class Checkpointer:
                 log.warning("checkpoint: %s", outcome.error)
             self._outcomes.append(outcome)
             self._report(outcome)
-            slot.state = "free"
+            slot.state = SlotState.FREE
             self._dispatch()
             self._cond.notify_all()
 
@@ -383,7 +384,7 @@ class Checkpointer:
             self._urgent += 1
             try:
                 self._dispatch()
-                while any(s.state in ("pending", "inflight") for s in self._slots):
+                while any(s.state in (SlotState.PENDING, SlotState.INFLIGHT) for s in self._slots):
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         raise TimeoutError("checkpoints still being persisted")
@@ -450,20 +451,20 @@ class Checkpointer:
         except disk.CorruptCheckpoint as exc:
             raise CheckpointError(f"could not restore from {self.directory}: {exc}") from exc
         want = flatten(into)[0] if into is not None else None
-        candidates: list[tuple[int, int, str, Any]] = []
+        candidates: list[tuple[int, int, Tier, Any]] = []
         with self._cond:
             for s in self._slots:
-                if s.state != "writing" and s.manifest is not None and self._fits(s.manifest, want):
-                    candidates.append((s.manifest.step, 0, "memory", s))
+                if s.state != SlotState.WRITING and s.manifest is not None and self._fits(s.manifest, want):
+                    candidates.append((s.manifest.step, 0, Tier.MEMORY, s))
         if self.peer is not None:
             try:
                 assert self._secret is not None
                 copy = PeerClient(*self.peer, self._secret).get(self.owner)
                 if copy is not None and self._fits(copy.manifest, want):
-                    candidates.append((copy.manifest.step, 1, "peer", copy))
+                    candidates.append((copy.manifest.step, 1, Tier.PEER, copy))
             except OSError as exc:
                 log.warning("checkpoint: peer %s unreachable (%s)", self.peer, exc)
-        candidates += [(s, 2, "disk", None) for s in disk.complete_steps(self.directory)]
+        candidates += [(s, 2, Tier.DISK, None) for s in disk.complete_steps(self.directory)]
         candidates = sorted(
             (c for c in candidates if (step is None or c[0] == step) and (at_most is None or c[0] <= at_most)),
             key=lambda c: (-c[0], c[1]),
@@ -471,17 +472,17 @@ class Checkpointer:
         skipped: list[str] = []
         for cstep, _, source, handle in candidates:
             try:
-                if source != "disk":  # the disk's shards are sorted by history in disk.step_readers
+                if source != Tier.DISK:  # the disk's shards are sorted by history in disk.step_readers
                     manifest = handle.manifest
                     why = fences.undone(manifest.step, history.history_of(manifest.extra))
                     if why:
                         raise disk.CorruptCheckpoint(why)
-                if source == "memory":
+                if source == Tier.MEMORY:
                     return self._from_memory(handle, want, skipped)
-                if source == "peer":
+                if source == Tier.PEER:
                     handle.verify()
                     return self._from_bytes(
-                        handle.manifest, handle.objects, memoryview(handle.data), want, "peer", skipped
+                        handle.manifest, handle.objects, memoryview(handle.data), want, Tier.PEER, skipped
                     )
                 return self._from_disk(cstep, want, skipped, fences)
             except Exception as exc:  # noqa: BLE001 - whatever broke this candidate, try the next
@@ -529,7 +530,7 @@ class Checkpointer:
         state = unflatten(
             wire_objects.loads(slot.objects, own=True), tensors, {e.name: e for e in slot.manifest.tensors}
         )
-        return Restored(slot.manifest.step, state, "memory", skipped, slot.manifest.world_size)
+        return Restored(slot.manifest.step, state, Tier.MEMORY, skipped, slot.manifest.world_size)
 
     def _from_bytes(
         self,
@@ -537,7 +538,7 @@ class Checkpointer:
         objects: bytes,
         data: memoryview,
         want: dict[str, Any] | None,
-        source: str,
+        source: Tier,
         skipped: list[str],
     ) -> Restored:
         tensors = {}
@@ -570,7 +571,7 @@ class Checkpointer:
             }
         tensors = shards.read(want)
         state = unflatten(skeleton, tensors, {n: spec for n, (_, spec) in want.items()})
-        return Restored(step, state, "disk", skipped, shards.world_size)
+        return Restored(step, state, Tier.DISK, skipped, shards.world_size)
 
 
-__all__ = ["Checkpointer", "CheckpointError", "PersistOutcome", "Restored", "Shard"]
+__all__ = ["Checkpointer", "CheckpointError", "PersistOutcome", "Restored", "Shard", "Tier"]

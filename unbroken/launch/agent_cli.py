@@ -12,9 +12,9 @@ import click
 from unbroken.control import secret_file as secrets
 from unbroken.launch.agent import AgentSettings
 from unbroken.launch.agent import run as run_agent
-from unbroken.launch.launcher import DEFAULT_TERM_GRACE_S
 from unbroken.launch.policy import RestartPolicy
 from unbroken.launch.run_cli import cross_replica_backend_option
+from unbroken.launch.settings import DEFAULT_TERM_GRACE_S
 
 
 @click.command(context_settings={"ignore_unknown_options": True})

@@ -20,6 +20,10 @@ unless ``--secret-file`` names one; the workers get its path. Everything this pr
 on is bound to loopback (the coordinator, and the TCPStore it hosts): a single-machine job is
 reachable from no other machine. A hung rank's stack is fetched here, from the process this
 supervisor started (:mod:`unbroken.diagnosis.stacks`), never from a PID a connection named.
+
+The parts with state of their own are modules of their own, given what they act on:
+:mod:`~unbroken.launch.rollback`, :mod:`~unbroken.launch.fault_firing`,
+:mod:`~unbroken.launch.readmission`, :mod:`~unbroken.launch.warm_spare`.
 """
 
 from __future__ import annotations
@@ -27,33 +31,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from unbroken import config as env
-from unbroken.checkpoint.disk import CorruptCheckpoint, check_writable, newest_verified_step
-from unbroken.checkpoint.history import record_rollback
-from unbroken.checkpoint.retention import discard_newer
 from unbroken.control import secret_file
-from unbroken.control.coordinator import Coordinator, CoordinatorSettings
-from unbroken.control.job_health import DEFAULT_FATAL_EPOCHS, DEFAULT_NO_PROGRESS_S, JobHealth
+from unbroken.control.coordinator import Coordinator
 from unbroken.diagnosis import stacks
-from unbroken.diagnosis.metrics import parse_policy
-from unbroken.faults import supervisor as injector
-from unbroken.faults.schedule import Fault, Schedule
 from unbroken.faults.worker import worker_env
-from unbroken.launch import reaper, workers
+from unbroken.launch import dashboard, reaper, workers
+from unbroken.launch.fault_firing import FaultFiring
 from unbroken.launch.lifecycle import RUNNING, Lifecycle, State, Transition
-from unbroken.launch.policy import Placement, RestartBook, RestartPolicy, Slot
-from unbroken.launch.verdicts import IGNORE, ISOLATE, ROLLBACK, VERDICT_ACTIONS, verdict_action
-from unbroken.launch.workers import free_port, package_path
+from unbroken.launch.policy import Placement, RestartBook, Slot
+from unbroken.launch.readmission import Readmission
+from unbroken.launch.rollback import Rollback
+from unbroken.launch.settings import LaunchSettings, local_slots
+from unbroken.launch.verdicts import IGNORE, ISOLATE, ROLLBACK, culprit_replica, verdict_action
+from unbroken.launch.warm_spare import WarmSpare
+from unbroken.launch.workers import SupervisedReplica, free_port
 from unbroken.observe import schema as ev
 from unbroken.observe.events import EventLog
 from unbroken.train.preemption import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
@@ -61,137 +62,9 @@ from unbroken.train.preemption import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
 if TYPE_CHECKING:
     from unbroken.observe.http import ObserveServer
 
-HANG_ACTIONS = ("restart", "wait")
 EXIT_TERMINATED = 143  # 128 + SIGTERM: stopped by SIGTERM after the workers' flush (or the grace period)
-DEFAULT_TERM_GRACE_S = 25.0  # inside Slurm's default KillWait of 30 s
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class LaunchSettings:
-    """What ``unbroken run`` starts.
-
-    Attributes:
-        command: the worker command line (``python train.py ...``).
-        replicas: number of replica groups.
-        ranks_per_replica: processes per replica group (its WORLD_SIZE).
-        min_replicas: fewest replicas that may train; default a majority.
-        run_dir: logs, events and the coordinator's state.
-        coordinator: an external coordinator's HOST:PORT; None starts one in-process.
-        port: the in-process coordinator's port (0: a free one).
-        max_restarts: restarts allowed per replica before it is given up.
-        threads_per_rank: torch threads per worker; default splits the cores evenly.
-        policy: backoff, limits, crash loop, blame and re-admission (``max_restarts`` wins
-            over ``policy.max_restarts_per_replica``).
-        spares: spare slots a replica moves to when its node is isolated.
-        schedule: faults to inject.
-        on_verdict: the strongest action a diagnosis verdict may take on its culprit (see
-            :mod:`unbroken.launch.verdicts`): ``isolate`` (its node is isolated and the replica
-            moves to a spare, or restarts in place if none is free), ``restart``, or ``ignore``.
-        on_hang: a replica evicted for silence while its processes still run is killed and
-            restarted (``restart``) or left to resume and rejoin by itself (``wait``).
-        warm_spare: keep one worker process with torch already imported for restarts
-            (``python script.py`` and ``python -m module`` commands; see launch/warm.py).
-        checkpoint_dir: the job's checkpoint directory, handed to the workers; a ``rollback``
-            verdict restarts every replica from a checkpoint found there.
-        anomaly_policy: what training-metric anomalies do, over the default policy
-            (``"nonfinite_loss=rollback"``; see :func:`unbroken.diagnosis.metrics.parse_policy`),
-            for the workers (skipping a step) and the coordinator's verdicts.
-        term_grace_s: on SIGTERM, how long the workers have to finish their step and flush a
-            checkpoint (:mod:`unbroken.train.preemption`) before what is left is killed.
-        secret_file: the job's secret; None makes a fresh one in ``run_dir`` (required with an
-            external ``coordinator``: the one it was started with).
-        http_port: serve ``/metrics`` and the live dashboard on loopback at this port (0: a
-            free one); None serves nothing (:mod:`unbroken.observe.http`).
-        cross_replica_backend: ``auto``, ``nccl`` or ``gloo`` for the workers; None leaves the
-            environment's (:mod:`unbroken.comm.backend`).
-        fatal_epochs, no_progress_timeout_s: when the coordinator ends the job instead of
-            looping (:mod:`unbroken.control.job_health`).
-    """
-
-    command: tuple[str, ...]
-    replicas: int
-    ranks_per_replica: int = 1
-    min_replicas: int | None = None
-    run_dir: Path = Path("runs/latest")
-    coordinator: str | None = None
-    port: int = 0
-    max_restarts: int = 10
-    threads_per_rank: int | None = None
-    heartbeat_timeout_s: float = 2.0
-    finish_grace_s: float = 10.0
-    policy: RestartPolicy = RestartPolicy()
-    spares: int = 0
-    schedule: Schedule = Schedule()
-    on_verdict: str = "isolate"
-    on_hang: str = "restart"
-    warm_spare: bool = True
-    checkpoint_dir: Path | None = None
-    anomaly_policy: str = ""
-    term_grace_s: float = DEFAULT_TERM_GRACE_S
-    secret_file: Path | None = None
-    http_port: int | None = None
-    cross_replica_backend: str | None = None
-    fatal_epochs: int = DEFAULT_FATAL_EPOCHS
-    no_progress_timeout_s: float = DEFAULT_NO_PROGRESS_S
-
-    def __post_init__(self) -> None:
-        if not self.command:
-            raise ValueError(
-                "no worker command: put it after `--`, e.g. `unbroken run --replicas 3 -- python train.py`"
-            )
-        if self.replicas < 1:
-            raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
-        if self.ranks_per_replica < 1:
-            raise ValueError(f"--ranks-per-replica must be >= 1, got {self.ranks_per_replica}")
-        if self.min_replicas is not None and not 1 <= self.min_replicas <= self.replicas:
-            raise ValueError(
-                f"--min-replicas must be between 1 and --replicas ({self.replicas}), got {self.min_replicas}"
-            )
-        if self.coordinator is not None:
-            env.parse_host_ports(self.coordinator, "--coordinator")
-            if self.secret_file is None and env.secret_file() is None:
-                raise ValueError(
-                    f"--coordinator needs the job's secret: --secret-file PATH (or {env.ENV_SECRET_FILE}), "
-                    "the file `unbroken coordinator` wrote into its --state-dir"
-                )
-        if self.max_restarts < 0:
-            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        if self.spares < 0:
-            raise ValueError(f"--spares must be >= 0, got {self.spares}")
-        if self.on_verdict not in VERDICT_ACTIONS:
-            raise ValueError(f"--on-verdict must be one of {', '.join(VERDICT_ACTIONS)}, got {self.on_verdict!r}")
-        if not 0 <= self.term_grace_s < float("inf"):
-            raise ValueError(f"--term-grace-s must be 0 or more seconds, got {self.term_grace_s}")
-        env.check_seconds({"--heartbeat-timeout": self.heartbeat_timeout_s})  # NaN too, before any replica starts
-        if self.on_hang not in HANG_ACTIONS:
-            raise ValueError(f"--on-hang must be one of {', '.join(HANG_ACTIONS)}, got {self.on_hang!r}")
-        if self.cross_replica_backend is not None and self.cross_replica_backend not in env.CROSS_REPLICA_BACKENDS:
-            raise ValueError(
-                f"--cross-replica-backend must be one of {', '.join(env.CROSS_REPLICA_BACKENDS)}, "
-                f"got {self.cross_replica_backend!r}"
-            )
-        JobHealth(self.fatal_epochs, self.no_progress_timeout_s)  # the same checks as the coordinator's
-        self.schedule.validate(self.replicas, self.ranks_per_replica, coordinator_in_process=self.coordinator is None)
-        parse_policy(self.anomaly_policy)  # a typo fails here, with the kinds and actions it accepts
-        if self.checkpoint_dir is not None:
-            check_writable(str(self.checkpoint_dir))  # before any replica trains, not at its first save
-
-    @property
-    def quorum_min(self) -> int:
-        return self.min_replicas if self.min_replicas is not None else self.replicas // 2 + 1
-
-
-def local_slots(replicas: int, spares: int) -> list[Slot]:
-    """One machine's slots, each its own fault domain (``local-0`` ...), spares last."""
-    return [Slot(f"local-{i}", 0, spare=i >= replicas) for i in range(replicas + spares)]
-
-
-@dataclasses.dataclass
-class _Replica(workers.ReplicaProcs):
-    pending: asyncio.Task[None] | None = None
-    resume_step: int | None = None  # the checkpoint its next processes load (a rollback)
 
 
 class Launcher:
@@ -212,7 +85,7 @@ class Launcher:
         self.coordinator: Coordinator | None = None
         self.address = ""
         self.http: ObserveServer | None = None
-        self.replicas = {r: _Replica(r) for r in range(settings.replicas)}
+        self.replicas = {r: SupervisedReplica(r) for r in range(settings.replicas)}
         policy = dataclasses.replace(settings.policy, max_restarts_per_replica=settings.max_restarts)
         self.book = RestartBook(policy)
         self.placement = Placement(
@@ -222,19 +95,42 @@ class Launcher:
         self.job_start = time.time()
         self.job_step = 0
         self.exit_code: int | None = None
-        self._fired: set[int] = set()
-        self._rolling_back: set[int] = set()  # replicas restarted by the last rollback
-        self._choosing_rollback = False  # a rollback's target is being verified
-        self._discard: asyncio.Task[None] | None = None  # the last rollback's discard of newer steps
         self._terminated: float | None = None  # when SIGTERM came (monotonic)
-        self._worker_fault_start: dict[int, float] = {}
         self._stop = asyncio.Event()
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
-        self._warm: asyncio.subprocess.Process | None = None
         self._behind_at: dict[int, int] = {}  # replica -> the step it joined behind at
         self.monitor_errors = 0
         self._guardian: reaper.Guardian | None = None
+        self.warm = WarmSpare(
+            settings.command, settings.warm_spare, settings.ranks_per_replica, self.s.threads(), lambda: self._guardian
+        )
+        self.rollback = Rollback(
+            settings.checkpoint_dir,
+            self.events,
+            self.replicas,
+            self.lifecycle,
+            self._fail_for_rollback,
+            self._stop.is_set,
+            self._run_task,
+        )
+        self.faults = FaultFiring(
+            settings.schedule,
+            self.events,
+            lambda replica: self.replicas[replica].procs,
+            lambda: self.job_step,
+            self._restart_coordinator,
+            self._run_task,
+        )
+        self.readmission = Readmission(
+            self.placement,
+            self.events,
+            self.secret_file,
+            self.faults.slow_faults_on,
+            lambda: self._guardian,
+            self._readmitted,
+            self._run_task,
+        )
 
     # -- running ---------------------------------------------------------------------------
 
@@ -259,8 +155,8 @@ class Launcher:
                     )
                     for r in self.replicas.values():
                         await self._spawn(r)
-                    if self._warmable():
-                        await self._start_warm()
+                    if self.warm.usable():
+                        await self.warm.start()
                     self._tasks.append(asyncio.create_task(self._monitor()))
                     return await self._supervise()
                 finally:
@@ -276,46 +172,18 @@ class Launcher:
     async def _start_coordinator(self) -> str:
         if self.s.coordinator is not None:
             return self.s.coordinator
-        self.coordinator = Coordinator(self._coordinator_settings(self.s.port), self.secret, self._stack_of)
+        self.coordinator = Coordinator(self.s.coordinator_settings(self.s.port), self.secret, self._stack_of)
         self.coordinator.events.subscribe(self._on_coordinator_event)
         await self.coordinator.start()
         return self.coordinator.address
 
     def _serve_http(self, port: int) -> None:
-        """``/metrics`` and the dashboard, from this run directory's events and rows and the
-        coordinator's status: asked on this loop when it runs here, over its port when not."""
-        from unbroken.observe import http
-        from unbroken.observe.live import JobView
-        from unbroken.observe.status import fetch_status
-
-        view = JobView(self.run_dir, replicas=self.s.replicas)
-        status: http.Status
-        if self.s.coordinator is not None:
-            address, secret = self.s.coordinator, self.secret
-
-            def status() -> dict[str, Any] | None:
-                return _or_none(fetch_status, address, secret)
-
-        else:
-            status = http.on_loop(asyncio.get_running_loop(), self._status)
-        self.http = http.ObserveServer("127.0.0.1", port, view, status, http.read_token(self.secret.key)).start()
+        s = self.s
+        self.http = dashboard.serve(self.run_dir, s.replicas, port, self.secret, s.coordinator, self._status)
         print(f"unbroken: dashboard {self.http.url} (metrics: /metrics, same token)", file=sys.stderr, flush=True)
 
     def _status(self) -> dict[str, Any] | None:
         return self.coordinator.status() if self.coordinator is not None else None
-
-    def _coordinator_settings(self, port: int) -> CoordinatorSettings:
-        return CoordinatorSettings(
-            total_replicas=self.s.replicas,
-            min_replicas=self.s.quorum_min,
-            state_dir=self.run_dir,
-            host="127.0.0.1",
-            port=port,
-            heartbeat_timeout_s=self.s.heartbeat_timeout_s,
-            anomaly_policy=self.s.anomaly_policy,
-            fatal_epochs=self.s.fatal_epochs,
-            no_progress_timeout_s=self.s.no_progress_timeout_s,
-        )
 
     async def _stack_of(self, replica: int, rank: int) -> dict[str, Any]:
         """A hung rank's stack, from the process this supervisor started for it."""
@@ -328,6 +196,9 @@ class Launcher:
             return {"stack_note": str(e)}
         return await stacks.dump(r.procs[rank].pid, stacks.stack_path(self.run_dir, replica, rank), signum)
 
+    def _run_task(self, coro: Coroutine[Any, Any, None]) -> None:
+        self._tasks.append(asyncio.create_task(coro))
+
     def _move(self, replica: int, state: State, reason: str) -> None:
         t = self.lifecycle.try_move(replica, state, reason, time.time())
         if t is not None:
@@ -336,7 +207,7 @@ class Launcher:
 
     # -- processes -------------------------------------------------------------------------
 
-    def _worker_env(self, r: _Replica, rank: int, master_port: int, slot: Slot) -> dict[str, str]:
+    def _worker_env(self, r: SupervisedReplica, rank: int, master_port: int, slot: Slot) -> dict[str, str]:
         faults = self.s.schedule.worker_faults(r.replica, rank) if slot == self.placement.home[r.replica] else []
         if r.restarts:  # a one-step fault the job already went through does not strike again
             faults = [f for f in faults if not f.one_step or f.step is None or f.step > self.job_step]
@@ -357,58 +228,13 @@ class Launcher:
             rank=rank,
             world_size=self.s.ranks_per_replica,
             master_port=master_port,
-            threads=self._threads(),
+            threads=self.s.threads(),
             secret_file=self.secret_file,
             extra=extra,
             cross_replica_backend=self.s.cross_replica_backend,
         )
 
-    def _warmable(self) -> bool:
-        """``python script.py`` or ``python -m module``, one rank per replica: a warm worker can run it."""
-        c = self.s.command
-        runnable = len(c) >= 2 and (c[1].endswith(".py") or (c[1] == "-m" and len(c) >= 3))
-        return (
-            self.s.warm_spare
-            and self.s.ranks_per_replica == 1
-            and runnable
-            and os.path.basename(c[0]).startswith("python")
-        )
-
-    async def _start_warm(self) -> None:
-        env_ = {
-            **os.environ,
-            **package_path(),
-            "PYTHONUNBUFFERED": "1",
-            env.ENV_OMP_NUM_THREADS: env.omp_num_threads(self._threads()),
-        }
-        self._warm = await asyncio.create_subprocess_exec(
-            self.s.command[0],
-            "-m",
-            "unbroken.launch.warm",
-            env=env_,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=workers.die_with_parent(),
-        )
-        if self._guardian is not None:
-            self._guardian.add(self._warm.pid)
-
-    async def _take_warm(self, environ: dict[str, str], log: Path) -> asyncio.subprocess.Process | None:
-        warm, self._warm = self._warm, None
-        if warm is None or warm.returncode is not None or warm.stdin is None:
-            return None
-        order = {"env": environ, "argv": list(self.s.command[1:]), "log": str(log)}
-        warm.stdin.write((json.dumps(order) + "\n").encode())
-        await warm.stdin.drain()
-        warm.stdin.close()
-        return warm
-
-    def _threads(self) -> int:
-        return self.s.threads_per_rank or max(1, (os.cpu_count() or 1) // (self.s.replicas * self.s.ranks_per_replica))
-
-    async def _spawn(self, r: _Replica) -> None:
+    async def _spawn(self, r: SupervisedReplica) -> None:
         slot = self.placement.place(r.replica)
         if slot is None:
             self._move(r.replica, State.ISOLATED, "its node is isolated and no spare slot is free")
@@ -416,14 +242,14 @@ class Launcher:
         master_port = free_port()
         r.procs = []
         r.step_at_start = self.job_step
-        if r.resume_step is not None and self._discard is not None:
-            await asyncio.shield(self._discard)  # no process of the rollback starts before it
+        if r.resume_step is not None:
+            await self.rollback.ready()  # no process of the rollback starts before its discard
         for rank in range(self.s.ranks_per_replica):
             path = self.run_dir / "logs" / f"replica{r.replica}-rank{rank}.log"
             environ = self._worker_env(r, rank, master_port, slot)
-            proc = await self._take_warm(environ, path) if r.restarts and self._warmable() else None
+            proc = await self.warm.take(environ, path) if r.restarts and self.warm.usable() else None
             if proc is not None:
-                self._tasks.append(asyncio.create_task(self._start_warm()))
+                self._run_task(self.warm.start())
             else:
                 proc = await self._cold_start(environ, path)
             r.procs.append(proc)
@@ -443,7 +269,7 @@ class Launcher:
     async def _cold_start(self, environ: dict[str, str], path: Path) -> asyncio.subprocess.Process:
         return await workers.start_worker(self.s.command, environ, path, self._guardian)
 
-    async def _watch(self, r: _Replica, rank: int, proc: asyncio.subprocess.Process) -> None:
+    async def _watch(self, r: SupervisedReplica, rank: int, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
         if code == 0 and self._guardian is not None:
             # Done: whatever it left running (a persist process finishing its write) is its own.
@@ -478,7 +304,7 @@ class Launcher:
 
     def _failed(
         self,
-        r: _Replica,
+        r: SupervisedReplica,
         failure: ev.FailureCause,
         reason: str,
         t_detect: float,
@@ -523,7 +349,7 @@ class Launcher:
 
     async def _act(
         self,
-        r: _Replica,
+        r: SupervisedReplica,
         action: str,
         delay_s: float,
         reason: str,
@@ -582,23 +408,23 @@ class Launcher:
                 # Its processes run but it stopped answering: a hang. Kill it, restart it.
                 self._failed(r, ev.FailureCause.HANG, f"hang: {e.reason}", time.monotonic())
         elif isinstance(e, ev.Verdict):
-            self._on_verdict(e.to_json())
+            self._on_verdict(e)
 
-    def _on_verdict(self, e: dict[str, Any]) -> None:
+    def _on_verdict(self, e: ev.Verdict) -> None:
         """Applies :func:`unbroken.launch.verdicts.verdict_action` to the culprit replica."""
-        replica = (e.get("culprit") or {}).get("replica")
+        replica = culprit_replica(e)
         action, why = verdict_action(e, self.s.on_verdict)
         if action == IGNORE or replica not in self.replicas:
             self.events.emit(
                 "verdict_ignored",
-                verdict_class=e.get("class"),
+                verdict_class=e.verdict_class,
                 replica=replica,
                 action=action,
                 reason=why if action == IGNORE else "not a replica of this job",
             )
             return
         if action == ROLLBACK:
-            self._roll_back(e, why)
+            self.rollback.start(e, why)
             return
         r = self.replicas[replica]
         if self.lifecycle.state[replica] not in RUNNING:
@@ -607,105 +433,19 @@ class Launcher:
         if action == ISOLATE and slot is not None and self.placement.free_slots():
             self.placement.isolate(slot.node, time.time())
             self.events.emit(
-                "node_isolated", node=slot.node, replica=replica, reason=f"diagnosis verdict: {e.get('class')}"
+                "node_isolated", node=slot.node, replica=replica, reason=f"diagnosis verdict: {e.verdict_class}"
             )
-        self.events.emit("verdict_acted", verdict_class=e.get("class"), replica=replica, action=action, reason=why)
+        self.events.emit("verdict_acted", verdict_class=e.verdict_class, replica=replica, action=action, reason=why)
         self._failed(
             r,
             ev.FailureCause.VERDICT,
-            f"diagnosis verdict: {e.get('class')} (confidence {e.get('confidence', 0):.2f})",
+            f"diagnosis verdict: {e.verdict_class} (confidence {e.confidence:.2f})",
             time.monotonic(),
             blame=False,
         )
 
-    def _roll_back(self, e: dict[str, Any], why: str) -> None:
-        """Restarts every replica from the newest checkpoint before the anomalous step that loads.
-
-        The target is verified (manifests and every checksum, in a thread: it reads the whole
-        checkpoint) before anything is stopped or deleted; a damaged one gives way to the next
-        older one. The checkpoints newer than the target are deleted once, by
-        :meth:`_discard_after`, when every old process is gone and before any new one starts.
-        """
-        replica = (e.get("culprit") or {}).get("replica")
-        anomaly_step = (e.get("evidence") or {}).get("step")
-
-        def ignore(reason: str) -> None:
-            self.events.emit(
-                "verdict_ignored", verdict_class=e.get("class"), replica=replica, action=ROLLBACK, reason=reason
-            )
-
-        if self._choosing_rollback or (
-            self._rolling_back and any(self.lifecycle.state[r] != State.TRAINING for r in self._rolling_back)
-        ):
-            return ignore("a rollback is under way")
-        self._rolling_back = set()
-        if self.s.checkpoint_dir is None:
-            return ignore("no checkpoint directory to roll back to (unbroken run --checkpoint-dir)")
-        if not isinstance(anomaly_step, int):
-            return ignore("the verdict names no step")
-        self._choosing_rollback = True
-        self._tasks.append(asyncio.create_task(self._roll_back_to_verified(e, why, replica, anomaly_step, ignore)))
-
-    async def _roll_back_to_verified(
-        self, e: dict[str, Any], why: str, replica: Any, anomaly_step: int, ignore: Any
-    ) -> None:
-        assert self.s.checkpoint_dir is not None
-        root = str(self.s.checkpoint_dir)
-        try:
-            target, skipped = await asyncio.to_thread(newest_verified_step, root, anomaly_step)
-        finally:
-            self._choosing_rollback = False
-        if target is None:
-            return ignore(
-                f"no loadable checkpoint at or before step {anomaly_step} in {root}"
-                + (f" ({'; '.join(skipped)})" if skipped else "")
-            )
-        if self._stop.is_set():
-            return
-        try:
-            # Before any process stops: from here no tier offers a step of the undone history.
-            await asyncio.to_thread(record_rollback, root, target)
-        except (OSError, ValueError) as exc:
-            return ignore(f"cannot record the rollback to step {target} in {root}: {exc}")
-        self.events.emit("verdict_acted", verdict_class=e.get("class"), replica=replica, action=ROLLBACK, reason=why)
-        self.events.emit(
-            "rollback",
-            step=target,
-            anomaly_step=anomaly_step,
-            culprit=replica,
-            anomaly=(e.get("evidence") or {}).get("anomaly"),
-            skipped=skipped,
-        )
-        old: list[asyncio.subprocess.Process] = []
-        for r in self.replicas.values():
-            if self.lifecycle.state[r.replica] in (State.FINISHED, State.STOPPED, State.ISOLATED):
-                continue
-            r.resume_step = target
-            self._rolling_back.add(r.replica)
-            old += r.procs
-            if self.lifecycle.state[r.replica] in RUNNING and r.procs:
-                self._failed(
-                    r,
-                    ev.FailureCause.ROLLBACK,
-                    f"rollback to the checkpoint of step {target} ({why})",
-                    time.monotonic(),
-                    blame=False,
-                )
-        self._discard = asyncio.create_task(self._discard_after(old, root, target))
-
-    async def _discard_after(self, old: list[asyncio.subprocess.Process], root: str, target: int) -> None:
-        """Once every old process has ended (none can still be persisting a newer step), deletes
-        the checkpoints after ``target``: they hold the history the rollback undid."""
-        await asyncio.gather(*(p.wait() for p in old))
-        try:
-            discarded = await asyncio.to_thread(discard_newer, root, target)
-        except (CorruptCheckpoint, OSError, ValueError) as exc:
-            # The target broke since it was verified: keep everything; the workers fall back to
-            # the next older checkpoint that loads (resume(): never a newer one).
-            self.events.emit("checkpoints_kept", rollback_step=target, reason=str(exc))
-            return
-        if discarded:
-            self.events.emit("checkpoints_discarded", steps=discarded, rollback_step=target)
+    def _fail_for_rollback(self, r: SupervisedReplica, reason: str) -> None:
+        self._failed(r, ev.FailureCause.ROLLBACK, reason, time.monotonic(), blame=False)
 
     # -- the periodic work: steps, chaos, re-admission -----------------------------
 
@@ -717,8 +457,8 @@ class Launcher:
                 status = self.coordinator.status() if self.coordinator is not None else None
                 if status is not None:
                     self._track_progress(status)
-                await self._fire_due_faults()
-                await self._readmit()
+                self.faults.fire_due(self.job_step, time.time() - self.job_start)
+                self.readmission.check_due(time.time())
             except Exception:
                 self.monitor_errors += 1
                 if self.monitor_errors & (self.monitor_errors - 1) == 0:  # 1st, 2nd, 4th...: not a flood
@@ -740,122 +480,26 @@ class Launcher:
             if self.lifecycle.state.get(r) == State.CATCHING_UP and step > self._behind_at.get(r, step) + 1:
                 self._move(r, State.TRAINING, f"caught up: trains step {step} as a full member")
 
-    async def _fire_due_faults(self) -> None:
-        elapsed = time.time() - self.job_start
-        for i, f in enumerate(self.s.schedule):
-            if i in self._fired or not f.due(self.job_step, elapsed):
-                continue
-            self._fired.add(i)
-            self._tasks.append(asyncio.create_task(self._inject(i, f)))
-
-    async def _inject(self, index: int, f: Fault) -> None:
-        fields: dict[str, Any] = {
-            "fault": index,
-            "fault_kind": f.kind,
-            "target": f.target,
-            "label": f.label,
-            "replica": f.replica,
-            "rank": f.rank,
-            "link": list(f.link) if f.link else None,
-            "step": self.job_step,
-        }
-        if f.kind not in ("crash", "hang", "coordinator_kill", "disk_full"):
-            self._worker_fault_start[index] = time.time()
-            self.events.emit("fault_injected", applied_by="worker", **fields)
-            return
-        if f.kind == "coordinator_kill":
-            await self._kill_coordinator(f, fields)
-            return
-        r = self.replicas[f.replica or 0]
-        if f.rank >= len(r.procs):
-            self.events.emit("fault_skipped", reason="the target is not running", **fields)
-            return
-        pid = r.procs[f.rank].pid
-        if f.kind == "disk_full":
-            pids = injector.limit_file_size(injector.checkpoint_writers(pid), int(f.limit_mb * 1e6))
-            self.events.emit("fault_injected", pid=pid, writers=pids, **fields)
-            if f.duration_s and pids:
-                await asyncio.sleep(f.duration_s)
-                injector.limit_file_size(pids, None)
-                self.events.emit("fault_cleared", **fields)
-            return
-        sig = signal.SIGKILL if f.kind == "crash" else signal.SIGSTOP
-        self.events.emit("fault_injected", pid=pid, **fields)
-        injector.send(pid, sig)
-        if f.kind == "hang" and f.duration_s:
-            await asyncio.sleep(f.duration_s)
-            if injector.send(pid, signal.SIGCONT):
-                self.events.emit("fault_cleared", pid=pid, **fields)
-
-    async def _kill_coordinator(self, f: Fault, fields: dict[str, Any]) -> None:
+    async def _restart_coordinator(self, down_s: float) -> str:
+        """A ``coordinator_kill`` fault: stops the coordinator abruptly, and after ``down_s``
+        starts a fresh one on the same port and state directory; returns its address."""
         assert self.coordinator is not None
         port = int(self.address.rpartition(":")[2])
-        self.events.emit("fault_injected", **fields)
         await self.coordinator.stop()
         self.coordinator = None
-        await asyncio.sleep(f.duration_s or 1.0)
-        coordinator = Coordinator(self._coordinator_settings(port), self.secret, self._stack_of)
+        await asyncio.sleep(down_s)
+        coordinator = Coordinator(self.s.coordinator_settings(port), self.secret, self._stack_of)
         coordinator.events.subscribe(self._on_coordinator_event)
         await coordinator.start()
         self.coordinator = coordinator
-        self.events.emit("coordinator_restarted", address=coordinator.address, **fields)
+        return coordinator.address
 
-    async def _readmit(self) -> None:
-        for node in self.placement.due_for_check(time.time()):
-            self.placement.isolated[node] = float("inf")  # one check at a time
-            self._tasks.append(asyncio.create_task(self._self_check(node)))
-
-    async def _self_check(self, node: str) -> None:
-        """Trains a few steps on ``node``'s slot against a peer; a pass re-admits the node."""
-        home = next((r for r, s in self.placement.home.items() if s.node == node), None)
-        now = time.time()
-        still = [
-            dataclasses.replace(
-                f,
-                step=0,
-                at_s=None,
-                duration_s=f.duration_s - (now - self._worker_fault_start[i]) if f.duration_s else None,
-            )
-            for i, f in enumerate(self.s.schedule)
-            if home is not None
-            and i in self._worker_fault_start
-            and f.kind == "slow_rank"
-            and f.replica == home
-            and (f.duration_s is None or now - self._worker_fault_start[i] < f.duration_s)
-        ]
-        port = free_port()
-        base = [sys.executable, "-m", "unbroken.launch.selfcheck", "--port", str(port)]
-        extra = {**package_path(), "OMP_NUM_THREADS": "1", env.ENV_SECRET_FILE: str(self.secret_file)}
-        procs = []
-        for role, fenv in (("checked", worker_env(still, now)), ("reference", {})):
-            procs.append(
-                await asyncio.create_subprocess_exec(
-                    *base,
-                    "--role",
-                    role,
-                    env={**os.environ, **extra, **fenv},
-                    stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.DEVNULL,
-                    start_new_session=True,
-                    preexec_fn=workers.die_with_parent(),
-                )
-            )
-            if self._guardian is not None:
-                self._guardian.add(procs[-1].pid)
-        try:
-            waits = [asyncio.ensure_future(p.wait()) for p in procs]
-            done, _ = await asyncio.wait(waits, timeout=60)
-            passed = len(done) == len(waits) and all(w.result() == 0 for w in waits)
-        finally:
-            await self._kill(procs)
-        self.placement.readmit(node, passed, time.time())
-        self.events.emit("self_check", node=node, passed=passed)
-        if passed:
-            self.events.emit("node_readmitted", node=node)
-            for r in self.replicas.values():
-                if self.lifecycle.state[r.replica] == State.ISOLATED:
-                    self._move(r.replica, State.RECOVERING, f"a slot is free again on {node}")
-                    await self._spawn(r)
+    async def _readmitted(self, node: str) -> None:
+        """``node`` passed its self-check: the replicas parked for want of a slot start again."""
+        for r in self.replicas.values():
+            if self.lifecycle.state[r.replica] == State.ISOLATED:
+                self._move(r.replica, State.RECOVERING, f"a slot is free again on {node}")
+                await self._spawn(r)
 
     # -- the end ---------------------------------------------------------------------------
 
@@ -928,7 +572,7 @@ class Launcher:
     async def _kill(self, procs: list[asyncio.subprocess.Process]) -> None:
         await workers.kill_groups(procs, self._guardian)
 
-    async def _end(self, r: _Replica) -> None:
+    async def _end(self, r: SupervisedReplica) -> None:
         procs, r.procs = r.procs, []
         await self._kill(procs)
 
@@ -937,8 +581,7 @@ class Launcher:
             t.cancel()
         for r in self.replicas.values():
             await self._end(r)
-        if self._warm is not None:
-            await self._kill([self._warm])
+        await self.warm.close()
         if self.http is not None:
             self.http.close()
         if self.coordinator is not None:
@@ -953,10 +596,3 @@ def run(settings: LaunchSettings) -> int:
 
 def _state_event(t: Transition) -> ev.ReplicaState:
     return ev.ReplicaState(replica=t.replica, old=t.old.value, new=t.new.value, reason=t.reason)
-
-
-def _or_none(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any] | None:
-    try:
-        return fn(*args)
-    except (OSError, ValueError):
-        return None

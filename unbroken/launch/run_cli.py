@@ -12,16 +12,10 @@ import click
 from unbroken.config import CROSS_REPLICA_BACKENDS
 from unbroken.control.coordinator_cli import job_health_options
 from unbroken.faults.schedule import Schedule
-from unbroken.launch.launcher import (
-    DEFAULT_TERM_GRACE_S,
-    HANG_ACTIONS,
-    VERDICT_ACTIONS,
-    LaunchSettings,
-)
-from unbroken.launch.launcher import (
-    run as run_job,
-)
+from unbroken.launch.launcher import run as run_job
 from unbroken.launch.policy import RestartPolicy
+from unbroken.launch.settings import DEFAULT_TERM_GRACE_S, HANG_ACTIONS, LaunchSettings
+from unbroken.launch.verdicts import VERDICT_ACTIONS
 
 cross_replica_backend_option = click.option(
     "--cross-replica-backend",

@@ -24,10 +24,11 @@ Each verdict class has its own remedy, and ``--on-verdict`` caps it (``ignore`` 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 from unbroken.diagnosis.verdict import COMM_HANG, COMM_SLOW, METRIC_ANOMALY, NONCOMM_HANG, STRAGGLER
+from unbroken.observe import schema as ev
 
 ISOLATE, RESTART, IGNORE, ROLLBACK = "isolate", "restart", "ignore", "rollback"
 VERDICT_ACTIONS = (ISOLATE, RESTART, IGNORE)  # what --on-verdict may cap them at
@@ -41,28 +42,50 @@ CLASS_ACTIONS: dict[str, str] = {
 _METRIC_ACTIONS = {"isolate": ISOLATE, "rollback": ROLLBACK}
 
 
-def verdict_action(verdict: Mapping[str, Any], on_verdict: str) -> tuple[str, str]:
+def _culprit(verdict: ev.Verdict) -> dict[str, Any]:
+    return verdict.culprit if isinstance(verdict.culprit, dict) else {}
+
+
+def _evidence(verdict: ev.Verdict) -> dict[str, Any]:
+    return verdict.evidence if isinstance(verdict.evidence, dict) else {}
+
+
+def culprit_replica(verdict: ev.Verdict) -> Any:
+    """The replica the verdict names, as it came (an int for a real one; check before use)."""
+    return _culprit(verdict).get("replica")
+
+
+def anomaly_step(verdict: ev.Verdict) -> int | None:
+    """The step of a ``metric_anomaly`` verdict's anomaly; None when it names none."""
+    step = _evidence(verdict).get("step")
+    return step if isinstance(step, int) else None
+
+
+def anomaly(verdict: ev.Verdict) -> Any:
+    """The anomaly a ``metric_anomaly`` verdict describes (its ``evidence.anomaly``)."""
+    return _evidence(verdict).get("anomaly")
+
+
+def verdict_action(verdict: ev.Verdict, on_verdict: str) -> tuple[str, str]:
     """The action for one ``verdict`` event and why: (``isolate``|``restart``|``ignore``, reason).
 
     ``rollback`` acts on the whole job, not on the culprit (see the module doc).
 
     Args:
-        verdict: the event's fields (``class``, ``culprit``, ``evidence``).
+        verdict: the event (its class, culprit and evidence).
         on_verdict: the strongest action the user allows (``--on-verdict``).
     """
     if on_verdict not in _STRENGTH:
         raise ValueError(f"--on-verdict must be one of {', '.join(VERDICT_ACTIONS)}, got {on_verdict!r}")
-    kind = verdict.get("class")
-    culprit = verdict.get("culprit") or {}
+    kind = verdict.verdict_class
+    culprit, evidence = _culprit(verdict), _evidence(verdict)
     replica = culprit.get("replica")
     if not isinstance(replica, int) or replica < 0:
         return IGNORE, "the verdict names no replica"
-    if culprit.get("link") is not None and (
-        kind == COMM_HANG or (verdict.get("evidence") or {}).get("pattern") == "link"
-    ):
+    if culprit.get("link") is not None and (kind == COMM_HANG or evidence.get("pattern") == "link"):
         return IGNORE, "a link is at fault: restarting either end does not mend it"
     if kind == METRIC_ANOMALY:
-        asked = (verdict.get("evidence") or {}).get("action")
+        asked = evidence.get("action")
         wanted = _METRIC_ACTIONS.get(str(asked), IGNORE)
         if wanted == IGNORE:
             return IGNORE, f"anomaly policy action {asked!r} is handled in the worker"

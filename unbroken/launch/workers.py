@@ -36,6 +36,15 @@ class ReplicaProcs:
     step_at_start: int = 0  # the job's step when they were started: progress is measured from it
 
 
+@dataclasses.dataclass
+class SupervisedReplica(ReplicaProcs):
+    """A replica as the single-machine supervisor tracks it: its pending restart, and the
+    checkpoint its next processes load after a rollback (:mod:`unbroken.launch.rollback`)."""
+
+    pending: asyncio.Task[None] | None = None
+    resume_step: int | None = None
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupPlace:
     """Where this node's ranks sit in a replica group that spans ``nodes`` nodes.

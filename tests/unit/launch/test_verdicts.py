@@ -2,16 +2,17 @@ from __future__ import annotations
 
 import pytest
 
-from unbroken.launch.verdicts import rollback_step, verdict_action
+from unbroken.launch.verdicts import anomaly_step, culprit_replica, rollback_step, verdict_action
+from unbroken.observe import schema as ev
 
 
-def v(cls: str, replica: int | None = 1, link: list[int] | None = None, **evidence: object) -> dict:
-    return {
-        "class": cls,
-        "culprit": {"replica": replica, "rank": 0, "node": None, "link": link},
-        "confidence": 0.9,
-        "evidence": dict(evidence),
-    }
+def v(cls: str, replica: int | None = 1, link: list[int] | None = None, **evidence: object) -> ev.Verdict:
+    return ev.Verdict(
+        verdict_class=cls,
+        culprit={"replica": replica, "rank": 0, "node": None, "link": link},
+        confidence=0.9,
+        evidence=dict(evidence),
+    )
 
 
 @pytest.mark.parametrize(
@@ -57,6 +58,21 @@ def test_old_or_unknown_classes_and_bad_settings() -> None:
     assert verdict_action(v("hang"), "isolate")[0] == "ignore"
     with pytest.raises(ValueError, match="--on-verdict must be one of"):
         verdict_action(v("straggler"), "explode")
+
+
+def test_a_verdict_read_back_from_its_json_line_gets_the_same_action() -> None:
+    # The launcher is handed the typed event; one parsed back from events.jsonl must agree.
+    for verdict in (v("straggler"), v("metric_anomaly", action="rollback", step=7), v("comm_hang", replica=None)):
+        back = ev.parse(verdict.to_json())
+        assert isinstance(back, ev.Verdict)
+        assert verdict_action(back, "isolate") == verdict_action(verdict, "isolate")
+
+
+def test_culprit_and_anomaly_step_are_read_only_when_well_formed() -> None:
+    assert culprit_replica(v("straggler", replica=2)) == 2
+    assert anomaly_step(v("metric_anomaly", step=12)) == 12
+    assert anomaly_step(v("metric_anomaly", step="12")) is None  # not a step: the rollback is refused
+    assert anomaly_step(v("metric_anomaly")) is None
 
 
 def test_rollback_goes_to_the_newest_checkpoint_before_the_bad_update() -> None:
