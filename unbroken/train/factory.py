@@ -46,10 +46,9 @@ from unbroken.train.manager import (
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_QUORUM_TIMEOUT_S,
     Manager,
-    check_state_pair,
 )
 from unbroken.train.replica_group import init_replica_group
-from unbroken.train.state import LoadStateDictFn, StateDictFn
+from unbroken.train.state import LoadStateDictFn, StateDictFn, check_state_pair
 from unbroken.train.vote import vote_device
 from unbroken.wire.auth import JobSecret
 from unbroken.wire.store import StoreServer

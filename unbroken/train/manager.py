@@ -40,7 +40,7 @@ from unbroken.train.exchange import GradientExchange
 from unbroken.train.hooks import FaultHook
 from unbroken.train.overlap import OverlappedExchange
 from unbroken.train.process_group import ManagedProcessGroup
-from unbroken.train.state import LoadStateDictFn, StateDictFn, StateRegistry, as_local, as_shards
+from unbroken.train.state import LoadStateDictFn, StateDictFn, StateRegistry, as_local, as_shards, check_state_pair
 from unbroken.train.vote import ReplicaVote
 from unbroken.wire.auth import JobSecret
 
@@ -606,12 +606,3 @@ class Manager:
     def _vote(self, ok: bool) -> bool:
         """Whether every rank of this replica may commit the step (:mod:`unbroken.train.vote`)."""
         return self._voter(ok, self.step, self._step_began)
-
-
-def check_state_pair(state_dict: StateDictFn | None, load_state_dict: LoadStateDictFn | None) -> None:
-    """Refuses one of the two state functions without the other."""
-    if (state_dict is None) != (load_state_dict is None):
-        raise ValueError(
-            "pass both state_dict and load_state_dict, or neither (and register states "
-            "with manager.register_state_dict_fn)"
-        )

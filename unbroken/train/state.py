@@ -201,6 +201,15 @@ def model_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None 
     return ModelState(model, optimizer)
 
 
+def check_state_pair(state_dict: StateDictFn | None, load_state_dict: LoadStateDictFn | None) -> None:
+    """Refuses one of the two state functions of ``unbroken.init()`` without the other."""
+    if (state_dict is None) != (load_state_dict is None):
+        raise ValueError(
+            "pass both state_dict and load_state_dict, or neither (and register states "
+            "with manager.register_state_dict_fn)"
+        )
+
+
 class StateRegistry:
     """The states registered with :meth:`~unbroken.train.manager.Manager.register_state_dict_fn`.
 
