@@ -1,9 +1,9 @@
 """The worker entry point: ``unbroken.init()`` joins the job with what the launcher asked for.
 
-Above ``train`` and ``faults``: it builds the :class:`~unbroken.train.manager.Manager` and
-installs the fault hooks the launcher planned for this rank (the worker-side faults of the
-schedule and a link fault, both read from the environment through :mod:`unbroken.config`), so
-that ``train`` never imports fault injection.
+Above ``train`` and ``faults``: it builds the :class:`~unbroken.train.manager.Manager` (with
+:func:`~unbroken.train.factory.build_manager`) and installs the fault hooks the launcher planned
+for this rank (the worker-side faults of the schedule and a link fault, both read from the
+environment through :mod:`unbroken.config`), so that ``train`` never imports fault injection.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from unbroken.comm.deadline import LearnedDeadline
 from unbroken.config import ReplicaConfig
 from unbroken.faults.link import LinkFault
 from unbroken.faults.worker import WorkerChaos
+from unbroken.train.factory import build_manager
 from unbroken.train.manager import (
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_MAX_ATTEMPTS,
@@ -47,7 +48,7 @@ def init(
     ``unbroken run --cross-replica-backend`` (``UNBROKEN_CROSS_REPLICA_BACKEND``), else ``auto``.
     """
     config = config or ReplicaConfig.from_env()
-    return Manager(
+    return build_manager(
         state_dict,
         load_state_dict,
         config=config,

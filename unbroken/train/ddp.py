@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from unbroken.train.manager import Manager
+from unbroken.train.interface import BucketExchange
 from unbroken.train.overlap import METADATA
 
 FIRST_BUCKET_MB = 1.0  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES is 1 MiB
@@ -76,7 +76,7 @@ class DistributedDataParallel(torch.nn.Module):
     def __init__(
         self,
         module: torch.nn.Module,
-        manager: Manager,
+        manager: BucketExchange,
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float | None = None,
     ) -> None:

@@ -7,60 +7,44 @@ the backward pass; it applies the optimizer step only if that returns True, then
 :attr:`Manager.last_step_committed` tells the loop whether the step was applied.
 
 What a recovering peer fetches and a checkpoint holds is the dict of every state registered
-with :meth:`Manager.register_state_dict_fn` (see :mod:`unbroken.train.state`).
+with :meth:`Manager.register_state_dict_fn` (see :mod:`unbroken.train.state`). The Manager is
+given its built parts (the coordinator client, the cross-replica group, the catch-up server);
+:func:`unbroken.train.factory.build_manager` builds them from the environment, as
+``unbroken.init()`` does. The replica's side of live catch-up is in :mod:`unbroken.train.catch_up`,
+the layout of an exchanged buffer in :mod:`unbroken.train.overlap`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 import math
-import os
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from unbroken.comm.backend import check_backend
-from unbroken.comm.catchup import CatchupServer, SnapshotCopy, fetch_state, snapshot_layout
+from unbroken.comm.catchup import CatchupServer
 from unbroken.comm.deadline import LearnedDeadline
-from unbroken.comm.process_group import CrossReplicaGroup, ExchangeFailed
-from unbroken.comm.recorder import FlightRecorder, LinkDelay
-from unbroken.comm.store import AuthenticatedStore
-from unbroken.config import (
-    ReplicaConfig,
-    anomaly_policy,
-    local_address_towards,
-    prepare_early,
-    recorder_enabled,
-    run_dir_given,
-    stack_signal,
-)
-from unbroken.config import connect_timeout_s as connect_timeout_from_env
-from unbroken.config import cross_replica_backend as env_cross_replica_backend
+from unbroken.comm.process_group import CrossReplicaGroup
+from unbroken.comm.recorder import FlightRecorder
+from unbroken.config import ReplicaConfig
 from unbroken.control.client import CoordinatorClient
 from unbroken.control.quorum import QuorumDecision
 from unbroken.diagnosis.metrics import parse_policy, wants_skip
-from unbroken.diagnosis.stack_dump import install_stack_dump
-from unbroken.diagnosis.stacks import stack_path
-from unbroken.diagnosis.telemetry import CaughtUp
+from unbroken.train.catch_up import CatchUp, DonateHint
+from unbroken.train.exchange import GradientExchange
 from unbroken.train.hooks import FaultHook
-from unbroken.train.overlap import METADATA, OverlappedExchange, busy_seconds
-from unbroken.train.replica_group import init_replica_group
-from unbroken.train.state import LoadStateDictFn, StateDictFn, as_local, as_shards
+from unbroken.train.overlap import OverlappedExchange
+from unbroken.train.process_group import ManagedProcessGroup
+from unbroken.train.state import LoadStateDictFn, StateDictFn, StateRegistry, as_local, as_shards, check_state_pair
+from unbroken.train.vote import ReplicaVote
 from unbroken.wire.auth import JobSecret
-from unbroken.wire.store import StoreServer
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 LEGACY_STATE_KEY = "state"  # where init(state_dict=..., load_state_dict=...) registers its pair
 DEFAULT_MAX_ATTEMPTS = 8
@@ -76,21 +60,29 @@ class Manager:
 
     A context manager: ``with unbroken.init() as manager:`` leaves the job cleanly at the end
     (a finished replica) and, on an exception, as a failed one, whose restart the supervisor
-    decides.
+    decides. ``unbroken.init()`` builds it (:func:`~unbroken.train.factory.build_manager`); a
+    test builds it with stand-ins for its parts.
 
     Args:
         state_dict, load_state_dict: a convenience for one state, registered under the key
             ``"state"``; :meth:`register_state_dict_fn` registers any number, at any time.
-        config: where this rank sits; read from the environment when omitted.
-        device: where gradients live (CPU: the exchange runs on Gloo; CUDA: see
-            ``cross_replica_backend``).
-        cross_replica_backend: ``auto`` (NCCL when every member of an epoch holds a distinct
-            GPU, else Gloo carrying the CUDA tensors), ``nccl`` or ``gloo``; None reads
-            ``UNBROKEN_CROSS_REPLICA_BACKEND`` (``unbroken run --cross-replica-backend``).
+        config: where this rank sits.
+        client: the connection to the coordinator (quorums, heartbeats, aborts, donate hints).
+        group: the cross-replica group each epoch's exchange runs on.
+        catchup: the server a recovering peer fetches this replica's state from.
+        secret: the job's key, which donors and peers demand.
+        device: where gradients live (CPU: the exchange runs on Gloo).
+        recorder: the flight recorder (None when recording is off).
+        donate_hint: set by the client when this replica will likely serve a newcomer next.
+        vote_device: where the vote's tensor lives (the replica's own group's backend).
         deadline: how long an exchange may take before a peer is presumed hung.
         max_attempts: exchange attempts per step before the step is given up.
         quorum_timeout_s: how long to wait for a quorum (training waits while fewer than
             ``min_replicas`` are alive).
+        prepare_early: act on a quorum answer on the connection thread as it arrives.
+        anomaly_policy: what a non-finite loss or gradient norm does (``parse_policy``).
+        fault_hook: injected faults (``unbroken.init()`` installs them), usually None.
+        on_shutdown: releases what the factory set up beside the parts (run at shutdown).
 
     Attributes:
         step: the number of steps this replica has committed (the job's step).
@@ -101,18 +93,19 @@ class Manager:
 
     Thread model (docs/architecture.md, "Threads of a replica process"). Every public method
     runs on the training thread, which owns the step's state (``step``, ``decision``,
-    ``stats``, ``_quorum``, ``_buffer``, ``_overlap``, ``_snapshot``, ``_metrics``, the state
-    functions). Other threads touch only:
+    ``stats``, ``_quorum``, ``_buffer``, ``_overlap``, the donor's snapshot, ``_metrics``, the
+    state functions). Other threads touch only:
 
     - ``unbroken-coordinator`` (the client's connection thread) runs :meth:`_prepare_soon`
-      and :meth:`_donate_soon`. :meth:`_prepare` writes ``group``'s epoch, ``_prepared_for``,
-      ``_fetch``, ``_early`` and ``_own_state`` under ``_prepare_lock``, on whichever thread
-      acts on a quorum answer first; the training thread reads them only after its own
-      :meth:`_prepare` of the same decision, which the lock orders after the other one.
-      ``_donate_next`` is a plain flag: a late hint is acted on a step later.
-    - ``unbroken-fetch`` and ``unbroken-catch-up-exchange`` (:func:`in_background`) read
-      ``secret``, ``deadline``, ``device`` and the group; their results come back in the
-      Futures held by ``_fetch`` and ``_early``, waited on by the training thread.
+      and sets the donate hint. :meth:`_prepare` writes ``group``'s epoch and the catch-up's
+      plan, download and early exchange under ``_prepare_lock``, on whichever thread acts on a
+      quorum answer first; the training thread reads them only after its own :meth:`_prepare`
+      of the same decision, which the lock orders after the other one. A late donate hint is
+      acted on a step later.
+    - ``unbroken-fetch`` and ``unbroken-catch-up-exchange``
+      (:func:`~unbroken.train.catch_up.in_background`) read ``secret``, ``deadline``,
+      ``device`` and the group; their results come back in Futures waited on by the training
+      thread.
     - the recorder is appended to by the training thread and drained by the connection
       thread (bounded deques); ``client`` and ``catchup`` guard their own state.
     """
@@ -121,42 +114,42 @@ class Manager:
         self,
         state_dict: StateDictFn | None = None,
         load_state_dict: LoadStateDictFn | None = None,
-        config: ReplicaConfig | None = None,
+        *,
+        config: ReplicaConfig,
+        client: CoordinatorClient,
+        group: CrossReplicaGroup,
+        catchup: CatchupServer,
+        secret: JobSecret,
         device: torch.device | None = None,
+        recorder: FlightRecorder | None = None,
+        donate_hint: DonateHint | None = None,
+        vote_device: torch.device | None = None,
         deadline: LearnedDeadline | None = None,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         quorum_timeout_s: float = DEFAULT_QUORUM_TIMEOUT_S,
-        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        prepare_early: bool = False,
+        anomaly_policy: dict[str, str] | None = None,
         fault_hook: FaultHook | None = None,
-        link_fault: LinkDelay | None = None,
-        cross_replica_backend: str | None = None,
+        on_shutdown: Callable[[], None] | None = None,
     ) -> None:
-        if (state_dict is None) != (load_state_dict is None):
-            raise ValueError(
-                "pass both state_dict and load_state_dict, or neither (and register states "
-                "with manager.register_state_dict_fn)"
-            )
-        self.config = config or ReplicaConfig.from_env()
+        check_state_pair(state_dict, load_state_dict)
+        self.config = config
         self.device = device or torch.device("cpu")
-        self._state_fns: dict[str, tuple[LoadStateDictFn, StateDictFn]] = {}
+        self._states = StateRegistry()
         if state_dict is not None and load_state_dict is not None:
             self.register_state_dict_fn(LEGACY_STATE_KEY, load_state_dict, state_dict)
         self.last_step_committed = False
         self._closed = False
-        self._warned_stateless = False
         self.deadline = deadline or LearnedDeadline()
         self.max_attempts = max_attempts
         self.quorum_timeout_s = quorum_timeout_s
         self.step = 0
         self.decision: QuorumDecision | None = None
-        self.secret = JobSecret.required()  # the job's key: the store, the donors and peers demand it
-        backend = cross_replica_backend or env_cross_replica_backend()
-        check_backend(backend, self.device)
-        self.group = CrossReplicaGroup(self.secret, backend=backend)
-        # Peers on other nodes fetch from here: listen on the address that reaches the coordinator.
-        self.catchup = CatchupServer(
-            self.secret, host=local_address_towards(self.config.coordinator.rpartition(":")[0])
-        )
+        self.secret = secret
+        self.group = group
+        self.catchup = catchup
+        self.client = client
+        self.recorder = recorder
         self.stats: dict[str, float] = {
             "exchange_failures": 0,
             "recoveries": 0,
@@ -165,63 +158,30 @@ class Manager:
             "last_recovery_s": 0.0,
             "last_join_wait_s": 0.0,
         }
+        self._catch_up = CatchUp(catchup, secret, config.replica_id, self.stats, recorder, donate_hint)
+        self._exchanger = GradientExchange(group, self.deadline, self.stats, self.device, config.replica_id)
         self._quorum: Future[dict[str, Any]] | None = None
         # The next step's request, sent before this one's commit (request_next_quorum): (step, answer).
         self._next_quorum: tuple[int, Future[dict[str, Any]]] | None = None
         self._may_commit = False  # this step's sync_gradients() returned True and it is not committed yet
-        self._buffer: torch.Tensor | None = None
-        self._snapshot: SnapshotCopy | None = None  # a donation still being copied
         self._grad_numel: int | None = None  # see expect_gradients
-        self._early: tuple[int, Future[tuple[float, torch.Tensor]]] | None = None  # epoch, (seconds, sum)
         self._overlap: OverlappedExchange | None = None  # this step's exchange during backward
         # Whether a failed exchange goes back to the loop instead of being redone in place with
         # the same gradients (see wait_quorum): set when the batches depend on the quorum.
         self.redo_failed_steps = False
-        self._prepared_for: tuple[int, int] | None = None  # the (epoch, step) a catch-up started for
-        self._donate_next = False  # the coordinator forecast that this replica serves a newcomer next
         self._last_commit: float | None = None
         self._step_time: float | None = None
-        self._fetch: tuple[float, Future[_Fetched]] | None = None  # started at, the download
-        # The donor and step of the newest catch-up decision, when a fetch for an older step was
-        # already running: that fetch is finished first, then this one is made (see _finish_recovery).
-        self._refetch: tuple[str, int] | None = None
-        self._prewarmed = False
         self._prepare_lock = threading.Lock()
-        self._own_state: dict[str, Any] | None = None  # a fresh process's tensors, see start_step
-        self.prepare_early = prepare_early()
-        self.fault_hook = fault_hook  # injected faults (unbroken.init() installs them), usually None
+        self.prepare_early = prepare_early
+        self.fault_hook = fault_hook
         self._compute_t0 = time.perf_counter()
         self._step_began = time.monotonic()  # when this step asked for its quorum
-        record = recorder_enabled()
-        self.recorder = FlightRecorder(self.config.replica_id, link_fault=link_fault) if record else None
-        self.group.recorder = self.recorder
-        self.anomaly_policy = parse_policy(anomaly_policy())
+        self.anomaly_policy = anomaly_policy if anomaly_policy is not None else parse_policy("")
         self._metrics: tuple[float | None, float | None] = (None, None)
-        signum = stack_signal()
-        stack_file, self._stack_tmp = self._stack_dump_path()
-        self._stack_dump = install_stack_dump(stack_file, signum) if signum is not None else None
-        self._replica_store: tuple[AuthenticatedStore, StoreServer | None] | None = None
-        if self.config.world_size > 1 and not dist.is_initialized():  # the script's own group wins
-            backend = "gloo" if self.device.type == "cpu" else "nccl"
-            self._replica_store = init_replica_group(self.config, self.secret, backend)
-        self._vote_device = vote_device(dist.get_backend()) if self.config.world_size > 1 else torch.device("cpu")
-        # No PID, stack file or signal in the hello: the process that started this rank
-        # signals it and reads the stack file at the same path (unbroken.diagnosis.stacks).
-        self.client = CoordinatorClient(
-            self.config.coordinator,
-            self.secret,
-            hello={
-                "replica": self.config.replica_id,
-                "rank": self.config.rank,
-                "world_size": self.config.world_size,
-                "transfer_addr": self.catchup.address,
-                "node": self.config.node,
-            },
-            on_abort=self.group.abort,
-            on_donate=self._donate_soon,
-            telemetry=self.recorder.batch if self.recorder is not None else None,
+        self._voter = ReplicaVote(
+            config.world_size, client.silence, vote_device or torch.device("cpu"), config.replica_id
         )
-        self.client.wait_connected(connect_timeout_from_env(connect_timeout_s))
+        self._on_shutdown = on_shutdown
 
     # -- the step ------------------------------------------------------------------------
 
@@ -229,24 +189,15 @@ class Manager:
         """Asks for this step's quorum; the answer travels while the forward pass runs."""
         if self._quorum is None:
             self.last_step_committed = False
-            if self._last_commit is None and self._own_state is None:
-                # A process that has not trained yet is most likely a restarted one about to
-                # catch up: note where its tensors live, here on the training thread, so the
-                # fetch can write the donor's bytes straight into them.
-                with contextlib.suppress(Exception):
-                    self._own_state = self._local_state()
+            if self._last_commit is None:  # not trained yet: most likely about to catch up
+                self._catch_up.note_own_state(self._local_state)
             asked, self._next_quorum = self._next_quorum, None
             if asked is not None and asked[0] == self.step:
                 self._quorum = asked[1]  # asked when the last step's exchange ended
             else:
-                self._quorum = self._request_quorum(None)
-                if self.prepare_early:
-                    self._quorum.add_done_callback(self._prepare_soon)
-            if self._donate_next and self._snapshot is None and self._last_commit is not None:
-                # Told that a newcomer will be admitted at this step with this replica as its
-                # donor: snapshot now, so the peer's fetch overlaps this step's compute.
-                self._donate_next = False
-                self._take_snapshot(early=True)
+                self._quorum = self._ask(None)
+            if self._last_commit is not None:
+                self._catch_up.donate_if_hinted(self.step, self._local_state)
             self._compute_t0 = time.perf_counter()
             if self.fault_hook is not None:
                 self.fault_hook.start_step(self.step)
@@ -303,7 +254,7 @@ class Manager:
         try:
             return self._allreduce(grads)
         finally:
-            self._settle_snapshot()
+            self._catch_up.settle()
 
     def sync_gradients(self, grads: list[torch.Tensor]) -> bool:
         """Ends this step's gradient exchange; True when the optimizer may step.
@@ -336,12 +287,9 @@ class Manager:
                 "request_next_quorum() is for a step whose sync_gradients() returned True, before commit()"
             )
         self._may_commit = False
-        if self._quorum is not None or self._own_state is not None or self._fetch is not None:
+        if self._quorum is not None or self._catch_up.own_state is not None or self._catch_up.fetching:
             return  # a request of this step is outstanding, or a fetch may still write into our tensors
-        fut = self._request_quorum(None, step=self.step + 1)
-        if self.prepare_early:
-            fut.add_done_callback(self._prepare_soon)
-        self._next_quorum = (self.step + 1, fut)
+        self._next_quorum = (self.step + 1, self._ask(None, step=self.step + 1))
 
     def _sync_gradients(self, grads: list[torch.Tensor]) -> bool:
         overlap = self._overlap
@@ -359,7 +307,7 @@ class Manager:
             return overlap.outcome
         finally:
             self._overlap = None
-            self._settle_snapshot()
+            self._catch_up.settle()
 
     def process_group(self) -> Any:
         """A ``torch.distributed`` process group over the replicas, for gradients only.
@@ -369,8 +317,6 @@ class Manager:
         group; :meth:`sync_gradients` then says whether the step may commit. See
         :mod:`unbroken.train.process_group`.
         """
-        from unbroken.train.process_group import ManagedProcessGroup
-
         return ManagedProcessGroup(self)
 
     def begin_overlap(self) -> OverlappedExchange:
@@ -390,16 +336,11 @@ class Manager:
             self._overlap = OverlappedExchange(None, step=self.step)
             return self._overlap
         d = self._await_quorum(None)
-        skip = wants_skip(*self._metrics, self.anomaly_policy)
-        if skip:
-            if self.recorder is not None:
-                self.recorder.record_step(self.step, *self._metrics, None)
-            log.warning("replica %d step %d: %s, sitting this step out", self.config.replica_id, self.step, skip)
-        self._overlap = OverlappedExchange(d, step=self.step, skip=bool(skip))
+        self._overlap = OverlappedExchange(d, step=self.step, skip=self._sits_out())
         return self._overlap
 
     def start_bucket(self, buf: torch.Tensor) -> None:
-        """Starts summing one bucket: ``buf`` holds its gradients and :data:`METADATA` free slots.
+        """Starts summing one bucket: ``buf`` holds its gradients and ``METADATA`` free slots.
 
         Every member starts the same buckets in the same order. After a failure nothing more is
         started; the buffers of the step are then never used again.
@@ -407,19 +348,7 @@ class Manager:
         o = self.begin_overlap()
         if o.decision is None or o.failed:
             return
-        n = buf.numel() - METADATA
-        if o.skip:
-            buf.zero_()
-        buf[n] = 0.0 if o.skip else 1.0
-        buf[n + 1] = float(o.decision.step)
-        buf[n + 2] = 1.0 if o.skip else 0.0
-        total = 4 * (self._grad_numel or 0)
-        try:
-            o.pending.append(self.group.start_allreduce_sum(buf, self.deadline.seconds, total))
-            o.buffers.append(buf)
-        except ExchangeFailed as e:
-            log.warning("replica %d step %d: %s", self.config.replica_id, self.step, e)
-            o.failed = True
+        self._exchanger.start_bucket(o, buf, self.step, 4 * (self._grad_numel or 0))
 
     def wait_buckets(self, last: bool = True) -> bool:
         """Waits for the buckets started so far and checks every member's step and contribution.
@@ -434,32 +363,7 @@ class Manager:
             self.client.compute_s = time.perf_counter() - self._compute_t0 - o.waited_s
             if self.fault_hook is not None:
                 self.fault_hook.before_exchange(self.step, o.decision.members, 4 * (self._grad_numel or 0))
-        if o.failed:
-            return False
-        pending, o.pending = o.pending, []
-        if not pending:  # all waited for already (process_group()): this only closes the record
-            self.group.finish_allreduce_sums([], self.deadline.seconds, last=last)
-            return True
-        waiting = time.perf_counter()
-        try:
-            seconds = self.group.finish_allreduce_sums(pending, self.deadline.seconds, last=last)
-        except ExchangeFailed as e:
-            log.warning("replica %d step %d: %s", self.config.replica_id, self.step, e)
-            o.failed = True
-            return False
-        finally:
-            o.waited_s += time.perf_counter() - waiting
-        for buf in o.buffers[len(o.buffers) - len(pending) :]:
-            contributing = self._check_exchanged(buf, o.decision)
-            if contributing is None:
-                o.failed = True
-                return False
-            o.contributing = contributing
-        self.deadline.observe(seconds)
-        self.stats["last_exchange_s"] = seconds
-        self.stats["last_join_wait_s"] = self.group.last_join_wait_s
-        self.stats["last_exchange_busy_s"] = busy_seconds(pending)
-        return True
+        return self._exchanger.wait_buckets(o, self.step, last)
 
     def end_overlap(self, grads: list[torch.Tensor], write_back: Callable[[float], None]) -> bool:
         """Ends a step whose buckets were all started: waits, agrees, then writes or redoes.
@@ -490,7 +394,7 @@ class Manager:
             o.outcome = self._allreduce(grads, failed=o.decision.epoch)
             return o.outcome
         finally:
-            self._settle_snapshot()  # a donor's copy is complete before any optimizer steps
+            self._catch_up.settle()  # a donor's copy is complete before any optimizer steps
 
     def _overlap_agreed(self, o: OverlappedExchange) -> bool:
         """Whether the step exchanged during backward may be applied: every bucket summed and
@@ -502,9 +406,7 @@ class Manager:
         if o.decision is None or (o.contributing == 0 and not o.failed):
             return
         self.stats["exchange_failures"] += 1
-        self._quorum = self._request_quorum(o.decision.epoch)
-        if self.prepare_early:
-            self._quorum.add_done_callback(self._prepare_soon)
+        self._quorum = self._ask(o.decision.epoch)
 
     def _allreduce(self, grads: list[torch.Tensor], failed: int | None = None) -> bool:
         for _ in range(self.max_attempts):
@@ -515,17 +417,15 @@ class Manager:
             if failed is None:  # this rank's own time for the step, without waiting for peers
                 self.client.compute_s = time.perf_counter() - self._compute_t0
             exchanged = self._exchange(grads, decision, zero=behind)
-            ok = self._vote(exchanged and (not behind or self._fetched()))
+            ok = self._vote(exchanged and (not behind or self._catch_up.fetched()))
             if ok:
                 if behind:
-                    self._finish_recovery(decision)
+                    self.step = self._catch_up.finish(decision, self._states.load)
                 return True
             failed = decision.epoch
             self.stats["exchange_failures"] += 1
             if self.redo_failed_steps:  # the loop redoes the step with batches for the next quorum
-                self._quorum = self._request_quorum(failed)
-                if self.prepare_early:
-                    self._quorum.add_done_callback(self._prepare_soon)
+                self._quorum = self._ask(failed)
                 return False
         log.error("step %d: no exchange succeeded in %d attempts; skipping it", self.step, self.max_attempts)
         return False
@@ -549,12 +449,9 @@ class Manager:
         if self._last_commit is not None:
             self._step_time = now - self._last_commit
         self._last_commit = now
-        self._own_state = None  # trained without catching up: nothing to receive into
+        self._catch_up.own_state = None  # trained without catching up: nothing to receive into
         self.step += 1
-        if not self._prewarmed:
-            # The state is complete (optimizer state exists) only after the first commit.
-            self._prewarmed = True
-            self.catchup.pool.prewarm(snapshot_layout(self._local_state())[3])
+        self._catch_up.prewarm(self._local_state)
 
     def report_loss(self, loss: float, step: int | None = None) -> float:
         """The loss to report for ``step``; passes through injected faults (a NaN on purpose)."""
@@ -571,10 +468,8 @@ class Manager:
         self.client.close(finished=finished)
         self.group.close(timeout_s=SHUTDOWN_RELEASE_S)
         self.catchup.close()
-        if self._replica_store is not None and self._replica_store[1] is not None:
-            self._replica_store[1].close()
-        if self._stack_tmp is not None:
-            shutil.rmtree(self._stack_tmp, ignore_errors=True)
+        if self._on_shutdown is not None:
+            self._on_shutdown()
 
     def __enter__(self) -> Manager:
         return self
@@ -599,21 +494,7 @@ class Manager:
         Raises:
             ValueError: ``key`` is empty or already registered.
         """
-        if not isinstance(key, str) or not key:
-            raise ValueError(f"a state key must be a non-empty string, got {key!r}")
-        if key in self._state_fns:
-            raise ValueError(f"a state is already registered under {key!r}: pick another key")
-        if not callable(load_state_dict) or not callable(state_dict):
-            raise TypeError(f"register_state_dict_fn({key!r}, load_state_dict, state_dict) takes two callables")
-        self._state_fns[key] = (load_state_dict, state_dict)
-
-    def _stack_dump_path(self) -> tuple[str, str | None]:
-        """Where this rank's stack dump goes: the run directory, or a private temporary one
-        (removed at shutdown) for a process launched without one, never the working directory."""
-        if run_dir_given() or self.config.run_dir not in (".", ""):
-            return stack_path(self.config.run_dir, self.config.replica_id, self.config.rank), None
-        tmp = tempfile.mkdtemp(prefix="unbroken-stacks-")
-        return os.path.join(tmp, os.path.basename(stack_path(tmp, self.config.replica_id, self.config.rank))), tmp
+        self._states.register(key, load_state_dict, state_dict)
 
     # -- internals -----------------------------------------------------------------------
 
@@ -627,46 +508,22 @@ class Manager:
         error = failure[1] if failure is not None and failed_epoch is not None and failure[0] == failed_epoch else None
         return self.client.request_quorum(self.step if step is None else step, failed_epoch, self._step_time, error)
 
+    def _ask(self, failed_epoch: int | None, step: int | None = None) -> Future[dict[str, Any]]:
+        """:meth:`_request_quorum`, whose answer is acted on as it arrives when preparing early."""
+        fut = self._request_quorum(failed_epoch, step)
+        if self.prepare_early:
+            fut.add_done_callback(self._prepare_soon)
+        return fut
+
     def _await_quorum(self, failed_epoch: int | None) -> QuorumDecision:
         if failed_epoch is not None or self._quorum is None:
             self._quorum = self._request_quorum(failed_epoch)
         fut, self._quorum = self._quorum, None
         msg = fut.result(timeout=self.quorum_timeout_s)
         d = self._prepare(msg)
-        donating = any(donor == self.config.replica_id for (_, donor) in d.donors)
-        if donating:
-            self._donate_next = False  # a hint that came too late for this step is spent on it
-            if self._snapshot is None or self._snapshot.snapshot.step != d.step:
-                self._take_snapshot(early=False)  # the coordinator's hint did not come in time
-            self.stats["donations"] += 1
+        self._catch_up.donate(d, self.step, self._local_state)
         self.decision = d
         return d
-
-    def _take_snapshot(self, early: bool) -> None:
-        """Snapshots the state of this step for a peer, before the optimizer moves it.
-
-        Taken on the training thread; the bulk (large host tensors) is copied on a background
-        thread beside the step's compute and exchange, which read those tensors but do not
-        change them, and the snapshot is served once complete. ``allreduce`` waits for the copy
-        before it returns, that is, before the optimizer steps.
-        """
-        taken = time.perf_counter()
-        self._snapshot = SnapshotCopy(self.step, self._local_state(), self.catchup.pool, self.catchup.publish)
-        self.stats["last_snapshot_s"] = time.perf_counter() - taken
-        self.stats["last_snapshot_early"] = float(early)
-
-    def _donate_soon(self, newcomer: int) -> None:
-        """The coordinator's hint (connection thread): snapshot at the next step start."""
-        log.info("replica %d will likely serve replica %d at its next step", self.config.replica_id, newcomer)
-        self._donate_next = True
-
-    def _settle_snapshot(self) -> None:
-        """Waits until a donated snapshot is fully copied: the caller's optimizer steps next."""
-        if self._snapshot is not None:
-            waited = time.perf_counter()
-            self._snapshot.wait()
-            self._snapshot = None
-            self.stats["last_snapshot_wait_s"] = time.perf_counter() - waited
 
     def _prepare_soon(self, fut: Future[dict[str, Any]]) -> None:
         """Acts on a quorum answer the moment it arrives, while the forward pass still runs.
@@ -699,32 +556,13 @@ class Manager:
             # Once per decision: the training thread may have finished with them already when the
             # connection thread's callback gets here, and a second exchange would pair with the
             # peers' next collective.
-            if me in d.behind and self._prepared_for != (d.epoch, d.step):
-                self._prepared_for = (d.epoch, d.step)
-                addrs: dict[str, str] = msg.get("transfer_addrs", {})
-                if self._fetch is None:
-                    self._start_fetch(addrs[str(d.donor_of(me))], d.step)
-                    self._refetch = None
-                else:  # a fetch of an earlier decision runs on (it may be for this very step)
-                    self._refetch = (addrs[str(d.donor_of(me))], d.step)
-                if self._grad_numel is not None:
-                    self._start_early_exchange(d, self._grad_numel)
+            if self._catch_up.plan(d, msg.get("transfer_addrs", {})) and self._grad_numel is not None:
+                self._catch_up.start_early_exchange(self.group, d, self._grad_numel, self.deadline.seconds, self.device)
         return d
 
-    def _full_state(self) -> dict[str, Any]:
-        """Every registered state and the step, tensors as the state functions return them."""
-        if not self._state_fns and not self._warned_stateless:
-            self._warned_stateless = True
-            log.warning(
-                "no state is registered (manager.register_state_dict_fn): a replica that catches "
-                "up or resumes gets only the step number, not the model"
-            )
-        user = {key: save() for key, (_, save) in self._state_fns.items()}
-        return {"user": user, "unbroken": {"step": self.step}}
-
     def _local_state(self) -> dict[str, Any]:
-        """What a peer is sent: :meth:`_full_state` with DTensors as this rank's local shards."""
-        return as_local(self._full_state())
+        """What a peer is sent: every registered state and the step, DTensors as this rank's local shards."""
+        return as_local(self._states.full(self.step))
 
     def state_dict(self) -> dict[str, Any]:
         """This replica's whole state: every registered state and its step.
@@ -734,25 +572,11 @@ class Manager:
         :class:`~unbroken.checkpoint.Shard` markers of this rank's local piece, which the
         Checkpointer stores with their place in the global tensor. Call between steps.
         """
-        return as_shards(self._full_state())
+        return as_shards(self._states.full(self.step))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Loads what :meth:`state_dict` returned (say, from a checkpoint); call between steps."""
-        self._load_user(state["user"])
-        self.step = int(state["unbroken"]["step"])
-
-    def _load_user(self, user: dict[str, Any]) -> None:
-        missing = [k for k in self._state_fns if k not in user]
-        unknown = [k for k in user if k not in self._state_fns]
-        if missing or unknown:
-            raise ValueError(
-                f"the loaded state holds {sorted(user)} but this replica registered "
-                f"{sorted(self._state_fns)}: register the same keys as the replica that saved it"
-                + (f" (missing: {missing})" if missing else "")
-                + (f" (unknown: {unknown})" if unknown else "")
-            )
-        for key, (load, _) in self._state_fns.items():
-            load(user[key])
+        self.step = self._states.load(state)
 
     @property
     def writes_checkpoints(self) -> bool:
@@ -767,237 +591,21 @@ class Manager:
         up = [m for m in d.members if m not in d.behind_set]
         return bool(up) and self.config.replica_id == min(up)
 
-    def _start_fetch(self, address: str, step: int) -> None:
-        """Starts downloading the donor's state of ``step`` (runs on the connection thread
-        when prepared early); the training thread waits for it in :meth:`_finish_recovery`."""
-        into, self._own_state = self._own_state, None
-
-        def run() -> _Fetched:
-            cpu = time.thread_time()
-            state = fetch_state(address, step, self.secret, into=into)
-            return _Fetched(state, time.perf_counter(), time.thread_time() - cpu)
-
-        self._fetch = (time.perf_counter(), in_background("unbroken-fetch", run))
-
-    def _fetched(self) -> bool:
-        """Waits for this behind replica's download (bounded by its own timeout); False when it
-        failed (a donor that died mid-transfer, a refusal past the retries).
-
-        A failed catch-up is then a failed step at this rank, voted down like a failed exchange:
-        the epoch is reported failed, the replica is still behind in the next one and fetches
-        again, from whichever donor that epoch names. Before, it raised, and the process crashed
-        into the supervisor's restart loop (10 restarts, then the replica was gone for good).
-        """
-        if self._fetch is None:
-            return False
-        try:
-            self._fetch[1].result()
-        except Exception as e:  # noqa: BLE001 - any failed download is retried in the next epoch
-            log.warning("replica %d: catch-up from a donor failed (%s); fetching again", self.config.replica_id, e)
-            self.stats["catch_up_failures"] = self.stats.get("catch_up_failures", 0) + 1
-            self._fetch = self._refetch = None
-            self._prepared_for = None
-            return False
-        return True
-
-    def _finish_recovery(self, decision: QuorumDecision) -> None:
-        assert self._fetch is not None
-        started, download = self._fetch
-        self._fetch = None
-        try:
-            fetched = download.result()
-        except Exception as e:
-            raise RuntimeError(f"catch-up from a donor failed: {e}") from e
-        refetch, self._refetch = self._refetch, None
-        if int(fetched.state["unbroken"]["step"]) != decision.step:
-            # The fetch began for an earlier decision whose catch-up never completed (its epoch
-            # failed) and the job has moved on since: that state is stale. The stale download
-            # has ended (it wrote into this process's own tensors), so fetch the decision's step
-            # now, into fresh memory. Seen in the peer-partition scenario of bench cluster.
-            if refetch is None or refetch[1] != decision.step:
-                raise RuntimeError(
-                    f"catch-up fetched step {fetched.state['unbroken']['step']}, but the quorum trains "
-                    f"step {decision.step} and names no donor for it"
-                )
-            try:
-                state = fetch_state(refetch[0], decision.step, self.secret)
-            except Exception as e:
-                raise RuntimeError(f"catch-up from a donor failed: {e}") from e
-            fetched = _Fetched(state, time.perf_counter(), fetched.cpu_s)
-        state = fetched.state
-        loading = time.perf_counter()
-        self._load_user(state["user"])
-        self.step = int(state["unbroken"]["step"])
-        self.stats["recoveries"] += 1
-        now = time.perf_counter()
-        self.stats["last_recovery_s"] = now - started
-        self.stats["last_fetch_s"] = fetched.done_at - started
-        self.stats["last_load_s"] = now - loading
-        self.stats["last_fetch_cpu_s"] = fetched.cpu_s
-        if self.recorder is not None:
-            self.recorder.note(CaughtUp(self.step, now - started, snapshot_layout(state)[3]))
-        log.info(
-            "replica %d caught up to step %d: fetch %.3fs, load %.3fs",
-            self.config.replica_id,
-            self.step,
-            self.stats["last_fetch_s"],
-            self.stats["last_load_s"],
-        )
-
     def _exchange(self, grads: list[torch.Tensor], d: QuorumDecision, zero: bool) -> bool:
-        locals_ = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-        n = sum(g.numel() for g in locals_)
-        early, self._early = self._early, None
-        if zero and early is not None and early[0] == d.epoch:
-            return self._finish_early_exchange(locals_, n, early[1], d)
-        buf = self._buffer
-        if buf is None or buf.numel() != n + 3:
-            buf = self._buffer = torch.empty(n + 3, dtype=torch.float32, device=self.device)
-        skip = None if zero else wants_skip(*self._metrics, self.anomaly_policy)
-        if zero or skip:
-            buf.zero_()
-            if skip:  # sit this step out: no gradient, counted apart from the contributors
-                buf[n + 2] = 1.0
-                if self.recorder is not None:
-                    self.recorder.record_step(self.step, *self._metrics, None)
-                log.warning("replica %d step %d: %s, sitting this step out", self.config.replica_id, self.step, skip)
-        else:
-            offset = 0
-            for g in locals_:
-                buf[offset : offset + g.numel()].copy_(g.reshape(-1))
-                offset += g.numel()
-            buf[n] = 1.0
-            buf[n + 2] = 0.0
-        # Every member adds its step and whether it contributes, so a member that silently
-        # trains a different step is caught instead of averaged in.
-        buf[n + 1] = float(d.step)
-        try:
-            seconds = self.group.allreduce_sum(buf, self.deadline.seconds)
-        except ExchangeFailed as e:
-            log.warning("replica %d step %d: %s", self.config.replica_id, self.step, e)
-            self._buffer = None  # the backend may still write into it
-            return False
-        return self._apply_exchanged(locals_, buf, seconds, d)
+        early = self._catch_up.take_early_exchange(d.epoch)
+        skip = False if zero else self._sits_out()
+        return self._exchanger.allreduce(grads, d, self.step, zero=zero, skip=skip, early=early)
 
-    def _check_exchanged(self, buf: torch.Tensor, d: QuorumDecision) -> int | None:
-        """The replicas whose gradients the summed ``buf`` holds; None when members disagree."""
-        n = buf.numel() - METADATA
-        contributing, step_sum, skipped = buf[n].item(), buf[n + 1].item(), round(buf[n + 2].item())
-        if round(contributing) + skipped != d.contributing or step_sum != float(d.step) * len(d.members):
-            log.warning("replica %d: members disagree on the step (%s); redoing it", self.config.replica_id, step_sum)
-            return None
-        return round(contributing)
-
-    def _apply_exchanged(
-        self, locals_: list[torch.Tensor], buf: torch.Tensor, seconds: float, d: QuorumDecision, observe: bool = True
-    ) -> bool:
-        """Checks the exchanged totals and writes the average into the gradients."""
-        contributing = self._check_exchanged(buf, d)
-        if contributing is None:
-            return False
-        if observe:
-            self.deadline.observe(seconds)
-        self.stats["last_exchange_s"] = seconds
-        self.stats["last_join_wait_s"] = self.group.last_join_wait_s
-        if contributing == 0:
-            return False  # every replica sat this step out: nothing to apply
-        scale = 1.0 / contributing
-        offset = 0
-        for g in locals_:
-            torch.mul(buf[offset : offset + g.numel()].view_as(g), scale, out=g)
-            offset += g.numel()
-        return True
-
-    def _start_early_exchange(self, d: QuorumDecision, numel: int) -> None:
-        """Enters a catching-up replica's zero-gradient exchange now, on a background thread.
-
-        Its gradient for this step is thrown away, so there is nothing to wait for: the
-        survivors then find it already in the exchange instead of waiting for a forward and
-        backward pass of a process that has just started (the slowest of the step).
-        """
-
-        def run() -> tuple[float, torch.Tensor]:
-            buf = torch.zeros(numel + 3, dtype=torch.float32, device=self.device)
-            buf[numel + 1] = float(d.step)
-            return self.group.allreduce_sum(buf, self.deadline.seconds), buf
-
-        self._early = (d.epoch, in_background("unbroken-catch-up-exchange", run))
-
-    def _finish_early_exchange(
-        self, locals_: list[torch.Tensor], n: int, exchange: Future[tuple[float, torch.Tensor]], d: QuorumDecision
-    ) -> bool:
-        try:
-            seconds, buf = exchange.result()
-        except ExchangeFailed as e:
-            log.warning("replica %d step %d: %s", self.config.replica_id, self.step, e)
-            return False
-        if buf.numel() != n + 3:
-            raise RuntimeError(
-                f"expect_gradients() announced {buf.numel() - 3} gradient elements but allreduce() "
-                f"got {n}: announce the same parameters the exchange averages (the unbroken wrappers do)"
-            )
-        self._buffer = buf
-        # Not observed by the deadline: it includes the wait for the peers' forward and backward.
-        return self._apply_exchanged(locals_, buf, seconds, d, observe=False)
+    def _sits_out(self) -> bool:
+        """Whether this replica sits the step out (its loss or gradient norm is not finite and
+        the anomaly policy says ``skip_step``): it then contributes no gradient."""
+        skip = wants_skip(*self._metrics, self.anomaly_policy)
+        if skip:
+            if self.recorder is not None:
+                self.recorder.record_step(self.step, *self._metrics, None)
+            log.warning("replica %d step %d: %s, sitting this step out", self.config.replica_id, self.step, skip)
+        return bool(skip)
 
     def _vote(self, ok: bool) -> bool:
-        """Whether every rank of this replica group exchanged successfully (a MIN all-reduce on
-        the replica's own group, with a tensor on the device its backend carries).
-
-        A rank that went silent during the step long enough to have been evicted votes no,
-        whatever its sum says (:mod:`unbroken.control.silence`)."""
-        if ok and self.client.silence.silent_since(self._step_began, time.monotonic()):
-            log.warning(
-                "replica %d step %d: this process was silent past half the coordinator's eviction "
-                "timeout during the step (stopped?): not committing it",
-                self.config.replica_id,
-                self.step,
-            )
-            ok = False
-        if self.config.world_size == 1:
-            return ok
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self._vote_device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
-
-
-@dataclasses.dataclass(frozen=True)
-class _Fetched:
-    """A donor's state as downloaded, with when the download ended and the CPU it took."""
-
-    state: Any
-    done_at: float
-    cpu_s: float
-
-
-def in_background(name: str, fn: Callable[[], T]) -> Future[T]:
-    """Runs ``fn`` on a new daemon thread called ``name``; its result or exception in a Future.
-
-    Not a ``ThreadPoolExecutor``: its workers are joined when the interpreter exits, and a
-    fetch from a dead donor or an exchange with a hung peer (each bounded, but by tens of
-    seconds) must not hold up a replica that is failing or finishing.
-    """
-    fut: Future[T] = Future()
-
-    def run() -> None:
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            fut.set_result(fn())
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-            fut.set_exception(e)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return fut
-
-
-def vote_device(backend: str) -> torch.device:
-    """The device of a tensor that the default group's ``backend`` can all-reduce.
-
-    NCCL takes only CUDA tensors; Gloo, and a group with a CPU backend beside NCCL
-    (``"cpu:gloo,cuda:nccl"``), takes CPU ones, which saves a host-device copy.
-    """
-    entries = backend.lower().split(",")  # "nccl", or per device: "cpu:gloo,cuda:nccl"
-    if any(e.startswith("cpu:") for e in entries) or all(e.rpartition(":")[2] != "nccl" for e in entries):
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
+        """Whether every rank of this replica may commit the step (:mod:`unbroken.train.vote`)."""
+        return self._voter(ok, self.step, self._step_began)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from unbroken.train.manager import Manager
+from unbroken.train.interface import StepDriver
 
 
 def trainable_parameters(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
@@ -43,7 +43,7 @@ def gradients(params: Iterable[torch.nn.Parameter]) -> list[torch.Tensor]:
     return grads
 
 
-def average_gradients(manager: Manager, params: Iterable[torch.nn.Parameter]) -> bool:
+def average_gradients(manager: StepDriver, params: Iterable[torch.nn.Parameter]) -> bool:
     """Averages the gradients of ``params`` across replicas; True when the step may commit.
 
     Works for plain tensors and for FSDP2's sharded (DTensor) gradients, whose local shards
@@ -64,7 +64,7 @@ class Optimizer(torch.optim.Optimizer):
     :attr:`Manager.last_step_committed <unbroken.train.manager.Manager>`.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, manager: Manager) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, manager: StepDriver) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"unbroken.Optimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         # Not super().__init__(): it would build param groups of its own instead of sharing them.

@@ -1,4 +1,8 @@
-"""The state of one step's gradient exchange while it runs during the backward pass.
+"""The layout of an exchanged buffer, and the state of a step's exchange during backward.
+
+Every exchanged buffer ends with :data:`METADATA` slots that each member fills in, so that a
+member that silently trains another step, or a miscount of contributors, is caught instead of
+averaged in (:func:`fill_buffer`, :func:`contributors`).
 
 :class:`~unbroken.train.ddp.DistributedDataParallel` and
 :meth:`~unbroken.train.manager.Manager.process_group` start a step's sums bucket by bucket as
@@ -16,6 +20,58 @@ from unbroken.comm.process_group import PendingSum
 from unbroken.control.quorum import QuorumDecision
 
 METADATA = 3  # slots every exchanged buffer ends with: contributing, step, skipped
+
+
+def fill_buffer(buf: torch.Tensor, grads: list[torch.Tensor], step: int, zero: bool, skip: bool) -> None:
+    """Writes ``grads`` (or zeros when ``zero`` or ``skip``) and this member's metadata into ``buf``.
+
+    ``zero``: a replica catching up sends nothing and counts as no contributor; ``skip``: it sits
+    the step out and is counted apart from the contributors.
+    """
+    n = buf.numel() - METADATA
+    if zero or skip:
+        buf.zero_()
+        if skip:
+            buf[n + 2] = 1.0
+    else:
+        offset = 0
+        for g in grads:
+            buf[offset : offset + g.numel()].copy_(g.reshape(-1))
+            offset += g.numel()
+        buf[n] = 1.0
+        buf[n + 2] = 0.0
+    buf[n + 1] = float(step)
+
+
+def mark_bucket(buf: torch.Tensor, step: int, skip: bool) -> None:
+    """Writes this member's metadata after a bucket's gradients (zeroing them when it sits out)."""
+    n = buf.numel() - METADATA
+    if skip:
+        buf.zero_()
+    buf[n] = 0.0 if skip else 1.0
+    buf[n + 1] = float(step)
+    buf[n + 2] = 1.0 if skip else 0.0
+
+
+def contributors(buf: torch.Tensor, decision: QuorumDecision) -> int | None:
+    """The replicas whose gradients the summed ``buf`` holds; None when members disagree on the
+    step or on who contributes."""
+    n = buf.numel() - METADATA
+    contributing, step_sum, skipped = buf[n].item(), buf[n + 1].item(), round(buf[n + 2].item())
+    if round(contributing) + skipped != decision.contributing or step_sum != float(decision.step) * len(
+        decision.members
+    ):
+        return None
+    return round(contributing)
+
+
+def write_average(grads: list[torch.Tensor], buf: torch.Tensor, contributing: int) -> None:
+    """Writes the summed ``buf`` divided by ``contributing`` back into ``grads``, in place."""
+    scale = 1.0 / contributing
+    offset = 0
+    for g in grads:
+        torch.mul(buf[offset : offset + g.numel()].view_as(g), scale, out=g)
+        offset += g.numel()
 
 
 @dataclasses.dataclass

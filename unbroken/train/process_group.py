@@ -29,14 +29,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unbroken.train.manager import Manager
+from unbroken.train.interface import BucketExchange
 from unbroken.train.overlap import METADATA
 
 
 class ManagedProcessGroup(dist.ProcessGroup):
     """The replicas of the current quorum as a process group (``allreduce`` only)."""
 
-    def __init__(self, manager: Manager) -> None:
+    def __init__(self, manager: BucketExchange) -> None:
         super().__init__(0, 1)  # type: ignore[call-arg, arg-type]  # torch's stub lacks the (rank, size) form
         self.manager = manager
 
@@ -94,7 +94,9 @@ class _Done(dist.Work):
 class _Exchange(_Done):
     """Waits for its sums, checks them, and writes the sum or average into the tensors."""
 
-    def __init__(self, manager: Manager, tensors: list[torch.Tensor], bufs: list[torch.Tensor], avg: bool) -> None:
+    def __init__(
+        self, manager: BucketExchange, tensors: list[torch.Tensor], bufs: list[torch.Tensor], avg: bool
+    ) -> None:
         super().__init__(tensors)
         self._manager, self._bufs, self._avg = manager, bufs, avg
         self._waited = False

@@ -17,6 +17,7 @@ For a model and its optimizer, :func:`model_state` does this with PyTorch's
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,8 @@ from unbroken.checkpoint.snapshot import Shard
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
+
+log = logging.getLogger(__name__)
 
 StateDictFn = Callable[[], Any]
 LoadStateDictFn = Callable[[Any], None]
@@ -196,3 +199,61 @@ def model_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None 
     """The state of ``model`` and ``optimizer`` to register with
     :meth:`~unbroken.train.manager.Manager.register_state_dict_fn` (see :class:`ModelState`)."""
     return ModelState(model, optimizer)
+
+
+def check_state_pair(state_dict: StateDictFn | None, load_state_dict: LoadStateDictFn | None) -> None:
+    """Refuses one of the two state functions of ``unbroken.init()`` without the other."""
+    if (state_dict is None) != (load_state_dict is None):
+        raise ValueError(
+            "pass both state_dict and load_state_dict, or neither (and register states "
+            "with manager.register_state_dict_fn)"
+        )
+
+
+class StateRegistry:
+    """The states registered with :meth:`~unbroken.train.manager.Manager.register_state_dict_fn`.
+
+    A replica's whole state is ``{"user": {key: state_dict()}, "unbroken": {"step": step}}``:
+    what a recovering peer is sent and what a checkpoint holds.
+    """
+
+    def __init__(self) -> None:
+        self._fns: dict[str, tuple[LoadStateDictFn, StateDictFn]] = {}
+        self._warned_stateless = False
+
+    def register(self, key: str, load_state_dict: LoadStateDictFn, state_dict: StateDictFn) -> None:
+        """Adds ``key``; see :meth:`~unbroken.train.manager.Manager.register_state_dict_fn`."""
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"a state key must be a non-empty string, got {key!r}")
+        if key in self._fns:
+            raise ValueError(f"a state is already registered under {key!r}: pick another key")
+        if not callable(load_state_dict) or not callable(state_dict):
+            raise TypeError(f"register_state_dict_fn({key!r}, load_state_dict, state_dict) takes two callables")
+        self._fns[key] = (load_state_dict, state_dict)
+
+    def full(self, step: int) -> dict[str, Any]:
+        """Every registered state and ``step``, tensors as the state functions return them."""
+        if not self._fns and not self._warned_stateless:
+            self._warned_stateless = True
+            log.warning(
+                "no state is registered (manager.register_state_dict_fn): a replica that catches "
+                "up or resumes gets only the step number, not the model"
+            )
+        user = {key: save() for key, (_, save) in self._fns.items()}
+        return {"user": user, "unbroken": {"step": step}}
+
+    def load(self, state: dict[str, Any]) -> int:
+        """Loads a whole state (as :meth:`full` returns it) into the registered states; returns its step."""
+        user = state["user"]
+        missing = [k for k in self._fns if k not in user]
+        unknown = [k for k in user if k not in self._fns]
+        if missing or unknown:
+            raise ValueError(
+                f"the loaded state holds {sorted(user)} but this replica registered "
+                f"{sorted(self._fns)}: register the same keys as the replica that saved it"
+                + (f" (missing: {missing})" if missing else "")
+                + (f" (unknown: {unknown})" if unknown else "")
+            )
+        for key, (load, _) in self._fns.items():
+            load(user[key])
+        return int(state["unbroken"]["step"])

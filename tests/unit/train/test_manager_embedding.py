@@ -13,18 +13,16 @@ from unittest import mock
 import pytest
 import torch
 
+from tests.unit.train.parts import manager_with_fakes
 from unbroken.config import ConfigError, stack_signal
-from unbroken.train.manager import Manager, vote_device
+from unbroken.train.factory import build_manager, stack_dump_path
+from unbroken.train.manager import Manager
+from unbroken.train.vote import vote_device
 
 
 def bare_manager() -> Manager:
-    """A Manager with only its state bookkeeping (no coordinator, no process group)."""
-    m = Manager.__new__(Manager)
-    m._state_fns = {}
-    m._warned_stateless = False
-    m.step = 0
-    m._closed = True
-    return m
+    """A Manager whose parts are stand-ins (no coordinator, no process group)."""
+    return manager_with_fakes()[0]
 
 
 def test_stack_signal_is_configurable() -> None:
@@ -113,7 +111,13 @@ def test_states_registered_after_construction_make_up_the_state() -> None:
 
 def test_the_old_pair_of_state_functions_is_a_thin_convenience() -> None:
     with pytest.raises(ValueError, match="both state_dict and load_state_dict"):
-        Manager(state_dict=lambda: {})
+        build_manager(state_dict=lambda: {})  # refused before anything is built or connected
+    with pytest.raises(ValueError, match="both state_dict and load_state_dict"):
+        manager_with_fakes(load_state_dict=lambda s: None)
+    loaded: list[Any] = []
+    m = manager_with_fakes(state_dict=lambda: {"w": 1}, load_state_dict=loaded.append)[0]
+    m.load_state_dict(m.state_dict())
+    assert loaded == [{"w": 1}] and sorted(m.state_dict()["user"]) == ["state"]
 
 
 def test_the_context_manager_leaves_finished_or_failed() -> None:
@@ -134,13 +138,12 @@ def test_the_stack_dump_never_lands_in_the_working_directory(monkeypatch: pytest
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("UNBROKEN_RUN_DIR", raising=False)
-    m = bare_manager()
-    m.config = ReplicaConfig(coordinator="127.0.0.1:1", replica_id=2, num_replicas=3)
-    path, tmp = m._stack_dump_path()
+    config = ReplicaConfig(coordinator="127.0.0.1:1", replica_id=2, num_replicas=3)
+    path, tmp = stack_dump_path(config)
     assert tmp is not None and Path(path).parent == Path(tmp) and not Path(tmp).is_relative_to(tmp_path)
     Path(tmp).rmdir()
-    m.config = ReplicaConfig(coordinator="127.0.0.1:1", replica_id=2, num_replicas=3, run_dir=str(tmp_path / "run"))
-    assert m._stack_dump_path() == (str(tmp_path / "run" / "stacks" / "r2-rank0.txt"), None)
+    config = ReplicaConfig(coordinator="127.0.0.1:1", replica_id=2, num_replicas=3, run_dir=str(tmp_path / "run"))
+    assert stack_dump_path(config) == (str(tmp_path / "run" / "stacks" / "r2-rank0.txt"), None)
 
 
 def test_background_work_hands_back_its_result_or_its_error_in_a_future() -> None:
@@ -148,7 +151,7 @@ def test_background_work_hands_back_its_result_or_its_error_in_a_future() -> Non
     for the docs' thread table, whose outcome the training thread gets from a Future."""
     import threading
 
-    from unbroken.train.manager import in_background
+    from unbroken.train.catch_up import in_background
 
     names: list[str] = []
 

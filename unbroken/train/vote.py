@@ -1,0 +1,60 @@
+"""The vote that ends a step: every rank of a replica commits it, or none does.
+
+The ranks of one replica each exchange their own shards with the other replicas; a step is
+applied only if every one of them succeeded, so the replica's ranks never drift apart. A rank
+that went silent during the step long enough to have been evicted votes no, whatever its sum
+says (:mod:`unbroken.control.silence`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+
+from unbroken.control.silence import SilenceWatch
+
+log = logging.getLogger(__name__)
+
+
+def vote_device(backend: str) -> torch.device:
+    """The device of a tensor that the default group's ``backend`` can all-reduce.
+
+    NCCL takes only CUDA tensors; Gloo, and a group with a CPU backend beside NCCL
+    (``"cpu:gloo,cuda:nccl"``), takes CPU ones, which saves a host-device copy.
+    """
+    entries = backend.lower().split(",")  # "nccl", or per device: "cpu:gloo,cuda:nccl"
+    if any(e.startswith("cpu:") for e in entries) or all(e.rpartition(":")[2] != "nccl" for e in entries):
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+class ReplicaVote:
+    """Whether every rank of this replica may commit the step: a MIN all-reduce on the replica's
+    own (default) group, with a tensor on ``device``, the device its backend carries; with one
+    rank, this rank's own answer."""
+
+    def __init__(self, world_size: int, silence: SilenceWatch, device: torch.device, replica_id: int) -> None:
+        self.world_size = world_size
+        self.silence = silence
+        self.device = device
+        self.replica_id = replica_id
+
+    def __call__(self, ok: bool, step: int, step_began: float) -> bool:
+        """``ok``: this rank's exchange succeeded; ``step_began``: when its attempt asked for a
+        quorum (``time.monotonic()``)."""
+        if ok and self.silence.silent_since(step_began, time.monotonic()):
+            log.warning(
+                "replica %d step %d: this process was silent past half the coordinator's eviction "
+                "timeout during the step (stopped?): not committing it",
+                self.replica_id,
+                step,
+            )
+            ok = False
+        if self.world_size == 1:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
