@@ -22,6 +22,7 @@ def v(cls: str, replica: int | None = 1, link: list[int] | None = None, **eviden
         ("comm_hang", "restart"),
         ("straggler", "isolate"),
         ("comm_slow", "isolate"),
+        ("port_failure", "ignore"),  # an ICCL hop that failed over to its backup path
     ],
 )
 def test_each_class_has_its_remedy(cls: str, action: str) -> None:
