@@ -182,6 +182,15 @@ class SimReplica:
             self.answers.append(Answer(step, asked, time.monotonic(), d["epoch"], len(d["members"]), failed))
             if not fut.done():  # not given up on
                 fut.set_result(msg)
+        elif op == "epoch":  # the next epoch pushed with the abort: the answer to the re-ask, unasked
+            now = time.monotonic()
+            self.aborts.append((now, msg["abort"]))
+            self._last = {
+                **msg,
+                "decision": {**msg["decision"], "members": members_of_runs(msg["decision"]["member_runs"])},
+            }
+            self.epoch = epoch = msg["decision"]["epoch"]
+            self.answers.append(Answer(self.step, now, now, epoch, len(self._last["decision"]["members"]), True))
         elif op == "abort":
             self.aborts.append((time.monotonic(), msg["epoch"]))
             # A replica blocked in the broken epoch's exchange fails it and asks again at once.

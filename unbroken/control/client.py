@@ -31,7 +31,7 @@ from typing import Any, Protocol
 from unbroken.config import parse_host_ports
 from unbroken.control import protocol
 from unbroken.control.heartbeat import heartbeat_due
-from unbroken.control.quorum import QuorumDecision
+from unbroken.control.quorum import QuorumDecision, push_answers
 from unbroken.control.silence import SilenceWatch
 from unbroken.diagnosis.telemetry import TelemetryBatch
 from unbroken.wire.auth import AuthError, JobSecret, Session
@@ -126,6 +126,7 @@ class CoordinatorClient:
         self._sock: socket.socket | None = None
         self._session: Session | None = None  # the MAC state of self._sock, replaced with it
         self._last_answer: dict[str, Any] | None = None  # this connection's last full quorum answer
+        self._pushed: dict[str, Any] | None = None  # an epoch pushed unasked, for the next request
         self._last_sent = float("-inf")  # when a line last went out: any line is a heartbeat
         self.silence = SilenceWatch()  # gaps long enough for the coordinator to have evicted us
         self._connected = threading.Event()
@@ -150,17 +151,28 @@ class CoordinatorClient:
         """Asks for the quorum of ``step``; the future resolves with the coordinator's answer.
 
         ``failure``: the error text of the exchange that failed in ``failed_epoch``, from which
-        the coordinator tells a configuration error from a fault."""
+        the coordinator tells a configuration error from a fault. An epoch the coordinator
+        pushed (:class:`~unbroken.control.protocol.EpochPush`) that answers this request is the
+        answer, at once, and nothing is sent."""
         self.step = step
         req_id = next(self._ids)
+        fut: Future[dict[str, Any]] = Future()
+        with self._lock:
+            pushed, self._pushed = self._pushed, None
+        if pushed is not None and self._answers(pushed, step, failed_epoch):
+            fut.set_result({**pushed, "id": req_id})
+            return fut
         msg = protocol.QuorumAsk(
             id=req_id, step=step, step_time=step_time, failed_epoch=failed_epoch, failure=failure
         ).to_msg()
-        fut: Future[dict[str, Any]] = Future()
         with self._lock:
             self._pending[req_id] = (msg, fut)
         self._send(msg)
         return fut
+
+    def _answers(self, pushed: dict[str, Any], step: int, failed_epoch: int | None) -> bool:
+        d = QuorumDecision.from_json(pushed["decision"])
+        return push_answers(d, self.hello.replica, step, failed_epoch)
 
     def close(self, finished: bool = True) -> None:
         """Says goodbye (a finished replica is not a failed one) and stops the thread."""
@@ -223,6 +235,7 @@ class CoordinatorClient:
             sock, session = connected
             self._last_answer = None  # a short answer completes only one from the same connection
             with self._lock:
+                self._pushed = None  # the next request goes to this connection's coordinator
                 self._sock, self._session = sock, session
                 resend = [m for (m, _) in self._pending.values()]
             for m in resend:
@@ -311,6 +324,8 @@ class CoordinatorClient:
             self._connected.set()
         elif op == protocol.QuorumAnswer.OP:
             self._answer(msg)
+        elif op == protocol.EpochPush.OP:
+            self._push(msg)
         elif op == protocol.Abort.OP and self.on_abort is not None:
             self.on_abort(protocol.Abort.from_msg(msg).epoch)
         elif op == protocol.Donate.OP and self.on_donate is not None:
@@ -335,6 +350,28 @@ class CoordinatorClient:
             entry = self._pending.pop(protocol.count(msg, "id"), None)
         if entry is not None:
             entry[1].set_result(msg)
+
+    def _push(self, msg: dict[str, Any]) -> None:
+        """The next epoch, pushed with the abort of the broken one: the answer to the request in
+        flight that it answers (sent before the push arrived), else kept for the next request."""
+        push = protocol.EpochPush.from_msg(msg)
+        answer = {
+            "id": 0,
+            "decision": listed_decision(push.decision),
+            "transfer_addrs": push.transfer_addrs,
+            "store": push.store,
+        }
+        self._last_answer = answer  # the short answers of this epoch complete from it
+        if push.store:
+            self.store_address = push.store
+        with self._lock:
+            fits = [i for i, (m, _) in self._pending.items() if self._answers(answer, m["step"], m["failed_epoch"])]
+            entry = self._pending.pop(fits[0]) if fits else None
+            self._pushed = None if entry is not None else answer
+        if entry is not None:
+            entry[1].set_result({**answer, "id": fits[0]})
+        if self.on_abort is not None:  # after the answer is in place: the aborted exchange asks at once
+            self.on_abort(push.abort)
 
     def _fail_pending(self, exc: Exception) -> None:
         with self._lock:

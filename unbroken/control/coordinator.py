@@ -436,7 +436,18 @@ class Coordinator:
         self.diagnosis.forget(replica)
         self.events.emit(ev.ReplicaEvicted(replica=replica, cause=cause, reason=reason, member=was_member))
         self.requests.deliver(self.quorum.disconnect(replica, time.monotonic()))
-        self.requests.push_aborts()
+        self._push_soon()
+
+    def _push_soon(self) -> None:
+        """Has the next epoch pushed once this turn's evictions are done (an agent's loss
+        evicts each of its replicas in turn: one pushed epoch for all of them)."""
+        if self.requests.push_due:
+            return
+        self.requests.push_due = True
+        try:
+            asyncio.get_running_loop().call_soon(self.requests.push_epoch)
+        except RuntimeError:  # no loop (a test driving the coordinator by hand): now
+            self.requests.push_epoch()
 
     def _world_size(self, replica: int) -> int | None:
         conns = self.replicas.get(replica, {})

@@ -381,6 +381,29 @@ class Abort:
 
 
 @dataclasses.dataclass(frozen=True)
+class EpochPush:
+    """The next epoch, formed at an eviction and pushed with the abort of the broken one
+    (``abort``): the full answer a member's re-ask would have got, without a request id. The
+    coordinator sends it pre-encoded (:func:`~unbroken.control.protocol.push_payload`)."""
+
+    OP: ClassVar[str] = "epoch"
+    abort: int
+    decision: dict[str, Any]
+    transfer_addrs: dict[str, str]
+    store: str
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> EpochPush:
+        decision, addrs = msg.get("decision"), msg.get("transfer_addrs", {})
+        if not isinstance(decision, dict) or not isinstance(addrs, dict):
+            raise ValueError("an epoch push needs a decision and transfer_addrs objects")
+        return cls(abort=count(msg, "abort"), decision=decision, transfer_addrs=addrs, store=text(msg, "store"))
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP, **dataclasses.asdict(self)}
+
+
+@dataclasses.dataclass(frozen=True)
 class Donate:
     OP: ClassVar[str] = "donate"
     to: int
@@ -548,7 +571,7 @@ class Direction(enum.Enum):
 MESSAGES: dict[Direction, tuple[type[Any], ...]] = {
     Direction.RANK_TO_COORDINATOR: (Hello, Heartbeat, Telemetry, QuorumAsk, Bye, Exited),
     # ``quorum``: a full answer (sent pre-encoded) or the fast path's short one.
-    Direction.COORDINATOR_TO_RANK: (Welcome, QuorumAnswer, QuorumSame, Abort, Donate, Error),
+    Direction.COORDINATOR_TO_RANK: (Welcome, QuorumAnswer, QuorumSame, Abort, EpochPush, Donate, Error),
     Direction.AGENT_TO_COORDINATOR: (AgentHello, AgentHeartbeat, Exited, StackReport, GroupPort, GroupRelease),
     Direction.COORDINATOR_TO_AGENT: (
         Assign,

@@ -42,6 +42,7 @@ from unbroken.control.messages import (
     Direction,
     Donate,
     DumpStack,
+    EpochPush,
     Error,
     Exited,
     GroupAssign,
@@ -81,6 +82,7 @@ __all__ = [
     "Bye",
     "Direction",
     "Donate",
+    "EpochPush",
     "DumpStack",
     "Error",
     "Exited",
@@ -103,6 +105,7 @@ __all__ = [
     "Welcome",
     "answer_payload",
     "answer_tail",
+    "push_payload",
     "connect",
     "connect_async",
     "count",
@@ -256,6 +259,11 @@ def answer_tail(decision: dict[str, Any], transfer_addrs: dict[str, str], store:
 def answer_payload(req_id: int, tail: bytes) -> bytes:
     """The JSON text of a full quorum answer to request ``req_id`` (see :func:`answer_tail`)."""
     return b'{"op":"quorum","id":%d,%s' % (req_id, tail)
+
+
+def push_payload(abort: int, tail: bytes) -> bytes:
+    """The JSON text of an :class:`EpochPush` aborting epoch ``abort`` (see :func:`answer_tail`)."""
+    return b'{"op":"epoch","abort":%d,%s' % (abort, tail)
 
 
 def expand_answer(msg: Message, last: Message | None) -> Message:

@@ -17,6 +17,11 @@ The rules, in the order they are checked:
   the majority, and only with at least ``min_replicas`` and a
   strict majority of the replicas alive at the coordinator, so two halves can never both
   train.
+* **Pushed**: when an eviction breaks the current epoch, the next one is formed at once
+  (:meth:`QuorumState.push`) from the replicas that asked and the members still heard, each at
+  the step it trains, under the same majority, ``min_replicas`` and reservation rules; it
+  reaches the members in flight with the abort of the broken epoch, and a member takes it as
+  the answer to its next request when it fits (:func:`push_answers`), instead of asking.
 * **Catch-up**: members whose step is behind the newest step in the new quorum are marked
   behind and each gets a donor, spread round-robin across the up-to-date members.
 """
@@ -287,11 +292,39 @@ class QuorumState:
             ready = everyone_asked or waited >= self.join_window_s
         if not ready or not majority_ok(asked, self.alive, self.rules.min_replicas):
             return []
-        return [self._form(asked)]
+        return [self._form({m: self.waiting[m].step for m in asked})]
 
-    def _form(self, asked: set[int]) -> QuorumDecision:
-        members = tuple(sorted(asked))
-        steps = {m: self.waiting.pop(m).step for m in members}
+    def push(self, heard: Mapping[int, int]) -> QuorumDecision | None:
+        """Forms the next epoch now that the current one is broken, without waiting for re-asks.
+
+        Waiting for every survivor to notice the abort and ask again cost a round trip per
+        member through the coordinator's one loop (8.7 s from a death to the new epoch at 5,000
+        groups); the answers are known already. Its members: the replicas that asked, and the
+        members of the broken epoch that have not (``heard``: member -> the step it trains, as
+        last said) and are alive and not silent; each in-flight member at most at the broken
+        epoch's step (it trains no later one). The same rules as :meth:`evaluate`: a strict
+        majority of the live replicas, ``min_replicas``, an epoch within :attr:`epoch_limit`.
+
+        Returns:
+            The decision, or None when there is nothing to push (no broken epoch) or the rules
+            do not allow it yet (the members then re-ask as before).
+        """
+        cur = self.current
+        if cur is None or not self.broken:
+            return None
+        if self.epoch_limit is not None and self.epoch >= self.epoch_limit:
+            return None
+        steps = {m: r.step for m, r in self.waiting.items() if m in self.alive}
+        for m, step in heard.items():
+            if m in cur.member_set and m in self.alive and m not in self.silent and m not in steps:
+                steps[m] = min(step, cur.step)
+        if not majority_ok(steps, self.alive, self.rules.min_replicas):
+            return None
+        return self._form(steps)
+
+    def _form(self, steps: dict[int, int]) -> QuorumDecision:
+        """The next epoch of the replicas in ``steps`` (replica -> the step it is at)."""
+        members = tuple(sorted(steps))
         step = max(steps.values())
         behind = tuple(m for m in members if steps[m] < step)
         ahead = [m for m in members if steps[m] == step]
@@ -349,6 +382,19 @@ def members_of_runs(runs: Any) -> tuple[int, ...]:
         members.extend(range(run[0], run[1] + 1))
         after = run[1]
     return tuple(members)
+
+
+def push_answers(d: QuorumDecision, replica: int, step: int, failed_epoch: int | None) -> bool:
+    """Whether a pushed decision ``d`` is the answer to ``replica``'s request (``step``, after
+    ``failed_epoch``): the one the coordinator would have given it had it asked.
+
+    It names the replica, is newer than the epoch the request says failed, and trains the step
+    asked for, or a later one the replica catches up to (it is behind in ``d``). Anything else
+    (a step it moved past, an epoch it already failed in) is asked for as usual.
+    """
+    if replica not in d.member_set or (failed_epoch is not None and failed_epoch >= d.epoch):
+        return False
+    return step == d.step or (replica in d.behind_set and step <= d.step)
 
 
 def majority_ok(asked: Iterable[int], alive: Iterable[int], min_replicas: int) -> bool:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from unbroken.control import protocol
 from unbroken.control.failure import classify
 from unbroken.control.job_health import JobHealth, JobStop
-from unbroken.control.quorum import QuorumDecision, QuorumRequest, QuorumState
+from unbroken.control.quorum import QuorumDecision, QuorumRequest, QuorumState, push_answers
 from unbroken.control.setaside import SetAside
 from unbroken.control.state_store import StateStore
 from unbroken.observe import schema as ev
@@ -43,6 +43,7 @@ class RankConn:
     compute_s: float | None = None  # the rank's own compute time last step, from heartbeats
     epoch: int | None = None  # the last epoch this connection was answered with
     failure: str | None = None  # the error of its exchange in the epoch its last request says failed
+    pushed: QuorumDecision | None = None  # the epoch pushed to it unasked, until its next request arrives
 
 
 # A rank's request: its connection, the request's id, the step it asks for, the epoch it says failed.
@@ -86,6 +87,7 @@ class QuorumService:
         self.aborted: dict[int, int] = {}
         self.aborts_pushed: int | None = None  # the broken epoch whose members were told to abort
         self.hinted: dict[int, int] = {}  # newcomer -> the epoch in which its donor was told
+        self.push_due = False  # an eviction broke the epoch: push_epoch() runs once the evictions of this turn are done
 
     def forget(self, replica: int) -> None:
         """``replica`` is evicted: its requests are void."""
@@ -108,13 +110,18 @@ class QuorumService:
         that is a replica whose state went back, and it is treated as the failure it is (evicted:
         it rejoins as a newcomer and catches up), not as a reason to re-form every member's
         epoch. A failure report counts only from a member of the current epoch about that epoch:
-        anything else would let one replica abort exchanges it is not part of.
+        anything else would let one replica abort exchanges it is not part of. A request sent
+        before a pushed epoch arrived, that the push answers, is answered already: dropped.
         """
         step_time, step, req_id, failed = ask.step_time, ask.step, ask.id, ask.failed_epoch
         if conn.finished:
             raise ValueError("a replica that said bye asks for no quorum")
         if failed is not None and failed > self.quorum.epoch:
             raise ValueError(f"failed_epoch {failed} was never formed (the newest is {self.quorum.epoch})")
+        pushed, conn.pushed = conn.pushed, None
+        if pushed is not None and push_answers(pushed, conn.replica, step, failed):
+            conn.step = step  # sent before the push arrived, which the rank took as its answer
+            return
         cur = self.quorum.current
         # This very connection trains in the current epoch (a restarted process of a member
         # of it is a newcomer: it asks for the step of its checkpoint, and catches up).
@@ -214,19 +221,77 @@ class QuorumService:
 
     def deliver(self, decisions: list[QuorumDecision]) -> None:
         for d in decisions:
-            self.setaside.formed(d.epoch, d.members)
-            self.store.record_epoch(d.epoch, d.step, list(d.members), list(d.behind))
-            self.events.emit(
-                ev.Quorum(
-                    epoch=d.epoch,
-                    step=d.step,
-                    members=list(d.members),
-                    behind=list(d.behind),
-                    donors=[list(p) for p in d.donors],
-                )
-            )
+            self._record(d)
             waiting = {m: self.pending.pop(m) for m in d.members if m in self.pending}
             self._reply(d, waiting)
+
+    def _record(self, d: QuorumDecision) -> None:
+        self.setaside.formed(d.epoch, d.members)
+        self.store.record_epoch(d.epoch, d.step, list(d.members), list(d.behind))
+        self.events.emit(
+            ev.Quorum(
+                epoch=d.epoch,
+                step=d.step,
+                members=list(d.members),
+                behind=list(d.behind),
+                donors=[list(p) for p in d.donors],
+            )
+        )
+
+    def push_epoch(self) -> None:
+        """After evictions broke the current epoch: forms the next one at once and pushes it
+        with the abort (:meth:`QuorumState.push`); when the rules do not allow it, only the
+        abort is pushed and the members re-ask, as before.
+
+        Run once after the evictions of one turn of the loop (an agent's loss evicts all its
+        replicas: one epoch, not one per replica). The ranks that asked are answered; every
+        other rank of a member gets the push (:class:`protocol.EpochPush`), which it takes as
+        the answer to its next request; a member left out (silent) gets the abort alone.
+        """
+        self.push_due = False
+        broken = self.quorum.current
+        if broken is None or not self.quorum.broken:
+            return
+        in_flight = self.quorum.in_flight_members()
+        heard = {m: min(c.step for c in self.replicas[m].values()) for m in in_flight if self.replicas.get(m)}
+        d = self.quorum.push(heard)
+        if d is None:
+            self.push_aborts()
+            return
+        self._record(d)
+        asked = {m: self.pending.pop(m) for m in d.members if m in self.pending}
+        self._reply(d, asked)
+        self._push(d, broken.epoch, {m: set(asked.get(m, ())) for m in in_flight if m in d.member_set})
+        self.aborts_pushed = broken.epoch
+        for replica in in_flight:
+            if replica not in d.member_set and self.aborted.get(replica) != broken.epoch:
+                self.aborted[replica] = broken.epoch
+                for conn in self.replicas.get(replica, {}).values():
+                    conn.link.send(protocol.Abort(epoch=broken.epoch).to_msg())
+        self.hint_donors()
+
+    def _push(self, d: QuorumDecision, abort: int, ranks_of: dict[int, set[int]]) -> None:
+        """Pushes ``d`` with the abort of epoch ``abort`` to each rank of the replicas in
+        ``ranks_of`` but the ranks named there (they asked, and were answered)."""
+        tails: dict[str, bytes] = {}
+        decision = {**d.to_json(), "donors": []}
+        donors = dict(d.donors)
+        pairs = d.donors_by_replica() if d.donors else {}
+        for replica, answered in ranks_of.items():
+            self.aborted[replica] = abort
+            for rank, conn in self.replicas.get(replica, {}).items():
+                if rank in answered:
+                    continue
+                conn.epoch, conn.pushed = d.epoch, d
+                store = self.store_for(conn.link)
+                if replica in pairs:
+                    donor = donors.get(replica)
+                    peer = self.replicas.get(donor, {}).get(rank) if donor is not None else None
+                    addrs = {str(donor): peer.transfer_addr} if peer is not None else {}
+                    tail = protocol.answer_tail({**decision, "donors": pairs[replica]}, addrs, store)
+                else:
+                    tail = tails.get(store) or tails.setdefault(store, protocol.answer_tail(decision, {}, store))
+                conn.link.send_payload(protocol.push_payload(abort, tail))
 
     def _reply(self, d: QuorumDecision, waiting: dict[int, dict[int, Asked]]) -> None:
         """Answers the ranks in ``waiting`` with ``d``.
@@ -273,7 +338,7 @@ class QuorumService:
         find nobody.
         """
         cur = self.quorum.current
-        if cur is None or not self.quorum.broken or self.aborts_pushed == cur.epoch:
+        if cur is None or not self.quorum.broken or self.aborts_pushed == cur.epoch or self.push_due:
             return
         self.aborts_pushed = cur.epoch
         for replica in self.quorum.in_flight_members():

@@ -64,6 +64,7 @@ EXAMPLES = [
     protocol.GroupRelease(replica=1),
     protocol.Welcome(store="h:2", epoch=3, heartbeat_s=0.1, timeout_s=2.0),
     protocol.Abort(epoch=3),
+    protocol.EpochPush(abort=3, decision={"epoch": 4, "step": 9}, transfer_addrs={"1": "h:3"}, store="h:2"),
     protocol.Donate(to=2),
     protocol.Error("no"),
     protocol.Assign(replicas=[0, 2], num_replicas=3),
