@@ -191,6 +191,10 @@ class SimReplica:
             }
             self.epoch = epoch = msg["decision"]["epoch"]
             self.answers.append(Answer(self.step, now, now, epoch, len(self._last["decision"]["members"]), True))
+            for req_id, (step, _, _, fut) in list(self._pending.items()):  # sent before the push came: answered
+                if step == msg["decision"]["step"] and not fut.done():
+                    del self._pending[req_id]
+                    fut.set_result(self._last)
         elif op == "abort":
             self.aborts.append((time.monotonic(), msg["epoch"]))
             # A replica blocked in the broken epoch's exchange fails it and asks again at once.

@@ -157,16 +157,17 @@ class CoordinatorClient:
         self.step = step
         req_id = next(self._ids)
         fut: Future[dict[str, Any]] = Future()
-        with self._lock:
-            pushed, self._pushed = self._pushed, None
-        if pushed is not None and self._answers(pushed, step, failed_epoch):
-            fut.set_result({**pushed, "id": req_id})
-            return fut
         msg = protocol.QuorumAsk(
             id=req_id, step=step, step_time=step_time, failed_epoch=failed_epoch, failure=failure
         ).to_msg()
-        with self._lock:
-            self._pending[req_id] = (msg, fut)
+        with self._lock:  # one section with the push's arrival: a request is answered by it or sent
+            pushed, self._pushed = self._pushed, None
+            taken = pushed is not None and self._answers(pushed, step, failed_epoch)
+            if not taken:
+                self._pending[req_id] = (msg, fut)
+        if pushed is not None and taken:
+            fut.set_result({**pushed, "id": req_id})
+            return fut
         self._send(msg)
         return fut
 
