@@ -6,8 +6,8 @@ stands), held (the replica is set aside: :mod:`unbroken.control.setaside`) or le
 until the pure :class:`~unbroken.control.quorum.QuorumState` forms the next epoch. Each epoch
 formed is recorded, answered to every member waiting for it, and its donors are told ahead;
 the members of a broken epoch are told to abort their exchange. When an eviction broke it, the
-next epoch is formed at once and pushed with the abort (:meth:`QuorumService.push_epoch`). What this needs of the rest of
-the coordinator (evicting a replica, ending the job, the store's address as a connection sees
+next epoch is formed at once and pushed with the abort (:meth:`QuorumService.push_epoch`). What
+this needs of the rest of the coordinator (evicting a replica, ending the job, the store's address as a connection sees
 it) it is given through its constructor.
 """
 
