@@ -74,6 +74,11 @@ class Coordinator:
         stacks: how to get a hung rank's stack from its owner (``unbroken run`` passes its
             own); None asks the node agent that runs the replica.
         lock_fd: the state directory's lock, taken already (a standby taking over).
+        fence: whether this coordinator may answer now (its lease, :mod:`unbroken.control.lease`),
+            asked before every answer: while it says no, a message closes its connection
+            unanswered and the tick does nothing. None: always.
+        held_by_lease: the state directory is held through the lease alone (a standby took over
+            from a hung coordinator that still holds the lock).
     """
 
     TICK_S = 0.05
@@ -84,13 +89,19 @@ class Coordinator:
         secret: JobSecret,
         stacks: StackSource | None = None,
         lock_fd: int | None = None,
+        fence: Callable[[], bool] | None = None,
+        held_by_lease: bool = False,
     ) -> None:
         if not isinstance(secret, JobSecret):
             raise TypeError("the coordinator needs the job's JobSecret (there is no unauthenticated mode)")
         self.settings = settings
         self.secret = secret
         policy = parse_policy(settings.anomaly_policy or anomaly_policy())
-        self.store = StateStore(settings.state_dir, settings.journal_mode, settings.keep_events, lock_fd=lock_fd)
+        self.fence = fence or (lambda: True)
+        self.fenced_off = 0  # messages and ticks left unanswered because the lease was not valid
+        self.store = StateStore(
+            settings.state_dir, settings.journal_mode, settings.keep_events, lock_fd=lock_fd, fenced=held_by_lease
+        )
         try:
             self.events = EventLog(Path(settings.state_dir) / "events.jsonl", "coordinator")
         except BaseException:
@@ -279,6 +290,9 @@ class Coordinator:
     ) -> tuple[str, RankConn | None, AgentConn | None]:
         """Acts on one message; raises ValueError (or TypeError, KeyError) on a malformed one,
         Refused when the connection must end."""
+        if not self.fence():  # not ours to answer (a lapsed lease): closed without a word
+            self.fenced_off += 1
+            return "stop", conn, agent
         op = msg["op"]
         if op == protocol.StatusRequest.OP:
             link.send({"op": "status", **self.status()})
@@ -406,6 +420,9 @@ class Coordinator:
 
     def _closed(self, conn: RankConn | None, agent: AgentConn | None) -> None:
         """A connection ended: the rank or agent it spoke for is gone."""
+        if not self.fence():  # evicting would answer the survivors
+            self.fenced_off += 1
+            return
         if conn is not None:
             self._connection_closed(conn)
         if agent is not None:
@@ -480,6 +497,9 @@ class Coordinator:
         a dead replica stays counted as alive and the survivors wait forever."""
         while True:
             await asyncio.sleep(self.TICK_S)
+            if not self.fence():
+                self.fenced_off += 1
+                continue
             try:
                 self._tick_once(time.monotonic())
             except Exception:
