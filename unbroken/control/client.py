@@ -39,6 +39,11 @@ from unbroken.wire.auth import AuthError, JobSecret, Session
 log = logging.getLogger(__name__)
 
 MAX_BAD_LINES = 20
+# A coordinator that says nothing this long while a request waits is hung (it says ``alive`` to
+# waiting ranks every ALIVE_S while it holds its lease): with a standby, the next one is tried.
+# Above the lease (1 s by default), so that the standby has taken over by then.
+COORDINATOR_SILENT_S = 1.5
+
 # The heartbeat period a coordinator may ask for: never a flood, never so slow that a timeout
 # configured on the coordinator's side could not be met.
 MIN_HEARTBEAT_S, MAX_HEARTBEAT_S = 0.05, 5.0
@@ -127,6 +132,11 @@ class CoordinatorClient:
         self._session: Session | None = None  # the MAC state of self._sock, replaced with it
         self._last_answer: dict[str, Any] | None = None  # this connection's last full quorum answer
         self._last_sent = float("-inf")  # when a line last went out: any line is a heartbeat
+        # Since when a request waits with nothing heard from the coordinator (which says
+        # ``alive`` to waiting ranks while it holds its lease): past COORDINATOR_SILENT_S, with
+        # a standby's address to try, the coordinator is taken as hung and the next one tried.
+        self._quiet_since = 0.0
+        self._hop = False
         self.silence = SilenceWatch()  # gaps long enough for the coordinator to have evicted us
         self._connected = threading.Event()
         self._closed = threading.Event()
@@ -158,6 +168,8 @@ class CoordinatorClient:
         ).to_msg()
         fut: Future[dict[str, Any]] = Future()
         with self._lock:
+            if not self._pending:
+                self._quiet_since = time.monotonic()
             self._pending[req_id] = (msg, fut)
         self._send(msg)
         return fut
@@ -190,7 +202,8 @@ class CoordinatorClient:
         # With standbys, a refused address is the next one's cue: the wait between rounds stays
         # short, so a takeover is noticed within a fraction of a second.
         max_delay = 1.0 if len(self.addresses) == 1 else 0.1
-        first = self.addresses.index((self.host, self.port))
+        first = self.addresses.index((self.host, self.port)) + (1 if self._hop else 0)
+        self._hop = False
         for attempt in itertools.count():
             if self._closed.is_set() or time.monotonic() >= deadline:
                 break
@@ -246,9 +259,20 @@ class CoordinatorClient:
         buf = b""
         bad = 0
         next_beat = 0.0
+        self._quiet_since = time.monotonic()
         try:
             while not self._closed.is_set():
                 now = time.monotonic()
+                if len(self.addresses) > 1 and self._pending and now - self._quiet_since > COORDINATOR_SILENT_S:
+                    log.warning(
+                        "the coordinator at %s:%d said nothing for %.1fs while a request waits (hung?): "
+                        "trying the next address",
+                        self.host,
+                        self.port,
+                        now - self._quiet_since,
+                    )
+                    self._hop = True
+                    return
                 if now >= next_beat:
                     self.silence.beat(now)
                     beat = protocol.Heartbeat(step=self.step, compute_s=self.compute_s)
@@ -262,6 +286,7 @@ class CoordinatorClient:
                 data = sock.recv(1 << 16)
                 if not data:
                     return
+                self._quiet_since = time.monotonic()
                 buf += data
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)

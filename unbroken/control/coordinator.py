@@ -63,6 +63,7 @@ __all__ = ["Coordinator", "CoordinatorSettings", "Refused"]
 
 JOIN_WINDOW_MAX_S = 300.0  # learned from step times; never longer, whatever replicas report
 MAX_SLOTS = 1024  # replicas one agent may offer to run
+ALIVE_S = 0.25  # how often a waiting rank hears that the coordinator is alive (see _say_alive)
 
 
 class Coordinator:
@@ -160,6 +161,7 @@ class Coordinator:
         )
         self.beat = self._plan_heartbeats(settings.total_replicas)
         self._next_silence_scan = 0.0
+        self._next_alive = 0.0
         self._server: asyncio.base_events.Server | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._tcp_store: Any = None
@@ -531,6 +533,7 @@ class Coordinator:
                 max(self.settings.join_window_floor_s, 3.0 * statistics.median(self.requests.step_times)),
             )
         self._persist()
+        self._say_alive(now)
         self.requests.deliver(self.quorum.evaluate(now))
         self.requests.push_aborts()
         self.diagnosis.tick()
@@ -539,6 +542,19 @@ class Coordinator:
             stop = self.health.check(now, cur.members if cur is not None else ())
             if stop is not None:
                 self._fail_job(stop)
+
+    def _say_alive(self, now: float) -> None:
+        """Tells the ranks whose requests wait that this coordinator is alive and still holds its
+        lease (the tick does not run without it): a rank that hears nothing for
+        :data:`~unbroken.control.client.COORDINATOR_SILENT_S` tries the standby. Only waiting
+        ranks: an answered step costs no line."""
+        if now < self._next_alive:
+            return
+        self._next_alive = now + ALIVE_S
+        for waiting in (self.requests.pending, self.requests.held):
+            for ranks in waiting.values():
+                for conn, *_ in ranks.values():
+                    conn.link.send({"op": "alive"})
 
     def _scan_silence(self, now: float) -> set[int]:
         """Evicts the replicas silent past the timeout; returns those silent past the suspect time."""
