@@ -340,6 +340,8 @@ class CoordinatorClient:
             self.on_abort(protocol.Abort.from_msg(msg).epoch)
         elif op == protocol.Donate.OP and self.on_donate is not None:
             self.on_donate(protocol.Donate.from_msg(msg).to)
+        elif op == protocol.Alive.OP:
+            protocol.Alive.from_msg(msg)  # heard: all it says (see COORDINATOR_SILENT_S)
         elif op == protocol.Error.OP:
             log.warning("coordinator: %s", protocol.Error.from_msg(msg).message)
 
