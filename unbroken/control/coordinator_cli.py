@@ -84,6 +84,7 @@ async def _serve(
         )
     else:
         # The lock first: a coordinator refused for a held directory must not claim a term.
+        Path(settings.state_dir).mkdir(parents=True, exist_ok=True)
         lock_fd = lock_state_dir(Path(settings.state_dir))
         claimed, started = lease.claim_next(files, lease_s)
         active_at = 0.0
@@ -103,7 +104,8 @@ async def _serve(
         raise
     if standby:
         click.echo(f"standby took over in {time.monotonic() - took_over:.3f}s", err=True)
-    click.echo(f"coordinator listening on {coordinator.address} (lease term {claimed.term})", err=True)
+    click.echo(f"lease term {claimed.term} held in {settings.state_dir}", err=True)
+    click.echo(f"coordinator listening on {coordinator.address}", err=True)
     server = None
     if http_port is not None:
         from unbroken.observe import http

@@ -5,8 +5,10 @@ host) keeps its lock, and a standby waiting on the lock waits forever. So the ac
 also holds a lease, one file per term in the state directory (``lease-<term>.json``):
 
 - A coordinator that becomes active claims the next term by creating its file exclusively
-  (``link``: only one claimant of a term wins), then renews it every ``renew_s``: the file is
-  rewritten atomically (a temporary file renamed over it) with a new ``seq``.
+  (``link``: only one claimant of a term wins), then renews it every ``renew_s`` by setting the
+  file's modification time to a new stamp (``seq``, nanoseconds, always increasing): no data is
+  written, so a full disk (or a file size limit) does not take the lease away from a coordinator
+  that is otherwise fine. Readers open the file (on NFS, open revalidates cached attributes).
 - The holder may answer until ``lease_s - margin`` after the *start* of its last renewal, by its
   own monotonic clock, and checks that before every answer: a stopped process sees its clock jump
   past that the moment it runs again. After each write it looks for a higher term; one found
@@ -168,11 +170,14 @@ class LeaseFiles:
         return sorted(int(m.group(1)) for n in names if (m := _NAME.match(n)))
 
     def read(self, term: int) -> Lease | None:
+        """The term's lease, its ``seq`` the file's renewal stamp (its modification time)."""
         try:
-            lease = Lease.from_json(self.path(term).read_text())
+            with open(self.path(term), "rb") as f:
+                stamp = os.fstat(f.fileno()).st_mtime_ns
+                lease = Lease.from_json(f.read(4096).decode(errors="replace"))
         except (OSError, ValueError):
             return None
-        return lease if lease.term == term else None
+        return dataclasses.replace(lease, seq=stamp) if lease.term == term else None
 
     def newest(self) -> Lease | None:
         terms = self.terms()
@@ -193,13 +198,8 @@ class LeaseFiles:
         return True
 
     def renew(self, lease: Lease) -> None:
-        """Rewrites the holder's own term file (only its holder writes it). Raises OSError."""
-        tmp = self._write_tmp(lease)
-        try:
-            os.replace(tmp, self.path(lease.term))
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        """Stamps the holder's own term file with ``lease.seq`` (only its holder does). Raises OSError."""
+        os.utime(self.path(lease.term), ns=(lease.seq, lease.seq))
 
     def _write_tmp(self, lease: Lease) -> Path:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -276,7 +276,7 @@ class LeaseKeeper:
         started = self.clock()
         if self._check_lost():
             return False
-        lease = dataclasses.replace(self.lease, seq=self.lease.seq + 1)
+        lease = dataclasses.replace(self.lease, seq=max(self.lease.seq + 1, time.time_ns()))
         try:
             self.files.renew(lease)
         except OSError as e:
