@@ -58,6 +58,8 @@ def test_a_standby_takes_over_a_hung_coordinator_which_steps_down_when_it_wakes(
             woken = time.time()
             os.kill(active.pid, signal.SIGCONT)
         assert active.wait(30) == STEPPED_DOWN
+        # Gone, its lock is free: the new holder takes it (a plain coordinator would be refused).
+        wait_until("the lock to be taken", lambda: b"took the state directory's lock" in log.read_bytes(), 10)
         cluster.wait_agents(["a", "b"])
         text = old_log.read_text()
     assert "stepped down: the lease went to term 2" in text, text

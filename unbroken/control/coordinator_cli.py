@@ -116,8 +116,11 @@ async def _serve(
         server = http.ObserveServer(settings.host, http_port, view, status, http.read_token(secret.key)).start()
         click.echo(f"dashboard {server.url} (metrics: /metrics, same token)", err=True)
     click.echo(f"job secret: {secret_path} (agents and workers on other nodes need it: --secret-file)", err=True)
+    adopting = asyncio.ensure_future(_adopt_lock(coordinator, renew_s)) if lock_fd is None else None
     with contextlib.suppress(asyncio.CancelledError):
         await stop.wait()
+    if adopting is not None:
+        adopting.cancel()
     keeper.stop()
     if server is not None:
         server.close()
@@ -131,6 +134,14 @@ async def _serve(
         )
         return STEPPED_DOWN
     return 0
+
+
+async def _adopt_lock(coordinator: Coordinator, every_s: float) -> None:
+    """Takes the state directory's lock once the hung coordinator replaced through the lease
+    is gone (its process ended: the kernel dropped its lock)."""
+    while not coordinator.store.adopt_lock():
+        await asyncio.sleep(every_s)
+    click.echo("took the state directory's lock: the coordinator replaced is gone", err=True)
 
 
 def job_health_options(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -232,6 +232,18 @@ class StateStore:
             queued = list(self._events)  # only if the flush failed
         return [json.loads(r[0]) for r in rows] + [json.loads(data) for (_, _, data) in queued]
 
+    def adopt_lock(self) -> bool:
+        """Takes the directory's lock if it is free and not held yet: a coordinator that took
+        over through the lease holds it once the hung one it replaced is gone, so that a plain
+        coordinator started on this directory is refused. True once held."""
+        if self._lock_fd is not None or self._closed:
+            return self._lock_fd is not None
+        try:
+            self._lock_fd = lock_state_dir(self.path.parent)
+        except (StateDirInUse, OSError):
+            return False
+        return True
+
     # -- the end -----------------------------------------------------------------------------
 
     def close(self) -> None:

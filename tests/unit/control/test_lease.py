@@ -145,3 +145,18 @@ def test_a_standby_takes_over_a_lapsed_lease_while_the_lock_is_held(tmp_path: Pa
     stop = threading.Event()
     stop.set()
     assert wait_for_takeover(tmp_path, stop, lease_s=30.0) is None
+
+
+def test_a_store_held_through_the_lease_takes_the_lock_once_it_is_free(tmp_path: Path) -> None:
+    from unbroken.control.state_store import StateDirInUse, StateStore
+
+    hung = lock_state_dir(tmp_path)
+    store = StateStore(tmp_path, fenced=True)
+    try:
+        assert not store.adopt_lock()  # the hung one still holds it
+        os.close(hung)  # its process ended
+        assert store.adopt_lock()
+        with pytest.raises(StateDirInUse):
+            StateStore(tmp_path)  # a plain coordinator on the same directory is refused
+    finally:
+        store.close()
