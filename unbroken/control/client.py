@@ -43,6 +43,7 @@ MAX_BAD_LINES = 20
 # waiting ranks every ALIVE_S while it holds its lease): with a standby, the next one is tried.
 # Above the lease (1 s by default), so that the standby has taken over by then.
 COORDINATOR_SILENT_S = 1.5
+HUNG_SKIP_S = 2.0  # the address left for silence is not tried again this long (two leases)
 
 # The heartbeat period a coordinator may ask for: never a flood, never so slow that a timeout
 # configured on the coordinator's side could not be met.
@@ -202,22 +203,26 @@ class CoordinatorClient:
         # With standbys, a refused address is the next one's cue: the wait between rounds stays
         # short, so a takeover is noticed within a fraction of a second.
         max_delay = 1.0 if len(self.addresses) == 1 else 0.1
-        first = self.addresses.index((self.host, self.port)) + (1 if self._hop else 0)
+        first = self.addresses.index((self.host, self.port))
+        # A hung coordinator accepts a connection (its kernel does) and then stalls the
+        # handshake for its whole timeout: the one left for silence is skipped for a while.
+        hung, hung_until = (self.addresses[first], time.monotonic() + HUNG_SKIP_S) if self._hop else (None, 0.0)
         self._hop = False
         for attempt in itertools.count():
             if self._closed.is_set() or time.monotonic() >= deadline:
                 break
             self.host, self.port = self.addresses[(first + attempt) % len(self.addresses)]
-            try:
-                sock, session = protocol.connect(self.host, self.port, self.secret, timeout=5.0)
-                sock.settimeout(None)
-                hello = dataclasses.replace(self.hello, step=self.step).to_msg()
-                sock.sendall(protocol.encode(hello, session))
-                return sock, session
-            except AuthError as e:
-                log.warning("the coordinator at %s:%d did not authenticate (%s); retrying", self.host, self.port, e)
-            except OSError:
-                pass
+            if (self.host, self.port) != hung or time.monotonic() >= hung_until:
+                try:
+                    sock, session = protocol.connect(self.host, self.port, self.secret, timeout=5.0)
+                    sock.settimeout(None)
+                    hello = dataclasses.replace(self.hello, step=self.step).to_msg()
+                    sock.sendall(protocol.encode(hello, session))
+                    return sock, session
+                except AuthError as e:
+                    log.warning("the coordinator at %s:%d did not authenticate (%s); retrying", self.host, self.port, e)
+                except OSError:
+                    pass
             if (attempt + 1) % len(self.addresses) == 0:  # every address tried once: wait, then again
                 time.sleep(delay)
                 delay = min(delay * 2, max_delay)
