@@ -55,7 +55,6 @@ def test_a_standby_takes_over_a_hung_coordinator_which_steps_down_when_it_wakes(
             assert first["members"] == [0, 1] and first["behind"] == []  # nobody restarted or behind
             wait_for_step(run_dir, 0, first["step"] + 5, timeout=60)  # training goes on without it
         finally:
-            woken = time.time()
             os.kill(active.pid, signal.SIGCONT)
         assert active.wait(30) == STEPPED_DOWN
         # Gone, its lock is free: the new holder takes it (a plain coordinator would be refused).
@@ -76,7 +75,6 @@ def test_a_standby_takes_over_a_hung_coordinator_which_steps_down_when_it_wakes(
     before = [q for q in quorums if q["t"] < stopped]
     assert before and all(q["epoch"] < first["epoch"] for q in before)
     assert not [q for q in quorums if q["t"] > stopped and q["epoch"] < first["epoch"]]
-    assert any(q["t"] > woken for q in quorums) or quorums[-1]["step"] >= first["step"]
     finals = load_finals(run_dir, [0, 1])
     assert finals[0]["step"] == STEPS
     assert_identical(finals)

@@ -92,7 +92,8 @@ async def _serve(
 
     def on_lost(to: lease.Lease | None) -> None:
         lost.set()
-        loop.call_soon_threadsafe(stop.set)
+        with contextlib.suppress(RuntimeError):  # the loop closed already: stopping anyway
+            loop.call_soon_threadsafe(stop.set)
 
     keeper = lease.LeaseKeeper(files, claimed, started, renew_s, active_at, on_lost)
     coordinator = Coordinator(settings, secret, lock_fd=lock_fd, fence=keeper.valid, held_by_lease=lock_fd is None)
