@@ -138,6 +138,7 @@ class CoordinatorClient:
         # a standby's address to try, the coordinator is taken as hung and the next one tried.
         self._quiet_since = 0.0
         self._hop = False
+        self.coordinator_silent_s = COORDINATOR_SILENT_S
         self.silence = SilenceWatch()  # gaps long enough for the coordinator to have evicted us
         self._connected = threading.Event()
         self._closed = threading.Event()
@@ -268,7 +269,7 @@ class CoordinatorClient:
         try:
             while not self._closed.is_set():
                 now = time.monotonic()
-                if len(self.addresses) > 1 and self._pending and now - self._quiet_since > COORDINATOR_SILENT_S:
+                if len(self.addresses) > 1 and self._pending and now - self._quiet_since > self.coordinator_silent_s:
                     log.warning(
                         "the coordinator at %s:%d said nothing for %.1fs while a request waits (hung?): "
                         "trying the next address",
@@ -338,6 +339,9 @@ class CoordinatorClient:
                 self.heartbeat_s = min(max(welcome.heartbeat_s, MIN_HEARTBEAT_S), MAX_HEARTBEAT_S)
             if welcome.timeout_s:
                 self.silence.limit_s = welcome.timeout_s / 2
+                # A large job's coordinator may be busy longer (its timeouts grow with the job):
+                # no rank leaves it, and is evicted for that, over a burst of work.
+                self.coordinator_silent_s = max(COORDINATOR_SILENT_S, welcome.timeout_s / 2)
             self._connected.set()
         elif op == protocol.QuorumAnswer.OP:
             self._answer(msg)
