@@ -39,6 +39,12 @@ from unbroken.wire.auth import AuthError, JobSecret, Session
 log = logging.getLogger(__name__)
 
 MAX_BAD_LINES = 20
+# A coordinator that says nothing this long while a request waits is hung (it says ``alive`` to
+# waiting ranks every ALIVE_S while it holds its lease): with a standby, the next one is tried.
+# Above the lease (1 s by default), so that the standby has taken over by then.
+COORDINATOR_SILENT_S = 1.5
+HUNG_SKIP_S = 2.0  # the address left for silence is not tried again this long (two leases)
+
 # The heartbeat period a coordinator may ask for: never a flood, never so slow that a timeout
 # configured on the coordinator's side could not be met.
 MIN_HEARTBEAT_S, MAX_HEARTBEAT_S = 0.05, 5.0
@@ -128,6 +134,12 @@ class CoordinatorClient:
         self._last_answer: dict[str, Any] | None = None  # this connection's last full quorum answer
         self._pushed: dict[str, Any] | None = None  # an epoch pushed unasked, for the next request
         self._last_sent = float("-inf")  # when a line last went out: any line is a heartbeat
+        # Since when a request waits with nothing heard from the coordinator (which says
+        # ``alive`` to waiting ranks while it holds its lease): past COORDINATOR_SILENT_S, with
+        # a standby's address to try, the coordinator is taken as hung and the next one tried.
+        self._quiet_since = 0.0
+        self._hop = False
+        self.coordinator_silent_s = COORDINATOR_SILENT_S
         self.silence = SilenceWatch()  # gaps long enough for the coordinator to have evicted us
         self._connected = threading.Event()
         self._closed = threading.Event()
@@ -164,6 +176,8 @@ class CoordinatorClient:
             pushed, self._pushed = self._pushed, None
             taken = pushed is not None and self._answers(pushed, step, failed_epoch)
             if not taken:
+                if not self._pending:
+                    self._quiet_since = time.monotonic()
                 self._pending[req_id] = (msg, fut)
         if pushed is not None and taken:
             fut.set_result({**pushed, "id": req_id})
@@ -204,20 +218,25 @@ class CoordinatorClient:
         # short, so a takeover is noticed within a fraction of a second.
         max_delay = 1.0 if len(self.addresses) == 1 else 0.1
         first = self.addresses.index((self.host, self.port))
+        # A hung coordinator accepts a connection (its kernel does) and then stalls the
+        # handshake for its whole timeout: the one left for silence is skipped for a while.
+        hung, hung_until = (self.addresses[first], time.monotonic() + HUNG_SKIP_S) if self._hop else (None, 0.0)
+        self._hop = False
         for attempt in itertools.count():
             if self._closed.is_set() or time.monotonic() >= deadline:
                 break
             self.host, self.port = self.addresses[(first + attempt) % len(self.addresses)]
-            try:
-                sock, session = protocol.connect(self.host, self.port, self.secret, timeout=5.0)
-                sock.settimeout(None)
-                hello = dataclasses.replace(self.hello, step=self.step).to_msg()
-                sock.sendall(protocol.encode(hello, session))
-                return sock, session
-            except AuthError as e:
-                log.warning("the coordinator at %s:%d did not authenticate (%s); retrying", self.host, self.port, e)
-            except OSError:
-                pass
+            if (self.host, self.port) != hung or time.monotonic() >= hung_until:
+                try:
+                    sock, session = protocol.connect(self.host, self.port, self.secret, timeout=5.0)
+                    sock.settimeout(None)
+                    hello = dataclasses.replace(self.hello, step=self.step).to_msg()
+                    sock.sendall(protocol.encode(hello, session))
+                    return sock, session
+                except AuthError as e:
+                    log.warning("the coordinator at %s:%d did not authenticate (%s); retrying", self.host, self.port, e)
+                except OSError:
+                    pass
             if (attempt + 1) % len(self.addresses) == 0:  # every address tried once: wait, then again
                 time.sleep(delay)
                 delay = min(delay * 2, max_delay)
@@ -260,9 +279,20 @@ class CoordinatorClient:
         buf = b""
         bad = 0
         next_beat = 0.0
+        self._quiet_since = time.monotonic()
         try:
             while not self._closed.is_set():
                 now = time.monotonic()
+                if len(self.addresses) > 1 and self._pending and now - self._quiet_since > self.coordinator_silent_s:
+                    log.warning(
+                        "the coordinator at %s:%d said nothing for %.1fs while a request waits (hung?): "
+                        "trying the next address",
+                        self.host,
+                        self.port,
+                        now - self._quiet_since,
+                    )
+                    self._hop = True
+                    return
                 if now >= next_beat:
                     self.silence.beat(now)
                     beat = protocol.Heartbeat(step=self.step, compute_s=self.compute_s)
@@ -276,6 +306,7 @@ class CoordinatorClient:
                 data = sock.recv(1 << 16)
                 if not data:
                     return
+                self._quiet_since = time.monotonic()
                 buf += data
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
@@ -322,6 +353,9 @@ class CoordinatorClient:
                 self.heartbeat_s = min(max(welcome.heartbeat_s, MIN_HEARTBEAT_S), MAX_HEARTBEAT_S)
             if welcome.timeout_s:
                 self.silence.limit_s = welcome.timeout_s / 2
+                # A large job's coordinator may be busy longer (its timeouts grow with the job):
+                # no rank leaves it, and is evicted for that, over a burst of work.
+                self.coordinator_silent_s = max(COORDINATOR_SILENT_S, welcome.timeout_s / 2)
             self._connected.set()
         elif op == protocol.QuorumAnswer.OP:
             self._answer(msg)
@@ -331,6 +365,8 @@ class CoordinatorClient:
             self.on_abort(protocol.Abort.from_msg(msg).epoch)
         elif op == protocol.Donate.OP and self.on_donate is not None:
             self.on_donate(protocol.Donate.from_msg(msg).to)
+        elif op == protocol.Alive.OP:
+            protocol.Alive.from_msg(msg)  # heard: all it says (see COORDINATOR_SILENT_S)
         elif op == protocol.Error.OP:
             log.warning("coordinator: %s", protocol.Error.from_msg(msg).message)
 

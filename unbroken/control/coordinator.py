@@ -63,6 +63,7 @@ __all__ = ["Coordinator", "CoordinatorSettings", "Refused"]
 
 JOIN_WINDOW_MAX_S = 300.0  # learned from step times; never longer, whatever replicas report
 MAX_SLOTS = 1024  # replicas one agent may offer to run
+ALIVE_S = 0.25  # how often a waiting rank hears that the coordinator is alive (see _say_alive)
 
 
 class Coordinator:
@@ -74,6 +75,11 @@ class Coordinator:
         stacks: how to get a hung rank's stack from its owner (``unbroken run`` passes its
             own); None asks the node agent that runs the replica.
         lock_fd: the state directory's lock, taken already (a standby taking over).
+        fence: whether this coordinator may answer now (its lease, :mod:`unbroken.control.lease`),
+            asked before every answer: while it says no, a message closes its connection
+            unanswered and the tick does nothing. None: always.
+        held_by_lease: the state directory is held through the lease alone (a standby took over
+            from a hung coordinator that still holds the lock).
     """
 
     TICK_S = 0.05
@@ -84,13 +90,19 @@ class Coordinator:
         secret: JobSecret,
         stacks: StackSource | None = None,
         lock_fd: int | None = None,
+        fence: Callable[[], bool] | None = None,
+        held_by_lease: bool = False,
     ) -> None:
         if not isinstance(secret, JobSecret):
             raise TypeError("the coordinator needs the job's JobSecret (there is no unauthenticated mode)")
         self.settings = settings
         self.secret = secret
         policy = parse_policy(settings.anomaly_policy or anomaly_policy())
-        self.store = StateStore(settings.state_dir, settings.journal_mode, settings.keep_events, lock_fd=lock_fd)
+        self.fence = fence or (lambda: True)
+        self.fenced_off = 0  # messages and ticks left unanswered because the lease was not valid
+        self.store = StateStore(
+            settings.state_dir, settings.journal_mode, settings.keep_events, lock_fd=lock_fd, fenced=held_by_lease
+        )
         try:
             self.events = EventLog(Path(settings.state_dir) / "events.jsonl", "coordinator")
         except BaseException:
@@ -149,6 +161,7 @@ class Coordinator:
         )
         self.beat = self._plan_heartbeats(settings.total_replicas)
         self._next_silence_scan = 0.0
+        self._next_alive = 0.0
         self._server: asyncio.base_events.Server | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._tcp_store: Any = None
@@ -279,6 +292,9 @@ class Coordinator:
     ) -> tuple[str, RankConn | None, AgentConn | None]:
         """Acts on one message; raises ValueError (or TypeError, KeyError) on a malformed one,
         Refused when the connection must end."""
+        if not self.fence():  # not ours to answer (a lapsed lease): closed without a word
+            self.fenced_off += 1
+            return "stop", conn, agent
         op = msg["op"]
         if op == protocol.StatusRequest.OP:
             link.send({"op": "status", **self.status()})
@@ -406,6 +422,9 @@ class Coordinator:
 
     def _closed(self, conn: RankConn | None, agent: AgentConn | None) -> None:
         """A connection ended: the rank or agent it spoke for is gone."""
+        if not self.fence():  # evicting would answer the survivors
+            self.fenced_off += 1
+            return
         if conn is not None:
             self._connection_closed(conn)
         if agent is not None:
@@ -491,6 +510,9 @@ class Coordinator:
         a dead replica stays counted as alive and the survivors wait forever."""
         while True:
             await asyncio.sleep(self.TICK_S)
+            if not self.fence():
+                self.fenced_off += 1
+                continue
             try:
                 self._tick_once(time.monotonic())
             except Exception:
@@ -522,6 +544,7 @@ class Coordinator:
                 max(self.settings.join_window_floor_s, 3.0 * statistics.median(self.requests.step_times)),
             )
         self._persist()
+        self._say_alive(now)
         self.requests.deliver(self.quorum.evaluate(now))
         self.requests.push_aborts()
         self.diagnosis.tick()
@@ -530,6 +553,19 @@ class Coordinator:
             stop = self.health.check(now, cur.members if cur is not None else ())
             if stop is not None:
                 self._fail_job(stop)
+
+    def _say_alive(self, now: float) -> None:
+        """Tells the ranks whose requests wait that this coordinator is alive and still holds its
+        lease (the tick does not run without it): a rank that hears nothing for
+        :data:`~unbroken.control.client.COORDINATOR_SILENT_S` tries the standby. Only waiting
+        ranks: an answered step costs no line."""
+        if now < self._next_alive:
+            return
+        self._next_alive = now + ALIVE_S
+        for waiting in (self.requests.pending, self.requests.held):
+            for ranks in waiting.values():
+                for conn, *_ in ranks.values():
+                    conn.link.send(protocol.Alive().to_msg())
 
     def _scan_silence(self, now: float) -> set[int]:
         """Evicts the replicas silent past the timeout; returns those silent past the suspect time."""

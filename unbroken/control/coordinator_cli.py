@@ -8,10 +8,12 @@ agents and workers that still run with it). Agents on other nodes get it with th
 ``--standby`` runs a second coordinator on the same ``--state-dir`` (a shared filesystem with
 working ``flock`` when it runs on another node) at its own address. It waits, without
 listening, until the active coordinator's process is gone (the kernel drops its lock on the
-state directory, :func:`~unbroken.control.state_store.wait_for_state_dir`), then takes the
+state directory) or its lease lapsed (it hangs: :mod:`unbroken.control.lease`), then takes the
 directory over: its epochs start above every epoch the active one reserved, so none is ever
 reused. Workers and agents given both addresses (``--coordinator A,B``) reconnect to whichever
-listens.
+listens. A coordinator that wakes up after its lease lapsed answers nothing (its fence is
+checked before every answer), finds the next term at its next renewal, and exits with
+:data:`STEPPED_DOWN`.
 """
 
 from __future__ import annotations
@@ -27,42 +29,83 @@ from typing import Any
 
 import click
 
-from unbroken.control import event_loop
+from unbroken.control import event_loop, lease
 from unbroken.control import secret_file as secrets
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings
 from unbroken.control.job_health import DEFAULT_FATAL_EPOCHS, DEFAULT_NO_PROGRESS_S
-from unbroken.control.state_store import JOURNAL_MODES, wait_for_state_dir
+from unbroken.control.state_store import JOURNAL_MODES, lock_state_dir
 from unbroken.wire.auth import JobSecret
 
 # A standalone coordinator's port: a fixed one that agents and workers can be told in advance
 # (the coordinator inside `unbroken run` takes any free port, CoordinatorSettings.port).
 DEFAULT_PORT = 29510
+# The exit code of a coordinator that found its lease taken by another (it hung past it): it
+# answered nothing after the lease lapsed, and stopped.
+STEPPED_DOWN = 75
 
 
 async def _serve(
-    settings: CoordinatorSettings, secret: JobSecret, secret_path: Path, http_port: int | None, standby: bool = False
-) -> None:
+    settings: CoordinatorSettings,
+    secret: JobSecret,
+    secret_path: Path,
+    http_port: int | None,
+    standby: bool = False,
+    lease_s: float = lease.DEFAULT_LEASE_S,
+    renew_s: float = lease.DEFAULT_RENEW_S,
+) -> int:
+    """Serves until SIGINT/SIGTERM (0), or until the lease went to another coordinator
+    (:data:`STEPPED_DOWN`)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    lock_fd = None
+    files = lease.LeaseFiles(settings.state_dir)
     if standby:
         click.echo(f"standby: waiting for the active coordinator on {settings.state_dir} to stop", err=True)
         given_up = threading.Event()
-        waiting = asyncio.ensure_future(asyncio.to_thread(wait_for_state_dir, settings.state_dir, given_up))
+        waiting = asyncio.ensure_future(
+            asyncio.to_thread(lease.wait_for_takeover, settings.state_dir, given_up, lease_s)
+        )
         stopping = asyncio.ensure_future(stop.wait())
         await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
         given_up.set()
         stopping.cancel()
-        lock_fd = await waiting
-        if lock_fd is None:
-            return
+        takeover = await waiting
+        if takeover is None:
+            return 0
         took_over = time.monotonic()
-    coordinator = Coordinator(settings, secret, lock_fd=lock_fd)
-    await coordinator.start()
+        how = "its process is gone" if takeover.lock_fd is not None else "its lease lapsed (it hangs)"
+        click.echo(f"standby: taking over term {takeover.lease.term}: {how}", err=True)
+        lock_fd, claimed, started, active_at = (
+            takeover.lock_fd,
+            takeover.lease,
+            takeover.claim_started,
+            takeover.active_at,
+        )
+    else:
+        # The lock first: a coordinator refused for a held directory must not claim a term.
+        Path(settings.state_dir).mkdir(parents=True, exist_ok=True)
+        lock_fd = lock_state_dir(Path(settings.state_dir))
+        claimed, started = lease.claim_next(files, lease_s)
+        active_at = 0.0
+    lost = threading.Event()
+
+    def on_lost(to: lease.Lease | None) -> None:
+        lost.set()
+        with contextlib.suppress(RuntimeError):  # the loop closed already: stopping anyway
+            loop.call_soon_threadsafe(stop.set)
+
+    keeper = lease.LeaseKeeper(files, claimed, started, renew_s, active_at, on_lost)
+    coordinator = Coordinator(settings, secret, lock_fd=lock_fd, fence=keeper.valid, held_by_lease=lock_fd is None)
+    keeper.start()
+    try:
+        await coordinator.start()
+    except BaseException:
+        keeper.stop()
+        raise
     if standby:
         click.echo(f"standby took over in {time.monotonic() - took_over:.3f}s", err=True)
+    click.echo(f"lease term {claimed.term} held in {settings.state_dir}", err=True)
     click.echo(f"coordinator listening on {coordinator.address}", err=True)
     server = None
     if http_port is not None:
@@ -74,11 +117,32 @@ async def _serve(
         server = http.ObserveServer(settings.host, http_port, view, status, http.read_token(secret.key)).start()
         click.echo(f"dashboard {server.url} (metrics: /metrics, same token)", err=True)
     click.echo(f"job secret: {secret_path} (agents and workers on other nodes need it: --secret-file)", err=True)
+    adopting = asyncio.ensure_future(_adopt_lock(coordinator, renew_s)) if lock_fd is None else None
     with contextlib.suppress(asyncio.CancelledError):
         await stop.wait()
+    if adopting is not None:
+        adopting.cancel()
+    keeper.stop()
     if server is not None:
         server.close()
     await coordinator.stop()
+    if lost.is_set():
+        to = keeper.lost_to
+        click.echo(
+            f"stepped down: the lease went to term {to.term if to else '?'} ({to.holder if to else 'unknown'}); "
+            f"{coordinator.fenced_off} message(s) and tick(s) left unanswered since it lapsed",
+            err=True,
+        )
+        return STEPPED_DOWN
+    return 0
+
+
+async def _adopt_lock(coordinator: Coordinator, every_s: float) -> None:
+    """Takes the state directory's lock once the hung coordinator replaced through the lease
+    is gone (its process ended: the kernel dropped its lock)."""
+    while not coordinator.store.adopt_lock():
+        await asyncio.sleep(every_s)
+    click.echo("took the state directory's lock: the coordinator replaced is gone", err=True)
 
 
 def job_health_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -154,6 +218,23 @@ def job_health_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     help="Wait until the active coordinator on the same --state-dir is gone, then take over at --host:--port "
     "(give workers and agents both addresses: --coordinator ACTIVE,STANDBY).",
 )
+@click.option(
+    "--lease",
+    "lease_s",
+    type=float,
+    default=lease.DEFAULT_LEASE_S,
+    show_default=True,
+    help="Seconds the active coordinator's lease lasts: a standby takes over from one that hangs this long "
+    "(and the hung one, when it wakes up, steps down without answering).",
+)
+@click.option(
+    "--lease-renew",
+    "renew_s",
+    type=float,
+    default=lease.DEFAULT_RENEW_S,
+    show_default=True,
+    help="Seconds between renewals of the lease (at most half of --lease).",
+)
 def coordinator(
     fatal_epochs: int,
     no_progress_timeout: float,
@@ -169,6 +250,8 @@ def coordinator(
     http_port: int | None,
     max_connections: int,
     standby: bool,
+    lease_s: float,
+    renew_s: float,
 ) -> None:
     """Serve membership and quorum epochs for a job; state persists in --state-dir."""
     try:
@@ -193,6 +276,9 @@ def coordinator(
             )
         secret, path = found if found is not None else secrets.kept(state_dir)
         event_loop.pace_gc_for_a_server()
-        event_loop.run(_serve(settings, secret, path, http_port, standby))
+        lease.check_periods(lease_s, renew_s)
+        code = event_loop.run(_serve(settings, secret, path, http_port, standby, lease_s, renew_s))
     except (ValueError, OSError) as e:
         raise click.UsageError(str(e)) from e
+    if code:
+        raise SystemExit(code)

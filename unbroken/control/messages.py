@@ -417,6 +417,21 @@ class Donate:
 
 
 @dataclasses.dataclass(frozen=True)
+class Alive:
+    """To a rank whose request waits: the coordinator is alive and holds its lease (a rank
+    that hears nothing for long tries the standby)."""
+
+    OP: ClassVar[str] = "alive"
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> Alive:
+        return cls()
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP}
+
+
+@dataclasses.dataclass(frozen=True)
 class Error:
     OP: ClassVar[str] = "error"
     message: str
@@ -571,7 +586,7 @@ class Direction(enum.Enum):
 MESSAGES: dict[Direction, tuple[type[Any], ...]] = {
     Direction.RANK_TO_COORDINATOR: (Hello, Heartbeat, Telemetry, QuorumAsk, Bye, Exited),
     # ``quorum``: a full answer (sent pre-encoded) or the fast path's short one.
-    Direction.COORDINATOR_TO_RANK: (Welcome, QuorumAnswer, QuorumSame, Abort, EpochPush, Donate, Error),
+    Direction.COORDINATOR_TO_RANK: (Welcome, QuorumAnswer, QuorumSame, Abort, EpochPush, Donate, Alive, Error),
     Direction.AGENT_TO_COORDINATOR: (AgentHello, AgentHeartbeat, Exited, StackReport, GroupPort, GroupRelease),
     Direction.COORDINATOR_TO_AGENT: (
         Assign,

@@ -58,7 +58,9 @@ class StateStore:
         keep_events: how many of the newest events the database keeps.
         epoch_block: how many epochs one reservation covers.
         lock_fd: the directory's lock, already taken (:func:`wait_for_state_dir`, a standby's
-            takeover); None takes it here.
+            takeover); None takes it here, unless ``fenced``.
+        fenced: the directory is held through the lease (:mod:`unbroken.control.lease`): a
+            standby took over from a hung coordinator that still holds the lock, so none is taken.
 
     Raises:
         StateDirInUse: another coordinator runs on ``state_dir``.
@@ -72,6 +74,7 @@ class StateStore:
         keep_events: int = KEEP_EVENTS,
         epoch_block: int = EPOCH_BLOCK,
         lock_fd: int | None = None,
+        fenced: bool = False,
     ) -> None:
         if journal_mode.lower() not in JOURNAL_MODES:
             raise ValueError(f"journal mode must be one of {', '.join(JOURNAL_MODES)}, got {journal_mode!r}")
@@ -85,7 +88,8 @@ class StateStore:
         self.keep_events = keep_events
         self.epoch_block = epoch_block
         self.write_failures = 0  # history rows (epochs, events) that could not be written
-        self._lock_fd: int | None = lock_fd if lock_fd is not None else _lock_state_dir(path)
+        self._lock_fd: int | None = lock_fd if lock_fd is not None or fenced else lock_state_dir(path)
+        self._closed = False
         # Written by a writer thread (see :meth:`persist`), queued by the event loop: the queue
         # lock is held only to swap rows in and out, never across a write.
         self._db_lock = threading.RLock()
@@ -135,7 +139,12 @@ class StateStore:
             if self._ceiling - issued >= self.epoch_block // 2:
                 return self._ceiling
             ceiling = issued + self.epoch_block
-            self._db.execute("INSERT OR REPLACE INTO meta VALUES ('epoch_ceiling', ?)", (ceiling,))
+            # Never lowered: a coordinator that lost its lease and wakes up may still write here.
+            self._db.execute(
+                "INSERT INTO meta VALUES ('epoch_ceiling', ?) "
+                "ON CONFLICT(key) DO UPDATE SET value = MAX(value, excluded.value)",
+                (ceiling,),
+            )
             self._ceiling = ceiling
             return ceiling
 
@@ -223,11 +232,24 @@ class StateStore:
             queued = list(self._events)  # only if the flush failed
         return [json.loads(r[0]) for r in rows] + [json.loads(data) for (_, _, data) in queued]
 
+    def adopt_lock(self) -> bool:
+        """Takes the directory's lock if it is free and not held yet: a coordinator that took
+        over through the lease holds it once the hung one it replaced is gone, so that a plain
+        coordinator started on this directory is refused. True once held."""
+        if self._lock_fd is not None or self._closed:
+            return self._lock_fd is not None
+        try:
+            self._lock_fd = lock_state_dir(self.path.parent)
+        except (StateDirInUse, OSError):
+            return False
+        return True
+
     # -- the end -----------------------------------------------------------------------------
 
     def close(self) -> None:
-        if self._lock_fd is None:
-            return  # closed already
+        if self._closed:
+            return
+        self._closed = True
         self.flush()
         self._db.close()
         self._release()
@@ -261,13 +283,13 @@ def wait_for_state_dir(path: str | Path, stop: threading.Event, poll_s: float = 
     directory.mkdir(parents=True, exist_ok=True)
     while not stop.is_set():
         try:
-            return _lock_state_dir(directory)
+            return lock_state_dir(directory)
         except StateDirInUse:
             stop.wait(poll_s)
     return None
 
 
-def _lock_state_dir(path: Path) -> int:
+def lock_state_dir(path: Path) -> int:
     """Takes ``path/coordinator.lock`` exclusively, or says who holds it."""
     lock = path / "coordinator.lock"
     fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)

@@ -75,6 +75,7 @@ EXAMPLES = [
     protocol.AgentStatus(steps={"0": 5}),
     protocol.DumpStack(replica=0, rank=1),
     protocol.JobFailedNotice(reason="bad", exit_code=3),
+    protocol.Alive(),
 ]
 
 
