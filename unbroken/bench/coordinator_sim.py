@@ -57,6 +57,7 @@ class Plan:
     disconnect_step: int | None = None  # the victim leaves half a step after this step starts
     rejoin_step: int | None = None  # and connects again half a step after this one starts
     seed: int = 0
+    ranks_per_node: int = 0  # > 0: each group is a node of this many ranks through one connection
 
     def step_start(self, k: int) -> float:
         return self.t0 + k * self.step_time
@@ -115,16 +116,7 @@ class SimReplica:
                 delay = min(delay * 2, 0.2)
                 continue
             self._writer, self._session, self._last = writer, session, None
-            hello = {
-                "op": "hello",
-                "replica": self.replica,
-                "rank": 0,
-                "world_size": 1,
-                "transfer_addr": f"127.0.0.1:{20000 + self.replica % 40000}",
-                "node": f"sim{self.replica}",
-                "step": self.step,
-            }
-            self._send(hello)
+            self._send(self._hello_msg())
             self._reader_task = asyncio.create_task(self._read(reader, session))
             await asyncio.wait_for(self._connected.wait(), max(0.1, deadline - time.monotonic()))
             self.connects.append(time.monotonic())
@@ -132,6 +124,17 @@ class SimReplica:
                 self._send(self._ask_msg(req_id, step, self.epoch if failed else None))
             return
         raise TimeoutError(f"replica {self.replica} could not connect")
+
+    def _hello_msg(self) -> dict[str, Any]:
+        return {
+            "op": "hello",
+            "replica": self.replica,
+            "rank": 0,
+            "world_size": 1,
+            "transfer_addr": f"127.0.0.1:{20000 + self.replica % 40000}",
+            "node": f"sim{self.replica}",
+            "step": self.step,
+        }
 
     def _send(self, msg: dict[str, Any]) -> None:
         if self._writer is not None and self._session is not None and not self._writer.is_closing():
@@ -286,7 +289,12 @@ async def _until(t: float) -> None:
 
 async def _main(plan: Plan, ready: Any, go: Any, answered: Any) -> list[dict[str, Any]]:
     rng = random.Random(plan.seed)
-    sims = [SimReplica(plan, r, rng.uniform(0.0, plan.jitter * plan.step_time), answered) for r in plan.replicas]
+    kind = SimReplica
+    if plan.ranks_per_node:
+        from unbroken.bench.coordinator_sim_nodes import SimNode
+
+        kind = SimNode
+    sims = [kind(plan, r, rng.uniform(0.0, plan.jitter * plan.step_time), answered) for r in plan.replicas]
     sem = asyncio.Semaphore(64)  # handshakes in flight: not a SYN flood of the listener's backlog
 
     async def connect(s: SimReplica) -> None:
