@@ -110,7 +110,9 @@ class SimReplica:
             host, port = self.plan.addresses[self._address % len(self.plan.addresses)]
             try:
                 reader, writer, session = await protocol.connect_async(host, port, self.secret, timeout=5.0)
-            except (OSError, AuthError, asyncio.TimeoutError):
+            except (OSError, AuthError, asyncio.TimeoutError, RuntimeError):
+                # RuntimeError: uvloop's, for a transport the standby closed mid-handshake (at
+                # thousands of reconnects after a takeover); as a refused connection: the next.
                 self._address += 1
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.2)

@@ -30,6 +30,8 @@ from unbroken.control.quorum_service import RankConn
 MAX_ANSWER_LINE = protocol.MAX_LINE // 2  # a node_answers line is split before it nears the reader's limit
 
 Slot = tuple[int, int]  # (replica, rank)
+_SAME_KEYS = protocol.QuorumSame(id=0, same_epoch=0, step=0).to_msg().keys()
+_SAME = b'{"op":"%s","id":%%d,"same_epoch":%%d,"step":%%d}' % protocol.QuorumSame.OP.encode()
 
 
 class NodeConn:
@@ -94,7 +96,11 @@ class NodeLink(protocol.Link):
         self.node, self.slot, self.closed = node, slot, False
 
     def send(self, msg: protocol.Message) -> None:
-        self.send_payload(json.dumps(msg, separators=(",", ":")).encode())
+        if msg.keys() == _SAME_KEYS:  # the fast path's answer, eight per node per step: no json.dumps
+            payload = _SAME % (msg["id"], msg["same_epoch"], msg["step"])
+        else:
+            payload = json.dumps(msg, separators=(",", ":")).encode()
+        self.send_payload(payload)
 
     def send_payload(self, payload: bytes) -> None:
         if not self.closed and not self.writer.is_closing():
