@@ -552,6 +552,8 @@ def _pairs(msg: Message, key: str, width: int) -> list[list[Any]]:
 
 
 def _slot(replica: Any, rank: Any) -> tuple[int, int]:
+    if type(replica) is int and type(rank) is int and 0 <= replica < 1 << 62 and 0 <= rank < 1 << 62:
+        return replica, rank  # the common case, without count()'s dict per field (8 per node line)
     return count({"replica": replica}, "replica"), count({"rank": rank}, "rank")
 
 
@@ -606,10 +608,13 @@ class NodeQuorum:
     @classmethod
     def from_msg(cls, msg: Message) -> NodeQuorum:
         asks = []
+        last: tuple[Message, QuorumAsk] | None = None
         for replica, rank, ask in _pairs(msg, "asks", 3):
             if not isinstance(ask, dict):
                 raise ValueError("a node_quorum's request is an object, as a rank's quorum request")
-            asks.append((*_slot(replica, rank), QuorumAsk.from_msg(ask)))
+            if last is None or ask != last[0]:  # a node's ranks mostly ask the same: parsed once
+                last = (ask, QuorumAsk.from_msg(ask))
+            asks.append((*_slot(replica, rank), last[1]))
         return cls(asks=tuple(asks))
 
     def to_msg(self) -> Message:
