@@ -251,7 +251,10 @@ class SimReplica:
                 if k == plan.rejoin_step:
                     await _until(plan.step_start(k) + plan.step_time / 2)
                     self.step = plan.disconnect_step  # behind: it resumes from an older state
-                    await self.come_back(time.monotonic() + 30.0)
+                    try:
+                        await self.come_back(time.monotonic() + 30.0)
+                    except (TimeoutError, asyncio.TimeoutError):  # not admitted: no rejoin figure, the rest stands
+                        continue
                     beats = asyncio.create_task(self.heartbeats())
                     await self.ask(self.step)
                     continue
