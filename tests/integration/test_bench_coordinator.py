@@ -32,3 +32,26 @@ def test_bench_coordinator_measures_every_figure_and_the_standby_takes_over(tmp_
     assert row["cpu_ms_per_step"] >= 0 and row["rss_mib"] > 0
     assert row["bytes_per_client_step"] < 200  # a short answer per step, not the membership
     assert row["client_cpu_util"] < 1.0
+
+
+def test_bench_coordinator_nodes_answers_every_rank_of_every_node_through_one_connection(tmp_path: Path) -> None:
+    """``--nodes``: each node's 8 ranks through one connection; the same figures, per node."""
+    out = tmp_path / "coordinator.json"
+    args = [sys.executable, "-m", "unbroken", "bench", "coordinator", "--nodes", "4", "--step-time", "0.3"]
+    done = subprocess.run([*args, "--out", str(out)], env=python_env(), capture_output=True, timeout=180)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    result = json.loads(out.read_text())
+    (row,) = result["sizes"]
+    assert "error" not in row, row
+    assert result["ranks_per_node"] == 8 and row["nodes"] == 4 and row["ranks"] == 32
+    assert row["fast_answers"] == 4 * 6  # every node, every fast-path step: all its ranks in one answer
+    for key in ("quorum_p50_ms", "quorum_p99_ms", "disconnect_to_epoch_ms", "rejoin_admit_ms", "takeover_ms"):
+        assert isinstance(row[key], float) and row[key] > 0, key
+    # Eight short answers in one line per node per step, not eight lines nor the membership.
+    assert 8 * 40 < row["bytes_per_client_step"] < 8 * 120
+
+
+def test_bench_coordinator_refuses_sizes_and_nodes_together() -> None:
+    args = [sys.executable, "-m", "unbroken", "bench", "coordinator", "--sizes", "4", "--nodes", "4"]
+    done = subprocess.run(args, env=python_env(), capture_output=True, timeout=60)
+    assert done.returncode == 2 and b"not both" in done.stderr

@@ -131,8 +131,12 @@ def run_size(
     client_procs: int,
     standby: bool,
     work: Path,
+    ranks_per_node: int = 0,
 ) -> dict[str, Any]:
-    """One coordinator (and its standby) against ``size`` simulated groups; the figures."""
+    """One coordinator (and its standby) against ``size`` simulated groups; the figures.
+
+    ``ranks_per_node`` > 0: each group is a node of that many ranks speaking through one
+    connection (:mod:`unbroken.bench.coordinator_sim_nodes`)."""
     state_dir = work / f"state-{size}"
     secret, _ = secret_file.kept(state_dir)
     port = free_port()
@@ -166,6 +170,7 @@ def run_size(
                 disconnect_step=DISCONNECT_STEP,
                 rejoin_step=REJOIN_STEP,
                 seed=i,
+                ranks_per_node=ranks_per_node,
             )
             ready_r, ready_w = ctx.Pipe(duplex=False)
             go_r, go_w = ctx.Pipe(duplex=False)
@@ -216,7 +221,11 @@ def run_size(
                 except subprocess.TimeoutExpired:
                     c.kill()
                     c.wait()
-    return _figures(size, step_time, results, cpu1 - cpu0, rss, kill_t, victim, connect_s, wall, t0)
+    row = _figures(size, step_time, results, cpu1 - cpu0, rss, kill_t, victim, connect_s, wall, t0)
+    if ranks_per_node:  # a group is a node: its requests and bytes are the node's, for its ranks
+        row = {"nodes": size, "ranks": size * ranks_per_node, **row}
+        row["cpu_core_per_step"] = round(row["cpu_ms_per_step"] / 1000 / step_time, 3)
+    return row
 
 
 def _sleep_until(t: float) -> None:
@@ -321,6 +330,15 @@ def _fast_bytes(records: list[dict[str, Any]]) -> float:
     show_default=True,
     help="Run a standby and kill -9 the active one (takeover time).",
 )
+@click.option(
+    "--nodes",
+    default=None,
+    help="Comma-separated node counts: each node's ranks speak through one connection (its agent's), "
+    "one replica group per node; replaces --sizes.",
+)
+@click.option(
+    "--ranks-per-node", type=int, default=8, show_default=True, help="Ranks of each simulated node (with --nodes)."
+)
 @click.option("--plot", is_flag=True, help="Also draw the curves (runs/bench/coordinator.png; needs matplotlib).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on stdout.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/bench/coordinator.json"), show_default=True)
@@ -331,22 +349,30 @@ def coordinator(
     jitter: float,
     client_procs: int,
     standby: bool,
+    nodes: str | None,
+    ranks_per_node: int,
     plot: bool,
     as_json: bool,
     out: Path,
 ) -> None:
     """One real coordinator against simulated replica groups: quorum latency, failover, cost per size."""
+    if nodes is not None and sizes is not None:
+        raise click.UsageError("give --sizes (a connection per group) or --nodes (a connection per node), not both")
+    if nodes is not None and not 1 <= ranks_per_node <= 64:
+        raise click.UsageError(f"--ranks-per-node must be 1 to 64, got {ranks_per_node}")
     try:
-        chosen = tuple(int(s) for s in sizes.split(",")) if sizes else QUICK_SIZES if quick else FULL_SIZES
+        given = nodes if nodes is not None else sizes
+        chosen = tuple(int(s) for s in given.split(",")) if given else QUICK_SIZES if quick else FULL_SIZES
     except ValueError as e:
-        raise click.UsageError(f"--sizes must be comma-separated integers, got {sizes!r}") from e
+        raise click.UsageError(f"--sizes / --nodes must be comma-separated integers, got {given!r}") from e
+    per_node = ranks_per_node if nodes is not None else 0
     if any(s < 2 for s in chosen) or client_procs < 1 or step_time <= 0 or not 0 <= jitter <= 1:
         raise click.UsageError("sizes must be >= 2, --client-procs >= 1, --step-time > 0 and --jitter within 0..1")
     rows = []
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-coord-") as tmp:
         for size in chosen:
             try:
-                row = run_size(size, step_time, jitter, HEARTBEAT_S, client_procs, standby, Path(tmp))
+                row = run_size(size, step_time, jitter, HEARTBEAT_S, client_procs, standby, Path(tmp), per_node)
             except RuntimeError as e:  # this size overwhelmed the machine: said, and the next one runs
                 row = {"replica_groups": size, "error": str(e)}
             click.echo(json.dumps(row), err=True)
@@ -354,6 +380,7 @@ def coordinator(
     result = {
         "step_time_s": step_time,
         "jitter": jitter,
+        "ranks_per_node": per_node or None,
         "load_avg": os.getloadavg()[0],
         "sizes": rows,
     }

@@ -57,6 +57,7 @@ class Plan:
     disconnect_step: int | None = None  # the victim leaves half a step after this step starts
     rejoin_step: int | None = None  # and connects again half a step after this one starts
     seed: int = 0
+    ranks_per_node: int = 0  # > 0: each group is a node of this many ranks through one connection
 
     def step_start(self, k: int) -> float:
         return self.t0 + k * self.step_time
@@ -109,22 +110,15 @@ class SimReplica:
             host, port = self.plan.addresses[self._address % len(self.plan.addresses)]
             try:
                 reader, writer, session = await protocol.connect_async(host, port, self.secret, timeout=5.0)
-            except (OSError, AuthError, asyncio.TimeoutError):
+            except (OSError, AuthError, asyncio.TimeoutError, RuntimeError):
+                # RuntimeError: uvloop's, for a transport the standby closed mid-handshake (at
+                # thousands of reconnects after a takeover); as a refused connection: the next.
                 self._address += 1
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.2)
                 continue
             self._writer, self._session, self._last = writer, session, None
-            hello = {
-                "op": "hello",
-                "replica": self.replica,
-                "rank": 0,
-                "world_size": 1,
-                "transfer_addr": f"127.0.0.1:{20000 + self.replica % 40000}",
-                "node": f"sim{self.replica}",
-                "step": self.step,
-            }
-            self._send(hello)
+            self._send(self._hello_msg())
             self._reader_task = asyncio.create_task(self._read(reader, session))
             await asyncio.wait_for(self._connected.wait(), max(0.1, deadline - time.monotonic()))
             self.connects.append(time.monotonic())
@@ -132,6 +126,17 @@ class SimReplica:
                 self._send(self._ask_msg(req_id, step, self.epoch if failed else None))
             return
         raise TimeoutError(f"replica {self.replica} could not connect")
+
+    def _hello_msg(self) -> dict[str, Any]:
+        return {
+            "op": "hello",
+            "replica": self.replica,
+            "rank": 0,
+            "world_size": 1,
+            "transfer_addr": f"127.0.0.1:{20000 + self.replica % 40000}",
+            "node": f"sim{self.replica}",
+            "step": self.step,
+        }
 
     def _send(self, msg: dict[str, Any]) -> None:
         if self._writer is not None and self._session is not None and not self._writer.is_closing():
@@ -259,7 +264,10 @@ class SimReplica:
                 if k == plan.rejoin_step:
                     await _until(plan.step_start(k) + plan.step_time / 2)
                     self.step = plan.disconnect_step  # behind: it resumes from an older state
-                    await self.come_back(time.monotonic() + 30.0)
+                    try:
+                        await self.come_back(time.monotonic() + 30.0)
+                    except (TimeoutError, asyncio.TimeoutError):  # not admitted: no rejoin figure, the rest stands
+                        continue
                     beats = asyncio.create_task(self.heartbeats())
                     await self.ask(self.step)
                     continue
@@ -299,7 +307,12 @@ async def _until(t: float) -> None:
 
 async def _main(plan: Plan, ready: Any, go: Any, answered: Any) -> list[dict[str, Any]]:
     rng = random.Random(plan.seed)
-    sims = [SimReplica(plan, r, rng.uniform(0.0, plan.jitter * plan.step_time), answered) for r in plan.replicas]
+    kind = SimReplica
+    if plan.ranks_per_node:
+        from unbroken.bench.coordinator_sim_nodes import SimNode
+
+        kind = SimNode
+    sims = [kind(plan, r, rng.uniform(0.0, plan.jitter * plan.step_time), answered) for r in plan.replicas]
     sem = asyncio.Semaphore(64)  # handshakes in flight: not a SYN flood of the listener's backlog
 
     async def connect(s: SimReplica) -> None:

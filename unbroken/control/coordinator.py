@@ -42,6 +42,7 @@ from unbroken.control.event_loop import listen_backlog
 from unbroken.control.groups import MAX_NODES_PER_REPLICA
 from unbroken.control.heartbeat import HeartbeatPlan, plan_heartbeats
 from unbroken.control.job_health import JobHealth, JobStop
+from unbroken.control.node_relay import NodeConn, NodeRelay
 from unbroken.control.placement import AgentConn, PlacementHooks
 from unbroken.control.quorum import QuorumRules, QuorumState
 from unbroken.control.quorum_service import QuorumService, RankConn
@@ -174,6 +175,8 @@ class Coordinator:
             protocol.Bye.OP: lambda conn, _: self._bye(conn),
             protocol.Exited.OP: self._rank_exited,
         }
+        # A node agent's connection speaking for its node's ranks (:mod:`unbroken.control.node_relay`).
+        self.nodes = NodeRelay(self._hello, self._node_quorum, self._connection_closed, (Refused,))
         if first_epoch:
             self.events.emit(ev.CoordinatorRestarted(continue_after_epoch=first_epoch))
 
@@ -288,8 +291,8 @@ class Coordinator:
     # -- one message -----------------------------------------------------------------------
 
     def _dispatch(
-        self, msg: protocol.Message, link: protocol.Link, conn: RankConn | None, agent: AgentConn | None
-    ) -> tuple[str, RankConn | None, AgentConn | None]:
+        self, msg: protocol.Message, link: protocol.Link, conn: RankConn | NodeConn | None, agent: AgentConn | None
+    ) -> tuple[str, RankConn | NodeConn | None, AgentConn | None]:
         """Acts on one message; raises ValueError (or TypeError, KeyError) on a malformed one,
         Refused when the connection must end."""
         if not self.fence():  # not ours to answer (a lapsed lease): closed without a word
@@ -298,6 +301,13 @@ class Coordinator:
         op = msg["op"]
         if op == protocol.StatusRequest.OP:
             link.send({"op": "status", **self.status()})
+        elif isinstance(conn, NodeConn):
+            self.nodes.handle(conn, op, msg)
+        elif op == protocol.NodeHello.OP and conn is None and agent is None:
+            try:
+                conn = self.nodes.open(protocol.NodeHello.from_msg(msg), link)
+            except (ValueError, TypeError) as e:
+                raise Refused(f"a malformed {op}: {e}") from e
         elif op in (protocol.AgentHello.OP, protocol.Hello.OP):
             if conn is not None or agent is not None:
                 raise ValueError("a connection speaks for one replica rank or agent: it said hello already")
@@ -326,8 +336,11 @@ class Coordinator:
         self._costs(conn.replica, conn.rank, batch)
 
     def _quorum(self, conn: RankConn, msg: protocol.Message) -> None:
+        self._node_quorum(conn, protocol.QuorumAsk.from_msg(msg))
+
+    def _node_quorum(self, conn: RankConn, ask: protocol.QuorumAsk) -> None:
         conn.last_heartbeat = time.monotonic()
-        self.requests.ask(conn, protocol.QuorumAsk.from_msg(msg))
+        self.requests.ask(conn, ask)
 
     def _bye(self, conn: RankConn) -> None:
         if conn.finished:
@@ -420,12 +433,14 @@ class Coordinator:
         s = self.settings
         return plan_heartbeats(ranks, s.heartbeat_s, s.suspect_after_s, s.heartbeat_timeout_s, s.max_heartbeats_per_s)
 
-    def _closed(self, conn: RankConn | None, agent: AgentConn | None) -> None:
-        """A connection ended: the rank or agent it spoke for is gone."""
+    def _closed(self, conn: RankConn | NodeConn | None, agent: AgentConn | None) -> None:
+        """A connection ended: the rank, node or agent it spoke for is gone."""
         if not self.fence():  # evicting would answer the survivors
             self.fenced_off += 1
             return
-        if conn is not None:
+        if isinstance(conn, NodeConn):
+            self.nodes.gone(conn)
+        elif conn is not None:
             self._connection_closed(conn)
         if agent is not None:
             self.agents.gone(

@@ -572,6 +572,141 @@ class JobFailedNotice:
         return cls(reason=text(msg, "reason", 1000), exit_code=code)
 
 
+# -- node agent <-> coordinator: a node's ranks through one connection ------------------------
+
+MAX_NODE_RANKS = 64  # ranks one node connection may speak for
+
+
+def _pairs(msg: Message, key: str, width: int) -> list[list[Any]]:
+    """``msg[key]`` as a list of at most :data:`MAX_NODE_RANKS` lists of ``width`` items."""
+    value = msg.get(key, [])
+    if (
+        not isinstance(value, list)
+        or len(value) > MAX_NODE_RANKS
+        or not all(isinstance(v, list) and len(v) == width for v in value)
+    ):
+        raise ValueError(f"{key} must be a list of at most {MAX_NODE_RANKS} lists of {width} items")
+    return value
+
+
+def _slot(replica: Any, rank: Any) -> tuple[int, int]:
+    if type(replica) is int and type(rank) is int and 0 <= replica < 1 << 62 and 0 <= rank < 1 << 62:
+        return replica, rank  # the common case, without count()'s dict per field (8 per node line)
+    return count({"replica": replica}, "replica"), count({"rank": rank}, "rank")
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeHello:
+    """A node agent speaks for these ranks of its node (the first line of a node connection, and
+    again for a rank that restarted): each as its own :class:`Hello` would say."""
+
+    OP: ClassVar[str] = "node_hello"
+    node: str
+    ranks: tuple[Hello, ...]
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> NodeHello:
+        node, ranks = text(msg, "node"), msg.get("ranks")
+        if not node or not isinstance(ranks, list) or not 1 <= len(ranks) <= MAX_NODE_RANKS:
+            raise ValueError(f"a node_hello needs a node name and 1 to {MAX_NODE_RANKS} ranks")
+        if not all(isinstance(r, dict) for r in ranks):
+            raise ValueError("a node_hello's ranks are objects, as a rank's hello")
+        return cls(node=node, ranks=tuple(dataclasses.replace(Hello.from_msg(r), node=node) for r in ranks))
+
+    def to_msg(self) -> Message:
+        ranks = [{k: v for k, v in dataclasses.asdict(h).items() if k != "node"} for h in self.ranks]
+        return {"op": self.OP, "node": self.node, "ranks": ranks}
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeHeartbeat:
+    """The node's ranks are alive: (replica, rank, step or None) of each rank it speaks for."""
+
+    OP: ClassVar[str] = "node_heartbeat"
+    beats: tuple[tuple[int, int, int | None], ...]
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> NodeHeartbeat:
+        beats = []
+        for replica, rank, step in _pairs(msg, "beats", 3):
+            beats.append((*_slot(replica, rank), None if step is None else count({"step": step}, "step")))
+        return cls(beats=tuple(beats))
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP, "beats": [list(b) for b in self.beats]}
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeQuorum:
+    """The quorum requests of a node's ranks, in one line: (replica, rank, the rank's request)."""
+
+    OP: ClassVar[str] = "node_quorum"
+    asks: tuple[tuple[int, int, QuorumAsk], ...]
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> NodeQuorum:
+        asks = []
+        last: tuple[Message, QuorumAsk] | None = None
+        for replica, rank, ask in _pairs(msg, "asks", 3):
+            if not isinstance(ask, dict):
+                raise ValueError("a node_quorum's request is an object, as a rank's quorum request")
+            if last is None or ask != last[0]:  # a node's ranks mostly ask the same: parsed once
+                last = (ask, QuorumAsk.from_msg(ask))
+            asks.append((*_slot(replica, rank), last[1]))
+        return cls(asks=tuple(asks))
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP, "asks": [[r, k, a.to_msg()] for r, k, a in self.asks]}
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeLeave:
+    """Ranks of the node are gone (their processes exited): as their own connections closing."""
+
+    OP: ClassVar[str] = "node_leave"
+    ranks: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> NodeLeave:
+        return cls(ranks=tuple(_slot(r, k) for r, k in _pairs(msg, "ranks", 2)))
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP, "ranks": [list(r) for r in self.ranks]}
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeAnswers:
+    """What the coordinator tells a node's ranks, in one line: ``msgs[i]`` is for rank ``to[i]``
+    (the agent fans them out); ``dropped``: ranks the coordinator no longer hears through this
+    node (evicted, refused: as their own connections closing; a restarted rank says hello again).
+    The coordinator sends it pre-encoded (:mod:`unbroken.control.node_relay`)."""
+
+    OP: ClassVar[str] = "node_answers"
+    to: tuple[tuple[int, int], ...]
+    msgs: tuple[Message, ...]
+    dropped: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> NodeAnswers:
+        to, msgs = msg.get("to"), msg.get("msgs")
+        if not isinstance(to, list) or not isinstance(msgs, list) or len(to) != len(msgs):
+            raise ValueError("a node_answers needs as many messages as ranks they are for")
+        if not all(isinstance(t, list) and len(t) == 2 for t in to):
+            raise ValueError("a node_answers' ranks are [replica, rank] pairs")
+        if not all(isinstance(m, dict) and isinstance(m.get("op"), str) for m in msgs):
+            raise ValueError("a node_answers' messages are protocol messages")
+        dropped = tuple(_slot(r, k) for r, k in _pairs(msg, "dropped", 2))
+        return cls(to=tuple(_slot(r, k) for r, k in to), msgs=tuple(msgs), dropped=dropped)
+
+    def to_msg(self) -> Message:
+        return {
+            "op": self.OP,
+            "to": [list(t) for t in self.to],
+            "msgs": list(self.msgs),
+            "dropped": [list(d) for d in self.dropped],
+        }
+
+
 # -- the list of operations ------------------------------------------------------------------
 
 
@@ -581,6 +716,8 @@ class Direction(enum.Enum):
     AGENT_TO_COORDINATOR = "agent -> coordinator"
     COORDINATOR_TO_AGENT = "coordinator -> agent"
     STATUS = "status client -> coordinator"
+    NODE_TO_COORDINATOR = "node agent (for its ranks) -> coordinator"
+    COORDINATOR_TO_NODE = "coordinator -> node agent (for its ranks)"
 
 
 MESSAGES: dict[Direction, tuple[type[Any], ...]] = {
@@ -598,7 +735,10 @@ MESSAGES: dict[Direction, tuple[type[Any], ...]] = {
         JobFailedNotice,
         Error,
     ),
-    Direction.STATUS: (StatusRequest,),  # answered with a ``status`` line of the coordinator's state
+    Direction.STATUS: (StatusRequest,),
+    # A node's ranks through one connection: what each rank would say and hear, aggregated.
+    Direction.NODE_TO_COORDINATOR: (NodeHello, NodeHeartbeat, NodeQuorum, NodeLeave),
+    Direction.COORDINATOR_TO_NODE: (NodeAnswers,),  # answered with a ``status`` line of the coordinator's state
 }
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from unbroken.control import protocol
+from unbroken.control.node_relay import NodeConn
 from unbroken.control.placement import AgentConn
 from unbroken.control.quorum_service import RankConn
 from unbroken.wire.admission import Admission, RefusalLog
@@ -30,8 +31,8 @@ MAX_BAD_MESSAGES = 100
 # Acts on one message (msg, link, the rank and agent it spoke as so far) and returns the op and
 # who the connection speaks as now; the op ``stop`` ends the connection.
 Dispatch = Callable[
-    [protocol.Message, protocol.Link, RankConn | None, AgentConn | None],
-    tuple[str, RankConn | None, AgentConn | None],
+    [protocol.Message, protocol.Link, RankConn | NodeConn | None, AgentConn | None],
+    tuple[str, RankConn | NodeConn | None, AgentConn | None],
 ]
 
 
@@ -56,7 +57,7 @@ class ConnectionServer:
         max_connections: int,
         hello_timeout_s: float,
         dispatch: Dispatch,
-        closed: Callable[[RankConn | None, AgentConn | None], None],
+        closed: Callable[[RankConn | NodeConn | None, AgentConn | None], None],
     ) -> None:
         self.secret = secret
         self.max_connections, self.hello_timeout_s = max_connections, hello_timeout_s
@@ -81,7 +82,7 @@ class ConnectionServer:
         for shed in self._admission.admit(writer, str(peer[0]) if peer else "", time.monotonic()):
             shed.transport.abort()
         self.open.add(writer)
-        conn: RankConn | None = None
+        conn: RankConn | NodeConn | None = None
         agent: AgentConn | None = None
         try:
             try:
@@ -130,7 +131,8 @@ class ConnectionServer:
             try:
                 msg = link.decode(line)
             except AuthError as e:
-                self.dropped(f"{e} (from {f'replica {conn.replica} rank {conn.rank}' if conn else 'a client'})")
+                who_ = f"replica {conn.replica} rank {conn.rank}" if isinstance(conn, RankConn) else "a client"
+                self.dropped(f"{e} (from {who_})")
                 return
             except ValueError as e:
                 error = e

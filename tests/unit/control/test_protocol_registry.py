@@ -21,7 +21,7 @@ from unbroken.control.messages import Direction, ops
 from unbroken.wire.auth import JobSecret
 
 PACKAGE = Path(unbroken.__file__).parent
-COORDINATOR_SIDE = ("coordinator", "agents", "placement", "groups", "quorum_service", "serving")
+COORDINATOR_SIDE = ("coordinator", "agents", "placement", "groups", "quorum_service", "serving", "node_relay")
 
 
 def _uses(module: Path) -> tuple[set[str], set[str], list[int]]:
@@ -76,6 +76,11 @@ EXAMPLES = [
     protocol.DumpStack(replica=0, rank=1),
     protocol.JobFailedNotice(reason="bad", exit_code=3),
     protocol.Alive(),
+    protocol.NodeHello(node="n", ranks=(protocol.Hello(replica=1, rank=0, world_size=2, node="n", step=3),)),
+    protocol.NodeHeartbeat(beats=((1, 0, 5), (1, 1, None))),
+    protocol.NodeQuorum(asks=((1, 0, protocol.QuorumAsk(id=2, step=3, step_time=None, failed_epoch=None)),)),
+    protocol.NodeLeave(ranks=((1, 1),)),
+    protocol.NodeAnswers(to=((1, 0),), msgs=({"op": "abort", "epoch": 4},), dropped=((1, 1),)),
 ]
 
 
@@ -103,6 +108,7 @@ def test_the_coordinator_dispatches_on_exactly_the_ops_ranks_and_agents_send(tmp
     try:
         assert set(c.rank_ops) | {"hello"} == ops(Direction.RANK_TO_COORDINATOR)
         assert set(c.agents.handlers) | {"agent_hello"} == ops(Direction.AGENT_TO_COORDINATOR)
+        assert set(c.nodes.handlers) == ops(Direction.NODE_TO_COORDINATOR)
     finally:
         asyncio.run(c.stop())
 
@@ -133,6 +139,7 @@ def test_the_rank_and_the_agent_build_and_parse_only_registered_messages(
 
 def test_the_coordinator_sends_only_registered_messages() -> None:
     sent = _names(Direction.COORDINATOR_TO_RANK) | _names(Direction.COORDINATOR_TO_AGENT)
+    sent |= _names(Direction.COORDINATOR_TO_NODE)
     for name in COORDINATOR_SIDE:
         built, _, dicts = _uses(PACKAGE / "control" / f"{name}.py")
         assert built <= sent, (name, built - sent)

@@ -1,0 +1,152 @@
+"""A node agent speaks for its node's ranks through one connection (issue 31).
+
+A real coordinator on loopback; the node's side is spoken by hand, line by line, as the agent
+would: what is checked is what an agent relies on (its ranks are admitted, answered in one line
+per node, told to abort, evicted alone) and that a node speaks for no rank but its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.live_coordinator import connect, live_coordinator, member, next_op
+from unbroken.control import protocol
+from unbroken.control.coordinator import Coordinator
+from unbroken.control.messages import MAX_NODE_RANKS
+from unbroken.control.node_relay import NodeConn, answers_payload
+from unbroken.wire.auth import JobSecret
+
+SECRET = JobSecret.generate()
+RANKS = 4
+
+
+def run(state_dir: Path, scenario: Any, **settings: Any) -> None:
+    settings = {"heartbeat_timeout_s": 60.0, "suspect_after_s": 30.0, **settings}
+
+    async def main() -> None:
+        async with live_coordinator(state_dir, SECRET, **settings) as c:
+            await asyncio.wait_for(scenario(c), 20)
+
+    asyncio.run(main())
+
+
+def hello(node: str, replica: int, ranks: int = RANKS) -> protocol.NodeHello:
+    return protocol.NodeHello(
+        node=node,
+        ranks=tuple(protocol.Hello(replica=replica, rank=k, world_size=ranks, node=node) for k in range(ranks)),
+    )
+
+
+async def answers(link: protocol.Link) -> protocol.NodeAnswers:
+    return protocol.NodeAnswers.from_msg(await next_op(link, "node_answers"))
+
+
+async def node(c: Coordinator, name: str, replica: int) -> protocol.Link:
+    """A node connection whose ranks (all of ``replica``) were welcomed, in one line."""
+    link = await connect(c, SECRET)
+    link.send(hello(name, replica).to_msg())
+    got = await answers(link)
+    assert got.to == tuple((replica, k) for k in range(RANKS))
+    assert [m["op"] for m in got.msgs] == ["welcome"] * RANKS
+    return link
+
+
+def asks(replica: int, step: int, req_id: int, failed: int | None = None) -> protocol.NodeQuorum:
+    ask = protocol.QuorumAsk(id=req_id, step=step, step_time=None, failed_epoch=failed)
+    return protocol.NodeQuorum(asks=tuple((replica, k, ask) for k in range(RANKS)))
+
+
+def test_a_node_s_ranks_are_answered_in_one_line_per_node(tmp_path: Path) -> None:
+    async def scenario(c: Coordinator) -> None:
+        a, b = await node(c, "a", 0), await node(c, "b", 1)
+        assert set(c.replicas) == {0, 1} and all(len(r) == RANKS for r in c.replicas.values())
+        a.send(asks(0, 5, 1).to_msg())
+        b.send(asks(1, 5, 1).to_msg())
+        first = await asyncio.gather(answers(a), answers(b))
+        for got, replica in zip(first, (0, 1), strict=True):
+            assert got.to == tuple((replica, k) for k in range(RANKS))
+            assert {m["decision"]["epoch"] for m in got.msgs} == {1} and {m["id"] for m in got.msgs} == {1}
+        # The fast path: the next step's answers are the short ones, still one line for the node.
+        a.send(asks(0, 6, 2).to_msg())
+        b.send(asks(1, 6, 2).to_msg())
+        got, _ = await asyncio.gather(answers(a), answers(b))
+        assert [m.get("same_epoch") for m in got.msgs] == [1] * RANKS and len(got.to) == RANKS
+        assert a.received == b.received == 3  # the welcomes and two answers: one line each for the node
+
+    run(tmp_path, scenario, total_replicas=2, min_replicas=1)
+
+
+def test_a_node_that_dies_evicts_its_replica_and_the_survivor_is_told_to_abort(tmp_path: Path) -> None:
+    async def scenario(c: Coordinator) -> None:
+        a, b = await node(c, "a", 0), await node(c, "b", 1)
+        a.send(asks(0, 5, 1).to_msg())
+        b.send(asks(1, 5, 1).to_msg())
+        await asyncio.gather(answers(a), answers(b))
+        b.writer.close()  # the node's connection closes: every rank it spoke for is gone
+        got = await answers(a)
+        assert {m["op"] for m in got.msgs} == {"abort"} and len(got.to) == RANKS
+        a.send(asks(0, 5, 2, failed=1).to_msg())
+        got = await answers(a)
+        assert {m["decision"]["epoch"] for m in got.msgs} == {2}
+        assert 1 not in c.replicas and 1 not in c.quorum.alive
+
+    run(tmp_path, scenario, total_replicas=2, min_replicas=1)
+
+
+def test_a_node_speaks_only_for_its_own_ranks(tmp_path: Path) -> None:
+    async def scenario(c: Coordinator) -> None:
+        a = await node(c, "a", 0)
+        other = await member(c, SECRET, 1)  # replica 1 on its own connection
+        # Replica 1's request through node a is not acted on: a is told it does not hold that rank.
+        a.send(asks(1, 5, 1).to_msg())
+        got = await answers(a)
+        assert got.msgs == () and set(got.dropped) == {(1, k) for k in range(RANKS)}
+        assert c.pending == {}
+        # A rank that is connected already is refused alone; the node's connection stays.
+        a.send(protocol.NodeHello(node="a", ranks=(protocol.Hello(replica=1, rank=0, world_size=1),)).to_msg())
+        got = await answers(a)
+        assert got.dropped == ((1, 0),) and got.msgs[0]["op"] == "error"
+        assert c.replicas[1][0].link is not None and len(c.replicas[0]) == RANKS
+        # Speaking for another node's name is a malformed line, skipped.
+        a.send(hello("b", 2).to_msg())
+        assert (await next_op(a, "error"))["message"].startswith("malformed")
+        # A rank the agent saw exit leaves alone: its replica is evicted, the node stays.
+        a.send(protocol.NodeLeave(ranks=((0, 1),)).to_msg())
+        got = await answers(a)
+        assert set(got.dropped) == {(0, k) for k in range(RANKS) if k != 1}
+        assert 0 not in c.replicas
+        other.writer.close()
+
+    run(tmp_path, scenario, total_replicas=3, min_replicas=1)
+
+
+def test_node_messages_are_bounded_and_validated() -> None:
+    too_many = {"node": "n", "ranks": [{"replica": 0, "rank": k, "world_size": 1} for k in range(MAX_NODE_RANKS + 1)]}
+    with pytest.raises(ValueError, match="ranks"):
+        protocol.NodeHello.from_msg(too_many)
+    with pytest.raises(ValueError, match="replica"):
+        protocol.NodeQuorum.from_msg({"asks": [[-1, 0, {"id": 1, "step": 0}]]})
+    with pytest.raises(ValueError, match="as many"):
+        protocol.NodeAnswers.from_msg({"to": [[0, 0]], "msgs": []})
+
+
+def test_answers_too_long_for_one_line_are_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node's answers never make a line the agent's reader refuses (its limit is MAX_LINE)."""
+    sent: list[bytes] = []
+
+    class Link:
+        def send_payload(self, payload: bytes) -> None:
+            sent.append(payload)
+
+    n = NodeConn("n", Link())  # type: ignore[arg-type]
+    body = b'{"op":"abort","epoch":1,"pad":"' + b"x" * (protocol.MAX_LINE // 5) + b'"}'
+    n._outbox = [((0, k), body) for k in range(8)]
+    n.flush()
+    assert len(sent) > 1 and all(len(p) < protocol.MAX_LINE for p in sent)
+    total = [protocol.NodeAnswers.from_msg(__import__("json").loads(p)) for p in sent]
+    assert sum(len(t.to) for t in total) == 8
+    assert answers_payload([], [(0, 1)]) == b'{"op":"node_answers","to":[],"msgs":[],"dropped":[[0,1]]}'
