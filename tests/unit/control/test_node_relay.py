@@ -18,6 +18,7 @@ from unbroken.control import protocol
 from unbroken.control.coordinator import Coordinator
 from unbroken.control.messages import MAX_NODE_RANKS
 from unbroken.control.node_relay import NodeConn, answers_payload
+from unbroken.control.quorum import QuorumDecision
 from unbroken.wire.auth import JobSecret
 
 SECRET = JobSecret.generate()
@@ -80,7 +81,7 @@ def test_a_node_s_ranks_are_answered_in_one_line_per_node(tmp_path: Path) -> Non
     run(tmp_path, scenario, total_replicas=2, min_replicas=1)
 
 
-def test_a_node_that_dies_evicts_its_replica_and_the_survivor_is_told_to_abort(tmp_path: Path) -> None:
+def test_a_node_that_dies_evicts_its_replica_and_the_survivor_gets_the_next_epoch(tmp_path: Path) -> None:
     async def scenario(c: Coordinator) -> None:
         a, b = await node(c, "a", 0), await node(c, "b", 1)
         a.send(asks(0, 5, 1).to_msg())
@@ -88,10 +89,11 @@ def test_a_node_that_dies_evicts_its_replica_and_the_survivor_is_told_to_abort(t
         await asyncio.gather(answers(a), answers(b))
         b.writer.close()  # the node's connection closes: every rank it spoke for is gone
         got = await answers(a)
-        assert {m["op"] for m in got.msgs} == {"abort"} and len(got.to) == RANKS
-        a.send(asks(0, 5, 2, failed=1).to_msg())
-        got = await answers(a)
+        # The abort comes with the next epoch, formed from the members still heard (pushed epochs).
+        assert {m["op"] for m in got.msgs} == {"epoch"} and len(got.to) == RANKS
+        assert {m["abort"] for m in got.msgs} == {1}
         assert {m["decision"]["epoch"] for m in got.msgs} == {2}
+        assert all(list(QuorumDecision.from_json(m["decision"]).members) == [0] for m in got.msgs)
         assert 1 not in c.replicas and 1 not in c.quorum.alive
 
     run(tmp_path, scenario, total_replicas=2, min_replicas=1)
