@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from unbroken.comm import retire
 from unbroken.comm.backend import BACKENDS, choose_backend, gpu_identity
 from unbroken.comm.iccl import IcclRing
 from unbroken.comm.iccl.paths import ring_for_epoch
@@ -44,6 +45,10 @@ from unbroken.comm.store import AuthenticatedStore
 from unbroken.config import exchange_mode, gloo_socket_ifname, local_address_towards, parse_host_port
 from unbroken.control.failure import MAX_FAILURE_CHARS
 from unbroken.wire.auth import JobSecret
+
+# Retired NCCL communicators that may wait for their abort while a new one is built: each holds
+# GPU memory, and an abort takes about a second (H200, torch 2.11).
+NCCL_RETIRED_MOST = 1
 
 # "backend" (default): the backend's all-reduce; "ring": unbroken's CPU-driven ring, slower on
 # CPU but with per-connection timings (the diagnosis can then name a link).
@@ -177,16 +182,20 @@ class CrossReplicaGroup:
         if backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self.timeout
-            pg = dist.ProcessGroupNCCL(store, rank, size, options)
-            if device.type == "cuda" and hasattr(pg, "eager_connect_single_device"):
-                # The communicator is made here, on the build thread, not lazily inside the first
-                # all-reduce on the training thread; NCCL's refusals (invalid usage) surface here.
-                index = device.index if device.index is not None else torch.cuda.current_device()
-                try:
-                    pg.eager_connect_single_device(torch.device("cuda", index))
-                except BaseException:
-                    self.reaper.retire(pg, "nccl", None, ())  # aborted and released off this thread
-                    raise
+            bound = getattr(self.reaper, "abort_timeout_s", 10.0)
+            if hasattr(self.reaper, "settle"):
+                self.reaper.settle("nccl", NCCL_RETIRED_MOST, bound)  # GPU memory: a bounded backlog
+            with retire.NCCL_LIFECYCLE.hold(bound):  # never beside an abort
+                pg = dist.ProcessGroupNCCL(store, rank, size, options)
+                if device.type == "cuda" and hasattr(pg, "eager_connect_single_device"):
+                    # The communicator is made here, on the build thread, not lazily inside the
+                    # first all-reduce on the training thread; NCCL's refusals surface here.
+                    index = device.index if device.index is not None else torch.cuda.current_device()
+                    try:
+                        pg.eager_connect_single_device(torch.device("cuda", index))
+                    except BaseException:
+                        self.reaper.retire(pg, "nccl", None, ())  # aborted and released off this thread
+                        raise
             return pg
         return dist.ProcessGroupGloo(store, rank, size, self._gloo_options(store_address))
 

@@ -11,7 +11,8 @@ simply be dropped on the training thread:
   NCCL), and must not be left for NCCL's watchdog to find.
 
 So a retired group goes to a :class:`GroupReaper`: one thread that aborts NCCL groups (each
-abort bounded by a watchdog thread), waits for a Gloo group's operations to end (bounded by the
+abort bounded by a watchdog thread, and never beside the building of a new communicator in
+this process: :data:`NCCL_LIFECYCLE`), waits for a Gloo group's operations to end (bounded by the
 group's own timeout plus a margin), then drops the last reference. A group whose operations
 outlive that bound is stuck: it is kept, never destroyed (its destructor could block or, with
 its peer gone, throw and abort the process), and counted; :attr:`GroupReaper.stuck` is
@@ -21,16 +22,46 @@ bounded by how many operations can be stuck at once, which each epoch's deadline
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import dataclasses
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
+
+
+class BoundedLock:
+    """A lock taken for at most ``timeout_s``: past that the holder is presumed stuck and the
+    caller goes on without it (and says so), so one stuck NCCL call cannot stop every later one."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self.waited_out = 0  # how often a caller gave up waiting
+
+    @contextlib.contextmanager
+    def hold(self, timeout_s: float) -> Iterator[None]:
+        got = self._lock.acquire(timeout=timeout_s)
+        if not got:
+            self.waited_out += 1
+            log.warning("%s: still held after %.0fs (a stuck NCCL call?); going on without it", self.name, timeout_s)
+        try:
+            yield
+        finally:
+            if got:
+                self._lock.release()
+
+
+#: Held while an NCCL communicator of this process is built or aborted. Aborting one on the
+#: reaper's thread while the next epoch's is being built made the build fail on an H200 (torch
+#: 2.11, NCCL 2.28: ``Failed to CUDA calloc async``, about the eighth epoch); one at a time,
+#: both are milliseconds and neither is on the training thread.
+NCCL_LIFECYCLE = BoundedLock("the NCCL build/abort lock")
 
 
 class Work(Protocol):
@@ -125,6 +156,21 @@ class GroupReaper:
                 self._cond.wait(min(left, self.poll_s))
         return True
 
+    def settle(self, backend: str, most: int, timeout_s: float) -> bool:
+        """Waits until at most ``most`` retired groups of ``backend`` are still waiting; False on
+        timeout. An NCCL communicator holds hundreds of MiB of GPU memory (about 390 MiB for one
+        rank on an H200) and its abort takes about a second (torch 2.11, NCCL 2.28), so epochs
+        that change faster than that would pile communicators up without this bound."""
+        end = time.monotonic() + timeout_s
+        with self._cond:
+            while sum(1 for i in self._waiting if i.backend == backend) > most:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.notify()
+                self._cond.wait(min(left, self.poll_s))
+        return True
+
     def close(self) -> None:
         """Stops the thread; groups still waiting are kept (never destroyed)."""
         with self._cond:
@@ -164,7 +210,9 @@ class GroupReaper:
                     over.add(id(item))
             with self._cond:
                 old, self._waiting = self._waiting, deque(i for i in self._waiting if id(i) not in over)
-            del old, item  # the last references to released groups go here, on this thread
+            nccl = any(i.backend == "nccl" and id(i) in over for i in old)
+            with NCCL_LIFECYCLE.hold(self.abort_timeout_s) if nccl else contextlib.nullcontext():
+                del old, item  # the last references to released groups go here, on this thread
             with self._cond:
                 self._cond.notify_all()
                 if not self._closed:
@@ -176,7 +224,9 @@ class GroupReaper:
 
         def run() -> None:
             try:
-                item.group.abort()
+                # Half the watchdog's bound: past a stuck holder, this abort still ends in time.
+                with NCCL_LIFECYCLE.hold(self.abort_timeout_s / 2):
+                    item.group.abort()
             except Exception as e:  # noqa: BLE001 - an abort that fails has still ended
                 self.abort_errors += 1
                 log.warning("aborting the group of epoch %s failed: %s", item.epoch, e)

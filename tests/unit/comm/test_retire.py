@@ -8,7 +8,7 @@ import threading
 import time
 import weakref
 
-from unbroken.comm.retire import GroupReaper, Retired, fate
+from unbroken.comm.retire import NCCL_LIFECYCLE, BoundedLock, GroupReaper, Retired, fate
 
 
 class FakeWork:
@@ -58,7 +58,7 @@ def test_a_group_is_released_once_its_operations_end_not_before() -> None:
 
 
 def test_nccl_groups_are_aborted_and_a_stuck_abort_holds_only_its_own_thread() -> None:
-    reaper = GroupReaper(linger_s=30, abort_timeout_s=0.2, poll_s=0.01)
+    reaper = GroupReaper(linger_s=30, abort_timeout_s=1.0, poll_s=0.01)
     ok, blocked, release = FakeGroup(), FakeGroup(threading.Event()), threading.Event()
     blocked._block = release
     reaper.retire(blocked, "nccl", 1)
@@ -74,4 +74,47 @@ def test_a_gloo_operation_that_outlives_the_bound_is_kept_and_counted() -> None:
     reaper.retire(FakeGroup(), "gloo", 1, [FakeWork()])
     assert reaper.drain(5)
     assert reaper.stuck == 1 and reaper.released == 0 and reaper.pending == 0
+    reaper.close()
+
+
+def test_a_build_holding_the_nccl_lock_keeps_aborts_out_until_it_ends() -> None:
+    """The H200 failure (``Failed to CUDA calloc async`` when an abort ran beside a build)."""
+    reaper = GroupReaper(linger_s=30, abort_timeout_s=5, poll_s=0.01)
+    group = FakeGroup()
+    with NCCL_LIFECYCLE.hold(1.0):  # a communicator being built
+        reaper.retire(group, "nccl", 1)
+        time.sleep(0.2)
+        assert group.aborted == 0
+    assert reaper.drain(5) and group.aborted == 1
+    reaper.close()
+
+
+def test_a_stuck_holder_of_the_lock_is_waited_out_not_forever() -> None:
+    lock, held, let_go = BoundedLock("test"), threading.Event(), threading.Event()
+
+    def stuck() -> None:
+        with lock.hold(1.0):
+            held.set()
+            let_go.wait(5)
+
+    threading.Thread(target=stuck, daemon=True).start()
+    assert held.wait(5)
+    started = time.monotonic()
+    with lock.hold(0.1):
+        waited = time.monotonic() - started
+    assert 0.1 <= waited < 1.0 and lock.waited_out == 1
+    let_go.set()
+
+
+def test_settle_bounds_how_many_communicators_wait_for_their_abort() -> None:
+    reaper = GroupReaper(linger_s=30, abort_timeout_s=5, poll_s=0.01)
+    release = threading.Event()
+    groups = [FakeGroup(release) for _ in range(3)]
+    for epoch, group in enumerate(groups):
+        reaper.retire(group, "nccl", epoch)
+    reaper.retire(FakeGroup(), "gloo", 9)  # another backend's groups do not count
+    assert not reaper.settle("nccl", 1, 0.2)  # the aborts are blocked: three wait
+    release.set()
+    assert reaper.settle("nccl", 1, 5)
+    assert reaper.drain(5) and sum(g.aborted for g in groups) == 3
     reaper.close()
