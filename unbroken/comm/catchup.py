@@ -454,7 +454,9 @@ def _fetch_once(address: str, step: int, secret: JobSecret, timeout_s: float, in
 
 def receive_targets(skeleton: Any, entries: list[TensorEntry], into: Any) -> dict[str, torch.Tensor]:
     """The receiver's own tensors that can take an entry's bytes: the one at the same place in
-    ``into``, with the same dtype and shape, by entry name."""
+    ``into``, with the same dtype and shape, by entry name. A host tensor receives the bytes
+    straight from the socket; a device tensor (CUDA) is copied into from the receive buffer once
+    every chunk is verified."""
     by_name = {e.name: e for e in entries}
     targets: dict[str, torch.Tensor] = {}
 
@@ -464,7 +466,6 @@ def receive_targets(skeleton: Any, entries: list[TensorEntry], into: Any) -> dic
             # Plain tensors only: a subclass (DTensor) may not own the memory its shape says.
             if (
                 type(ours) in (torch.Tensor, torch.nn.Parameter)
-                and ours.device.type == "cpu"
                 and ours.is_contiguous()
                 and not ours.is_sparse
                 and str(ours.dtype).removeprefix("torch.") == e.dtype
@@ -493,7 +494,7 @@ def _segments(
     pos = 0
     for e in sorted(entries, key=lambda e: e.begin):
         t = targets.get(e.name)
-        if t is None or e.end == e.begin:
+        if t is None or e.end == e.begin or t.device.type != "cpu":
             continue
         if e.begin > pos:
             out.append((pos, whole[pos : e.begin]))
@@ -538,5 +539,8 @@ def _receive(sock: socket.socket, address: str, parsed: tuple[int, int, list[Ten
             t = view_bytes(buf, e)
             tensors[e.name] = t.clone() if e.end - e.begin < OWN_STORAGE_BELOW else t
         else:
+            if t.device.type != "cpu":
+                with torch.no_grad():
+                    t.copy_(view_bytes(buf, e))
             tensors[e.name] = t
     return unflatten(skeleton, tensors)
