@@ -178,15 +178,26 @@ class Dcp(System):
         self.kind = AsyncCheckpointerType.PROCESS
         # Fastest CPU mode in torch 2.13: a checkpoint process fed from shared memory, with a
         # stager that keeps and reuses its staging buffers across saves.
-        self.stager = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=torch.cuda.is_available(),
-                use_shared_memory=True,
-                use_async_staging=False,
-                use_non_blocking_copy=False,
-            )
+        self.options = StagingOptions(
+            use_pinned_memory=torch.cuda.is_available(),
+            use_shared_memory=True,
+            use_async_staging=False,
+            use_non_blocking_copy=False,
         )
+        self.new_stager = DefaultStager
+        self.stager = DefaultStager(self.options)
         self.future: Any = None
+
+    def _usable_stager(self) -> Any:
+        """The stager, or a new one where DCP closed it after its last stage: torch 2.11's
+        ``DefaultStager`` does so after every stage, and a closed stager's next stage fails
+        (``KeyError: <class 'type'>``, seen on the H200 with torch 2.11). It then reuses no buffer
+        from one save to the next whatever we do, so a new one per save is DCP as it is there."""
+        inner = getattr(self.stager, "_state_dict_stager", None)
+        if inner is not None and not getattr(inner, "_deepcopy_dispatch", True):
+            self.stager.close()
+            self.stager = self.new_stager(self.options)
+        return self.stager
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         self.wait()
@@ -197,7 +208,7 @@ class Dcp(System):
             self.dcp.save(state, checkpoint_id=self.path)
         else:
             self.future = self.dcp.async_save(
-                state, checkpoint_id=self.path, async_stager=self.stager, async_checkpointer_type=self.kind
+                state, checkpoint_id=self.path, async_stager=self._usable_stager(), async_checkpointer_type=self.kind
             )
 
     def wait(self) -> None:

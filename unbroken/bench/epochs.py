@@ -31,7 +31,13 @@ from unbroken.wire.store import StoreServer
 
 
 def churn(
-    epochs: int, size: int, abort_every: int, device: str, keep: bool = False, timeout_s: float = 120.0
+    epochs: int,
+    size: int,
+    abort_every: int,
+    device: str,
+    keep: bool = False,
+    timeout_s: float = 120.0,
+    release: str = "reaper",
 ) -> dict[str, Any]:
     """Runs the loop with ``size`` member processes (one on a GPU); their reports and drifts."""
     secret = JobSecret.generate()
@@ -47,7 +53,7 @@ def churn(
                 cmd = [
                     sys.executable, "-m", "unbroken.bench.epochs_worker", "--rank", str(rank), "--size", str(members),
                     "--store", store.address, "--epochs", str(epochs), "--abort-every", str(abort_every),
-                    "--device", device, "--report", str(Path(tmp) / f"r{rank}.json"),
+                    "--device", device, "--report", str(Path(tmp) / f"r{rank}.json"), "--release", release,
                 ] + (["--keep"] if keep else [])  # fmt: skip
                 procs.append(subprocess.Popen(cmd, env=env))
             codes = [p.wait(timeout_s) for p in procs]
@@ -91,13 +97,24 @@ def drift(rows: list[dict[str, Any]]) -> dict[str, float]:
 )
 @click.option("--device", default="cpu", show_default=True, help="cpu (Gloo groups) or cuda (one-rank NCCL groups).")
 @click.option("--compare", is_flag=True, help="Also run with every group kept forever (before the release).")
+@click.option(
+    "--release",
+    type=click.Choice(["reaper", "inline", "serial", "unlocked"]),
+    default="reaper",
+    show_default=True,
+    help="cuda: how a retired NCCL group is aborted: by the reaper thread (the job's way), at once on "
+    "the building thread, by the reaper before the next group is built, or by the reaper with no "
+    "lock against a build beside it.",
+)
 @click.option("--out", default="out/bench_epochs.json", show_default=True)
 @click.option("--json", "as_json", is_flag=True)
-def epochs(epochs: int, size: int, abort_every: int, device: str, compare: bool, out: str, as_json: bool) -> None:
+def epochs(
+    epochs: int, size: int, abort_every: int, device: str, compare: bool, release: str, out: str, as_json: bool
+) -> None:
     """Threads, descriptors and memory over hundreds of membership changes."""
     if epochs < 21 or size < 2:
         raise click.UsageError("--epochs must be above the 20 of the warm-up and --replicas at least 2")
-    result: dict[str, Any] = {"released": churn(epochs, size, abort_every, device)}
+    result: dict[str, Any] = {"released": churn(epochs, size, abort_every, device, release=release)}
     if compare:
         result["kept_forever"] = churn(epochs, size, abort_every, device, keep=True)
     path = publish(result, out, as_json)

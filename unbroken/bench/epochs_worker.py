@@ -10,16 +10,19 @@ path.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from unbroken.comm import retire
 from unbroken.comm.process_group import CrossReplicaGroup, ExchangeFailed
 from unbroken.comm.retire import GroupReaper, keep_forever
 from unbroken.wire.auth import JobSecret
@@ -40,6 +43,14 @@ def epoch_plan(epoch: int, size: int, abort_every: int, drop_every: int = 3) -> 
     out = size > 2 and drop_every > 0 and epoch % drop_every == 0
     members = tuple(range(size - 1 if out else size))
     return EpochPlan(members, aborted=abort_every > 0 and epoch % abort_every == 0 and len(members) > 1)
+
+
+class NoLock:
+    """A :class:`~unbroken.comm.retire.BoundedLock` that holds nothing (the comparison run)."""
+
+    @contextlib.contextmanager
+    def hold(self, timeout_s: float) -> Iterator[None]:
+        yield
 
 
 class KeepAll(GroupReaper):
@@ -69,6 +80,8 @@ def holdings(device: torch.device) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
+    if args.release == "unlocked":
+        retire.NCCL_LIFECYCLE = NoLock()  # type: ignore[assignment]
     secret = JobSecret.required()
     if args.keep:
         # Kept groups' operations must not time out during the run: a Gloo group kept with a
@@ -84,13 +97,13 @@ def run(args: argparse.Namespace) -> None:
     for epoch in range(1, args.epochs + 1):
         plan = epoch_plan(epoch, args.size, args.abort_every)
         if device.type == "cuda":
-            failures += gpu_epoch(group, reaper, args.store, epoch, plan.aborted, device, tensor_numel)
+            failures += gpu_epoch(group, reaper, args.store, epoch, plan.aborted, device, tensor_numel, args.release)
         elif args.rank in plan.members:
             failures += cpu_epoch(group, args, epoch, plan, device, tensor_numel)
         if epoch == args.warmup or epoch % args.report_every == 0 or epoch == args.epochs:
             if epoch == args.epochs:
                 group.close()
-                reaper.drain(linger + 5)
+            reaper.drain(linger + 5)  # each row counts what is held, not what waits for release
             rows.append({"epoch": epoch, "s": round(time.perf_counter() - started, 2), **holdings(device)})
     summary = {
         "rank": args.rank,
@@ -133,9 +146,17 @@ def gpu_epoch(
     aborted: bool,
     device: torch.device,
     numel: int,
+    release: str = "reaper",
 ) -> int:
     """A one-rank NCCL group (one device allows one rank): built, used, and retired to the reaper,
-    which aborts it; an aborted epoch retires it with its all-reduce still queued."""
+    which aborts it; an aborted epoch retires it with its all-reduce still queued.
+
+    ``release``: ``reaper`` (the job's way), ``inline`` (aborted on this thread at once: nothing
+    runs beside the next build), ``serial`` (the reaper's abort finished before the next build)
+    or ``unlocked`` (the reaper's way without :data:`~unbroken.comm.retire.NCCL_LIFECYCLE`: its
+    aborts may run beside a build)."""
+    if release == "serial":
+        reaper.drain(30.0)
     prefix = dist.PrefixStore(f"churn/epoch{epoch}", group._store(store))
     pg = group.make_group("nccl", prefix, 0, 1, store, device)
     tensor = torch.ones(numel, device=device)
@@ -143,8 +164,13 @@ def gpu_epoch(
     if not aborted:
         work.wait()
         torch.cuda.synchronize(device)
-    reaper.retire(pg, "nccl", epoch, [work.get_future()])
+    if release == "inline":
+        pg.abort()
+    else:
+        reaper.retire(pg, "nccl", epoch, [work.get_future()])
     del pg, work
+    if epoch % 10 == 0:
+        print(f"epoch {epoch}: {json.dumps(holdings(device))}", file=sys.stderr, flush=True)
     return 0
 
 
@@ -161,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--timeout-s", type=float, default=5.0)
     p.add_argument("--numel", type=int, default=1 << 16)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--release", choices=("reaper", "inline", "serial", "unlocked"), default="reaper")
     p.add_argument("--keep", action="store_true", help="keep every group forever (the old behaviour)")
     p.add_argument("--report", required=True)
     run(p.parse_args(argv))

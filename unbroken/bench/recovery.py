@@ -319,6 +319,7 @@ def run_baseline(s: BenchSettings, out: Path, mode: str = "baseline", model: str
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
                 "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(world),  # all on this machine, sharing its GPUs (as torchrun says)
                 "OMP_NUM_THREADS": _threads(world),
             }
             log = open(out / f"baseline-{rank}.log", "wb")  # noqa: SIM115
@@ -552,7 +553,13 @@ def ddp_figures(s: BenchSettings, model: str, rounds: int, log: Any, identical: 
 @click.command()
 @click.option("--params-m", type=float, default=25.0, show_default=True, help="MLP size in millions of parameters.")
 @click.option("--replicas", type=click.IntRange(2, 3), default=3, show_default=True)
-@click.option("--steps", type=click.IntRange(20), default=60, show_default=True)
+@click.option(
+    "--steps",
+    type=click.IntRange(20),
+    default=None,
+    help="Steps of each job [default: 60; 400 for --model llama --device cuda, whose 50 ms steps "
+    "would end a 60-step job before a restarted replica (CUDA init) is back].",
+)
 @click.option("--fault-step", type=click.IntRange(WARMUP_STEPS + 5), default=20, show_default=True)
 @click.option(
     "--hang-s",
@@ -611,7 +618,7 @@ def ddp_figures(s: BenchSettings, model: str, rounds: int, log: Any, identical: 
 def recovery(
     params_m: float,
     replicas: int,
-    steps: int,
+    steps: int | None,
     fault_step: int,
     hang_s: float,
     rounds: int,
@@ -639,6 +646,8 @@ def recovery(
                 "--model llama averages in FSDP2's hook, not with the DDP wrapper", param_hint="--api"
             )
         only = only or ("steady", "crash", "hang")
+    if steps is None:
+        steps = 400 if model == "llama" and device == "cuda" else 60
     if fault_step >= steps - 10:
         raise click.BadParameter(
             f"must leave at least 10 steps after the fault (< {steps - 10})", param_hint="--fault-step"
