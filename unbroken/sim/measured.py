@@ -45,10 +45,10 @@ ASSUMPTIONS: tuple[str, ...] = (
     "catch-up: the rejoining replica is out for rejoin_steps more steps; survivors lose "
     "rejoin_steps x step x (donor_slowdown - 1) because the slowest donor paces the exchange",
     "steady overhead = overhead_ratio x record_overhead_ratio - 1 applies to every step",
-    "the coordinator holds one connection per rank (GPU): a failure costs the survivors, besides "
-    "the 3-replica stall, the measured disconnect-to-new-epoch time of `unbroken bench coordinator` "
-    "at the job's GPU count; between measured sizes on the log-log line through the neighbours, "
-    "beyond the largest growing at least linearly",
+    "a failure costs the survivors, besides the 3-replica stall, the measured disconnect-to-new-epoch "
+    "time of `unbroken bench coordinator` at the job's GPU count (with --nodes: ranks through their "
+    "node's connection; else a connection per rank); between measured sizes on the log-log line "
+    "through the neighbours, beyond the largest growing at least linearly",
 )
 
 
@@ -122,7 +122,7 @@ def read_figures(bench_dir: Path) -> dict[str, Figure]:
 
 
 def read_requorum(bench_dir: Path) -> Figure:
-    """Disconnect-to-new-epoch seconds against the number of replica groups, from ``coordinator.json``.
+    """Disconnect-to-new-epoch seconds against the job's GPU count, from ``coordinator.json``.
 
     The figure's value is the measured point of the largest size; :func:`at_size` reads the curve.
     """
@@ -133,7 +133,10 @@ def read_requorum(bench_dir: Path) -> Figure:
     for row in rows if isinstance(rows, list) else []:
         if not isinstance(row, dict):
             continue
-        size, ms = _number(row.get("replica_groups")), _number(row.get("disconnect_to_epoch_ms"))
+        # A run through node connections (--nodes) is read by its GPU (rank) count, a run of one
+        # connection per rank by its connection count: both are the job's GPU count.
+        size = _number(row.get("ranks", row.get("replica_groups")))
+        ms = _number(row.get("disconnect_to_epoch_ms"))
         if size and ms is not None:
             points.append((size, ms / 1000.0))
     if not points:
@@ -185,7 +188,7 @@ def unbroken_policy(figures: dict[str, Figure], step_s: float, gpus: int | None 
     f = {name: fig.value for name, fig in figures.items()}
     stall = {"detection": (1 - HANG_SHARE) * f["crash_stall_s"] + HANG_SHARE * f["hang_stall_s"]}
     if gpus is not None and "requorum_s" in figures:
-        stall[f"coordinator re-quorum at {gpus:,} connections"] = at_size(figures["requorum_s"], gpus)
+        stall[f"coordinator re-quorum at {gpus:,} GPUs"] = at_size(figures["requorum_s"], gpus)
     stall["pg_rebuild"] = PG_REBUILD_S
     per_gib = STATE_GIB_PER_GPU / (f["checkpoint_size_mb"] / 1024.0 or 1.0)
     rejoin_steps = f["rejoin_steps"]

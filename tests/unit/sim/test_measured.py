@@ -101,4 +101,15 @@ def test_requorum_time_is_read_off_the_coordinator_curve_and_never_grows_slower_
     assert at_size(curve, 10_000) == pytest.approx(0.8)  # measured slope 0.6: linear beyond the data
     assert at_size(Figure(1.5, "x"), 10**6) == 1.5
     policy = unbroken_policy(read_figures(tmp_path), step_s=10.0, gpus=10_000)
-    assert policy.stall_s["coordinator re-quorum at 10,000 connections"] == pytest.approx(0.8)
+    assert policy.stall_s["coordinator re-quorum at 10,000 GPUs"] == pytest.approx(0.8)
+
+
+def test_a_run_through_node_connections_is_read_by_its_rank_count(tmp_path: Path) -> None:
+    rows = [
+        {"nodes": n, "ranks": 8 * n, "replica_groups": n, "disconnect_to_epoch_ms": ms}
+        for n, ms in ((125, 60.0), (1000, 400.0))
+    ]
+    (tmp_path / "coordinator.json").write_text(json.dumps({"ranks_per_node": 8, "sizes": rows}))
+    curve = read_requorum(tmp_path)
+    assert curve.curve == ((1000, 0.06), (8000, 0.4))
+    assert at_size(curve, 8000) == pytest.approx(0.4)
