@@ -19,7 +19,8 @@ import pytest
 from tests.integration.harness import python_env
 from unbroken.wire.admission import DEFAULT_POLICY
 
-pytestmark = pytest.mark.integration
+# A scenario (`make scenarios`): 40 s on 2 cores; `unbroken bench abuse` measures the same flood.
+pytestmark = [pytest.mark.integration, pytest.mark.scenario]
 
 
 def test_a_replica_recovers_and_key_holders_connect_while_every_listener_is_flooded(tmp_path: Path) -> None:

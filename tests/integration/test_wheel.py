@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+# Scenarios (`make scenarios`): building and installing the wheel takes 40 s on 2 cores.
+pytestmark = [pytest.mark.integration, pytest.mark.scenario, pytest.mark.timeout(240)]
 
 ROOT = Path(__file__).resolve().parents[2]
 EXTRAS = ("matplotlib", "scipy", "networkx")
