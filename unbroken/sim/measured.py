@@ -179,17 +179,24 @@ def _mean_detect(data: dict[str, Any] | None) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def unbroken_policy(figures: dict[str, Figure], step_s: float, gpus: int | None = None) -> Policy:
+def unbroken_policy(
+    figures: dict[str, Figure],
+    step_s: float,
+    gpus: int | None = None,
+    replica_restart_s: float = REPLICA_RESTART_S,
+    pg_rebuild_s: float = PG_REBUILD_S,
+) -> Policy:
     """The unbroken recovery design at cluster scale, from benchmark figures.
 
     ``gpus``: the job's size, at which the coordinator's re-quorum time is read (one connection
-    per GPU); None leaves that term out (the 3-replica figures alone).
+    per GPU); None leaves that term out (the 3-replica figures alone). ``replica_restart_s`` and
+    ``pg_rebuild_s``: the two assumed (unmeasured) costs, given to vary them.
     """
     f = {name: fig.value for name, fig in figures.items()}
     stall = {"detection": (1 - HANG_SHARE) * f["crash_stall_s"] + HANG_SHARE * f["hang_stall_s"]}
     if gpus is not None and "requorum_s" in figures:
         stall[f"coordinator re-quorum at {gpus:,} GPUs"] = at_size(figures["requorum_s"], gpus)
-    stall["pg_rebuild"] = PG_REBUILD_S
+    stall["pg_rebuild"] = pg_rebuild_s
     per_gib = STATE_GIB_PER_GPU / (f["checkpoint_size_mb"] / 1024.0 or 1.0)
     rejoin_steps = f["rejoin_steps"]
     state_load = f["restore_memory_s"] * per_gib
@@ -199,7 +206,7 @@ def unbroken_policy(figures: dict[str, Figure], step_s: float, gpus: int | None 
         stall_s=stall,
         degraded_s={
             "diagnosis": HANG_SHARE * f["diagnosis_s"],
-            "replica_restart": REPLICA_RESTART_S,
+            "replica_restart": replica_restart_s,
             "state_load": state_load,
             "catch_up_steps": rejoin_steps * step_s,
         },

@@ -14,6 +14,10 @@ from unbroken.sim.measured import ASSUMPTIONS
 from unbroken.sim.model import HOUR, closed_form
 from unbroken.sim.montecarlo import simulate
 from unbroken.sim.presets import Preset, Reproduction, max_restart_for
+from unbroken.sim.sensitivity import replica_restart_for, swings
+
+#: The projection's target (issue 31): ETTR at 100,000 GPUs.
+ETTR_TARGET = 0.95
 
 
 def _round(values: dict[str, float]) -> dict[str, float]:
@@ -65,6 +69,22 @@ def evaluate(
         result["reproductions"] = [
             _reproduce(point, years=years, runs=runs, seed=seed) for point in preset.reproductions
         ]
+    if preset.figures and "unbroken" in preset.policies:
+        restart = replica_restart_for(cluster, preset.figures, ETTR_TARGET)
+        result["sensitivity"] = {
+            "swings": [
+                {
+                    "figure": w.name,
+                    "value": w.value,
+                    "kind": w.kind,
+                    "ettr_half": round(w.ettr_half, 5),
+                    "ettr_double": round(w.ettr_double, 5),
+                }
+                for w in swings(cluster, preset.figures)
+            ],
+            "target": ETTR_TARGET,
+            "max_replica_restart_s_for_target": None if math.isnan(restart) else round(restart, 1),
+        }
     if preset.name == "llama3":
         restart = max_restart_for(0.90, cluster, preset.policies["synchronous"])
         result["max_restart_min_for_90pct"] = None if math.isnan(restart) else round(restart / 60, 2)
@@ -148,6 +168,24 @@ def render(result: dict[str, Any]) -> Group:
                 f"{row['ettr_closed_form']:.1%}",
                 f"{row['source_formula']:.1%}",
                 "ok" if row["met"] else "MISSED",
+            )
+        parts.append(table)
+    if "sensitivity" in result:
+        sens = result["sensitivity"]
+        restart = sens["max_replica_restart_s_for_target"]
+        title = "What moves the unbroken projection: ETTR (closed form) with each input halved / doubled"
+        if restart is not None:
+            title += f"; {sens['target']:.0%} needs a replica restart <= {restart / 60:.1f} min"
+        table = Table(title=title)
+        for column in ("input", "value", "", "halved", "doubled"):
+            table.add_column(column, justify="right")
+        for row in sens["swings"]:
+            table.add_row(
+                row["figure"],
+                f"{row['value']:g}",
+                row["kind"],
+                f"{row['ettr_half']:.1%}",
+                f"{row['ettr_double']:.1%}",
             )
         parts.append(table)
     figures = Table(title="unbroken figures (cluster-scale assumptions in --json 'assumptions')")
