@@ -143,8 +143,8 @@ def test_the_relay_admits_no_one_without_the_job_s_secret(tmp_path: Path, who: s
         host, port = relay.address.rsplit(":", 1)
         if who == "a stranger":
             reader, writer = await asyncio.open_connection(host, int(port))
-            writer.write(b"GET / HTTP/1.0\r\n\r\n")
-            assert await asyncio.wait_for(reader.read(), 10) == b""  # closed, nothing said
+            writer.write(b"GET / HTTP/1.0\r\n\r\n" + b"x" * 64)
+            assert await asyncio.wait_for(reader.read(), 10) == b"N"  # refused, closed: no line read
             writer.close()
         else:
             with pytest.raises(AuthError):
