@@ -296,6 +296,26 @@ def stack_signal(env: Mapping[str, str] | None = None) -> int | None:
     return number
 
 
+def coordinator_host(value: str) -> str:
+    """The host of ``HOST:PORT[,HOST:PORT...]`` (a rank's coordinator addresses) whose route
+    peers on other nodes share: the first that is not loopback, else the first.
+
+    A node agent's relay (``unbroken agent``) comes first in its ranks' list, on loopback: the
+    route to it is no address another node can dial, the route to the coordinator after it is.
+    """
+    import ipaddress
+
+    hosts = [host for host, _ in parse_host_ports(value, ENV_COORDINATOR)]
+    for host in hosts:
+        try:
+            if not ipaddress.ip_address(host).is_loopback:
+                return host
+        except ValueError:  # a name: taken as it is (localhost aside)
+            if host != "localhost":
+                return host
+    return hosts[0]
+
+
 def local_address_towards(host: str) -> str:
     """This machine's address on the route to ``host``: what peers on other nodes can dial.
 

@@ -22,10 +22,12 @@ from tests.integration.harness import (
     TRAIN,
     Processes,
     assert_identical,
+    job_secret,
     load_finals,
     python_env,
     wait_for_step,
 )
+from unbroken.control import protocol
 from unbroken.launch.workers import free_port
 from unbroken.observe.events import read_events
 
@@ -118,6 +120,14 @@ class Cluster:
             assert self.agents[node].wait(timeout) == 0, (self.run_dir.parent / f"agent-{node}.log").read_text()
 
 
+def relayed(port: int) -> object:
+    """The ranks each node agent relays to the coordinator at ``port`` (its ``status``), by node."""
+    try:
+        return protocol.request("127.0.0.1", port, job_secret(), protocol.StatusRequest().to_msg())["nodes"]
+    except OSError:
+        return None
+
+
 def test_kill_9_of_an_agent_moves_its_replica_to_a_spare_slot(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -195,6 +205,9 @@ def test_a_standby_takes_over_when_the_coordinator_is_killed(tmp_path: Path) -> 
         os.killpg(active.pid, signal.SIGKILL)
         active.wait()
         killed = time.time()
+        # The agents' relays follow the takeover: the standby serves each node's rank through it.
+        standby = int(cluster.address.rsplit(":", 1)[1])
+        wait_until("the ranks relayed to the standby", lambda: relayed(standby) == {"a": 1, "b": 1}, timeout=20)
         cluster.wait_agents(["a", "b"])
     for node, replica in (("a", 0), ("b", 1)):
         assert [e["running"] for e in cluster.agent_events(node, "coordinator_reconnected")] == [[replica]]

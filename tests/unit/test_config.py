@@ -45,3 +45,14 @@ def test_torchrun_variables() -> None:
     assert config.master_address({"MASTER_ADDR": "h"}) is None
     assert config.master_address({"MASTER_ADDR": "h", "MASTER_PORT": "1"}) == ("h", "1")
     assert config.omp_num_threads(4, {}) == "4" and config.omp_num_threads(4, {"OMP_NUM_THREADS": "1"}) == "1"
+
+
+def test_a_rank_listens_on_the_route_to_its_coordinator_not_to_its_node_relay() -> None:
+    """A node agent's relay comes first in its ranks' list, on loopback: peers on other nodes
+    must dial the route to the coordinator after it (a standby list's first host otherwise)."""
+    from unbroken.config import coordinator_host
+
+    assert coordinator_host("127.0.0.1:5000,10.0.0.2:7000") == "10.0.0.2"
+    assert coordinator_host("h1:1,h2:2") == "h1"
+    assert coordinator_host("localhost:1,node3:2") == "node3"
+    assert coordinator_host("127.0.0.1:5000") == "127.0.0.1"  # a job on one machine stays on loopback

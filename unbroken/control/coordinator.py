@@ -157,7 +157,7 @@ class Coordinator:
         self.diagnosis = DiagnosisService(
             self.events, DiagnosisMaster(policy=policy), stacks or self.agents.request_stack
         )
-        self.connections = ConnectionServer(
+        self.connections: ConnectionServer[RankConn | NodeConn, AgentConn] = ConnectionServer(
             secret, settings.max_connections, settings.hello_timeout_s, self._dispatch, self._closed
         )
         self.beat = self._plan_heartbeats(settings.total_replicas)
@@ -176,7 +176,7 @@ class Coordinator:
             protocol.Exited.OP: self._rank_exited,
         }
         # A node agent's connection speaking for its node's ranks (:mod:`unbroken.control.node_relay`).
-        self.nodes = NodeRelay(self._hello, self._node_quorum, self._connection_closed, (Refused,))
+        self.nodes = NodeRelay(self._hello, self._node_quorum, self._connection_closed, (Refused,), self._node_said)
         if first_epoch:
             self.events.emit(ev.CoordinatorRestarted(continue_after_epoch=first_epoch))
 
@@ -284,6 +284,7 @@ class Coordinator:
             },
             "median_step_s": statistics.median(self.requests.step_times) if self.requests.step_times else None,
             "auth_failures": self.auth_failures,
+            "nodes": self.nodes.status(),  # node agents relaying their ranks: ranks spoken for, by node
             "verdicts": self.diagnosis.status(),
             "job_failed": dataclasses.asdict(self.job_failed) if self.job_failed is not None else None,
         }
@@ -328,6 +329,12 @@ class Coordinator:
         elif op in self.rank_ops:
             self.rank_ops[op](conn, msg)
         return op, conn, agent
+
+    def _node_said(self, conn: RankConn, msg: protocol.Message) -> None:
+        """A rank's message relayed by its node agent (``node_say``): as from its own connection."""
+        if msg["op"] not in protocol.NODE_SAID:
+            raise ValueError(f"a node relays no {msg['op']!r} for its ranks")
+        self.rank_ops[msg["op"]](conn, msg)
 
     def _telemetry(self, conn: RankConn, msg: protocol.Message) -> None:
         self._heartbeat(conn, protocol.Heartbeat.from_msg(msg))  # it carries the rank's heartbeat

@@ -620,16 +620,22 @@ class NodeHello:
 
 @dataclasses.dataclass(frozen=True)
 class NodeHeartbeat:
-    """The node's ranks are alive: (replica, rank, step or None) of each rank it speaks for."""
+    """The node's ranks are alive: (replica, rank, step or None) of each rank it speaks for, or
+    (replica, rank, step or None, compute_s or None) where the rank reported its compute time
+    (the straggler watch and ``unbroken status`` read it, as from a rank's own heartbeat)."""
 
     OP: ClassVar[str] = "node_heartbeat"
-    beats: tuple[tuple[int, int, int | None], ...]
+    beats: tuple[tuple[int, int, int | None] | tuple[int, int, int | None, float | None], ...]
 
     @classmethod
     def from_msg(cls, msg: Message) -> NodeHeartbeat:
-        beats = []
-        for replica, rank, step in _pairs(msg, "beats", 3):
-            beats.append((*_slot(replica, rank), None if step is None else count({"step": step}, "step")))
+        value = msg.get("beats", [])
+        wide = isinstance(value, list) and any(isinstance(b, list) and len(b) == 4 for b in value)
+        beats: list[tuple[int, int, int | None] | tuple[int, int, int | None, float | None]] = []
+        for beat in _pairs(msg, "beats", 4 if wide else 3):
+            replica, rank, step = beat[:3]
+            slot = (*_slot(replica, rank), None if step is None else count({"step": step}, "step"))
+            beats.append((*slot, seconds({"compute_s": beat[3]}, "compute_s", None)) if wide else slot)
         return cls(beats=tuple(beats))
 
     def to_msg(self) -> Message:
@@ -672,6 +678,32 @@ class NodeLeave:
 
     def to_msg(self) -> Message:
         return {"op": self.OP, "ranks": [list(r) for r in self.ranks]}
+
+
+# What a node relays for one rank, as that rank's own connection would have said it.
+NODE_SAID = ("telemetry", "bye", "exited")
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeSay:
+    """What a node's ranks said besides their hello, quorum requests and heartbeats, in one line:
+    (replica, rank, the rank's message), each one of :data:`NODE_SAID` (its flight-recorder
+    batch, its goodbye, an exit it reports), handled as from that rank's own connection."""
+
+    OP: ClassVar[str] = "node_say"
+    says: tuple[tuple[int, int, Message], ...]
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> NodeSay:
+        says = []
+        for replica, rank, said in _pairs(msg, "says", 3):
+            if not isinstance(said, dict) or said.get("op") not in NODE_SAID:
+                raise ValueError(f"a node_say carries only {', '.join(NODE_SAID)} messages of its ranks")
+            says.append((*_slot(replica, rank), said))
+        return cls(says=tuple(says))
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP, "says": [[r, k, m] for r, k, m in self.says]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -737,7 +769,7 @@ MESSAGES: dict[Direction, tuple[type[Any], ...]] = {
     ),
     Direction.STATUS: (StatusRequest,),
     # A node's ranks through one connection: what each rank would say and hear, aggregated.
-    Direction.NODE_TO_COORDINATOR: (NodeHello, NodeHeartbeat, NodeQuorum, NodeLeave),
+    Direction.NODE_TO_COORDINATOR: (NodeHello, NodeHeartbeat, NodeQuorum, NodeSay, NodeLeave),
     Direction.COORDINATOR_TO_NODE: (NodeAnswers,),  # answered with a ``status`` line of the coordinator's state
 }
 

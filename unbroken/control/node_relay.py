@@ -3,9 +3,11 @@
 At 100,000 ranks a connection per rank makes the coordinator's load the rank count: a line, a
 MAC and a system call per rank per step, each way. A node agent instead speaks for its node's
 ranks through one authenticated connection (``node_hello``, then ``node_quorum`` and
-``node_heartbeat`` lines carrying every rank's request or beat), and hears back one
+``node_heartbeat`` lines carrying every rank's request or beat, ``node_say`` lines carrying
+what else they say: their flight-recorder batches, their goodbyes), and hears back one
 ``node_answers`` line per node per burst, whose messages it fans out to its ranks. The
-operations are :data:`unbroken.control.messages.MESSAGES`' node directions.
+operations are :data:`unbroken.control.messages.MESSAGES`' node directions; the agent's side is
+:mod:`unbroken.launch.relay`.
 
 Each rank spoken for still has its own :class:`~unbroken.control.quorum_service.RankConn`, whose
 link is a :class:`NodeLink`: what the coordinator sends a rank (its welcome, its quorum answer,
@@ -124,6 +126,8 @@ class NodeRelay:
         quorum: one rank's quorum request.
         closed: one rank's connection ended (it is evicted unless it finished).
         refused: the exceptions ``hello`` refuses a rank with (that rank alone is refused).
+        said: one rank's other message (one of :data:`~unbroken.control.messages.NODE_SAID`), as
+            its own connection would have said it.
     """
 
     def __init__(
@@ -132,21 +136,33 @@ class NodeRelay:
         quorum: Callable[[RankConn, protocol.QuorumAsk], None],
         closed: Callable[[RankConn], None],
         refused: tuple[type[Exception], ...],
+        said: Callable[[RankConn, protocol.Message], None] | None = None,
     ) -> None:
         self.hello_rank, self.quorum, self.closed = hello, quorum, closed
-        self.refused = refused
+        self.refused, self.said = refused, said
+        self.connected: set[NodeConn] = set()  # the node connections served now (``unbroken status``)
         self.handlers: dict[str, Callable[[NodeConn, protocol.Message], None]] = {
             protocol.NodeHello.OP: lambda node, msg: self.hello(node, protocol.NodeHello.from_msg(msg)),
             protocol.NodeHeartbeat.OP: lambda node, msg: self._beats(node, protocol.NodeHeartbeat.from_msg(msg)),
             protocol.NodeQuorum.OP: lambda node, msg: self._asks(node, protocol.NodeQuorum.from_msg(msg)),
+            protocol.NodeSay.OP: lambda node, msg: self._says(node, protocol.NodeSay.from_msg(msg)),
             protocol.NodeLeave.OP: lambda node, msg: self._leave(node, protocol.NodeLeave.from_msg(msg)),
         }
 
     def open(self, hello: protocol.NodeHello, link: protocol.Link) -> NodeConn:
         """A connection's first ``node_hello``: the node connection, with the ranks it speaks for."""
         node = NodeConn(hello.node, link)
-        self.hello(node, hello)
+        self.connected.add(node)
+        try:
+            self.hello(node, hello)
+        except Exception:
+            self.gone(node)
+            raise
         return node
+
+    def status(self) -> dict[str, int]:
+        """The ranks each node connection speaks for now, by node."""
+        return {node.node: len(node.ranks) for node in sorted(self.connected, key=lambda n: n.node)}
 
     def hello(self, node: NodeConn, hello: protocol.NodeHello) -> None:
         if hello.node != node.node:
@@ -178,11 +194,28 @@ class NodeRelay:
 
     def _beats(self, node: NodeConn, beats: protocol.NodeHeartbeat) -> None:
         now = time.monotonic()
-        for replica, rank, step in beats.beats:
-            conn = node.ranks.get((replica, rank))
+        for beat in beats.beats:
+            conn = node.ranks.get(beat[:2])
             if conn is not None:
                 conn.last_heartbeat = now
-                conn.step = conn.step if step is None else max(conn.step, step)
+                conn.step = conn.step if beat[2] is None else max(conn.step, beat[2])
+                if len(beat) == 4 and beat[3] is not None:
+                    conn.compute_s = beat[3]
+
+    def _says(self, node: NodeConn, says: protocol.NodeSay) -> None:
+        """Each rank's message as from its own connection: a malformed one is that rank's error
+        (told to it, as its own connection would be), not the node's."""
+        for replica, rank, msg in says.says:
+            conn = node.ranks.get((replica, rank))
+            if conn is None:
+                node.drop((replica, rank))
+                continue
+            if self.said is None:
+                raise ValueError("this coordinator takes no node_say")
+            try:
+                self.said(conn, msg)
+            except (ValueError, TypeError, KeyError, OverflowError) as e:
+                conn.link.send(protocol.Error(f"malformed message skipped: {e}").to_msg())
 
     def _leave(self, node: NodeConn, leave: protocol.NodeLeave) -> None:
         for slot in leave.ranks:
@@ -192,6 +225,7 @@ class NodeRelay:
 
     def gone(self, node: NodeConn) -> None:
         """The node's connection ended: every rank it spoke for is gone with it."""
+        self.connected.discard(node)
         ranks, node.ranks = node.ranks, {}
         for conn in ranks.values():
             self.closed(conn)

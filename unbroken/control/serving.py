@@ -6,6 +6,9 @@ only against their own budget (:mod:`unbroken.wire.admission`), one that says no
 it is within ``hello_timeout_s`` is closed, and a flood of malformed messages ends it. Each
 message goes to the coordinator's ``dispatch``; the rank or agent a connection spoke as is
 handed to ``closed`` when it ends, however it ends.
+
+A node agent's relay (:mod:`unbroken.launch.relay`) serves its ranks with the same class: they
+are admitted and authenticated exactly as by the coordinator.
 """
 
 from __future__ import annotations
@@ -14,11 +17,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from unbroken.control import protocol
-from unbroken.control.node_relay import NodeConn
-from unbroken.control.placement import AgentConn
 from unbroken.control.quorum_service import RankConn
 from unbroken.wire.admission import Admission, RefusalLog
 from unbroken.wire.auth import TICKET_BYTES, AuthError, JobSecret, server_handshake_async
@@ -28,19 +29,19 @@ log = logging.getLogger("unbroken.control.coordinator")  # the coordinator's log
 # A connection that sends this many malformed messages is not a replica gone astray: it is closed.
 MAX_BAD_MESSAGES = 100
 
+C = TypeVar("C")  # who a connection speaks as: a rank (or a node's ranks) ...
+A = TypeVar("A")  # ... or an agent
+
 # Acts on one message (msg, link, the rank and agent it spoke as so far) and returns the op and
 # who the connection speaks as now; the op ``stop`` ends the connection.
-Dispatch = Callable[
-    [protocol.Message, protocol.Link, RankConn | NodeConn | None, AgentConn | None],
-    tuple[str, RankConn | NodeConn | None, AgentConn | None],
-]
+Dispatch = Callable[[protocol.Message, protocol.Link, C | None, A | None], tuple[str, C | None, A | None]]
 
 
 class Refused(Exception):
     """A request that ends its connection (a takeover of a live slot, a second identity)."""
 
 
-class ConnectionServer:
+class ConnectionServer(Generic[C, A]):
     """Serves the coordinator's connections (``asyncio.start_server``'s callback is :meth:`serve`).
 
     Args:
@@ -49,6 +50,7 @@ class ConnectionServer:
         hello_timeout_s: an authenticated connection that said nothing within this is closed.
         dispatch: acts on one message (raises ValueError on a malformed one, Refused to end it).
         closed: called with the rank and agent a connection spoke as, once it ended.
+        what: the listener, as its refusals are logged.
     """
 
     def __init__(
@@ -56,8 +58,9 @@ class ConnectionServer:
         secret: JobSecret,
         max_connections: int,
         hello_timeout_s: float,
-        dispatch: Dispatch,
-        closed: Callable[[RankConn | NodeConn | None, AgentConn | None], None],
+        dispatch: Dispatch[C, A],
+        closed: Callable[[C | None, A | None], None],
+        what: str = "the coordinator",
     ) -> None:
         self.secret = secret
         self.max_connections, self.hello_timeout_s = max_connections, hello_timeout_s
@@ -65,7 +68,7 @@ class ConnectionServer:
         self.open: set[asyncio.StreamWriter] = set()  # every connection served now
         self.auth_failures = 0  # connections dropped for failing the handshake or a MAC
         self._admission: Admission[asyncio.StreamWriter] = Admission()
-        self._refusals = RefusalLog(log, "dropped connections to the coordinator")
+        self._refusals = RefusalLog(log, f"dropped connections to {what}")
         self.lines_in = self.lines_out = 0  # over closed connections (what `unbroken bench auth` counts)
 
     def close_all(self) -> None:
@@ -82,8 +85,8 @@ class ConnectionServer:
         for shed in self._admission.admit(writer, str(peer[0]) if peer else "", time.monotonic()):
             shed.transport.abort()
         self.open.add(writer)
-        conn: RankConn | NodeConn | None = None
-        agent: AgentConn | None = None
+        conn: C | None = None
+        agent: A | None = None
         try:
             try:
                 try:

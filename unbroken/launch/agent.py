@@ -22,6 +22,10 @@ agent's own child, by the PID it started and the path it computes from its own r
 (:mod:`unbroken.diagnosis.stacks`). SIGTERM (preemption) is forwarded to the workers as
 ``unbroken run`` does: they finish their step and flush a checkpoint within ``--term-grace-s``;
 SIGINT ends them at once.
+
+The agent speaks for its ranks (:mod:`unbroken.launch.relay`, off with ``--no-relay``): they
+connect to its loopback relay, first in their ``UNBROKEN_COORDINATOR``, and the relay speaks for
+them through one node connection, so the coordinator's load is the node count, not the rank count.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from unbroken.control import protocol
 from unbroken.diagnosis import stacks
 from unbroken.launch import reaper, workers
 from unbroken.launch.policy import Decision, RestartBook, RestartPolicy
+from unbroken.launch.relay import Relay
 from unbroken.observe.events import EventLog
 from unbroken.train.preemption import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
 from unbroken.wire.auth import AuthError, JobSecret
@@ -77,6 +82,8 @@ class AgentSettings:
         advertise_addr: the address the group's other nodes reach this one at (its ranks'
             rendezvous binds it when it is group rank 0); None: the address this node uses to
             reach the coordinator.
+        relay: speak for this node's ranks through one connection (:mod:`unbroken.launch.relay`);
+            False (``--no-relay``): each rank connects to the coordinator itself.
     """
 
     command: tuple[str, ...]
@@ -97,6 +104,7 @@ class AgentSettings:
     http_port: int | None = None
     http_host: str = "127.0.0.1"
     cross_replica_backend: str | None = None
+    relay: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.term_grace_s < float("inf"):
@@ -161,6 +169,7 @@ class Agent:
         self.error: str | None = None
         self.exit_code = 1
         self._link: protocol.Link | None = None
+        self.relay: Relay | None = None
         self.http: ObserveServer | None = None
         self._terminated: float | None = None  # when SIGTERM came (monotonic)
         self._job_finished = False
@@ -186,9 +195,16 @@ class Agent:
                     if self.s.http_port is not None:
                         self._serve_http()
                     self._link = await self._connect()
+                    if self.s.relay:
+                        self.relay = Relay(self.s.node, self.s.coordinator, self.secret, self._relay_failed)
+                        await self.relay.start()
                     self._send(self._hello().to_msg())
                     self.events.emit(
-                        "agent_started", node=self.s.node, slots=self.s.slots, coordinator=self.s.coordinator
+                        "agent_started",
+                        node=self.s.node,
+                        slots=self.s.slots,
+                        coordinator=self.s.coordinator,
+                        relay=self.relay.address if self.relay is not None else None,
                     )
                     self._tasks += [asyncio.create_task(self._listen()), asyncio.create_task(self._heartbeat())]
                     await self._stop.wait()
@@ -202,6 +218,16 @@ class Agent:
         if self.error is not None:
             raise ValueError(self.error)
         return self.exit_code
+
+    def _relay_failed(self, why: str) -> None:
+        """The relay stopped (its ranks moved to the coordinator); ranks started from now on go there."""
+        self.events.emit("relay_failed", reason=why)
+
+    def _rank_coordinator(self) -> str:
+        """What a rank is given as ``UNBROKEN_COORDINATOR``: the relay first, while it serves."""
+        if self.relay is None or self.relay.failed is not None:
+            return self.s.coordinator
+        return f"{self.relay.address},{self.s.coordinator}"
 
     def _interrupt(self) -> None:
         self.events.emit("agent_interrupted")
@@ -451,7 +477,7 @@ class Agent:
         master_port = workers.free_port()
         for rank in range(self.s.ranks_per_replica // self.s.nodes_per_replica):
             environ = workers.worker_env(
-                coordinator=self.s.coordinator,
+                coordinator=self._rank_coordinator(),
                 replica=r.replica,
                 num_replicas=self.num_replicas,
                 run_dir=self.s.run_dir,
@@ -576,6 +602,8 @@ class Agent:
         for r in self.replicas.values():
             procs, r.procs = r.procs, []
             await workers.kill_groups(procs, self._guardian)
+        if self.relay is not None:
+            self.relay.close()
         if self._link is not None:
             self._link.close()
         self.events.emit("agent_stopped", exit_code=self.exit_code)

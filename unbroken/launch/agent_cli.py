@@ -110,6 +110,13 @@ from unbroken.launch.settings import DEFAULT_TERM_GRACE_S
     help="Serve /metrics and a dashboard of this node's replicas at this port (0: a free one) [default: none].",
 )
 @click.option("--http-host", default="127.0.0.1", show_default=True, help="Address --http-port binds.")
+@click.option(
+    "--relay/--no-relay",
+    default=True,
+    show_default=True,
+    help="Speak for this node's ranks through one connection to the coordinator (its load is then the "
+    "node count); --no-relay: each rank connects to the coordinator itself.",
+)
 @cross_replica_backend_option
 def agent(**kw: Any) -> None:
     """Run this node's share of a job: `unbroken agent --coordinator HOST:PORT --secret-file S -- python train.py`.
@@ -144,6 +151,7 @@ def agent(**kw: Any) -> None:
             http_port=kw.pop("http_port"),
             http_host=kw.pop("http_host"),
             cross_replica_backend=kw.pop("cross_replica_backend"),
+            relay=kw.pop("relay"),
         )
         code = run_agent(settings)
     except (ValueError, OSError) as e:

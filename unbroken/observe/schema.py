@@ -527,6 +527,15 @@ class AgentStarted(Event):
     node: str
     slots: int
     coordinator: str
+    relay: str | None = None  # the loopback address its ranks reach the coordinator through
+
+
+@_kind("relay_failed")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RelayFailed(Event):
+    """The agent's relay stopped (its own code failed): its ranks moved to the coordinator directly."""
+
+    reason: str
 
 
 @_kind("agent_interrupted")

@@ -27,6 +27,7 @@ from unbroken.comm.store import AuthenticatedStore
 from unbroken.config import (
     ReplicaConfig,
     anomaly_policy,
+    coordinator_host,
     local_address_towards,
     prepare_early,
     recorder_enabled,
@@ -106,7 +107,7 @@ def build_manager(
     check_backend(backend, device)
     group = CrossReplicaGroup(secret, backend=backend)
     # Peers on other nodes fetch from here: listen on the address that reaches the coordinator.
-    catchup = CatchupServer(secret, host=local_address_towards(config.coordinator.rpartition(":")[0]))
+    catchup = CatchupServer(secret, host=local_address_towards(coordinator_host(config.coordinator)))
     recorder = FlightRecorder(config.replica_id, link_fault=link_fault) if recorder_enabled() else None
     group.recorder = recorder
     policy = parse_policy(anomaly_policy())

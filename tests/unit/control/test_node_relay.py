@@ -152,3 +152,26 @@ def test_answers_too_long_for_one_line_are_split(monkeypatch: pytest.MonkeyPatch
     total = [protocol.NodeAnswers.from_msg(__import__("json").loads(p)) for p in sent]
     assert sum(len(t.to) for t in total) == 8
     assert answers_payload([], [(0, 1)]) == b'{"op":"node_answers","to":[],"msgs":[],"dropped":[[0,1]]}'
+
+
+def test_a_node_relays_its_ranks_goodbyes_compute_times_and_is_counted_in_status(tmp_path: Path) -> None:
+    async def scenario(c: Coordinator) -> None:
+        a = await node(c, "a", 0)
+        assert c.status()["nodes"] == {"a": RANKS}
+        beats = tuple((0, k, 3, 0.5 + k) for k in range(RANKS))
+        a.send(protocol.NodeHeartbeat(beats=beats).to_msg())
+        # A rank's own message, as its connection would say it; a malformed one is its own error.
+        a.send(protocol.NodeSay(says=((0, 0, {"op": "bye"}), (0, 1, {"op": "exited", "replica": 5}))).to_msg())
+        got = await answers(a)
+        assert got.to == ((0, 1),) and got.msgs[0]["op"] == "error" and "replica 0" in got.msgs[0]["message"]
+        assert c.replicas[0][0].finished and not c.replicas[0][1].finished
+        assert [c.replicas[0][k].compute_s for k in range(RANKS)] == [0.5 + k for k in range(RANKS)]
+        assert c.status()["replicas"][0]["compute_s"] == 0.5 + RANKS - 1
+        # What else a rank says is not relayed through node_say (quorum asks have their own line).
+        with pytest.raises(ValueError, match="node_say"):
+            protocol.NodeSay.from_msg({"says": [[0, 0, {"op": "quorum", "id": 1, "step": 1}]]})
+        a.writer.close()
+        await asyncio.sleep(0.2)
+        assert c.status()["nodes"] == {}
+
+    run(tmp_path, scenario, total_replicas=2, min_replicas=1)

@@ -78,6 +78,8 @@ EXAMPLES = [
     protocol.Alive(),
     protocol.NodeHello(node="n", ranks=(protocol.Hello(replica=1, rank=0, world_size=2, node="n", step=3),)),
     protocol.NodeHeartbeat(beats=((1, 0, 5), (1, 1, None))),
+    protocol.NodeHeartbeat(beats=((1, 0, 5, 0.25), (1, 1, None, None))),
+    protocol.NodeSay(says=((1, 0, {"op": "bye"}), (1, 1, {"op": "exited", "replica": 1, "exitcode": 3}))),
     protocol.NodeQuorum(asks=((1, 0, protocol.QuorumAsk(id=2, step=3, step_time=None, failed_epoch=None)),)),
     protocol.NodeLeave(ranks=((1, 1),)),
     protocol.NodeAnswers(to=((1, 0),), msgs=({"op": "abort", "epoch": 4},), dropped=((1, 1),)),
