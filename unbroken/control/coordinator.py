@@ -176,7 +176,7 @@ class Coordinator:
             protocol.Exited.OP: self._rank_exited,
         }
         # A node agent's connection speaking for its node's ranks (:mod:`unbroken.control.node_relay`).
-        self.nodes = NodeRelay(self._hello, self._node_quorum, self._connection_closed, (Refused,))
+        self.nodes = NodeRelay(self._hello, self.requests.ask_ranks, self._connection_closed, (Refused,))
         if first_epoch:
             self.events.emit(ev.CoordinatorRestarted(continue_after_epoch=first_epoch))
 
@@ -336,11 +336,8 @@ class Coordinator:
         self._costs(conn.replica, conn.rank, batch)
 
     def _quorum(self, conn: RankConn, msg: protocol.Message) -> None:
-        self._node_quorum(conn, protocol.QuorumAsk.from_msg(msg))
-
-    def _node_quorum(self, conn: RankConn, ask: protocol.QuorumAsk) -> None:
         conn.last_heartbeat = time.monotonic()
-        self.requests.ask(conn, ask)
+        self.requests.ask(conn, protocol.QuorumAsk.from_msg(msg))
 
     def _bye(self, conn: RankConn) -> None:
         if conn.finished:

@@ -580,12 +580,11 @@ MAX_NODE_RANKS = 64  # ranks one node connection may speak for
 def _pairs(msg: Message, key: str, width: int) -> list[list[Any]]:
     """``msg[key]`` as a list of at most :data:`MAX_NODE_RANKS` lists of ``width`` items."""
     value = msg.get(key, [])
-    if (
-        not isinstance(value, list)
-        or len(value) > MAX_NODE_RANKS
-        or not all(isinstance(v, list) and len(v) == width for v in value)
-    ):
+    if not isinstance(value, list) or len(value) > MAX_NODE_RANKS:
         raise ValueError(f"{key} must be a list of at most {MAX_NODE_RANKS} lists of {width} items")
+    for v in value:  # a loop, not all() over a generator: eight items per node line
+        if type(v) is not list or len(v) != width:
+            raise ValueError(f"{key} must be a list of at most {MAX_NODE_RANKS} lists of {width} items")
     return value
 
 
@@ -648,11 +647,14 @@ class NodeQuorum:
         asks = []
         last: tuple[Message, QuorumAsk] | None = None
         for replica, rank, ask in _pairs(msg, "asks", 3):
-            if not isinstance(ask, dict):
+            if type(ask) is not dict:
                 raise ValueError("a node_quorum's request is an object, as a rank's quorum request")
             if last is None or ask != last[0]:  # a node's ranks mostly ask the same: parsed once
                 last = (ask, QuorumAsk.from_msg(ask))
-            asks.append((*_slot(replica, rank), last[1]))
+            if type(replica) is int and type(rank) is int and 0 <= replica < 1 << 62 and 0 <= rank < 1 << 62:
+                asks.append((replica, rank, last[1]))  # _slot's common case, without a call per rank
+            else:
+                asks.append((*_slot(replica, rank), last[1]))
         return cls(asks=tuple(asks))
 
     def to_msg(self) -> Message:
