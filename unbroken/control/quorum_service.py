@@ -141,14 +141,14 @@ class QuorumService:
         eight answers built per step (150 to 215 us of the coordinator's CPU per node and step:
         docs/benchmarks/2026-11-27-coordinator-nodes.md), for what is one replica's request. All
         that is not that common case (a rank missing or named twice, a replica some ranks of
-        which asked already, a pushed epoch or a bye on a rank, ranks told different epochs)
+        which asked already, a bye on a rank, ranks told different epochs or pushes)
         takes the per-rank path, :meth:`ask`, whose rules this one keeps.
         """
         first = conns[0]
-        replica, epoch = first.replica, first.epoch
+        replica, epoch, pushed = first.replica, first.epoch, first.pushed
         alike = len(conns) == first.world_size and replica not in self.pending and replica not in self.held
         for c in conns if alike else ():
-            if c.replica != replica or c.finished or c.pushed is not None or c.epoch != epoch:
+            if c.replica != replica or c.finished or c.pushed is not pushed or c.epoch != epoch:
                 alike = False
                 break
         if not alike:
@@ -157,6 +157,13 @@ class QuorumService:
                     self.ask(conn, ask)
             return
         self._check_failed(ask)
+        if pushed is not None:  # the epoch pushed to every rank of the replica (after an eviction)
+            for conn in conns:
+                conn.pushed = None
+            if push_answers(pushed, replica, ask.step, ask.failed_epoch):
+                for conn in conns:
+                    conn.step = ask.step  # sent before the push arrived, which the ranks took as their answer
+                return
         ok, failed = self._vet(first, ask)
         if not ok:
             return

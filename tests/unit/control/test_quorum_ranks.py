@@ -71,6 +71,7 @@ class Service:
         self.replicas.pop(replica, None)
         self.service.forget(replica)
         self.service.deliver(self.quorum.disconnect(replica, time.monotonic()))
+        self.service.push_epoch()
 
     def told(self, replica: int, rank: int) -> list[dict[str, Any]]:
         return self.links[replica, rank].msgs
@@ -113,25 +114,34 @@ def test_a_replica_with_a_rank_missing_is_not_admitted(tmp_path: Path) -> None:
 
 
 def test_asking_in_one_call_tells_each_rank_what_asking_rank_by_rank_does(tmp_path: Path) -> None:
-    together, alone = Service(tmp_path / "a", 2), Service(tmp_path / "b", 2)
+    together, alone = Service(tmp_path / "a", 3), Service(tmp_path / "b", 3)
 
-    def both(replica: int, step: int, req_id: int, failed: int | None = None) -> None:
-        together.ask(replica, list(range(RANKS)), step, req_id, failed)
-        for k in range(RANKS):
-            alone.ask(replica, [k], step, req_id, failed)
+    def both(replicas: tuple[int, ...], step: int, req_id: int, failed: int | None = None) -> None:
+        for replica in replicas:
+            together.ask(replica, list(range(RANKS)), step, req_id, failed)
+            for k in range(RANKS):
+                alone.ask(replica, [k], step, req_id, failed)
 
-    both(0, 0, 1)
-    both(1, 0, 1)
-    both(0, 1, 2)
-    both(1, 1, 2)
-    both(0, 2, 3, failed=1)  # replica 0's exchange in epoch 1 failed: a new epoch
-    both(1, 2, 3)
-    both(1, 1, 4)  # a member asks for a step below its epoch's: evicted
-    for r in (0, 1):
+    both((0, 1, 2), 0, 1)  # epoch 1
+    both((0, 1, 2), 1, 2)  # its fast path
+    both((0,), 2, 3, failed=1)  # replica 0's exchange in epoch 1 failed: epoch 2 forms once all asked
+    both((1, 2), 2, 3)
+    both((2,), 1, 4)  # a member asks for a step below its epoch's: evicted, epoch 3 pushed to 0 and 1
+    both((0, 1), 2, 5, failed=2)  # asked before the push arrived, which answers it: not answered again
+    both((0, 1), 3, 6)  # epoch 3's fast path
+    for r in (0, 1, 2):
         for k in range(RANKS):
             assert together.told(r, k) == alone.told(r, k)
     assert together.quorum.current == alone.quorum.current and together.quorum.current is not None
-    assert together.quorum.current.epoch == 2 and together.evicted == alone.evicted == [1]
+    assert together.quorum.current.epoch == 3 and together.evicted == alone.evicted == [2]
+    ops = [(m["op"], m.get("id"), m.get("same_epoch")) for m in together.told(0, 1)]
+    assert ops == [
+        ("quorum", 1, None),
+        ("quorum", 2, 1),
+        ("quorum", 3, None),
+        ("epoch", None, None),
+        ("quorum", 6, 3),
+    ]
 
 
 def test_a_node_line_is_cut_into_runs_of_one_replica_asking_alike() -> None:
