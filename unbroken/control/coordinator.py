@@ -413,13 +413,15 @@ class Coordinator:
         plan = self._plan_heartbeats(self.settings.total_replicas * world_size)
         if plan.period_s > self.beat.period_s:  # only ever slower: a rank told the old period is still in time
             self.beat = plan
-        link.send(
-            protocol.Welcome(
-                store=self._store_for(link),
-                epoch=self.quorum.epoch,
-                heartbeat_s=self.beat.period_s,
-                timeout_s=self.beat.timeout_s,
-            ).to_msg()
+        link.send_payload(
+            protocol.welcome_payload(
+                protocol.Welcome(
+                    store=self._store_for(link),
+                    epoch=self.quorum.epoch,
+                    heartbeat_s=self.beat.period_s,
+                    timeout_s=self.beat.timeout_s,
+                )
+            )
         )
         if len(ranks) == conn.world_size:
             self.quorum.connect(conn.replica)

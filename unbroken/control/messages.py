@@ -84,13 +84,14 @@ class Hello:
     step: int = 0
 
     @classmethod
-    def from_msg(cls, msg: Message) -> Hello:
+    def from_msg(cls, msg: Message, node: str | None = None) -> Hello:
+        """``node``: the node it runs on, as its agent said it (its own ``node`` is not read)."""
         return cls(
             replica=count(msg, "replica"),
             rank=count(msg, "rank"),
             world_size=count(msg, "world_size"),
             transfer_addr=text(msg, "transfer_addr"),
-            node=text(msg, "node"),
+            node=text(msg, "node") if node is None else node,
             step=count(msg, "step", 0),
         )
 
@@ -335,7 +336,13 @@ class Welcome:
         )
 
     def to_msg(self) -> Message:
-        return {"op": self.OP, **dataclasses.asdict(self)}
+        return {
+            "op": self.OP,
+            "store": self.store,
+            "epoch": self.epoch,
+            "heartbeat_s": self.heartbeat_s,
+            "timeout_s": self.timeout_s,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -610,7 +617,7 @@ class NodeHello:
             raise ValueError(f"a node_hello needs a node name and 1 to {MAX_NODE_RANKS} ranks")
         if not all(isinstance(r, dict) for r in ranks):
             raise ValueError("a node_hello's ranks are objects, as a rank's hello")
-        return cls(node=node, ranks=tuple(dataclasses.replace(Hello.from_msg(r), node=node) for r in ranks))
+        return cls(node=node, ranks=tuple(Hello.from_msg(r, node) for r in ranks))
 
     def to_msg(self) -> Message:
         ranks = [{k: v for k, v in dataclasses.asdict(h).items() if k != "node"} for h in self.ranks]
