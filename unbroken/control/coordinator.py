@@ -579,7 +579,7 @@ class Coordinator:
         for waiting in (self.requests.pending, self.requests.held):
             for ranks in waiting.values():
                 for conn, *_ in ranks.values():
-                    conn.link.send(protocol.Alive().to_msg())
+                    conn.link.send_payload(protocol.ALIVE)
 
     def _scan_silence(self, now: float) -> set[int]:
         """Evicts the replicas silent past the timeout; returns those silent past the suspect time."""
