@@ -176,7 +176,9 @@ class Coordinator:
             protocol.Exited.OP: self._rank_exited,
         }
         # A node agent's connection speaking for its node's ranks (:mod:`unbroken.control.node_relay`).
-        self.nodes = NodeRelay(self._hello, self._node_quorum, self._connection_closed, (Refused,), self._node_said)
+        self.nodes = NodeRelay(
+            self._hello, self.requests.ask_ranks, self._connection_closed, (Refused,), self._node_said
+        )
         if first_epoch:
             self.events.emit(ev.CoordinatorRestarted(continue_after_epoch=first_epoch))
 
@@ -343,11 +345,8 @@ class Coordinator:
         self._costs(conn.replica, conn.rank, batch)
 
     def _quorum(self, conn: RankConn, msg: protocol.Message) -> None:
-        self._node_quorum(conn, protocol.QuorumAsk.from_msg(msg))
-
-    def _node_quorum(self, conn: RankConn, ask: protocol.QuorumAsk) -> None:
         conn.last_heartbeat = time.monotonic()
-        self.requests.ask(conn, ask)
+        self.requests.ask(conn, protocol.QuorumAsk.from_msg(msg))
 
     def _bye(self, conn: RankConn) -> None:
         if conn.finished:
@@ -423,13 +422,15 @@ class Coordinator:
         plan = self._plan_heartbeats(self.settings.total_replicas * world_size)
         if plan.period_s > self.beat.period_s:  # only ever slower: a rank told the old period is still in time
             self.beat = plan
-        link.send(
-            protocol.Welcome(
-                store=self._store_for(link),
-                epoch=self.quorum.epoch,
-                heartbeat_s=self.beat.period_s,
-                timeout_s=self.beat.timeout_s,
-            ).to_msg()
+        link.send_payload(
+            protocol.welcome_payload(
+                protocol.Welcome(
+                    store=self._store_for(link),
+                    epoch=self.quorum.epoch,
+                    heartbeat_s=self.beat.period_s,
+                    timeout_s=self.beat.timeout_s,
+                )
+            )
         )
         if len(ranks) == conn.world_size:
             self.quorum.connect(conn.replica)
@@ -587,7 +588,7 @@ class Coordinator:
         for waiting in (self.requests.pending, self.requests.held):
             for ranks in waiting.values():
                 for conn, *_ in ranks.values():
-                    conn.link.send(protocol.Alive().to_msg())
+                    conn.link.send_payload(protocol.ALIVE)
 
     def _scan_silence(self, now: float) -> set[int]:
         """Evicts the replicas silent past the timeout; returns those silent past the suspect time."""

@@ -21,6 +21,7 @@ least once a period.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,7 @@ class HeartbeatPlan:
     timeout_s: float
 
 
+@functools.lru_cache(maxsize=64)  # asked on every rank's hello (100,000 at a takeover): the same few answers
 def plan_heartbeats(
     ranks: int, period_s: float, suspect_after_s: float, timeout_s: float, max_rate: float
 ) -> HeartbeatPlan:

@@ -84,13 +84,14 @@ class Hello:
     step: int = 0
 
     @classmethod
-    def from_msg(cls, msg: Message) -> Hello:
+    def from_msg(cls, msg: Message, node: str | None = None) -> Hello:
+        """``node``: the node it runs on, as its agent said it (its own ``node`` is not read)."""
         return cls(
             replica=count(msg, "replica"),
             rank=count(msg, "rank"),
             world_size=count(msg, "world_size"),
             transfer_addr=text(msg, "transfer_addr"),
-            node=text(msg, "node"),
+            node=text(msg, "node") if node is None else node,
             step=count(msg, "step", 0),
         )
 
@@ -335,7 +336,13 @@ class Welcome:
         )
 
     def to_msg(self) -> Message:
-        return {"op": self.OP, **dataclasses.asdict(self)}
+        return {
+            "op": self.OP,
+            "store": self.store,
+            "epoch": self.epoch,
+            "heartbeat_s": self.heartbeat_s,
+            "timeout_s": self.timeout_s,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -580,12 +587,11 @@ MAX_NODE_RANKS = 64  # ranks one node connection may speak for
 def _pairs(msg: Message, key: str, width: int) -> list[list[Any]]:
     """``msg[key]`` as a list of at most :data:`MAX_NODE_RANKS` lists of ``width`` items."""
     value = msg.get(key, [])
-    if (
-        not isinstance(value, list)
-        or len(value) > MAX_NODE_RANKS
-        or not all(isinstance(v, list) and len(v) == width for v in value)
-    ):
+    if not isinstance(value, list) or len(value) > MAX_NODE_RANKS:
         raise ValueError(f"{key} must be a list of at most {MAX_NODE_RANKS} lists of {width} items")
+    for v in value:  # a loop, not all() over a generator: eight items per node line
+        if type(v) is not list or len(v) != width:
+            raise ValueError(f"{key} must be a list of at most {MAX_NODE_RANKS} lists of {width} items")
     return value
 
 
@@ -611,7 +617,7 @@ class NodeHello:
             raise ValueError(f"a node_hello needs a node name and 1 to {MAX_NODE_RANKS} ranks")
         if not all(isinstance(r, dict) for r in ranks):
             raise ValueError("a node_hello's ranks are objects, as a rank's hello")
-        return cls(node=node, ranks=tuple(dataclasses.replace(Hello.from_msg(r), node=node) for r in ranks))
+        return cls(node=node, ranks=tuple(Hello.from_msg(r, node) for r in ranks))
 
     def to_msg(self) -> Message:
         ranks = [{k: v for k, v in dataclasses.asdict(h).items() if k != "node"} for h in self.ranks]
@@ -654,11 +660,14 @@ class NodeQuorum:
         asks = []
         last: tuple[Message, QuorumAsk] | None = None
         for replica, rank, ask in _pairs(msg, "asks", 3):
-            if not isinstance(ask, dict):
+            if type(ask) is not dict:
                 raise ValueError("a node_quorum's request is an object, as a rank's quorum request")
             if last is None or ask != last[0]:  # a node's ranks mostly ask the same: parsed once
                 last = (ask, QuorumAsk.from_msg(ask))
-            asks.append((*_slot(replica, rank), last[1]))
+            if type(replica) is int and type(rank) is int and 0 <= replica < 1 << 62 and 0 <= rank < 1 << 62:
+                asks.append((replica, rank, last[1]))  # _slot's common case, without a call per rank
+            else:
+                asks.append((*_slot(replica, rank), last[1]))
         return cls(asks=tuple(asks))
 
     def to_msg(self) -> Message:

@@ -32,8 +32,11 @@ from unbroken.control.quorum_service import RankConn
 MAX_ANSWER_LINE = protocol.MAX_LINE // 2  # a node_answers line is split before it nears the reader's limit
 
 Slot = tuple[int, int]  # (replica, rank)
-_SAME_KEYS = protocol.QuorumSame(id=0, same_epoch=0, step=0).to_msg().keys()
-_SAME = b'{"op":"%s","id":%%d,"same_epoch":%%d,"step":%%d}' % protocol.QuorumSame.OP.encode()
+
+
+def slot_json(slot: Slot) -> bytes:
+    """A slot as the JSON text of a ``node_answers`` line's ``to`` (made once per rank, not per answer)."""
+    return b"[%d,%d]" % slot
 
 
 class NodeConn:
@@ -42,22 +45,26 @@ class NodeConn:
     def __init__(self, node: str, link: protocol.Link) -> None:
         self.node, self.link = node, link
         self.ranks: dict[Slot, RankConn] = {}
-        self._outbox: list[tuple[Slot, bytes]] = []
+        # What this turn of the loop sent its ranks (NodeLink.send_payload): (the rank's slot_json,
+        # the message's JSON text), one node_answers line at the end of the turn.
+        self.outbox: list[tuple[bytes, bytes]] = []
         self._dropped: list[Slot] = []
         self._flushing = False
-
-    def queue(self, slot: Slot, payload: bytes) -> None:
-        """``payload`` (a message's JSON text) for the rank ``slot``: sent with this turn's others."""
-        self._outbox.append((slot, payload))
-        self._schedule()
 
     def drop(self, slot: Slot) -> None:
         """The rank ``slot`` is no longer heard through this node: the agent is told."""
         self.ranks.pop(slot, None)
         self._dropped.append(slot)
-        self._schedule()
+        self.schedule()
 
-    def _schedule(self) -> None:
+    def hold(self) -> bool:
+        """Holds what is queued until the caller flushes (True), unless a flush is due already (False)."""
+        if self._flushing:
+            return False
+        self._flushing = True
+        return True
+
+    def schedule(self) -> None:
         if not self._flushing:
             self._flushing = True
             asyncio.get_running_loop().call_soon(self.flush)
@@ -65,8 +72,13 @@ class NodeConn:
     def flush(self) -> None:
         """Sends what was queued as ``node_answers`` lines (one, unless it would be too long)."""
         self._flushing = False
-        outbox, dropped = self._outbox, self._dropped
-        self._outbox, self._dropped = [], []
+        outbox, dropped = self.outbox, self._dropped
+        self.outbox, self._dropped = [], []
+        if not outbox and not dropped:  # flushed already, at the end of the node's own line
+            return
+        if sum(len(p) for _, p in outbox) + 16 * len(outbox) < MAX_ANSWER_LINE:  # the common case: one line
+            self.link.send_payload(answers_payload(outbox, dropped))
+            return
         while outbox or dropped:
             size, n = 0, 0
             while n < len(outbox) and (n == 0 or size + len(outbox[n][1]) < MAX_ANSWER_LINE):
@@ -77,36 +89,56 @@ class NodeConn:
             dropped = []
 
 
-def answers_payload(batch: list[tuple[Slot, bytes]], dropped: list[Slot]) -> bytes:
-    """The JSON text of a :class:`~unbroken.control.messages.NodeAnswers` whose messages are
-    already encoded (a full quorum answer's text is shared by many ranks: it is not parsed again)."""
-    to = json.dumps([list(s) for s, _ in batch], separators=(",", ":")).encode()
-    gone = json.dumps([list(s) for s in dropped], separators=(",", ":")).encode()
+def answers_payload(batch: list[tuple[bytes, bytes]], dropped: list[Slot]) -> bytes:
+    """The JSON text of a :class:`~unbroken.control.messages.NodeAnswers` whose ranks
+    (:func:`slot_json`) and messages are already encoded (a full quorum answer's text is shared
+    by many ranks: it is not parsed again)."""
+    to = b",".join(s for s, _ in batch)
     msgs = b",".join(p for _, p in batch)
-    return b'{"op":"%s","to":%s,"msgs":[%s],"dropped":%s}' % (protocol.NodeAnswers.OP.encode(), to, msgs, gone)
+    gone = b",".join(slot_json(s) for s in dropped)
+    return b'{"op":"%s","to":[%s],"msgs":[%s],"dropped":[%s]}' % (protocol.NodeAnswers.OP.encode(), to, msgs, gone)
+
+
+Run = tuple[int, protocol.QuorumAsk, list[int]]  # (replica, its request, the ranks asking it)
+
+
+def replica_runs(asks: tuple[tuple[int, int, protocol.QuorumAsk], ...]) -> list[Run]:
+    """A node line's requests as runs of one replica asking one request: (replica, request, ranks).
+
+    An agent lists a replica's ranks together, asking alike (:class:`protocol.NodeQuorum` parses
+    equal requests into one object), so a node of one replica group is one run: the quorum service
+    then takes the replica's request once (:meth:`QuorumService.ask_ranks`), not once per rank.
+    """
+    runs: list[Run] = []
+    for replica, rank, ask in asks:
+        if runs and runs[-1][0] == replica and (runs[-1][1] is ask or runs[-1][1] == ask):
+            runs[-1][2].append(rank)
+        else:
+            runs.append((replica, ask, [rank]))
+    return runs
 
 
 class NodeLink(protocol.Link):
     """A rank's link through its node's connection: what is sent to it is queued on the node's."""
 
-    __slots__ = ("node", "slot", "closed")
+    __slots__ = ("node", "slot", "closed", "to")
 
     def __init__(self, node: NodeConn, slot: Slot) -> None:  # noqa: D107 -- no Link.__init__: no stream of its own
         parent = node.link
         self.reader, self.writer, self.session = parent.reader, parent.writer, parent.session
         self.sent = self.received = 0
-        self.node, self.slot, self.closed = node, slot, False
+        self.node, self.slot, self.closed, self.to = node, slot, False, slot_json(slot)
 
     def send(self, msg: protocol.Message) -> None:
-        if msg.keys() == _SAME_KEYS:  # the fast path's answer, eight per node per step: no json.dumps
-            payload = _SAME % (msg["id"], msg["same_epoch"], msg["step"])
-        else:
-            payload = json.dumps(msg, separators=(",", ":")).encode()
-        self.send_payload(payload)
+        self.send_payload(json.dumps(msg, separators=(",", ":")).encode())
 
     def send_payload(self, payload: bytes) -> None:
-        if not self.closed and not self.writer.is_closing():
-            self.node.queue(self.slot, payload)
+        # No check of the node's stream here: its flush (Link.send_payload) drops what a closed one cannot send.
+        if not self.closed:
+            node = self.node
+            node.outbox.append((self.to, payload))
+            if not node._flushing:
+                node.schedule()
             self.sent += 1
 
     def close(self) -> None:
@@ -123,7 +155,7 @@ class NodeRelay:
 
     Args:
         hello: registers one rank (as a rank's own hello would), on the link given; raises on a refusal.
-        quorum: one rank's quorum request.
+        quorum: the same quorum request of ranks of one replica (:meth:`QuorumService.ask_ranks`).
         closed: one rank's connection ended (it is evicted unless it finished).
         refused: the exceptions ``hello`` refuses a rank with (that rank alone is refused).
         said: one rank's other message (one of :data:`~unbroken.control.messages.NODE_SAID`), as
@@ -133,7 +165,7 @@ class NodeRelay:
     def __init__(
         self,
         hello: Callable[[protocol.Hello, protocol.Link], RankConn],
-        quorum: Callable[[RankConn, protocol.QuorumAsk], None],
+        quorum: Callable[[list[RankConn], protocol.QuorumAsk], None],
         closed: Callable[[RankConn], None],
         refused: tuple[type[Exception], ...],
         said: Callable[[RankConn, protocol.Message], None] | None = None,
@@ -182,15 +214,28 @@ class NodeRelay:
         handler = self.handlers.get(op)
         if handler is None:
             raise ValueError(f"a node connection does not say {op!r}")
-        handler(node, msg)
+        # What its ranks are told while the node's own line is handled (its answers) leaves at
+        # the end of the line, not in a callback of its own: one turn of the loop less per node.
+        held = node.hold()
+        try:
+            handler(node, msg)
+        finally:
+            if held:
+                node.flush()
 
     def _asks(self, node: NodeConn, asks: protocol.NodeQuorum) -> None:
-        for replica, rank, ask in asks.asks:
-            conn = node.ranks.get((replica, rank))
-            if conn is None:  # not one of its ranks (or one evicted a moment ago): it is told
-                node.drop((replica, rank))
-                continue
-            self.quorum(conn, ask)
+        now = time.monotonic()
+        for replica, ask, ranks in replica_runs(asks.asks):
+            conns = []
+            for rank in ranks:
+                conn = node.ranks.get((replica, rank))
+                if conn is None:  # not one of its ranks (or one evicted a moment ago): it is told
+                    node.drop((replica, rank))
+                    continue
+                conn.last_heartbeat = now  # a request is a sign of life, as a heartbeat
+                conns.append(conn)
+            if conns:
+                self.quorum(conns, ask)
 
     def _beats(self, node: NodeConn, beats: protocol.NodeHeartbeat) -> None:
         now = time.monotonic()

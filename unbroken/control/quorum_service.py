@@ -114,15 +114,77 @@ class QuorumService:
         anything else would let one replica abort exchanges it is not part of. A request sent
         before a pushed epoch arrived, that the push answers, is answered already: dropped.
         """
-        step_time, step, req_id, failed = ask.step_time, ask.step, ask.id, ask.failed_epoch
         if conn.finished:
             raise ValueError("a replica that said bye asks for no quorum")
-        if failed is not None and failed > self.quorum.epoch:
-            raise ValueError(f"failed_epoch {failed} was never formed (the newest is {self.quorum.epoch})")
+        self._check_failed(ask)
         pushed, conn.pushed = conn.pushed, None
-        if pushed is not None and push_answers(pushed, conn.replica, step, failed):
-            conn.step = step  # sent before the push arrived, which the rank took as its answer
+        if pushed is not None and push_answers(pushed, conn.replica, ask.step, ask.failed_epoch):
+            conn.step = ask.step  # sent before the push arrived, which the rank took as its answer
             return
+        ok, failed = self._vet(conn, ask)
+        if not ok:
+            return
+        conn.failure = ask.failure if failed is not None else None
+        conn.step = ask.step
+        ranks = self.pending.setdefault(conn.replica, {})
+        ranks[conn.rank] = (conn, ask.id, conn.step, failed)
+        if len(ranks) < conn.world_size:
+            return
+        del self.pending[conn.replica]
+        self.submit(conn.replica, ranks)
+
+    def ask_ranks(self, conns: list[RankConn], ask: protocol.QuorumAsk) -> None:
+        """The ranks ``conns`` ask ``ask`` in one line (a node agent's): when they are every rank
+        of one replica, its request is vetted, counted and answered once, for all of them.
+
+        Asked rank by rank, an 8-rank node cost eight validations, eight pending entries and
+        eight answers built per step (150 to 215 us of the coordinator's CPU per node and step:
+        docs/benchmarks/2026-11-27-coordinator-nodes.md), for what is one replica's request. All
+        that is not that common case (a rank missing or named twice, a replica some ranks of
+        which asked already, a bye on a rank, ranks told different epochs or pushes)
+        takes the per-rank path, :meth:`ask`, whose rules this one keeps.
+        """
+        first = conns[0]
+        replica, epoch, pushed = first.replica, first.epoch, first.pushed
+        alike = len(conns) == first.world_size and replica not in self.pending and replica not in self.held
+        for c in conns if alike else ():
+            if c.replica != replica or c.finished or c.pushed is not pushed or c.epoch != epoch:
+                alike = False
+                break
+        if not alike:
+            for conn in conns:  # a rank whose replica an earlier one's request evicted is gone
+                if self.replicas.get(conn.replica, {}).get(conn.rank) is conn:
+                    self.ask(conn, ask)
+            return
+        self._check_failed(ask)
+        if pushed is not None:  # the epoch pushed to every rank of the replica (after an eviction)
+            for conn in conns:
+                conn.pushed = None
+            if push_answers(pushed, replica, ask.step, ask.failed_epoch):
+                for conn in conns:
+                    conn.step = ask.step  # sent before the push arrived, which the ranks took as their answer
+                return
+        ok, failed = self._vet(first, ask)
+        if not ok:
+            return
+        failure, step, req_id = ask.failure if failed is not None else None, ask.step, ask.id
+        ranks: dict[int, Asked] = {}
+        for conn in conns:
+            conn.failure, conn.step = failure, step
+            ranks[conn.rank] = (conn, req_id, step, failed)
+        if len(ranks) < first.world_size:  # a rank named twice, another not at all: it waits for the rest
+            self.pending[replica] = ranks
+            return
+        self.submit(replica, ranks)
+
+    def _check_failed(self, ask: protocol.QuorumAsk) -> None:
+        if ask.failed_epoch is not None and ask.failed_epoch > self.quorum.epoch:
+            raise ValueError(f"failed_epoch {ask.failed_epoch} was never formed (the newest is {self.quorum.epoch})")
+
+    def _vet(self, conn: RankConn, ask: protocol.QuorumAsk) -> tuple[bool, int | None]:
+        """The rules of a request from ``conn`` (or from every rank of its replica, alike):
+        whether it goes on (False: its replica was evicted), and the failed epoch it counts as."""
+        step, failed = ask.step, ask.failed_epoch
         cur = self.quorum.current
         # This very connection trains in the current epoch (a restarted process of a member
         # of it is a newcomer: it asks for the step of its checkpoint, and catches up).
@@ -133,24 +195,17 @@ class QuorumService:
                 ev.EvictCause.STEP_WENT_BACK,
                 f"rank {conn.rank} asked for step {step}, below step {cur.step} that its " f"epoch {cur.epoch} trains",
             )
-            return
+            return False, None
         if failed is not None and not (member and cur is not None and failed == cur.epoch):
             failed = None  # not this replica's exchange to fail, or a stale report
-        conn.failure = ask.failure if failed is not None else None
-        if step_time:
-            self.step_times.append(step_time)
+        if ask.step_time:
+            self.step_times.append(ask.step_time)
         now = time.monotonic()
         self.health.asked(now)
         if member and cur is not None and step > cur.step:
             self.setaside.progressed()
             self.health.progressed(now)
-        conn.step = step
-        ranks = self.pending.setdefault(conn.replica, {})
-        ranks[conn.rank] = (conn, req_id, conn.step, failed)
-        if len(ranks) < conn.world_size:
-            return
-        del self.pending[conn.replica]
-        self.submit(conn.replica, ranks)
+        return True, failed
 
     def submit(self, replica: int, ranks: dict[int, Asked]) -> None:
         """A replica's request, once all its ranks asked: answered, forming, or held (set aside)."""
@@ -274,7 +329,7 @@ class QuorumService:
     def _push(self, d: QuorumDecision, abort: int, ranks_of: dict[int, set[int]]) -> None:
         """Pushes ``d`` with the abort of epoch ``abort`` to each rank of the replicas in
         ``ranks_of`` but the ranks named there (they asked, and were answered)."""
-        tails: dict[str, bytes] = {}
+        pushes: dict[str, bytes] = {}
         decision = {**d.to_json(), "donors": []}
         donors = dict(d.donors)
         pairs = d.donors_by_replica() if d.donors else {}
@@ -290,9 +345,12 @@ class QuorumService:
                     peer = self.replicas.get(donor, {}).get(rank) if donor is not None else None
                     addrs = {str(donor): peer.transfer_addr} if peer is not None else {}
                     tail = protocol.answer_tail({**decision, "donors": pairs[replica]}, addrs, store)
-                else:
-                    tail = tails.get(store) or tails.setdefault(store, protocol.answer_tail(decision, {}, store))
-                conn.link.send_payload(protocol.push_payload(abort, tail))
+                    conn.link.send_payload(protocol.push_payload(abort, tail))
+                    continue
+                payload = pushes.get(store)  # the same text for every rank of the same store: made once
+                if payload is None:
+                    payload = pushes[store] = protocol.push_payload(abort, protocol.answer_tail(decision, {}, store))
+                conn.link.send_payload(payload)
 
     def _reply(self, d: QuorumDecision, waiting: dict[int, dict[int, Asked]]) -> None:
         """Answers the ranks in ``waiting`` with ``d``.
@@ -309,10 +367,14 @@ class QuorumService:
         decision: dict[str, object] | None = None
         donors = dict(d.donors)
         pairs = d.donors_by_replica() if d.donors else {}  # a member gets only the pairs that name it
+        full_id, full_tail, full = -1, b"", b""
+        same_id, same = -1, b""  # a node's ranks share their request's id: one short answer's text for all
         for replica, ranks in waiting.items():
             for rank, (conn, req_id, _, _) in ranks.items():
                 if conn.epoch == d.epoch and not d.behind:
-                    conn.link.send(protocol.QuorumSame(id=req_id, same_epoch=d.epoch, step=d.step).to_msg())
+                    if req_id != same_id:
+                        same_id, same = req_id, protocol.same_payload(req_id, d.epoch, d.step)
+                    conn.link.send_payload(same)
                     continue
                 conn.epoch = d.epoch
                 store = self.store_for(conn.link)
@@ -329,7 +391,9 @@ class QuorumService:
                 tail = tails.get(store)
                 if tail is None:
                     tail = tails[store] = protocol.answer_tail(decision, {}, store)
-                conn.link.send_payload(protocol.answer_payload(req_id, tail))
+                if req_id != full_id or tail is not full_tail:
+                    full_id, full_tail, full = req_id, tail, protocol.answer_payload(req_id, tail)
+                conn.link.send_payload(full)
 
     def push_aborts(self) -> None:
         """Tells every member still in the broken epoch's exchange to abort it, once per epoch.

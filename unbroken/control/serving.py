@@ -97,7 +97,9 @@ class ConnectionServer(Generic[C, A]):
                     self.dropped(f"over {self.max_connections} connections", auth=False)
                     return
                 session = await server_handshake_async(reader, writer, self.secret, protocol.PURPOSE, ticket=ticket)
-            except (AuthError, OSError, asyncio.IncompleteReadError) as e:  # TimeoutError is an OSError
+            except (AuthError, OSError, asyncio.IncompleteReadError, RuntimeError) as e:  # TimeoutError is an OSError
+                # RuntimeError: uvloop's write to a transport closed mid-handshake (a stranger shed,
+                # a peer gone: thousands reconnect at once to a standby taking over).
                 self.dropped(str(e) or "no ticket in time")
                 return
             link = protocol.Link(reader, writer, session)

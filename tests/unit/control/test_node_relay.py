@@ -17,7 +17,7 @@ from tests.live_coordinator import connect, live_coordinator, member, next_op
 from unbroken.control import protocol
 from unbroken.control.coordinator import Coordinator
 from unbroken.control.messages import MAX_NODE_RANKS
-from unbroken.control.node_relay import NodeConn, answers_payload
+from unbroken.control.node_relay import NodeConn, answers_payload, slot_json
 from unbroken.control.quorum import QuorumDecision
 from unbroken.wire.auth import JobSecret
 
@@ -146,7 +146,7 @@ def test_answers_too_long_for_one_line_are_split(monkeypatch: pytest.MonkeyPatch
 
     n = NodeConn("n", Link())  # type: ignore[arg-type]
     body = b'{"op":"abort","epoch":1,"pad":"' + b"x" * (protocol.MAX_LINE // 5) + b'"}'
-    n._outbox = [((0, k), body) for k in range(8)]
+    n.outbox = [(slot_json((0, k)), body) for k in range(8)]
     n.flush()
     assert len(sent) > 1 and all(len(p) < protocol.MAX_LINE for p in sent)
     total = [protocol.NodeAnswers.from_msg(__import__("json").loads(p)) for p in sent]
