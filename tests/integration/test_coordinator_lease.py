@@ -54,6 +54,14 @@ def test_a_standby_takes_over_a_hung_coordinator_which_steps_down_when_it_wakes(
             assert took_over - stopped < LEASE_S + MARGIN_S
             assert first["members"] == [0, 1] and first["behind"] == []  # nobody restarted or behind
             wait_for_step(run_dir, 0, first["step"] + 5, timeout=60)  # training goes on without it
+            # The agents, too, take the silent coordinator for hung and move to the standby while
+            # it is still stopped (it answers every heartbeat when it runs).
+            wait_until(
+                "the agents to leave the hung coordinator",
+                lambda: all(cluster.agent_events(n, "coordinator_reconnected") for n in "ab"),
+                timeout=30,
+            )
+            assert all(cluster.agent_events(n, "coordinator_silent") for n in "ab")
         finally:
             os.kill(active.pid, signal.SIGCONT)
         assert active.wait(30) == STEPPED_DOWN

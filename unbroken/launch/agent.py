@@ -59,6 +59,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Heartbeats a coordinator with a standby may leave unanswered before the agent takes it for hung.
+COORDINATOR_SILENT_HEARTBEATS = 4
+
 
 @dataclasses.dataclass(frozen=True)
 class AgentSettings:
@@ -309,7 +312,7 @@ class Agent:
             with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
                 link = self._link
                 assert link is not None
-                while line := await link.readline():
+                while line := await self._next_line(link):
                     try:
                         msg = link.decode(line)
                     except ValueError as e:
@@ -329,6 +332,21 @@ class Agent:
         self._coordinator_lost = True
         self.events.emit("coordinator_lost")
         self._maybe_done()
+
+    async def _next_line(self, link: protocol.Link) -> bytes | None:
+        """The coordinator's next line; b"" (as a closed connection) when a coordinator with a
+        standby says nothing past :data:`COORDINATOR_SILENT_HEARTBEATS` heartbeats: it answers
+        every heartbeat, so it hangs (SIGSTOP, a stalled disk) and the next address is tried."""
+        if len(env.parse_host_ports(self.s.coordinator, "--coordinator")) < 2:
+            return await link.readline()  # nobody else to try: a hung coordinator is waited for
+        silent_s = max(COORDINATOR_SILENT_HEARTBEATS * self.s.heartbeat_s, 2.0)
+        try:
+            return await asyncio.wait_for(link.readline(), silent_s)
+        except asyncio.TimeoutError:
+            log.warning("the coordinator said nothing for %.1fs (hung?): trying the next address", silent_s)
+            self.events.emit("coordinator_silent", seconds=silent_s)
+            self._address += 1  # _connect starts from the next address
+            return b""
 
     async def _handle(self, msg: dict[str, Any]) -> bool:
         """Acts on one message from the coordinator; False when the agent must stop listening."""

@@ -571,6 +571,14 @@ class CoordinatorDisconnected(Event):
     pass
 
 
+@_kind("coordinator_silent")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CoordinatorSilent(Event):
+    """A coordinator with a standby answered no heartbeat for ``seconds``: taken for hung."""
+
+    seconds: float
+
+
 @_kind("coordinator_reconnected")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CoordinatorReconnected(Event):
