@@ -120,6 +120,7 @@ class GroupReaper:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._releasing = False  # a released group's destructor is running on the reaper's thread
         self.released = 0
         self.aborted = 0
         self.stuck = 0  # kept forever: an operation or an abort never ended
@@ -145,10 +146,12 @@ class GroupReaper:
             return len(self._waiting)
 
     def drain(self, timeout_s: float) -> bool:
-        """Waits until every retired group is released or called stuck; False on timeout."""
+        """Waits until every retired group is released (its destructor over: a process that exits
+        while one runs on this daemon thread ends in std::terminate) or called stuck; False on
+        timeout."""
         end = time.monotonic() + timeout_s
         with self._cond:
-            while self._waiting:
+            while self._waiting or self._releasing:
                 left = end - time.monotonic()
                 if left <= 0:
                     return False
@@ -210,10 +213,12 @@ class GroupReaper:
                     over.add(id(item))
             with self._cond:
                 old, self._waiting = self._waiting, deque(i for i in self._waiting if id(i) not in over)
+                self._releasing = bool(over)
             nccl = any(i.backend == "nccl" and id(i) in over for i in old)
             with NCCL_LIFECYCLE.hold(self.abort_timeout_s) if nccl else contextlib.nullcontext():
                 del old, item  # the last references to released groups go here, on this thread
             with self._cond:
+                self._releasing = False
                 self._cond.notify_all()
                 if not self._closed:
                     self._cond.wait(self.poll_s if self._waiting else None)

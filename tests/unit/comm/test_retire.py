@@ -118,3 +118,20 @@ def test_settle_bounds_how_many_communicators_wait_for_their_abort() -> None:
     assert reaper.settle("nccl", 1, 5)
     assert reaper.drain(5) and sum(g.aborted for g in groups) == 3
     reaper.close()
+
+
+def test_drain_returns_only_after_a_released_groups_destructor_ended() -> None:
+    """A process that exits while a group's destructor runs on the reaper's daemon thread ends in
+    std::terminate (seen: exit -6 of a member left out of a job's last epoch)."""
+    ended = threading.Event()
+
+    class SlowToDestroy(FakeGroup):
+        def __del__(self) -> None:
+            time.sleep(0.3)
+            ended.set()
+
+    reaper = GroupReaper(linger_s=30, poll_s=0.01)
+    reaper.retire(SlowToDestroy(), "gloo", 1)
+    assert reaper.drain(5)
+    assert ended.is_set()
+    reaper.close()
