@@ -182,9 +182,8 @@ class CrossReplicaGroup:
         if backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self.timeout
-            bound = getattr(self.reaper, "abort_timeout_s", 10.0)
-            if hasattr(self.reaper, "settle"):
-                self.reaper.settle("nccl", NCCL_RETIRED_MOST, bound)  # GPU memory: a bounded backlog
+            bound = self.reaper.abort_timeout_s
+            self.reaper.settle("nccl", NCCL_RETIRED_MOST, bound)  # GPU memory: a bounded backlog
             with retire.NCCL_LIFECYCLE.hold(bound):  # never beside an abort
                 pg = dist.ProcessGroupNCCL(store, rank, size, options)
                 if device.type == "cuda" and hasattr(pg, "eager_connect_single_device"):

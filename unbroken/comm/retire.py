@@ -149,24 +149,20 @@ class GroupReaper:
         """Waits until every retired group is released (its destructor over: a process that exits
         while one runs on this daemon thread ends in std::terminate) or called stuck; False on
         timeout."""
-        end = time.monotonic() + timeout_s
-        with self._cond:
-            while self._waiting or self._releasing:
-                left = end - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.notify()
-                self._cond.wait(min(left, self.poll_s))
-        return True
+        return self._wait_for(lambda: not self._waiting and not self._releasing, timeout_s)
 
     def settle(self, backend: str, most: int, timeout_s: float) -> bool:
         """Waits until at most ``most`` retired groups of ``backend`` are still waiting; False on
         timeout. An NCCL communicator holds hundreds of MiB of GPU memory (about 390 MiB for one
         rank on an H200) and its abort takes about a second (torch 2.11, NCCL 2.28), so epochs
         that change faster than that would pile communicators up without this bound."""
+        return self._wait_for(lambda: sum(1 for i in self._waiting if i.backend == backend) <= most, timeout_s)
+
+    def _wait_for(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        """Waits, nudging the reaper's thread, until ``done()`` (read under the lock); False on timeout."""
         end = time.monotonic() + timeout_s
         with self._cond:
-            while sum(1 for i in self._waiting if i.backend == backend) > most:
+            while not done():
                 left = end - time.monotonic()
                 if left <= 0:
                     return False

@@ -182,8 +182,9 @@ class Agent:
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self._guardian: reaper.Guardian | None = None
-        host = env.parse_host_ports(settings.coordinator, "--coordinator")[0][0]
-        self.addr = settings.advertise_addr or env.local_address_towards(host)
+        addresses = env.parse_host_ports(settings.coordinator, "--coordinator")
+        self._has_standby = len(addresses) > 1
+        self.addr = settings.advertise_addr or env.local_address_towards(addresses[0][0])
         self._ifname = workers.interface_of(self.addr)
         if settings.nodes_per_replica > 1 and self._ifname is None:
             raise ValueError(f"--advertise-addr {self.addr} is not an address of this node")
@@ -337,7 +338,7 @@ class Agent:
         """The coordinator's next line; b"" (as a closed connection) when a coordinator with a
         standby says nothing past :data:`COORDINATOR_SILENT_HEARTBEATS` heartbeats: it answers
         every heartbeat, so it hangs (SIGSTOP, a stalled disk) and the next address is tried."""
-        if len(env.parse_host_ports(self.s.coordinator, "--coordinator")) < 2:
+        if not self._has_standby:
             return await link.readline()  # nobody else to try: a hung coordinator is waited for
         silent_s = max(COORDINATOR_SILENT_HEARTBEATS * self.s.heartbeat_s, 2.0)
         try:
