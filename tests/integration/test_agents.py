@@ -61,11 +61,19 @@ def alive(pid: int) -> bool:
 class Cluster:
     """A coordinator and agents started by hand, as `srun` would on a cluster."""
 
-    def __init__(self, ps: Processes, run_dir: Path, replicas: int, min_replicas: int, standby: bool = False) -> None:
+    def __init__(
+        self,
+        ps: Processes,
+        run_dir: Path,
+        replicas: int,
+        min_replicas: int,
+        standby: bool = False,
+        coordinator_args: tuple[str, ...] = (),
+    ) -> None:
         self.ps, self.run_dir = ps, run_dir
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
-        ps.coordinator(self.port, replicas, min_replicas, run_dir)
+        ps.coordinator(self.port, replicas, min_replicas, run_dir, *coordinator_args)
         if standby:  # on the same state directory, at its own port; agents and workers get both
             log = ps.run_dir / "coordinator.log"  # the active one first: it must hold the state directory
             wait_until("the coordinator to listen", lambda: log.exists() and b"listening on" in log.read_bytes())

@@ -42,7 +42,7 @@ from unbroken.control.event_loop import listen_backlog
 from unbroken.control.groups import MAX_NODES_PER_REPLICA
 from unbroken.control.heartbeat import HeartbeatPlan, plan_heartbeats
 from unbroken.control.job_health import JobHealth, JobStop
-from unbroken.control.node_relay import NodeConn, NodeRelay
+from unbroken.control.node_relay import NodeConn, NodeLink, NodeRelay
 from unbroken.control.placement import AgentConn, PlacementHooks
 from unbroken.control.quorum import QuorumRules, QuorumState
 from unbroken.control.quorum_service import QuorumService, RankConn
@@ -153,6 +153,8 @@ class Coordinator:
             evict=self._evict,
             fail_job=self._fail_job,
             store_for=self._store_for,
+            max_asks_per_s=settings.max_asks_per_s,
+            max_grant_s=settings.max_grant_s,
         )
         self.diagnosis = DiagnosisService(
             self.events, DiagnosisMaster(policy=policy), stacks or self.agents.request_stack
@@ -284,6 +286,7 @@ class Coordinator:
                 }
                 for r, ranks in sorted(self.replicas.items())
             },
+            "granted": self.requests.granted,  # fast answers a node's relay repeats for the next steps
             "median_step_s": statistics.median(self.requests.step_times) if self.requests.step_times else None,
             "auth_failures": self.auth_failures,
             "nodes": self.nodes.status(),  # node agents relaying their ranks: ranks spoken for, by node
@@ -416,6 +419,7 @@ class Coordinator:
             node=hello.node,
             last_heartbeat=time.monotonic(),
             step=hello.step,
+            relayed=isinstance(link, NodeLink),
         )
         ranks = self.replicas.setdefault(replica, {})
         ranks[rank] = conn

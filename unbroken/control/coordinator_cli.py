@@ -213,6 +213,15 @@ def job_health_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     help="Connections served at once: every rank of every replica, the agents, status clients.",
 )
 @click.option(
+    "--max-asks-per-s",
+    type=float,
+    default=CoordinatorSettings.max_asks_per_s,
+    show_default=True,
+    help="Quorum requests a second the coordinator spends on at most: past it, answers to ranks behind a "
+    "node agent's relay stand for several steps and the relay answers those itself (a newcomer then "
+    "waits up to that many steps longer to be admitted).",
+)
+@click.option(
     "--standby",
     is_flag=True,
     help="Wait until the active coordinator on the same --state-dir is gone, then take over at --host:--port "
@@ -249,6 +258,7 @@ def coordinator(
     secret_file: Path | None,
     http_port: int | None,
     max_connections: int,
+    max_asks_per_s: float,
     standby: bool,
     lease_s: float,
     renew_s: float,
@@ -265,6 +275,7 @@ def coordinator(
             startup_window_s=startup_window,
             journal_mode=journal_mode,
             max_connections=max_connections,
+            max_asks_per_s=max_asks_per_s,
             fatal_epochs=fatal_epochs,
             no_progress_timeout_s=no_progress_timeout,
         )

@@ -363,15 +363,38 @@ class QuorumAnswer:
 
 @dataclasses.dataclass(frozen=True)
 class QuorumSame:
-    """The fast path's answer: the epoch this connection holds, now at ``step``, nobody behind."""
+    """The fast path's answer: the epoch this connection holds, now at ``step``, nobody behind.
+
+    ``through``: the same answer stands for the steps up to this one (a grant,
+    :mod:`unbroken.control.grants`): the node's relay answers them itself. A rank's own client
+    reads no further than ``step``.
+    """
 
     OP: ClassVar[str] = "quorum"
     id: int
     same_epoch: int
     step: int
+    through: int | None = None
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> QuorumSame:
+        """Raises ValueError unless it is a short answer (a full one has a ``decision``)."""
+        if "decision" in msg:
+            raise ValueError("a full quorum answer, not a short one")
+        step = count(msg, "step")
+        through = msg.get("through")
+        return cls(
+            id=count(msg, "id"),
+            same_epoch=count(msg, "same_epoch"),
+            step=step,
+            through=None if through is None else max(step, count(msg, "through")),
+        )
 
     def to_msg(self) -> Message:
-        return {"op": self.OP, "id": self.id, "same_epoch": self.same_epoch, "step": self.step}
+        msg: Message = {"op": self.OP, "id": self.id, "same_epoch": self.same_epoch, "step": self.step}
+        if self.through is not None and self.through > self.step:
+            msg["through"] = self.through
+        return msg
 
 
 @dataclasses.dataclass(frozen=True)

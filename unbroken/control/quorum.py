@@ -33,6 +33,8 @@ import functools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from unbroken.control.grants import grant_through
+
 
 @dataclasses.dataclass(frozen=True)
 class QuorumRequest:
@@ -181,6 +183,8 @@ class QuorumState:
         self.join_window_s = rules.join_window_s
         # The current epoch can no longer complete an exchange (a member failed or left).
         self.broken = False
+        # The newest step a fast answer of the current epoch was granted through: fixed membership.
+        self.granted_through = -1
 
     # -- events -------------------------------------------------------------------------
 
@@ -236,10 +240,21 @@ class QuorumState:
         ):
             return None
         if req.step > cur.step:
-            if self.waiting:
-                return None  # a newcomer waits: admit it at this new step
+            if self.waiting and req.step > self.granted_through:
+                return None  # a newcomer waits: admit it at this new step (no step granted fixes it)
             self.current = dataclasses.replace(cur, step=req.step, behind=(), donors=())
         return self.current
+
+    def grant(self, replica: int, step: int, steps: int) -> int:
+        """The last step the fast answer to ``replica`` for ``step`` stands for (``step``: no
+        grant), given :func:`~unbroken.control.grants.grant_steps` ``steps``; recorded, so that
+        no newcomer is admitted before it. No grant while a newcomer waits (it is admitted at the
+        next step asked for past the ones granted) or the epoch is broken."""
+        if self.waiting or self.broken or self.current is None or steps <= 1:
+            return step
+        through = grant_through(replica, step, steps)
+        self.granted_through = max(self.granted_through, through)
+        return through
 
     def upcoming_donors(self) -> dict[int, int]:
         """Which member will most likely serve each newcomer now waiting to be admitted.
@@ -301,9 +316,10 @@ class QuorumState:
         member through the coordinator's one loop (8.7 s from a death to the new epoch at 5,000
         groups); the answers are known already. Its members: the replicas that asked, and the
         members of the broken epoch that have not (``heard``: member -> the step it trains, as
-        last said) and are alive and not silent; each in-flight member at most at the broken
-        epoch's step (it trains no later one). The same rules as :meth:`evaluate`: a strict
-        majority of the live replicas, ``min_replicas``, an epoch within :attr:`epoch_limit`.
+        last said) and are alive and not silent: one catching up at most at the broken epoch's
+        step, every other one at the newest step its peers are known to train (within the grant).
+        The same rules as :meth:`evaluate`: a strict majority of the live replicas,
+        ``min_replicas``, an epoch within :attr:`epoch_limit`.
 
         Returns:
             The decision, or None when there is nothing to push (no broken epoch) or the rules
@@ -315,9 +331,22 @@ class QuorumState:
         if self.epoch_limit is not None and self.epoch >= self.epoch_limit:
             return None
         steps = {m: r.step for m, r in self.waiting.items() if m in self.alive}
-        for m, step in heard.items():
-            if m in cur.member_set and m in self.alive and m not in self.silent and m not in steps:
-                steps[m] = min(step, cur.step)
+        in_flight = {
+            m: step
+            for m, step in heard.items()
+            if m in cur.member_set and m in self.alive and m not in self.silent and m not in steps
+        }
+        # Members not catching up train in lock step (each step's exchange holds them together):
+        # the newest step any of them is known to train is everyone's. Under a grant that is past
+        # the epoch's step (a member says it in its heartbeats), never past the grant.
+        newest = max(cur.step, self.granted_through)
+        at = max(
+            [cur.step]
+            + [min(s, newest) for m, s in in_flight.items() if m not in cur.behind_set]
+            + [s for m, s in steps.items() if m in cur.member_set and m not in cur.behind_set]
+        )
+        for m, step in in_flight.items():
+            steps[m] = min(step, cur.step) if m in cur.behind_set else at
         if not majority_ok(steps, self.alive, self.rules.min_replicas):
             return None
         return self._form(steps)
@@ -332,6 +361,7 @@ class QuorumState:
         self.epoch += 1
         self.current = QuorumDecision(self.epoch, step, members, behind, donors)
         self.broken = False
+        self.granted_through = -1
         self.waiting.clear()
         self.forming_since = None
         return self.current

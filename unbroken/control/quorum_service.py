@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 
 from unbroken.control import protocol
 from unbroken.control.failure import classify
+from unbroken.control.grants import StepClock, grant_steps
 from unbroken.control.job_health import JobHealth, JobStop
 from unbroken.control.quorum import QuorumDecision, QuorumRequest, QuorumState, push_answers
 from unbroken.control.setaside import SetAside
@@ -45,6 +46,7 @@ class RankConn:
     epoch: int | None = None  # the last epoch this connection was answered with
     failure: str | None = None  # the error of its exchange in the epoch its last request says failed
     pushed: QuorumDecision | None = None  # the epoch pushed to it unasked, until its next request arrives
+    relayed: bool = False  # spoken for by its node's relay, which answers within a grant (control.grants)
 
 
 # A rank's request: its connection, the request's id, the step it asks for, the epoch it says failed.
@@ -64,6 +66,9 @@ class QuorumService:
         evict: evicts a replica (cause, reason).
         fail_job: ends the job.
         store_for: the rendezvous store's address as the connection given sees it.
+        max_asks_per_s: requests a second past which fast answers to relayed replicas stand for
+            several steps (:mod:`unbroken.control.grants`).
+        max_grant_s: the longest a grant stands.
     """
 
     def __init__(
@@ -77,6 +82,8 @@ class QuorumService:
         evict: Callable[[int, ev.EvictCause, str], None],
         fail_job: Callable[[JobStop], None],
         store_for: Callable[[protocol.Link], str],
+        max_asks_per_s: float = 2000.0,
+        max_grant_s: float = 10.0,
     ) -> None:
         self.quorum, self.replicas, self.min_replicas = quorum, replicas, min_replicas
         self.store, self.events, self.health = store, events, health
@@ -89,6 +96,9 @@ class QuorumService:
         self.aborts_pushed: int | None = None  # the broken epoch whose members were told to abort
         self.hinted: dict[int, int] = {}  # newcomer -> the epoch in which its donor was told
         self.push_due = False  # an eviction broke the epoch: push_epoch() runs once the evictions of this turn are done
+        self.max_asks_per_s, self.max_grant_s = max_asks_per_s, max_grant_s
+        self.clock = StepClock()  # the job's step time, from the steps asked for (what grants are sized by)
+        self.granted = 0  # fast answers that stood for more than their step
 
     def forget(self, replica: int) -> None:
         """``replica`` is evicted: its requests are void."""
@@ -121,7 +131,7 @@ class QuorumService:
         if pushed is not None and push_answers(pushed, conn.replica, ask.step, ask.failed_epoch):
             conn.step = ask.step  # sent before the push arrived, which the rank took as its answer
             return
-        ok, failed = self._vet(conn, ask)
+        ok, failed = self._vet(conn, ask, pushed)
         if not ok:
             return
         conn.failure = ask.failure if failed is not None else None
@@ -164,7 +174,7 @@ class QuorumService:
                 for conn in conns:
                     conn.step = ask.step  # sent before the push arrived, which the ranks took as their answer
                 return
-        ok, failed = self._vet(first, ask)
+        ok, failed = self._vet(first, ask, pushed)
         if not ok:
             return
         failure, step, req_id = ask.failure if failed is not None else None, ask.step, ask.id
@@ -181,15 +191,24 @@ class QuorumService:
         if ask.failed_epoch is not None and ask.failed_epoch > self.quorum.epoch:
             raise ValueError(f"failed_epoch {ask.failed_epoch} was never formed (the newest is {self.quorum.epoch})")
 
-    def _vet(self, conn: RankConn, ask: protocol.QuorumAsk) -> tuple[bool, int | None]:
+    def _vet(
+        self, conn: RankConn, ask: protocol.QuorumAsk, pushed: QuorumDecision | None = None
+    ) -> tuple[bool, int | None]:
         """The rules of a request from ``conn`` (or from every rank of its replica, alike):
-        whether it goes on (False: its replica was evicted), and the failed epoch it counts as."""
+        whether it goes on (False: its replica was evicted), and the failed epoch it counts as.
+
+        ``pushed``: the epoch pushed to it since its last request, which did not answer this one.
+        A push places a member that had not asked at the step its peers train; one whose last
+        exchange failed where theirs did not is a step short: its request fails the pushed epoch,
+        which forms again with it behind, instead of evicting it as a state that went back."""
         step, failed = ask.step, ask.failed_epoch
         cur = self.quorum.current
         # This very connection trains in the current epoch (a restarted process of a member
         # of it is a newcomer: it asks for the step of its checkpoint, and catches up).
         member = cur is not None and conn.epoch == cur.epoch and conn.replica in cur.member_set
-        if cur is not None and member and step < cur.step:
+        if cur is not None and member and step < cur.step and pushed is not None and pushed.epoch == cur.epoch:
+            failed = cur.epoch
+        elif cur is not None and member and step < cur.step:
             self.evict(
                 conn.replica,
                 ev.EvictCause.STEP_WENT_BACK,
@@ -205,6 +224,7 @@ class QuorumService:
         if member and cur is not None and step > cur.step:
             self.setaside.progressed()
             self.health.progressed(now)
+            self.clock.progressed(now, step)
         return True, failed
 
     def submit(self, replica: int, ranks: dict[int, Asked]) -> None:
@@ -241,13 +261,24 @@ class QuorumService:
         newcomer = cur is None or req.replica not in cur.member_set
         answer, formed = self.quorum.request(req, time.monotonic())
         if answer is not None:
-            self._reply(answer, {req.replica: ranks})
+            self._reply(answer, {req.replica: ranks}, self._grant(req.replica, answer, ranks))
         else:
             self.pending[conn.replica] = ranks
         self.deliver(formed)
         self.push_aborts()
         if newcomer:  # only a newcomer's request changes the forecast: no scan of the members on every request
             self.hint_donors()
+
+    def _grant(self, replica: int, d: QuorumDecision, ranks: dict[int, Asked]) -> int:
+        """The last step the fast answer ``d`` to ``replica`` stands for (:mod:`unbroken.control.grants`):
+        only a replica whose every rank its node's relay speaks for is granted more than ``d.step``."""
+        if d.behind or not all(c.relayed and c.epoch == d.epoch for (c, _, _, _) in ranks.values()):
+            return d.step  # only a short answer carries a grant
+        steps = grant_steps(len(d.members), self.clock.step_s(), self.max_asks_per_s, self.max_grant_s)
+        through = self.quorum.grant(replica, d.step, steps)
+        if through > d.step:
+            self.granted += 1
+        return through
 
     def _judge_failure(self, epoch: int, members: Iterable[int], replica: int, errors: list[str | None]) -> None:
         """A replica's report that ``epoch`` failed: a configuration error at every member, epochs
@@ -352,8 +383,9 @@ class QuorumService:
                     payload = pushes[store] = protocol.push_payload(abort, protocol.answer_tail(decision, {}, store))
                 conn.link.send_payload(payload)
 
-    def _reply(self, d: QuorumDecision, waiting: dict[int, dict[int, Asked]]) -> None:
-        """Answers the ranks in ``waiting`` with ``d``.
+    def _reply(self, d: QuorumDecision, waiting: dict[int, dict[int, Asked]], through: int | None = None) -> None:
+        """Answers the ranks in ``waiting`` with ``d`` (a fast answer standing ``through`` that step: its
+        short answer says so, for the node's relay).
 
         A connection already told this epoch gets the short answer (:class:`protocol.QuorumSame`):
         the fast path costs the same at 5,000 members as at 3. A full answer's text is made once
@@ -373,7 +405,7 @@ class QuorumService:
             for rank, (conn, req_id, _, _) in ranks.items():
                 if conn.epoch == d.epoch and not d.behind:
                     if req_id != same_id:
-                        same_id, same = req_id, protocol.same_payload(req_id, d.epoch, d.step)
+                        same_id, same = req_id, protocol.same_payload(req_id, d.epoch, d.step, through)
                     conn.link.send_payload(same)
                     continue
                 conn.epoch = d.epoch

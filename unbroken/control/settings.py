@@ -45,6 +45,9 @@ class CoordinatorSettings:
         heartbeat_s: how often each rank heartbeats (told in the welcome), while the job is small.
         max_heartbeats_per_s: heartbeat lines a second the coordinator spends on at most: past
             it the period and both silences above grow (:mod:`unbroken.control.heartbeat`).
+        max_asks_per_s: quorum requests a second the coordinator spends on at most: past it, fast
+            answers to relayed ranks stand for several steps (:mod:`unbroken.control.grants`).
+        max_grant_s: the longest such an answer stands, in seconds (a newcomer waits up to it).
         fatal_epochs: epochs in a row failed by a configuration error at every member that end
             the job (:mod:`unbroken.control.job_health`).
         no_progress_timeout_s: seconds without a committed step that end the job; 0 never.
@@ -68,10 +71,14 @@ class CoordinatorSettings:
     max_world_size: int = 4096
     heartbeat_s: float = 0.1
     max_heartbeats_per_s: float = 2000.0
+    max_asks_per_s: float = 2000.0
+    max_grant_s: float = 10.0
     fatal_epochs: int = DEFAULT_FATAL_EPOCHS
     no_progress_timeout_s: float = DEFAULT_NO_PROGRESS_S
 
     def __post_init__(self) -> None:
         names = ("heartbeat_timeout_s", "suspect_after_s", "join_window_floor_s", "startup_window_s", "hello_timeout_s")
-        check_seconds({n: getattr(self, n) for n in (*names, "heartbeat_s")})  # NaN included
+        check_seconds({n: getattr(self, n) for n in (*names, "heartbeat_s", "max_grant_s")})  # NaN included
+        if not self.max_asks_per_s > 0:
+            raise ValueError(f"max_asks_per_s must be > 0, got {self.max_asks_per_s}")
         check_seconds({"finish_grace_s": self.finish_grace_s}, zero_ok=True)

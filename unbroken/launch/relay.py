@@ -51,6 +51,7 @@ from typing import Any
 
 from unbroken import config as env
 from unbroken.control import protocol
+from unbroken.control.grants import Grant
 from unbroken.control.messages import MAX_NODE_RANKS
 from unbroken.control.serving import ConnectionServer, Refused
 from unbroken.diagnosis.telemetry import TelemetryBatch
@@ -83,6 +84,7 @@ class RankLine:
     heard: bool = True  # it said something the coordinator has not heard of since
     step: int | None = None
     compute_s: float | None = None
+    grant: Grant | None = None  # the coordinator's fast answer standing for its next steps
 
     @property
     def slot(self) -> Slot:
@@ -102,6 +104,7 @@ class RelayBook:
         self.ranks: dict[Slot, RankLine] = {}
         self.heartbeat_s = DEFAULT_HEARTBEAT_S
         self.urgent = False  # something queued must go this turn (more than telemetry)
+        self.answered = 0  # requests answered here, within a grant (unbroken.control.grants)
         self._queue: list[tuple[str, RankLine, Any]] = []
 
     def hello(self, link: Any, hello: protocol.Hello) -> RankLine:
@@ -124,18 +127,26 @@ class RelayBook:
         self._put("hello", rank, hello)
         return rank
 
-    def said(self, rank: RankLine, msg: protocol.Message) -> None:
-        """One message of a rank that said hello, validated into its typed form and queued.
+    def said(self, rank: RankLine, msg: protocol.Message) -> bytes | None:
+        """One message of a rank that said hello, validated into its typed form and queued; or,
+        a quorum request within the rank's grant, answered: the answer's text is returned.
 
         Raises:
             ValueError (or TypeError, KeyError): a malformed message, or one a rank does not say.
             Overloaded: too much waits for the node connection.
         """
         if self.ranks.get(rank.slot) is not rank:
-            return  # dropped a moment ago: its connection is closing
+            return None  # dropped a moment ago: its connection is closing
         op = msg["op"]
         if op == protocol.QuorumAsk.OP:
-            self._put("ask", rank, protocol.QuorumAsk.from_msg(msg))
+            ask = protocol.QuorumAsk.from_msg(msg)
+            grant = rank.grant
+            if grant is not None and grant.answers(ask.step, ask.failed_epoch):
+                rank.heard, rank.step = True, max(rank.step or 0, ask.step)  # its next heartbeat says so
+                self.answered += 1
+                return protocol.same_payload(ask.id, grant.epoch, ask.step)
+            rank.grant = None
+            self._put("ask", rank, ask)
         elif op == protocol.Heartbeat.OP:
             self._note(rank, protocol.Heartbeat.from_msg(msg))
         elif op == protocol.Telemetry.OP:
@@ -156,6 +167,7 @@ class RelayBook:
             raise ValueError("a connection speaks for one rank: it said hello already")
         else:
             raise ValueError(f"a rank says no {op!r} to its node's relay")
+        return None
 
     def _note(self, rank: RankLine, beat: protocol.Heartbeat) -> None:
         rank.heard = True
@@ -233,10 +245,16 @@ class RelayBook:
             rank = self.ranks.get(slot)
             if rank is None or not rank.announced:
                 continue
-            if msg["op"] == protocol.Welcome.OP:
+            op = msg["op"]
+            if op == protocol.Welcome.OP:
                 welcome = protocol.Welcome.from_msg(msg)
                 if welcome.heartbeat_s:  # the coordinator's pace: the node beats at it too
                     self.heartbeat_s = min(max(welcome.heartbeat_s, 0.05), 5.0)
+            if op == protocol.QuorumSame.OP and "decision" not in msg:
+                same = protocol.QuorumSame.from_msg(msg)
+                rank.grant = Grant.from_answer(same.same_epoch, same.step, same.through)
+            elif op not in (protocol.Alive.OP, protocol.Donate.OP, protocol.Error.OP):
+                rank.grant = None  # a full answer, a pushed epoch, an abort: the coordinator decides again
             out.append((rank, msg))
         dropped = []
         for slot in answers.dropped:
@@ -355,7 +373,9 @@ class Relay:
                     raise Refused(str(e)) from e
                 self._wanted.set()
             else:
-                self.book.said(rank, msg)
+                answer = self.book.said(rank, msg)
+                if answer is not None:
+                    link.send_payload(answer)
         except Overloaded as e:
             raise Refused(str(e)) from e
         if self.book.urgent:

@@ -175,3 +175,57 @@ def test_a_node_relays_its_ranks_goodbyes_compute_times_and_is_counted_in_status
         assert c.status()["nodes"] == {}
 
     run(tmp_path, scenario, total_replicas=2, min_replicas=1)
+
+
+def test_past_its_request_budget_the_coordinator_grants_steps_and_a_newcomer_waits_them_out(tmp_path: Path) -> None:
+    async def step(links: list[protocol.Link], replicas: list[int], step: int, req_id: int) -> list[list[Any]]:
+        """Each node's answers to its ranks' requests for ``step`` (what else comes is skipped)."""
+        for link, r in zip(links, replicas, strict=True):
+            link.send(asks(r, step, req_id).to_msg())
+        return list(await asyncio.gather(*(quorum_answers(link) for link in links)))
+
+    async def quorum_answers(link: protocol.Link) -> list[Any]:
+        while True:  # alive while an epoch forms, a donor told of a newcomer
+            got = [m for m in (await answers(link)).msgs if m["op"] == "quorum"]
+            if got:
+                assert len(got) == RANKS
+                return got
+
+    async def scenario(c: Coordinator) -> None:
+        a, b = await node(c, "a", 0), await node(c, "b", 1)
+        await step([a, b], [0, 1], 0, 1)
+        throughs: dict[int, int] = {}
+        for s in range(1, 12):  # the coordinator learns the step time, then grants
+            await asyncio.sleep(0.01)
+            for got, r in zip(await step([a, b], [0, 1], s, s + 1), [0, 1], strict=True):
+                assert {m["same_epoch"] for m in got} == {1} and len({m.get("through") for m in got}) == 1
+                if got[0].get("through") is not None:
+                    throughs[r] = got[0]["through"]
+        assert throughs and c.requests.granted > 0 and c.status()["granted"] == c.requests.granted
+        granted = c.quorum.granted_through
+        assert granted == max(throughs.values()) > 11
+        n = await node(c, "c", 2)  # a newcomer, back from step 0
+        n.send(asks(2, 0, 1).to_msg())
+        for s in range(12, granted + 1):  # the granted steps stand: same members, no further grant
+            for got in await step([a, b], [0, 1], s, s + 1):
+                assert {m["same_epoch"] for m in got} == {1} and {m.get("through") for m in got} == {None}
+        for got in [*await step([a, b], [0, 1], granted + 1, granted + 2), await quorum_answers(n)]:
+            d = QuorumDecision.from_json(got[0]["decision"])
+            assert (d.epoch, d.step, d.members, d.behind) == (2, granted + 1, (0, 1, 2), (2,))
+
+    run(tmp_path, scenario, total_replicas=3, min_replicas=1, max_asks_per_s=0.5, startup_window_s=0.2)
+
+
+def test_a_rank_of_its_own_connection_is_never_granted(tmp_path: Path) -> None:
+    async def scenario(c: Coordinator) -> None:
+        links = [await member(c, SECRET, r) for r in (0, 1)]
+        for s in range(12):
+            await asyncio.sleep(0.01)
+            for link in links:
+                link.send(protocol.QuorumAsk(id=s + 1, step=s, step_time=None, failed_epoch=None).to_msg())
+            for link in links:
+                got = await next_op(link, "quorum")
+                assert "through" not in got
+        assert c.requests.granted == 0
+
+    run(tmp_path, scenario, total_replicas=2, min_replicas=1, max_asks_per_s=0.5)

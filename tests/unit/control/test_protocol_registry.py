@@ -82,6 +82,8 @@ EXAMPLES = [
     protocol.NodeSay(says=((1, 0, {"op": "bye"}), (1, 1, {"op": "exited", "replica": 1, "exitcode": 3}))),
     protocol.NodeQuorum(asks=((1, 0, protocol.QuorumAsk(id=2, step=3, step_time=None, failed_epoch=None)),)),
     protocol.NodeLeave(ranks=((1, 1),)),
+    protocol.QuorumSame(id=3, same_epoch=2, step=7),
+    protocol.QuorumSame(id=3, same_epoch=2, step=7, through=9),
     protocol.NodeAnswers(to=((1, 0),), msgs=({"op": "abort", "epoch": 4},), dropped=((1, 1),)),
 ]
 

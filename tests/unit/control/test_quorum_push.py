@@ -44,14 +44,63 @@ def test_a_push_answers_those_who_asked_again_and_admits_a_waiting_newcomer_behi
     assert q.waiting == {}
 
 
-def test_a_member_heard_at_an_older_step_is_behind_and_none_is_ahead_of_the_epoch() -> None:
+def test_members_in_flight_train_in_lock_step_and_none_is_ahead_of_the_epoch() -> None:
     q = training(4)
     q.disconnect(3, 1.0)
-    # 2 had not asked for step 5 yet (its exchange of step 4 may have failed); 1 claims a step
-    # its epoch never trained: it trains step 5 at most.
+    # 2 was last heard at step 4 (it had not asked for step 5 yet, while 0 had: so every member
+    # finished step 4's exchange); 1 claims a step its epoch never trained: step 5 at most.
     d = q.push({0: 5, 1: 10**9, 2: 4})
     assert d is not None
-    assert d.step == 5 and d.behind == (2,) and d.donor_of(2) in (0, 1)
+    assert d.step == 5 and d.behind == () and d.members == (0, 1, 2)
+
+
+def test_a_member_catching_up_stays_behind_in_the_push() -> None:
+    q = training(3)
+    q.disconnect(2, 1.0)
+    assert q.push({0: 5, 1: 5}) is not None
+    q.connect(2)
+    q.request(QuorumRequest(2, 1), 1.1)  # back from an old checkpoint: waits to be admitted
+    q.request(QuorumRequest(0, 6), 1.2)
+    _, formed = q.request(QuorumRequest(1, 6), 1.3)
+    assert [(d.step, d.behind) for d in formed] == [(6, (2,))]
+    q.disconnect(1, 2.0)  # while 2 catches up
+    pushed = q.push({0: 6, 2: 1})
+    assert pushed is not None and pushed.step == 6 and pushed.behind == (2,)
+
+
+def test_under_a_grant_members_are_pushed_at_the_newest_step_heard_within_it() -> None:
+    q = training(4)
+    assert q.grant(0, 5, 4) == 7  # replica 0's phase: it asks again at step 8
+    q.disconnect(3, 1.0)
+    d = q.push({0: 6, 1: 5, 2: 6})  # heartbeats lag: 1 was last heard at 5
+    assert d is not None and d.step == 6 and d.behind == () and d.members == (0, 1, 2)
+
+
+def test_a_step_claimed_past_the_grant_is_bounded_by_it() -> None:
+    q = training(4)
+    q.grant(0, 5, 4)
+    q.disconnect(3, 1.0)
+    d = q.push({0: 6, 1: 10**9, 2: 6})
+    assert d is not None and d.step == 7 and d.behind == ()
+
+
+def test_no_grant_while_a_newcomer_waits_and_it_is_admitted_after_the_granted_steps() -> None:
+    q = training(3)
+    q.disconnect(2, 1.0)
+    q.push({0: 5, 1: 5})
+    assert q.grant(0, 5, 4) == 7
+    q.connect(2)
+    q.request(QuorumRequest(2, 0), 1.1)
+    assert q.grant(1, 5, 4) == 5  # one waits: no further grant
+    for step in (6, 7):  # granted steps: their membership stands
+        for r in (0, 1):
+            answer, formed = q.request(QuorumRequest(r, step), 1.2)
+            assert answer is not None and answer.members == (0, 1) and formed == []
+    answer, _ = q.request(QuorumRequest(0, 8), 1.3)
+    assert answer is None
+    _, formed = q.request(QuorumRequest(1, 8), 1.3)
+    assert [(d.step, d.members, d.behind) for d in formed] == [(8, (0, 1, 2), (2,))]
+    assert q.granted_through == -1
 
 
 def test_a_silent_or_dead_member_is_left_out_of_the_push() -> None:

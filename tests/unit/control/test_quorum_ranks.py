@@ -154,3 +154,23 @@ def test_a_node_line_is_cut_into_runs_of_one_replica_asking_alike() -> None:
         (4, a, [0]),
         (4, b, [1, 2]),
     ]
+
+
+def test_a_member_a_push_placed_a_step_ahead_of_it_is_re_formed_behind_not_evicted(tmp_path: Path) -> None:
+    s = Service(tmp_path, 3)
+    everyone = list(range(RANKS))
+    for r in (0, 1, 2):
+        s.ask(r, everyone, step=0, req_id=1)
+    for r in (0, 1, 2):
+        s.ask(r, everyone, step=5, req_id=2)
+    s.ask(0, everyone, step=6, req_id=3)  # 0 committed step 5; 1's exchange of it failed where 0's did not
+    s.evict(2)  # the push places 1, which had not asked, at step 6 with its peers
+    pushed = s.told(1, 0)[-1]
+    assert pushed["op"] == "epoch" and pushed["decision"]["step"] == 6 and pushed["decision"]["behind_runs"] == []
+    s.ask(1, everyone, step=5, req_id=3, failed=1)  # its own step: one short of the push's
+    assert s.evicted == [2]  # no state went back: the pushed epoch fails instead
+    assert s.quorum.broken and s.told(0, 0)[-1] == {"op": "abort", "epoch": 2}
+    s.ask(0, everyone, step=6, req_id=4, failed=2)
+    d = s.quorum.current
+    assert d is not None and (d.epoch, d.step, d.members, d.behind) == (3, 6, (0, 1), (1,))
+    assert s.told(1, 0)[-1]["decision"]["epoch"] == 3

@@ -8,6 +8,7 @@ connection speaks for the slot it said hello as and nothing else.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -176,3 +177,46 @@ def test_a_lost_node_connection_closes_every_rank_and_sends_nothing_queued() -> 
     book.said(ranks[0], ask(1, 1))
     assert book.reset() == ranks
     assert book.ranks == {} and book.lines() == [] and book.beats() is None
+
+
+def answer(book: RelayBook, slot: tuple[int, int], msg: dict[str, Any]) -> None:
+    book.fan_out(protocol.NodeAnswers(to=(slot,), msgs=(msg,)))
+
+
+def test_a_grant_answers_the_steps_it_covers_here_and_nothing_else() -> None:
+    book, (a,) = book_with((0, 0))
+    answer(book, (0, 0), protocol.QuorumSame(id=1, same_epoch=3, step=5, through=7).to_msg())
+    for req_id, step in ((2, 6), (3, 7)):
+        got = book.said(a, ask(req_id, step))
+        assert got is not None and protocol.QuorumSame.from_msg(json.loads(got)) == protocol.QuorumSame(
+            id=req_id, same_epoch=3, step=step
+        )
+    assert book.lines() == [] and book.answered == 2
+    assert book.beats() == protocol.NodeHeartbeat(beats=((0, 0, 7, None),)).to_msg()  # the coordinator hears its step
+    assert book.said(a, ask(4, 8)) is None  # past the grant: the coordinator's
+    assert [m["op"] for m in book.lines()] == ["node_quorum"]
+    assert book.said(a, ask(5, 8)) is None  # and the grant is spent
+
+
+def test_a_failure_the_same_step_again_or_an_abort_goes_to_the_coordinator() -> None:
+    book, (a,) = book_with((0, 0))
+    answer(book, (0, 0), protocol.QuorumSame(id=1, same_epoch=3, step=5, through=9).to_msg())
+    failed = protocol.QuorumAsk(id=2, step=6, step_time=None, failed_epoch=3).to_msg()
+    assert book.said(a, failed) is None  # an exchange that failed is never answered here
+    answer(book, (0, 0), protocol.QuorumSame(id=2, same_epoch=3, step=6, through=9).to_msg())
+    assert book.said(a, ask(3, 6)) is None  # a step answered already is asked again upstream
+    answer(book, (0, 0), protocol.QuorumSame(id=3, same_epoch=3, step=6, through=9).to_msg())
+    answer(book, (0, 0), protocol.Abort(epoch=3).to_msg())
+    assert book.said(a, ask(4, 7)) is None
+    answer(book, (0, 0), protocol.QuorumSame(id=4, same_epoch=3, step=7).to_msg())  # no through: no grant
+    assert book.said(a, ask(5, 8)) is None
+    assert book.answered == 0
+
+
+def test_a_grant_is_the_rank_connection_s_alone() -> None:
+    book, (a, b) = book_with((0, 0), (0, 1))
+    answer(book, (0, 0), protocol.QuorumSame(id=1, same_epoch=3, step=5, through=7).to_msg())
+    assert book.said(b, ask(2, 6)) is None
+    book.gone(a)
+    again = book.hello("la2", hello(0, 0))
+    assert book.said(again, ask(2, 6)) is None  # a new connection starts without one
