@@ -53,7 +53,9 @@ from unbroken.launch.workers import free_port
 
 QUICK_SIZES = (10, 100)
 FULL_SIZES = (10, 100, 1000, 5000)
-# The schedule of one size, in steps: fast path, the disconnect, the rejoin, the takeover.
+# The schedule of one size, in steps: fast path, the disconnect, the rejoin, the takeover
+# (all shifted by ``--warmup-steps``: the coordinator learns the step time before it grants steps).
+FAST_STEP = 2
 DISCONNECT_STEP = 8
 REJOIN_STEP = 11
 TAKEOVER_STEP = 15
@@ -73,7 +75,9 @@ def _proc_rss_mib(pid: int) -> float:
     return 0.0
 
 
-def _start_coordinator(size: int, state_dir: Path, port: int, standby: bool) -> subprocess.Popen[bytes]:
+def _start_coordinator(
+    size: int, state_dir: Path, port: int, standby: bool, max_asks_per_s: float | None = None
+) -> subprocess.Popen[bytes]:
     args = [
         sys.executable,
         "-m",
@@ -96,6 +100,8 @@ def _start_coordinator(size: int, state_dir: Path, port: int, standby: bool) -> 
     ]
     if standby:
         args.append("--standby")
+    if max_asks_per_s is not None:
+        args += ["--max-asks-per-s", str(max_asks_per_s)]
     path = [str(Path(__file__).parents[2]), config.python_path() or ""]
     env = {**os.environ, config.ENV_PYTHONPATH: os.pathsep.join(p for p in path if p)}
     log = state_dir.parent / f"coordinator-{port}.log"
@@ -132,6 +138,8 @@ def run_size(
     standby: bool,
     work: Path,
     ranks_per_node: int = 0,
+    warmup: int = 0,
+    max_asks_per_s: float | None = None,
 ) -> dict[str, Any]:
     """One coordinator (and its standby) against ``size`` simulated groups; the figures.
 
@@ -140,7 +148,7 @@ def run_size(
     state_dir = work / f"state-{size}"
     secret, _ = secret_file.kept(state_dir)
     port = free_port()
-    active = _start_coordinator(size, state_dir, port, standby=False)
+    active = _start_coordinator(size, state_dir, port, False, max_asks_per_s)
     procs: list[Any] = []
     coordinators = [active]
     try:
@@ -148,7 +156,7 @@ def run_size(
         addresses = [("127.0.0.1", port)]
         if standby:
             standby_port = free_port()
-            coordinators.append(_start_coordinator(size, state_dir, standby_port, standby=True))
+            coordinators.append(_start_coordinator(size, state_dir, standby_port, True, max_asks_per_s))
             _wait_listening(coordinators[-1], work / f"coordinator-{standby_port}.log", needle="standby: waiting")
             addresses.append(("127.0.0.1", standby_port))
         ctx = multiprocessing.get_context("spawn")
@@ -162,13 +170,13 @@ def run_size(
                 key=secret.key,
                 replicas=chunk,
                 t0=0.0,
-                steps=STEPS if standby else TAKEOVER_STEP,
+                steps=warmup + (STEPS if standby else TAKEOVER_STEP),
                 step_time=step_time,
                 jitter=jitter,
                 heartbeat_s=heartbeat_s,
                 victim=victim if victim in chunk else None,
-                disconnect_step=DISCONNECT_STEP,
-                rejoin_step=REJOIN_STEP,
+                disconnect_step=warmup + DISCONNECT_STEP,
+                rejoin_step=warmup + REJOIN_STEP,
                 seed=i,
                 ranks_per_node=ranks_per_node,
             )
@@ -188,19 +196,19 @@ def run_size(
         t0 = time.monotonic() + 0.5
         for _, go_w, _ in links:
             go_w.send(t0)
-        # The coordinator's CPU over the fast-path steps (2 to DISCONNECT_STEP): sampled at their edges.
-        _sleep_until(t0 + 2 * step_time)
+        # The coordinator's CPU over the fast-path steps (FAST_STEP to DISCONNECT_STEP): sampled at their edges.
+        _sleep_until(t0 + (warmup + FAST_STEP) * step_time)
         cpu0 = _proc_cpu_s(active.pid)
-        _sleep_until(t0 + DISCONNECT_STEP * step_time)
+        _sleep_until(t0 + (warmup + DISCONNECT_STEP) * step_time)
         cpu1 = _proc_cpu_s(active.pid)
         kill_t = None
         if standby:
-            _sleep_until(t0 + TAKEOVER_STEP * step_time - 0.05 * step_time)
+            _sleep_until(t0 + (warmup + TAKEOVER_STEP) * step_time - 0.05 * step_time)
             rss = _proc_rss_mib(active.pid)
             kill_t = time.monotonic()
             os.kill(active.pid, signal.SIGKILL)
         else:
-            _sleep_until(t0 + (TAKEOVER_STEP - 0.5) * step_time)
+            _sleep_until(t0 + (warmup + TAKEOVER_STEP - 0.5) * step_time)
             rss = _proc_rss_mib(active.pid)
         results = []
         for p, (_, _, out_r) in zip(procs, links, strict=False):
@@ -221,7 +229,7 @@ def run_size(
                 except subprocess.TimeoutExpired:
                     c.kill()
                     c.wait()
-    row = _figures(size, step_time, results, cpu1 - cpu0, rss, kill_t, victim, connect_s, wall, t0)
+    row = _figures(size, step_time, results, cpu1 - cpu0, rss, kill_t, victim, connect_s, wall, t0, warmup)
     if ranks_per_node:  # a group is a node: its requests and bytes are the node's, for its ranks
         row = {"nodes": size, "ranks": size * ranks_per_node, **row}
         row["cpu_core_per_step"] = round(row["cpu_ms_per_step"] / 1000 / step_time, 3)
@@ -243,19 +251,23 @@ def _figures(
     connect_s: float,
     wall: float,
     t0: float,
+    warmup: int = 0,
 ) -> dict[str, Any]:
     records = [r for res in results for r in res["records"]]
     fast: list[float] = []
+    upstream: list[float] = []  # the fast answers that came from the coordinator (not a relay's grant)
     first_epoch = None
     for r in records:
-        for step, asked, answered, epoch, _, failed in r["answers"]:
-            if 2 <= step < DISCONNECT_STEP and not failed:
+        for step, asked, answered, epoch, _, failed, relayed in r["answers"]:
+            if warmup + FAST_STEP <= step < warmup + DISCONNECT_STEP and not failed:
                 fast.append(answered - asked)
-            if step == 1:
+                if not relayed:
+                    upstream.append(answered - asked)
+            if step == warmup + 1:
                 first_epoch = epoch if first_epoch is None else first_epoch
-    fast_bytes = _fast_bytes(records)
+    fast_bytes = _fast_bytes(records, warmup)
     survivors = [r for r in records if r["replica"] != victim]
-    disconnect_t = t0 + DISCONNECT_STEP * step_time + step_time / 2
+    disconnect_t = t0 + (warmup + DISCONNECT_STEP) * step_time + step_time / 2
     after = []
     for r in survivors:
         got = [a for a in r["answers"] if a[2] > disconnect_t and a[3] != first_epoch]
@@ -276,7 +288,7 @@ def _figures(
         firsts = [min((a[2] for a in r["answers"] if a[2] > kill_t), default=None) for r in records]
         if all(t is not None for t in firsts):
             takeover_quorum_ms = (max(t for t in firsts if t is not None) - kill_t) * 1000
-    steps = DISCONNECT_STEP - 2
+    steps = DISCONNECT_STEP - FAST_STEP
     busiest = max(res["cpu_s"] for res in results)
     return {
         "replica_groups": size,
@@ -284,6 +296,9 @@ def _figures(
         "quorum_p50_ms": round(statistics.median(fast) * 1000, 3) if fast else None,
         "quorum_p99_ms": round(_percentile(fast, 0.99) * 1000, 3) if fast else None,
         "fast_answers": len(fast),
+        # Answered by the node's relay within a grant (control.grants): a local hop, not the coordinator.
+        "relayed_share": round(1 - len(upstream) / len(fast), 3) if fast else None,
+        "coordinator_quorum_p99_ms": round(_percentile(upstream, 0.99) * 1000, 3) if upstream else None,
         "disconnect_to_epoch_ms": round(disconnect_ms, 1) if disconnect_ms is not None else None,
         "rejoin_admit_ms": round(rejoin_ms, 1) if rejoin_ms is not None else None,
         "takeover_ms": round(takeover_ms, 1) if takeover_ms is not None else None,
@@ -298,13 +313,10 @@ def _figures(
     }
 
 
-def _fast_bytes(records: list[dict[str, Any]]) -> float:
+def _fast_bytes(records: list[dict[str, Any]], warmup: int = 0) -> float:
     """Bytes one group receives per fast-path step: the answers' lines, as sent (MAC included)."""
-    sizes = [
-        (r["bytes_at"][DISCONNECT_STEP] - r["bytes_at"][2]) / (DISCONNECT_STEP - 2)
-        for r in records
-        if len(r["bytes_at"]) > DISCONNECT_STEP
-    ]
+    end, start = warmup + DISCONNECT_STEP, warmup + FAST_STEP
+    sizes = [(r["bytes_at"][end] - r["bytes_at"][start]) / (end - start) for r in records if len(r["bytes_at"]) > end]
     return statistics.mean(sizes) if sizes else float("nan")
 
 
@@ -339,6 +351,19 @@ def _fast_bytes(records: list[dict[str, Any]]) -> float:
 @click.option(
     "--ranks-per-node", type=int, default=8, show_default=True, help="Ranks of each simulated node (with --nodes)."
 )
+@click.option(
+    "--warmup-steps",
+    type=int,
+    default=None,
+    help="Steps before the measured schedule, while the coordinator learns the step time and its grants "
+    "settle [default: 10 with --nodes, else 0].",
+)
+@click.option(
+    "--max-asks-per-s",
+    type=float,
+    default=None,
+    help="The coordinator's --max-asks-per-s (a huge value: no step grants) [default: the coordinator's].",
+)
 @click.option("--plot", is_flag=True, help="Also draw the curves (runs/bench/coordinator.png; needs matplotlib).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on stdout.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/bench/coordinator.json"), show_default=True)
@@ -351,6 +376,8 @@ def coordinator(
     standby: bool,
     nodes: str | None,
     ranks_per_node: int,
+    warmup_steps: int | None,
+    max_asks_per_s: float | None,
     plot: bool,
     as_json: bool,
     out: Path,
@@ -366,13 +393,27 @@ def coordinator(
     except ValueError as e:
         raise click.UsageError(f"--sizes / --nodes must be comma-separated integers, got {given!r}") from e
     per_node = ranks_per_node if nodes is not None else 0
+    warmup = warmup_steps if warmup_steps is not None else 10 if nodes is not None else 0
+    if warmup < 0 or (max_asks_per_s is not None and not max_asks_per_s > 0):
+        raise click.UsageError("--warmup-steps must be >= 0 and --max-asks-per-s > 0")
     if any(s < 2 for s in chosen) or client_procs < 1 or step_time <= 0 or not 0 <= jitter <= 1:
         raise click.UsageError("sizes must be >= 2, --client-procs >= 1, --step-time > 0 and --jitter within 0..1")
     rows = []
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-coord-") as tmp:
         for size in chosen:
             try:
-                row = run_size(size, step_time, jitter, HEARTBEAT_S, client_procs, standby, Path(tmp), per_node)
+                row = run_size(
+                    size,
+                    step_time,
+                    jitter,
+                    HEARTBEAT_S,
+                    client_procs,
+                    standby,
+                    Path(tmp),
+                    per_node,
+                    warmup,
+                    max_asks_per_s,
+                )
             except RuntimeError as e:  # this size overwhelmed the machine: said, and the next one runs
                 row = {"replica_groups": size, "error": str(e)}
             click.echo(json.dumps(row), err=True)
@@ -381,6 +422,8 @@ def coordinator(
         "step_time_s": step_time,
         "jitter": jitter,
         "ranks_per_node": per_node or None,
+        "warmup_steps": warmup,
+        "max_asks_per_s": max_asks_per_s,
         "load_avg": os.getloadavg()[0],
         "sizes": rows,
     }

@@ -71,6 +71,7 @@ class Answer:
     epoch: int
     members: int
     failed: bool  # asked after an abort (the step's exchange failed)
+    relayed: bool = False  # answered by the node's relay within a grant, not by the coordinator
 
 
 class SimReplica:

@@ -7,7 +7,10 @@ and replicates across nodes), asks for the quorum of all of them in one ``node_q
 heartbeats them in one ``node_heartbeat``, and reads one ``node_answers`` line per answer burst.
 The ranks share one schedule (a node's ranks finish their step together): what the
 coordinator's load then scales with is the node count. Rank 0's messages stand for the node's
-(every rank of it is answered in the same line).
+(every rank of it is answered in the same line). A short answer that carries a grant
+(:mod:`unbroken.control.grants`) is kept as the agent's relay keeps it, and the steps it covers
+are answered here without a line, as the relay answers them (their latency is then this check
+alone; the relay hop itself is measured in docs/benchmarks/2026-11-27-agent-relay.md).
 """
 
 from __future__ import annotations
@@ -17,13 +20,16 @@ import random
 import time
 from typing import Any
 
-from unbroken.bench.coordinator_sim import SimReplica
+from unbroken.bench.coordinator_sim import Answer, SimReplica
 from unbroken.control import protocol
+from unbroken.control.grants import Grant
 from unbroken.control.heartbeat import heartbeat_due
 
 
 class SimNode(SimReplica):
     """One simulated node: its replica group's ``ranks_per_node`` ranks through one connection."""
+
+    grant: Grant | None = None
 
     def _hello_msg(self) -> dict[str, Any]:
         n, node = self.plan.ranks_per_node, f"sim{self.replica}"
@@ -55,7 +61,25 @@ class SimNode(SimReplica):
             raise ConnectionError("the coordinator dropped this node's ranks")  # reconnects, as an agent would
         for (_, rank), inner in zip(answers.to, answers.msgs, strict=True):
             if rank == 0:
+                op = inner["op"]
+                if op == protocol.QuorumSame.OP and "decision" not in inner:
+                    same = protocol.QuorumSame.from_msg(inner)
+                    self.grant = Grant.from_answer(same.same_epoch, same.step, same.through)
+                elif op not in (protocol.Alive.OP, protocol.Donate.OP, protocol.Error.OP):
+                    self.grant = None
                 super()._handle(inner)
+
+    async def ask(self, step: int, failed_epoch: int | None = None) -> None:
+        grant, last = self.grant, self._last
+        if grant is not None and last is not None and grant.epoch == self.epoch and grant.answers(step, failed_epoch):
+            now = time.monotonic()
+            self.answers.append(Answer(step, now, now, grant.epoch, len(last["decision"]["members"]), False, True))
+            if step > self.answered.value:
+                with self.answered.get_lock():
+                    self.answered.value = max(self.answered.value, step)
+            return
+        self.grant = None
+        await super().ask(step, failed_epoch)
 
     async def heartbeats(self) -> None:
         """One line for the node's ranks, only when nothing else went out for a period."""
