@@ -81,6 +81,8 @@ class Coordinator:
             unanswered and the tick does nothing. None: always.
         held_by_lease: the state directory is held through the lease alone (a standby took over
             from a hung coordinator that still holds the lock).
+        listening: a standby's listener and the connections it holds already
+            (:meth:`ConnectionServer.hold`): served from :meth:`start` on, instead of a new listener.
     """
 
     TICK_S = 0.05
@@ -93,6 +95,7 @@ class Coordinator:
         lock_fd: int | None = None,
         fence: Callable[[], bool] | None = None,
         held_by_lease: bool = False,
+        listening: tuple[ConnectionServer[Any, Any], asyncio.base_events.Server] | None = None,
     ) -> None:
         if not isinstance(secret, JobSecret):
             raise TypeError("the coordinator needs the job's JobSecret (there is no unauthenticated mode)")
@@ -159,9 +162,14 @@ class Coordinator:
         self.diagnosis = DiagnosisService(
             self.events, DiagnosisMaster(policy=policy), stacks or self.agents.request_stack
         )
-        self.connections: ConnectionServer[RankConn | NodeConn, AgentConn] = ConnectionServer(
-            secret, settings.max_connections, settings.hello_timeout_s, self._dispatch, self._closed
-        )
+        self._listening = listening
+        self.connections: ConnectionServer[RankConn | NodeConn, AgentConn]
+        if listening is not None:
+            self.connections = listening[0]
+        else:
+            self.connections = ConnectionServer(
+                secret, settings.max_connections, settings.hello_timeout_s, self._dispatch, self._closed
+            )
         self.beat = self._plan_heartbeats(settings.total_replicas)
         self._next_silence_scan = 0.0
         self._next_alive = 0.0
@@ -221,6 +229,12 @@ class Coordinator:
         # The groups' rendezvous store: authenticated, and bound to the coordinator's host only.
         self._tcp_store = StoreServer(self.settings.host, self.secret)
         self.store_address = self._tcp_store.address
+        if self._listening is not None:  # a standby's: it holds the node agents' connections already
+            self._server = self._listening[1]
+            self._tick_task = asyncio.create_task(self._tick())
+            self.events.emit(ev.CoordinatorStarted(address=self.address, store=self.store_address))
+            self.connections.open_to(self._dispatch, self._closed)
+            return
         try:
             self._server = await asyncio.start_server(
                 self.connections.serve,

@@ -29,10 +29,12 @@ from typing import Any
 
 import click
 
-from unbroken.control import event_loop, lease
+from unbroken.control import event_loop, lease, protocol
 from unbroken.control import secret_file as secrets
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings
+from unbroken.control.event_loop import listen_backlog
 from unbroken.control.job_health import DEFAULT_FATAL_EPOCHS, DEFAULT_NO_PROGRESS_S
+from unbroken.control.serving import ConnectionServer
 from unbroken.control.state_store import JOURNAL_MODES, lock_state_dir
 from unbroken.wire.auth import JobSecret
 
@@ -42,6 +44,35 @@ DEFAULT_PORT = 29510
 # The exit code of a coordinator that found its lease taken by another (it hung past it): it
 # answered nothing after the lease lapsed, and stopped.
 STEPPED_DOWN = 75
+
+
+async def _hold_connections(
+    settings: CoordinatorSettings, secret: JobSecret
+) -> tuple[ConnectionServer[Any, Any], asyncio.base_events.Server]:
+    """A standby's listener, bound now: node agents keep an authenticated connection to it, which
+    it serves once it takes over (:meth:`ConnectionServer.hold`)."""
+    held: ConnectionServer[Any, Any] = ConnectionServer(
+        secret,
+        settings.max_connections,
+        settings.hello_timeout_s,
+        dispatch=lambda msg, link, conn, agent: ("stop", conn, agent),
+        closed=lambda conn, agent: None,
+        what="the standby",
+    )
+    held.hold()
+    try:
+        listener = await asyncio.start_server(
+            held.serve,
+            settings.host,
+            settings.port,
+            limit=protocol.MAX_LINE,
+            backlog=listen_backlog(settings.max_connections),
+        )
+    except OSError as e:
+        raise OSError(
+            f"the standby cannot listen on {settings.host}:{settings.port}: {e.strerror}; pick another port with --port"
+        ) from e
+    return held, listener
 
 
 async def _serve(
@@ -60,7 +91,9 @@ async def _serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     files = lease.LeaseFiles(settings.state_dir)
+    listening = None
     if standby:
+        listening = await _hold_connections(settings, secret)
         click.echo(f"standby: waiting for the active coordinator on {settings.state_dir} to stop", err=True)
         given_up = threading.Event()
         waiting = asyncio.ensure_future(
@@ -72,6 +105,8 @@ async def _serve(
         stopping.cancel()
         takeover = await waiting
         if takeover is None:
+            listening[1].close()
+            listening[0].close_all()
             return 0
         took_over = time.monotonic()
         how = "its process is gone" if takeover.lock_fd is not None else "its lease lapsed (it hangs)"
@@ -96,7 +131,9 @@ async def _serve(
             loop.call_soon_threadsafe(stop.set)
 
     keeper = lease.LeaseKeeper(files, claimed, started, renew_s, active_at, on_lost)
-    coordinator = Coordinator(settings, secret, lock_fd=lock_fd, fence=keeper.valid, held_by_lease=lock_fd is None)
+    coordinator = Coordinator(
+        settings, secret, lock_fd=lock_fd, fence=keeper.valid, held_by_lease=lock_fd is None, listening=listening
+    )
     keeper.start()
     try:
         await coordinator.start()

@@ -35,7 +35,10 @@ node connection upstream is lost (the coordinator restarts, a standby takes over
 connection is closed too: each client reconnects (to the relay first) and says its own hello
 and re-sends what it waits for, exactly as after a lost coordinator connection, and the relay
 says ``node_hello`` again for them on its next node connection. A client that waits longer than
-it allows a silent coordinator (1.5 s) moves on to the coordinator directly.
+it allows a silent coordinator (1.5 s) moves on to the coordinator directly. Given a standby (a
+second address), the relay keeps an idle, authenticated connection to it, which the standby holds
+without a word until it takes over (:meth:`~unbroken.control.serving.ConnectionServer.hold`):
+the next node connection is that one, so a takeover costs neither side a handshake per node.
 
 :class:`RelayBook` is the bookkeeping, pure (no I/O); :class:`Relay` is the asyncio shell.
 """
@@ -67,6 +70,7 @@ MARGIN = 4096
 MAX_SAY_BYTES = protocol.MAX_LINE // 2  # a node_say line is split before it nears MAX_LINE
 MAX_QUEUED = 16 * MAX_NODE_RANKS  # items waiting for the node connection (a rank past it is closed)
 MAX_RANK_BACKLOG = 8 << 20  # bytes queued to a rank that does not read: its connection is closed
+WARM_RETRY_S = 5.0  # how soon a warm connection to the standby that failed or ended is tried again
 DEFAULT_HEARTBEAT_S = 0.1  # the client's own default, until a welcome says the coordinator's
 
 
@@ -304,6 +308,9 @@ class Relay:
         self._flush_due = False
         self._next = 0  # the coordinator address tried next
         self._tasks: list[asyncio.Task[None]] = []
+        self._warm: tuple[int, protocol.Link] | None = None  # (address index, an idle link to the standby)
+        self._warming: asyncio.Task[None] | None = None
+        self.warm_used = 0  # node connections that were the standby's warm one
 
     @property
     def address(self) -> str:
@@ -325,6 +332,14 @@ class Relay:
             t.cancel()
         self._shut()
 
+    def _cool(self) -> None:
+        if self._warming is not None:
+            self._warming.cancel()
+            self._warming = None
+        if self._warm is not None:
+            self._warm[1].close()
+            self._warm = None
+
     def fail(self, why: str) -> None:
         """The relay stops for good; its ranks move to the coordinator's own address."""
         if self.failed is not None:
@@ -344,6 +359,7 @@ class Relay:
         self.server.close_all()  # every rank connection: each client moves to the next address
         if self._up is not None:
             self._up.close()
+        self._cool()
 
     async def _guard(self, work: Coroutine[Any, Any, None]) -> None:
         try:
@@ -421,6 +437,15 @@ class Relay:
                     self._up.send(beat)
 
     async def _connect(self) -> protocol.Link:
+        warm, self._warm = self._warm, None
+        if self._warming is not None:
+            self._warming.cancel()  # it waits on the link's first line: nothing is lost
+            await asyncio.wait([self._warming])  # and no longer reads when this one does
+            self._warming = None
+        if warm is not None and not warm[1].writer.is_closing():
+            self._next = warm[0]
+            self.warm_used += 1
+            return warm[1]
         while True:
             host, port = self.addresses[self._next % len(self.addresses)]
             try:
@@ -438,6 +463,8 @@ class Relay:
             link = await self._connect()
             self._up = link
             self.connections += 1
+            if len(self.addresses) > 1:
+                self._warming = asyncio.create_task(self._keep_warm((self._next + 1) % len(self.addresses)))
             try:
                 self._flush()
                 with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
@@ -449,6 +476,24 @@ class Relay:
                 for rank in self.book.reset():  # each reconnects, and is announced again
                     rank.link.close()
                 self._wanted.clear()
+
+    async def _keep_warm(self, index: int) -> None:
+        """Holds an idle, authenticated connection to address ``index`` (the standby) for the next
+        node connection; one that fails or ends is tried again after :data:`WARM_RETRY_S`."""
+        host, port = self.addresses[index]
+        while True:
+            try:
+                reader, writer, session = await protocol.connect_async(host, port, self.secret, timeout=5.0)
+            except (OSError, asyncio.TimeoutError) as e:  # AuthError is a ConnectionError
+                log.debug("no warm connection to the standby at %s:%d: %s", host, port, e)
+            else:
+                link = protocol.Link(reader, writer, session)
+                self._warm = (index, link)
+                with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError, ValueError):
+                    await link.readline()  # a standby says nothing first: a line, or the end, drops it
+                self._warm = None
+                link.close()
+            await asyncio.sleep(WARM_RETRY_S)
 
     def _answer(self, link: protocol.Link, line: bytes) -> None:
         try:
