@@ -140,6 +140,8 @@ def run_size(
     ranks_per_node: int = 0,
     warmup: int = 0,
     max_asks_per_s: float | None = None,
+    admit: int = 0,
+    warm: bool = True,
 ) -> dict[str, Any]:
     """One coordinator (and its standby) against ``size`` simulated groups; the figures.
 
@@ -170,7 +172,7 @@ def run_size(
                 key=secret.key,
                 replicas=chunk,
                 t0=0.0,
-                steps=warmup + (STEPS if standby else TAKEOVER_STEP),
+                steps=warmup + admit + (STEPS if standby else TAKEOVER_STEP),
                 step_time=step_time,
                 jitter=jitter,
                 heartbeat_s=heartbeat_s,
@@ -179,6 +181,7 @@ def run_size(
                 rejoin_step=warmup + REJOIN_STEP,
                 seed=i,
                 ranks_per_node=ranks_per_node,
+                warm=warm and ranks_per_node > 0,
             )
             ready_r, ready_w = ctx.Pipe(duplex=False)
             go_r, go_w = ctx.Pipe(duplex=False)
@@ -202,13 +205,15 @@ def run_size(
         _sleep_until(t0 + (warmup + DISCONNECT_STEP) * step_time)
         cpu1 = _proc_cpu_s(active.pid)
         kill_t = None
+        standby_cpu: list[tuple[float, float]] = []
         if standby:
-            _sleep_until(t0 + (warmup + TAKEOVER_STEP) * step_time - 0.05 * step_time)
+            _sleep_until(t0 + (warmup + admit + TAKEOVER_STEP) * step_time - 0.05 * step_time)
             rss = _proc_rss_mib(active.pid)
             kill_t = time.monotonic()
             os.kill(active.pid, signal.SIGKILL)
+            standby_cpu = _cpu_trace(coordinators[1].pid, kill_t + 4 * step_time)
         else:
-            _sleep_until(t0 + (warmup + TAKEOVER_STEP - 0.5) * step_time)
+            _sleep_until(t0 + (warmup + admit + TAKEOVER_STEP - 0.5) * step_time)
             rss = _proc_rss_mib(active.pid)
         results = []
         for p, (_, _, out_r) in zip(procs, links, strict=False):
@@ -230,10 +235,30 @@ def run_size(
                     c.kill()
                     c.wait()
     row = _figures(size, step_time, results, cpu1 - cpu0, rss, kill_t, victim, connect_s, wall, t0, warmup)
+    if kill_t is not None and row.get("takeover_quorum_ms") is not None:
+        # The standby's own CPU from the kill to the last group holding its first epoch.
+        until = kill_t + row["takeover_quorum_ms"] / 1000
+        used = [cpu for t, cpu in standby_cpu if t <= until]
+        row["takeover_cpu_s"] = round(used[-1] - standby_cpu[0][1], 2) if used else None
     if ranks_per_node:  # a group is a node: its requests and bytes are the node's, for its ranks
         row = {"nodes": size, "ranks": size * ranks_per_node, **row}
         row["cpu_core_per_step"] = round(row["cpu_ms_per_step"] / 1000 / step_time, 3)
     return row
+
+
+def _cpu_trace(pid: int, until: float) -> list[tuple[float, float]]:
+    """``pid``'s CPU seconds, sampled every 50 ms from now to ``until``: (time, CPU)."""
+    trace = []
+    while True:
+        now = time.monotonic()
+        try:
+            trace.append((now, _proc_cpu_s(pid)))
+        except (OSError, ValueError):
+            break
+        if now >= until:
+            break
+        time.sleep(0.05)
+    return trace
 
 
 def _sleep_until(t: float) -> None:
@@ -359,6 +384,19 @@ def _fast_bytes(records: list[dict[str, Any]], warmup: int = 0) -> float:
     "settle [default: 10 with --nodes, else 0].",
 )
 @click.option(
+    "--admit-steps",
+    type=int,
+    default=None,
+    help="Steps added between the rejoin and the takeover: a newcomer waits out the steps granted "
+    "before it is admitted [default: 8 with --nodes, else 0].",
+)
+@click.option(
+    "--warm-standby/--no-warm-standby",
+    default=True,
+    show_default=True,
+    help="With --nodes: each node keeps an idle connection to the standby, as an agent's relay does.",
+)
+@click.option(
     "--max-asks-per-s",
     type=float,
     default=None,
@@ -377,6 +415,8 @@ def coordinator(
     nodes: str | None,
     ranks_per_node: int,
     warmup_steps: int | None,
+    admit_steps: int | None,
+    warm_standby: bool,
     max_asks_per_s: float | None,
     plot: bool,
     as_json: bool,
@@ -394,8 +434,9 @@ def coordinator(
         raise click.UsageError(f"--sizes / --nodes must be comma-separated integers, got {given!r}") from e
     per_node = ranks_per_node if nodes is not None else 0
     warmup = warmup_steps if warmup_steps is not None else 10 if nodes is not None else 0
-    if warmup < 0 or (max_asks_per_s is not None and not max_asks_per_s > 0):
-        raise click.UsageError("--warmup-steps must be >= 0 and --max-asks-per-s > 0")
+    admit = admit_steps if admit_steps is not None else 8 if nodes is not None else 0
+    if warmup < 0 or admit < 0 or (max_asks_per_s is not None and not max_asks_per_s > 0):
+        raise click.UsageError("--warmup-steps and --admit-steps must be >= 0, --max-asks-per-s > 0")
     if any(s < 2 for s in chosen) or client_procs < 1 or step_time <= 0 or not 0 <= jitter <= 1:
         raise click.UsageError("sizes must be >= 2, --client-procs >= 1, --step-time > 0 and --jitter within 0..1")
     rows = []
@@ -413,6 +454,8 @@ def coordinator(
                     per_node,
                     warmup,
                     max_asks_per_s,
+                    admit,
+                    warm_standby,
                 )
             except RuntimeError as e:  # this size overwhelmed the machine: said, and the next one runs
                 row = {"replica_groups": size, "error": str(e)}
@@ -423,6 +466,8 @@ def coordinator(
         "jitter": jitter,
         "ranks_per_node": per_node or None,
         "warmup_steps": warmup,
+        "admit_steps": admit,
+        "warm_standby": warm_standby and nodes is not None,
         "max_asks_per_s": max_asks_per_s,
         "load_avg": os.getloadavg()[0],
         "sizes": rows,

@@ -58,6 +58,7 @@ class Plan:
     rejoin_step: int | None = None  # and connects again half a step after this one starts
     seed: int = 0
     ranks_per_node: int = 0  # > 0: each group is a node of this many ranks through one connection
+    warm: bool = False  # keep an idle connection to the standby, as a node agent's relay does
 
     def step_start(self, k: int) -> float:
         return self.t0 + k * self.step_time
@@ -101,6 +102,8 @@ class SimReplica:
         self.closed = False
         self.heartbeat_s = plan.heartbeat_s
         self._last_sent = float("-inf")
+        self._warm: tuple[int, asyncio.StreamReader, asyncio.StreamWriter, Session] | None = None
+        self._warming: asyncio.Task[None] | None = None
 
     # -- connection ----------------------------------------------------------------------
 
@@ -108,16 +111,24 @@ class SimReplica:
         """Connects through the address list (the next one after a failure) and says hello."""
         delay = 0.02
         while time.monotonic() < deadline:
-            host, port = self.plan.addresses[self._address % len(self.plan.addresses)]
-            try:
-                reader, writer, session = await protocol.connect_async(host, port, self.secret, timeout=5.0)
-            except (OSError, AuthError, asyncio.TimeoutError, RuntimeError):
-                # RuntimeError: uvloop's, for a transport the standby closed mid-handshake (at
-                # thousands of reconnects after a takeover); as a refused connection: the next.
-                self._address += 1
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.2)
-                continue
+            warm, self._warm = self._warm, None
+            if self._warming is not None:
+                self._warming.cancel()
+                await asyncio.wait([self._warming])  # its read ends before this connection's reader starts
+                self._warming = None
+            if warm is not None and not warm[2].is_closing():
+                self._address, reader, writer, session = warm
+            else:
+                host, port = self.plan.addresses[self._address % len(self.plan.addresses)]
+                try:
+                    reader, writer, session = await protocol.connect_async(host, port, self.secret, timeout=5.0)
+                except (OSError, AuthError, asyncio.TimeoutError, RuntimeError):
+                    # RuntimeError: uvloop's, for a transport the standby closed mid-handshake (at
+                    # thousands of reconnects after a takeover); as a refused connection: the next.
+                    self._address += 1
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 0.2)
+                    continue
             self._writer, self._session, self._last = writer, session, None
             self._send(self._hello_msg())
             self._reader_task = asyncio.create_task(self._read(reader, session))
@@ -125,8 +136,25 @@ class SimReplica:
             self.connects.append(time.monotonic())
             for req_id, (step, _, failed, _) in list(self._pending.items()):  # asked before the loss
                 self._send(self._ask_msg(req_id, step, self.epoch if failed else None))
+            n = len(self.plan.addresses)
+            if self.plan.warm and n > 1:
+                self._warming = asyncio.create_task(self._keep_warm((self._address + 1) % n))
             return
         raise TimeoutError(f"replica {self.replica} could not connect")
+
+    async def _keep_warm(self, index: int) -> None:
+        """An idle, authenticated connection to the standby at ``index``, as a relay keeps one
+        (:mod:`unbroken.launch.relay`); dropped if it says anything or ends."""
+        host, port = self.plan.addresses[index]
+        try:
+            reader, writer, session = await protocol.connect_async(host, port, self.secret, timeout=10.0)
+        except (OSError, AuthError, asyncio.TimeoutError, RuntimeError):
+            return
+        self._warm = (index, reader, writer, session)
+        with contextlib.suppress(ConnectionError, OSError):
+            await reader.read(1)  # nothing comes before it is used
+        self._warm = None
+        writer.close()
 
     def _hello_msg(self) -> dict[str, Any]:
         return {
@@ -173,7 +201,7 @@ class SimReplica:
             if "member_runs" in msg["decision"]:  # a full answer: its members listed, as a client does
                 msg = {
                     **msg,
-                    "decision": {**msg["decision"], "members": members_of_runs(msg["decision"]["member_runs"])},
+                    "decision": {**msg["decision"], "members": _listed(msg["decision"]["member_runs"])},
                 }
             self._last = msg
             entry = self._pending.pop(msg["id"], None)
@@ -193,7 +221,7 @@ class SimReplica:
             self.aborts.append((now, msg["abort"]))
             self._last = {
                 **msg,
-                "decision": {**msg["decision"], "members": members_of_runs(msg["decision"]["member_runs"])},
+                "decision": {**msg["decision"], "members": _listed(msg["decision"]["member_runs"])},
             }
             self.epoch = epoch = msg["decision"]["epoch"]
             self.answers.append(Answer(self.step, now, now, epoch, len(self._last["decision"]["members"]), True))
@@ -207,7 +235,14 @@ class SimReplica:
             asyncio.get_running_loop().create_task(self.ask(self.step, failed_epoch=msg["epoch"]))
 
     def _ask_msg(self, req_id: int, step: int, failed_epoch: int | None) -> dict[str, Any]:
-        return {"op": "quorum", "id": req_id, "step": step, "failed_epoch": failed_epoch, "step_time": None}
+        # The step time, as a replica reports it: the coordinator sizes its join window from it.
+        return {
+            "op": "quorum",
+            "id": req_id,
+            "step": step,
+            "failed_epoch": failed_epoch,
+            "step_time": self.plan.step_time,
+        }
 
     async def ask(self, step: int, failed_epoch: int | None = None) -> None:
         if self.closed or any(s == step and f for (s, _, f, _) in self._pending.values()):
@@ -238,6 +273,12 @@ class SimReplica:
         self.closed = True
         if self._writer is not None:
             self._writer.close()
+        if self._warming is not None:
+            self._warming.cancel()
+            self._warming = None
+        if self._warm is not None:
+            self._warm[2].close()
+            self._warm = None
         self._pending.clear()
 
     async def come_back(self, deadline: float) -> None:
@@ -298,6 +339,22 @@ class SimReplica:
             "bytes_at": self.bytes_at,
             "heartbeat_s": self.heartbeat_s,
         }
+
+
+_LISTED: dict[str, tuple[int, ...]] = {}
+
+
+def _listed(runs: list[list[int]]) -> tuple[int, ...]:
+    """The members of ``runs``, listed as a client lists them, once per process for all its groups:
+    a group's own list of 12,500 members per epoch was 12,500 lists in each client process
+    (10 GB, and the kernel's OOM killer, at 12,500 nodes)."""
+    key = json.dumps(runs)
+    members = _LISTED.get(key)
+    if members is None:
+        if len(_LISTED) > 16:
+            _LISTED.clear()
+        members = _LISTED[key] = members_of_runs(runs)
+    return members
 
 
 async def _until(t: float) -> None:

@@ -47,7 +47,7 @@ class SimNode(SimReplica):
         return protocol.NodeHello(node=node, ranks=ranks).to_msg()
 
     def _ask_msg(self, req_id: int, step: int, failed_epoch: int | None) -> dict[str, Any]:
-        ask = protocol.QuorumAsk(id=req_id, step=step, step_time=None, failed_epoch=failed_epoch)
+        ask = protocol.QuorumAsk(id=req_id, step=step, step_time=self.plan.step_time, failed_epoch=failed_epoch)
         return protocol.NodeQuorum(asks=tuple((self.replica, k, ask) for k in range(self.plan.ranks_per_node))).to_msg()
 
     def _handle(self, msg: dict[str, Any]) -> None:
@@ -69,8 +69,14 @@ class SimNode(SimReplica):
                     self.grant = None
                 super()._handle(inner)
 
+    async def _reconnect(self) -> None:
+        self.grant = None  # as the relay's: a lost node connection ends every grant (its ranks reconnect)
+        await super()._reconnect()
+
     async def ask(self, step: int, failed_epoch: int | None = None) -> None:
         grant, last = self.grant, self._last
+        if not self._connected.is_set():
+            grant = self.grant = None
         if grant is not None and last is not None and grant.epoch == self.epoch and grant.answers(step, failed_epoch):
             now = time.monotonic()
             self.answers.append(Answer(step, now, now, grant.epoch, len(last["decision"]["members"]), False, True))

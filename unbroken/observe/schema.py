@@ -76,12 +76,29 @@ class Event:
     def to_json(self) -> dict[str, Any]:
         """The JSON line's object: ``schema``, ``t``, ``source``, ``kind``, then the fields."""
         out: dict[str, Any] = {"schema": SCHEMA_VERSION, "t": self.t, "source": self.source, "kind": self.KIND}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name in ("t", "source") or (value is None and f.default is None):
+        for name, key, optional in _layout(type(self)):
+            value = getattr(self, name)
+            if value is None and optional:
                 continue  # an optional field left out is absent, as in the untyped log ("rank" in e)
-            out[_RENAMED_BACK.get(f.name, f.name)] = value.value if isinstance(value, enum.Enum) else value
+            out[key] = value.value if isinstance(value, enum.Enum) else value
         return out
+
+
+_LAYOUTS: dict[type, tuple[tuple[str, str, bool], ...]] = {}  # one entry per event class: bounded by the schema
+
+
+def _layout(cls: type[Event]) -> tuple[tuple[str, str, bool], ...]:
+    """An event class's fields as (attribute, JSON key, left out when None), ``t`` and ``source``
+    aside: made once per class, not per event (a takeover at 12,500 nodes writes 12,500
+    ``replica_connected`` events in the standby's one loop; 3 of a node hello's 91 us)."""
+    layout = _LAYOUTS.get(cls)
+    if layout is None:
+        layout = _LAYOUTS[cls] = tuple(
+            (f.name, _RENAMED_BACK.get(f.name, f.name), f.default is None)
+            for f in dataclasses.fields(cls)
+            if f.name not in ("t", "source")
+        )
+    return layout
 
 
 E = TypeVar("E", bound=Event)
