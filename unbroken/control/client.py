@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from unbroken.config import parse_host_ports
 from unbroken.control import protocol
-from unbroken.control.heartbeat import heartbeat_due
+from unbroken.control.heartbeat import COORDINATOR_SILENT_S, heartbeat_due, silent_after
 from unbroken.control.quorum import QuorumDecision, push_answers
 from unbroken.control.silence import SilenceWatch
 from unbroken.diagnosis.telemetry import TelemetryBatch
@@ -39,10 +39,6 @@ from unbroken.wire.auth import AuthError, JobSecret, Session
 log = logging.getLogger(__name__)
 
 MAX_BAD_LINES = 20
-# A coordinator that says nothing this long while a request waits is hung (it says ``alive`` to
-# waiting ranks every ALIVE_S while it holds its lease): with a standby, the next one is tried.
-# Above the lease (1 s by default), so that the standby has taken over by then.
-COORDINATOR_SILENT_S = 1.5
 HUNG_SKIP_S = 2.0  # the address left for silence is not tried again this long (two leases)
 
 # The heartbeat period a coordinator may ask for: never a flood, never so slow that a timeout
@@ -355,7 +351,7 @@ class CoordinatorClient:
                 self.silence.limit_s = welcome.timeout_s / 2
                 # A large job's coordinator may be busy longer (its timeouts grow with the job):
                 # no rank leaves it, and is evicted for that, over a burst of work.
-                self.coordinator_silent_s = max(COORDINATOR_SILENT_S, welcome.timeout_s / 2)
+                self.coordinator_silent_s = silent_after(welcome.timeout_s)
             self._connected.set()
         elif op == protocol.QuorumAnswer.OP:
             self._answer(msg)

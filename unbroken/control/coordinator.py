@@ -40,7 +40,7 @@ from unbroken.control import protocol
 from unbroken.control.agents import NodeAgents
 from unbroken.control.event_loop import listen_backlog
 from unbroken.control.groups import MAX_NODES_PER_REPLICA
-from unbroken.control.heartbeat import HeartbeatPlan, plan_heartbeats
+from unbroken.control.heartbeat import ALIVE_S, HeartbeatPlan, alive_every, plan_heartbeats
 from unbroken.control.job_health import JobHealth, JobStop
 from unbroken.control.node_relay import NodeConn, NodeLink, NodeRelay
 from unbroken.control.placement import AgentConn, PlacementHooks
@@ -64,7 +64,6 @@ __all__ = ["Coordinator", "CoordinatorSettings", "Refused"]
 
 JOIN_WINDOW_MAX_S = 300.0  # learned from step times; never longer, whatever replicas report
 MAX_SLOTS = 1024  # replicas one agent may offer to run
-ALIVE_S = 0.25  # how often a waiting rank hears that the coordinator is alive (see _say_alive)
 
 
 class Coordinator:
@@ -173,6 +172,8 @@ class Coordinator:
         self.beat = self._plan_heartbeats(settings.total_replicas)
         self._next_silence_scan = 0.0
         self._next_alive = 0.0
+        self._alive_s = ALIVE_S  # the shortest alive_every() of any timeout told in a welcome
+        self._told_timeout: float | None = None
         self._server: asyncio.base_events.Server | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._tcp_store: Any = None
@@ -440,6 +441,9 @@ class Coordinator:
         plan = self._plan_heartbeats(self.settings.total_replicas * world_size)
         if plan.period_s > self.beat.period_s:  # only ever slower: a rank told the old period is still in time
             self.beat = plan
+        if self._told_timeout is None or self.beat.timeout_s < self._told_timeout:
+            self._told_timeout = self.beat.timeout_s
+            self._alive_s = alive_every(self._told_timeout)
         link.send_payload(
             protocol.welcome_payload(
                 protocol.Welcome(
@@ -598,11 +602,12 @@ class Coordinator:
     def _say_alive(self, now: float) -> None:
         """Tells the ranks whose requests wait that this coordinator is alive and still holds its
         lease (the tick does not run without it): a rank that hears nothing for
-        :data:`~unbroken.control.client.COORDINATOR_SILENT_S` tries the standby. Only waiting
-        ranks: an answered step costs no line."""
+        :func:`~unbroken.control.heartbeat.silent_after` its welcome's timeout tries the standby,
+        so it hears one six times within that (:func:`~unbroken.control.heartbeat.alive_every`).
+        Only waiting ranks: an answered step costs no line."""
         if now < self._next_alive:
             return
-        self._next_alive = now + ALIVE_S
+        self._next_alive = now + self._alive_s
         for waiting in (self.requests.pending, self.requests.held):
             for ranks in waiting.values():
                 for conn, *_ in ranks.values():

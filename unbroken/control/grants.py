@@ -77,16 +77,15 @@ class StepClock:
         self._seen: list[tuple[float, int]] = []
 
     def progressed(self, now: float, step: int) -> None:
-        """The newest step any member asked for is now ``step``."""
+        """A member asked for ``step``, past its epoch's step (a step lower than the clock's
+        newest: the job went back, to a checkpoint of a rollback, and the clock starts again)."""
         if self._seen and step <= self._seen[-1][1]:
-            return
+            if step == self._seen[-1][1]:
+                return
+            self._seen.clear()
         self._seen.append((now, step))
         if len(self._seen) > self.window:
             del self._seen[0]
-
-    def reset(self) -> None:
-        """The steps went back (a new epoch at an older step): the clock starts again."""
-        self._seen.clear()
 
     def step_s(self) -> float | None:
         """Seconds per step over the window, or None until it spans 4 steps."""

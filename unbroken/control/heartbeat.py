@@ -73,3 +73,29 @@ def heartbeat_due(now: float, last_sent: float, period_s: float) -> bool:
     a live rank is then quiet is under two periods, against the coordinator's suspicion after five.
     """
     return now - last_sent >= period_s
+
+
+#: A coordinator that says nothing this long while a rank's request waits is taken for hung (a
+#: live one says ``alive`` to waiting ranks while it holds its lease): with a standby, the rank
+#: tries the next address. Above the lease (1 s by default), so that the standby has taken over.
+COORDINATOR_SILENT_S = 1.5
+#: How often a live coordinator tells waiting ranks so, at least (small jobs).
+ALIVE_S = 0.25
+
+
+def silent_after(timeout_s: float) -> float:
+    """How long a rank told heartbeat timeout ``timeout_s`` waits on a silent coordinator: at
+    least :data:`COORDINATOR_SILENT_S`, half the timeout in a large job (whose coordinator may
+    be busy for longer than a small job's, answering thousands at once)."""
+    return max(COORDINATOR_SILENT_S, timeout_s / 2)
+
+
+def alive_every(timeout_s: float) -> float:
+    """How often the coordinator says ``alive`` to ranks told heartbeat timeout ``timeout_s``:
+    six times within their :func:`silent_after`, and no more often than :data:`ALIVE_S`.
+
+    At 0.25 s whatever the size, a standby taking over from 12,500 nodes wrote an ``alive`` to
+    each of their 100,000 waiting ranks four times a second while it had the most to do; their
+    own threshold there is minutes.
+    """
+    return max(ALIVE_S, silent_after(timeout_s) / 6)

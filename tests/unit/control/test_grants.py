@@ -46,7 +46,7 @@ def test_the_step_clock_measures_the_pace_of_new_steps() -> None:
         clock.progressed(10.0 + 0.5 * i, 100 + i)
         clock.progressed(10.0 + 0.5 * i, 100 + i)  # the same step asked again: no sample
     assert clock.step_s() == 0.5
-    clock.reset()
+    clock.progressed(20.0, 50)  # the job went back (a rollback): the clock starts again
     assert clock.step_s() is None
 
 

@@ -19,7 +19,7 @@ from tests.unit.control.test_client import HELLO, SECRET, FakeCoordinator
 from unbroken.config import ConfigError, parse_host_ports
 from unbroken.control import protocol
 from unbroken.control.client import CoordinatorClient
-from unbroken.control.heartbeat import heartbeat_due, plan_heartbeats
+from unbroken.control.heartbeat import alive_every, heartbeat_due, plan_heartbeats, silent_after
 from unbroken.control.state_store import StateDirInUse, StateStore, wait_for_state_dir
 
 
@@ -141,3 +141,11 @@ def test_a_heartbeat_is_due_only_after_a_period_without_any_line() -> None:
     assert heartbeat_due(10.0, float("-inf"), 0.5)  # nothing sent yet
     assert not heartbeat_due(10.0, 9.7, 0.5)  # a quorum request 0.3 s ago is the heartbeat
     assert heartbeat_due(10.0, 9.5, 0.5)
+
+
+def test_a_large_job_hears_alive_often_enough_for_its_ranks_and_no_more() -> None:
+    small = plan_heartbeats(8, 0.1, 0.5, 2.0, 2000.0)
+    assert silent_after(small.timeout_s) == 1.5 and alive_every(small.timeout_s) == 0.25  # as before
+    large = plan_heartbeats(100_000, 0.1, 0.5, 2.0, 2000.0)
+    silent = silent_after(large.timeout_s)
+    assert silent == large.timeout_s / 2 and alive_every(large.timeout_s) == silent / 6 > 0.25
