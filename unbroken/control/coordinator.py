@@ -66,6 +66,28 @@ JOIN_WINDOW_MAX_S = 300.0  # learned from step times; never longer, whatever rep
 MAX_SLOTS = 1024  # replicas one agent may offer to run
 
 
+async def listen(settings: CoordinatorSettings, connections: ConnectionServer[Any, Any]) -> asyncio.base_events.Server:
+    """The coordinator's listener at ``settings.host:port``, served by ``connections`` (a standby
+    binds it before it takes over: :meth:`ConnectionServer.hold`).
+
+    Raises:
+        OSError: the address cannot be bound, saying which and what to do.
+    """
+    try:
+        return await asyncio.start_server(
+            connections.serve,
+            settings.host,
+            settings.port,
+            limit=protocol.MAX_LINE,
+            backlog=listen_backlog(settings.max_connections),
+        )
+    except OSError as e:
+        raise OSError(
+            f"the coordinator cannot listen on {settings.host}:{settings.port}: "
+            f"{e.strerror}; pick another port with --port (0 picks a free one)"
+        ) from e
+
+
 class Coordinator:
     """One job's coordinator. Use ``await start()``, then ``address``; ``await stop()``.
 
@@ -172,8 +194,7 @@ class Coordinator:
         self.beat = self._plan_heartbeats(settings.total_replicas)
         self._next_silence_scan = 0.0
         self._next_alive = 0.0
-        self._alive_s = ALIVE_S  # the shortest alive_every() of any timeout told in a welcome
-        self._told_timeout: float | None = None
+        self._alive_s: float | None = None  # alive_every() of the timeout the first welcome told
         self._server: asyncio.base_events.Server | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._tcp_store: Any = None
@@ -232,25 +253,11 @@ class Coordinator:
         self.store_address = self._tcp_store.address
         if self._listening is not None:  # a standby's: it holds the node agents' connections already
             self._server = self._listening[1]
-            self._tick_task = asyncio.create_task(self._tick())
-            self.events.emit(ev.CoordinatorStarted(address=self.address, store=self.store_address))
-            self.connections.open_to(self._dispatch, self._closed)
-            return
-        try:
-            self._server = await asyncio.start_server(
-                self.connections.serve,
-                self.settings.host,
-                self.settings.port,
-                limit=protocol.MAX_LINE,
-                backlog=listen_backlog(self.settings.max_connections),
-            )
-        except OSError as e:
-            raise OSError(
-                f"the coordinator cannot listen on {self.settings.host}:{self.settings.port}: "
-                f"{e.strerror}; pick another port with --port (0 picks a free one)"
-            ) from e
+        else:
+            self._server = await listen(self.settings, self.connections)
         self._tick_task = asyncio.create_task(self._tick())
         self.events.emit(ev.CoordinatorStarted(address=self.address, store=self.store_address))
+        self.connections.open_to(self._dispatch, self._closed)  # a standby's held ones are served from now
 
     async def stop(self) -> None:
         if self._tick_task:
@@ -441,9 +448,8 @@ class Coordinator:
         plan = self._plan_heartbeats(self.settings.total_replicas * world_size)
         if plan.period_s > self.beat.period_s:  # only ever slower: a rank told the old period is still in time
             self.beat = plan
-        if self._told_timeout is None or self.beat.timeout_s < self._told_timeout:
-            self._told_timeout = self.beat.timeout_s
-            self._alive_s = alive_every(self._told_timeout)
+        if self._alive_s is None:  # the plan only slows down: the first timeout told is the shortest
+            self._alive_s = alive_every(self.beat.timeout_s)
         link.send_payload(
             protocol.welcome_payload(
                 protocol.Welcome(
@@ -607,7 +613,7 @@ class Coordinator:
         Only waiting ranks: an answered step costs no line."""
         if now < self._next_alive:
             return
-        self._next_alive = now + self._alive_s
+        self._next_alive = now + (self._alive_s or ALIVE_S)
         for waiting in (self.requests.pending, self.requests.held):
             for ranks in waiting.values():
                 for conn, *_ in ranks.values():

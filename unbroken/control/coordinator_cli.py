@@ -29,10 +29,9 @@ from typing import Any
 
 import click
 
-from unbroken.control import event_loop, lease, protocol
+from unbroken.control import event_loop, lease
 from unbroken.control import secret_file as secrets
-from unbroken.control.coordinator import Coordinator, CoordinatorSettings
-from unbroken.control.event_loop import listen_backlog
+from unbroken.control.coordinator import Coordinator, CoordinatorSettings, listen
 from unbroken.control.job_health import DEFAULT_FATAL_EPOCHS, DEFAULT_NO_PROGRESS_S
 from unbroken.control.serving import ConnectionServer
 from unbroken.control.state_store import JOURNAL_MODES, lock_state_dir
@@ -60,19 +59,7 @@ async def _hold_connections(
         what="the standby",
     )
     held.hold()
-    try:
-        listener = await asyncio.start_server(
-            held.serve,
-            settings.host,
-            settings.port,
-            limit=protocol.MAX_LINE,
-            backlog=listen_backlog(settings.max_connections),
-        )
-    except OSError as e:
-        raise OSError(
-            f"the standby cannot listen on {settings.host}:{settings.port}: {e.strerror}; pick another port with --port"
-        ) from e
-    return held, listener
+    return held, await listen(settings, held)
 
 
 async def _serve(

@@ -33,13 +33,12 @@ class Rank:
         pass
 
 
-def held_server() -> tuple[ConnectionServer[Any, Any], list[str]]:
-    said: list[str] = []
+def held_server() -> ConnectionServer[Any, Any]:
     server: ConnectionServer[Any, Any] = ConnectionServer(
         SECRET, 16, 10.0, dispatch=lambda msg, link, c, a: ("stop", c, a), closed=lambda c, a: None
     )
     server.hold()
-    return server, said
+    return server
 
 
 def run(scenario: Callable[[], Awaitable[None]]) -> None:
@@ -58,7 +57,7 @@ async def dial(port: int) -> protocol.Link:
 
 def test_a_held_connection_is_answered_only_once_the_standby_serves() -> None:
     async def scenario() -> None:
-        server, said = held_server()
+        server, said = held_server(), []
         listener, port = await listen(server)
         link = await dial(port)
         link.send(protocol.StatusRequest().to_msg())
@@ -83,7 +82,7 @@ def test_a_line_to_a_standby_that_never_serves_is_refused_in_bounded_time(monkey
     monkeypatch.setattr(serving, "HOLD_S", 0.2)
 
     async def scenario() -> None:
-        server, _ = held_server()
+        server = held_server()
         listener, port = await listen(server)
         link = await dial(port)
         link.send(protocol.StatusRequest().to_msg())
@@ -97,7 +96,7 @@ def test_a_line_to_a_standby_that_never_serves_is_refused_in_bounded_time(monkey
 
 def test_a_relay_keeps_a_warm_connection_to_the_standby_and_moves_its_node_onto_it(tmp_path: Path) -> None:
     async def scenario() -> None:
-        standby, said = held_server()
+        standby = held_server()
         listener, port = await listen(standby)
         async with live_coordinator(tmp_path, SECRET, total_replicas=1) as c:
             relay = Relay("n1", f"{c.address},127.0.0.1:{port}", SECRET)
