@@ -195,6 +195,8 @@ class Coordinator:
         self._next_silence_scan = 0.0
         self._next_alive = 0.0
         self._alive_s: float | None = None  # alive_every() of the timeout the first welcome told
+        self._planned_for = 0  # the world size the heartbeat plan was last sized for
+        self._welcomes: tuple[tuple[str, int, float, float] | None, bytes] = (None, b"")  # the last welcome made
         self._server: asyncio.base_events.Server | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._tcp_store: Any = None
@@ -421,11 +423,9 @@ class Coordinator:
         if rank >= world_size:
             raise Refused(f"rank {rank} is not below world_size {world_size}")
         ranks = self.replicas.get(replica, {})
-        if any(c.world_size != world_size for c in ranks.values()):
-            raise Refused(
-                f"replica {replica} has ranks of world_size "
-                f"{next(iter(ranks.values())).world_size}, not {world_size}"
-            )
+        known = next(iter(ranks.values()), None)  # a replica's ranks share one world_size: one look
+        if known is not None and known.world_size != world_size:
+            raise Refused(f"replica {replica} has ranks of world_size {known.world_size}, not {world_size}")
         if rank in ranks:
             # Refused while the old connection lives: it ends when its process dies, or when it
             # is evicted for silence; the client then reconnects and is served.
@@ -445,25 +445,27 @@ class Coordinator:
         )
         ranks = self.replicas.setdefault(replica, {})
         ranks[rank] = conn
-        plan = self._plan_heartbeats(self.settings.total_replicas * world_size)
-        if plan.period_s > self.beat.period_s:  # only ever slower: a rank told the old period is still in time
-            self.beat = plan
+        if world_size != self._planned_for:
+            self._planned_for = world_size
+            plan = self._plan_heartbeats(self.settings.total_replicas * world_size)
+            if plan.period_s > self.beat.period_s:  # only ever slower: a rank told the old period is still in time
+                self.beat = plan
         if self._alive_s is None:  # the plan only slows down: the first timeout told is the shortest
             self._alive_s = alive_every(self.beat.timeout_s)
-        link.send_payload(
-            protocol.welcome_payload(
-                protocol.Welcome(
-                    store=self._store_for(link),
-                    epoch=self.quorum.epoch,
-                    heartbeat_s=self.beat.period_s,
-                    timeout_s=self.beat.timeout_s,
-                )
-            )
-        )
+        link.send_payload(self._welcome(self._store_for(link)))
         if len(ranks) == conn.world_size:
             self.quorum.connect(conn.replica)
             self.events.emit(ev.ReplicaConnected(replica=conn.replica, node=conn.node, step=conn.step))
         return conn
+
+    def _welcome(self, store: str) -> bytes:
+        """The welcome's text for ranks given ``store``: the same for every rank while the epoch
+        and the heartbeat plan stand (a standby taking over welcomes every rank of the job at once)."""
+        key = (store, self.quorum.epoch, self.beat.period_s, self.beat.timeout_s)
+        if self._welcomes[0] != key:
+            welcome = protocol.Welcome(store=store, epoch=key[1], heartbeat_s=key[2], timeout_s=key[3])
+            self._welcomes = (key, protocol.welcome_payload(welcome))
+        return self._welcomes[1]
 
     def _plan_heartbeats(self, ranks: int) -> HeartbeatPlan:
         s = self.settings

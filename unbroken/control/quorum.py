@@ -85,7 +85,19 @@ class QuorumDecision:
         return frozenset(self.behind)
 
     def donor_of(self, replica: int) -> int | None:
-        return dict(self.donors).get(replica)
+        return self.donor_map.get(replica)
+
+    @functools.cached_property
+    def donor_map(self) -> dict[int, int]:
+        """Behind replica -> its donor (read, never changed, by every answer of the decision)."""
+        return dict(self.donors)
+
+    @functools.cached_property
+    def wire_tails(self) -> dict[str, bytes]:
+        """Store address -> the shared tail of this decision's full answer
+        (:func:`unbroken.control.protocol.answer_tail`), filled by whoever answers first: a
+        replica asking after the epoch formed gets it without encoding thousands of members again."""
+        return {}
 
     def to_json(self) -> dict[str, object]:
         """The decision as sent to members: members and behind ones as runs of consecutive ids
@@ -103,7 +115,12 @@ class QuorumDecision:
     def donors_by_replica(self) -> dict[int, list[list[int]]]:
         """Each replica named in a donor pair -> the pairs that name it (the one it fetches
         from, the ones it serves): all a member acts on. With most of 5,000 members behind,
-        every pair to every member was 60 KB an answer."""
+        every pair to every member was 60 KB an answer. Made once per decision (not per
+        answer: a replica answered alone would cost a pass over every pair); not to be changed."""
+        return self._donor_pairs
+
+    @functools.cached_property
+    def _donor_pairs(self) -> dict[int, list[list[int]]]:
         by: dict[int, list[list[int]]] = {}
         for newcomer, donor in self.donors:
             by.setdefault(newcomer, []).append([newcomer, donor])

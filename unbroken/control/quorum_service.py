@@ -13,6 +13,7 @@ it) it is given through its constructor.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections import deque
@@ -51,6 +52,7 @@ class RankConn:
 
 # A rank's request: its connection, the request's id, the step it asks for, the epoch it says failed.
 Asked = tuple[RankConn, int, int, int | None]
+MAX_TAILS = 16  # answer tails kept per decision: one per store address the coordinator hands out
 
 
 class QuorumService:
@@ -95,6 +97,7 @@ class QuorumService:
         self.aborted: dict[int, int] = {}
         self.aborts_pushed: int | None = None  # the broken epoch whose members were told to abort
         self.hinted: dict[int, int] = {}  # newcomer -> the epoch in which its donor was told
+        self._hint_due = False
         self.push_due = False  # an eviction broke the epoch: push_epoch() runs once the evictions of this turn are done
         self.max_asks_per_s, self.max_grant_s = max_asks_per_s, max_grant_s
         self.clock = StepClock()  # the job's step time, from the steps asked for (what grants are sized by)
@@ -267,7 +270,7 @@ class QuorumService:
         self.deliver(formed)
         self.push_aborts()
         if newcomer:  # only a newcomer's request changes the forecast: no scan of the members on every request
-            self.hint_donors()
+            self._hint_soon()
 
     def _grant(self, replica: int, d: QuorumDecision, ranks: dict[int, Asked]) -> int:
         """The last step the fast answer ``d`` to ``replica`` stands for (:mod:`unbroken.control.grants`):
@@ -290,6 +293,18 @@ class QuorumService:
         if stop is not None:
             self.fail_job(stop)
 
+    def _hint_soon(self) -> None:
+        """Hints the donors once the requests of this turn of the loop are handled: a forecast is
+        a pass over the members and the newcomers, and thousands of newcomers asking in one burst
+        (a job restarting, a standby taking over) made it one pass per request."""
+        if self._hint_due:
+            return
+        self._hint_due = True
+        try:
+            asyncio.get_running_loop().call_soon(self.hint_donors)
+        except RuntimeError:  # no loop (a test driving the service by hand): now
+            self.hint_donors()
+
     def hint_donors(self) -> None:
         """Tells each member about to serve a newcomer, once, so it snapshots at its next step start.
 
@@ -297,6 +312,7 @@ class QuorumService:
         can snapshot only after its backward pass (the training thread owns the state); the
         transfer then spans that step and part of the next, which every member waits for.
         """
+        self._hint_due = False
         epoch = self.quorum.epoch  # a forecast exists only while a decision stands
         for joiner, donor in self.quorum.upcoming_donors().items():
             if self.hinted.get(joiner) == epoch:
@@ -362,7 +378,7 @@ class QuorumService:
         ``ranks_of`` but the ranks named there (they asked, and were answered)."""
         pushes: dict[str, bytes] = {}
         decision = {**d.to_json(), "donors": []}
-        donors = dict(d.donors)
+        donors = d.donor_map
         pairs = d.donors_by_replica() if d.donors else {}
         for replica, answered in ranks_of.items():
             self.aborted[replica] = abort
@@ -395,9 +411,9 @@ class QuorumService:
         and a member named in donor pairs gets those alone (every pair to every member was 60 KB
         an answer with most of 5,000 members behind).
         """
-        tails: dict[str, bytes] = {}
+        tails = d.wire_tails  # shared by every _reply of this decision
         decision: dict[str, object] | None = None
-        donors = dict(d.donors)
+        donors = d.donor_map
         pairs = d.donors_by_replica() if d.donors else {}  # a member gets only the pairs that name it
         full_id, full_tail, full = -1, b"", b""
         same_id, same = -1, b""  # a node's ranks share their request's id: one short answer's text for all
@@ -410,9 +426,9 @@ class QuorumService:
                     continue
                 conn.epoch = d.epoch
                 store = self.store_for(conn.link)
-                decision = decision or {**d.to_json(), "donors": []}
                 donor = donors.get(replica)
                 if replica in pairs:
+                    decision = decision or {**d.to_json(), "donors": []}
                     mine = {**decision, "donors": pairs[replica]}
                     addrs: dict[str, str] = {}
                     if donor is not None:  # the address of its donor's rank of the same index
@@ -422,6 +438,9 @@ class QuorumService:
                     continue
                 tail = tails.get(store)
                 if tail is None:
+                    if len(tails) >= MAX_TAILS:
+                        tails.clear()
+                    decision = decision or {**d.to_json(), "donors": []}
                     tail = tails[store] = protocol.answer_tail(decision, {}, store)
                 if req_id != full_id or tail is not full_tail:
                     full_id, full_tail, full = req_id, tail, protocol.answer_payload(req_id, tail)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -293,3 +295,14 @@ def test_each_replica_named_in_a_donor_pair_gets_its_own_pairs() -> None:
     assert d.to_json()["behind_runs"] == [[3, 5]]
     mine = QuorumDecision.from_json({**d.to_json(), "donors": by[4]})
     assert mine.donor_of(4) == 1 and mine.contributing == 3 and mine.behind_set == {3, 4, 5}
+
+
+def test_a_decision_for_the_next_step_keeps_nothing_of_the_last_ones_answers() -> None:
+    """The answer text and donor maps are made once per decision: the fast path's next step is a
+    new decision, whose answers must not carry the last one's donors or text."""
+    d = QuorumDecision(epoch=3, step=7, members=(0, 1, 2), behind=(2,), donors=((2, 0),))
+    assert d.donor_map == {2: 0} and d.donor_of(2) == 0 and d.donors_by_replica() == {2: [[2, 0]], 0: [[2, 0]]}
+    d.wire_tails["127.0.0.1:1"] = b"the text of step 7"
+    nxt = dataclasses.replace(d, step=8, behind=(), donors=())
+    assert nxt.wire_tails == {} and nxt.donor_map == {} and nxt.donors_by_replica() == {}
+    assert d.wire_tails == {"127.0.0.1:1": b"the text of step 7"}

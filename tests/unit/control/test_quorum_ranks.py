@@ -8,6 +8,7 @@ the one-call path tells every rank what asking rank by rank tells it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -174,3 +175,30 @@ def test_a_member_a_push_placed_a_step_ahead_of_it_is_re_formed_behind_not_evict
     d = s.quorum.current
     assert d is not None and (d.epoch, d.step, d.members, d.behind) == (3, 6, (0, 1), (1,))
     assert s.told(1, 0)[-1]["decision"]["epoch"] == 3
+
+
+def test_newcomers_asking_in_one_burst_have_their_donors_told_once_after_it(tmp_path: Path) -> None:
+    """A forecast is a pass over the members and the newcomers: thousands of newcomers asking in
+    one turn of the loop (a job restarting) are forecast once, when the turn's requests are in;
+    each donor is then told of each newcomer it is to serve, once."""
+    s = Service(tmp_path, 3, startup_window_s=0.0)
+    for late in (1, 2):  # not started yet: replica 0 is the job's majority
+        s.quorum.disconnect(late, time.monotonic())
+    s.ask(0, list(range(RANKS)), step=5, req_id=1)  # epoch 1: replica 0 alone
+    assert s.quorum.current is not None and s.quorum.current.members == (0,)
+
+    def donates() -> list[int]:
+        return [m["to"] for m in s.told(0, 0) if m["op"] == "donate"]
+
+    async def burst() -> tuple[list[int], list[int]]:
+        s.ask(1, list(range(RANKS)), step=0, req_id=1)
+        s.ask(2, list(range(RANKS)), step=0, req_id=1)
+        during = donates()
+        await asyncio.sleep(0)
+        return during, donates()
+
+    during, after = asyncio.run(burst())
+    assert during == [] and sorted(after) == [1, 2]
+    assert all(sorted(m["to"] for m in s.told(0, k) if m["op"] == "donate") == [1, 2] for k in range(RANKS))
+    told = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert sorted(e["newcomer"] for e in told if e["kind"] == "donor_told") == [1, 2]
