@@ -165,6 +165,7 @@ def run_size(
         victim = size - 1
         chunks = [tuple(range(size))[i::client_procs] for i in range(client_procs) if i < size]
         answered = ctx.Value("q", -1)  # the newest step the coordinator answered any group
+        held = ctx.Value("d", 0.0)  # seconds the groups' schedule moved for answers that came late
         links = []
         for i, chunk in enumerate(chunks):
             plan = Plan(
@@ -186,7 +187,7 @@ def run_size(
             ready_r, ready_w = ctx.Pipe(duplex=False)
             go_r, go_w = ctx.Pipe(duplex=False)
             out_r, out_w = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=client_process, args=(plan, ready_w, go_r, out_w, answered), daemon=True)
+            p = ctx.Process(target=client_process, args=(plan, ready_w, go_r, out_w, answered, held), daemon=True)
             p.start()
             procs.append(p)
             links.append((ready_r, go_w, out_r))
@@ -200,20 +201,20 @@ def run_size(
         for _, go_w, _ in links:
             go_w.send(t0)
         # The coordinator's CPU over the fast-path steps (FAST_STEP to DISCONNECT_STEP): sampled at their edges.
-        _sleep_until(t0 + (warmup + FAST_STEP) * step_time)
+        _sleep_until(t0 + (warmup + FAST_STEP) * step_time, held)
         cpu0 = _proc_cpu_s(active.pid)
-        _sleep_until(t0 + (warmup + DISCONNECT_STEP) * step_time)
+        _sleep_until(t0 + (warmup + DISCONNECT_STEP) * step_time, held)
         cpu1 = _proc_cpu_s(active.pid)
         kill_t = None
         standby_cpu: list[tuple[float, float]] = []
         if standby:
-            _sleep_until(t0 + (warmup + admit + TAKEOVER_STEP) * step_time - 0.05 * step_time)
+            _sleep_until(t0 + (warmup + admit + TAKEOVER_STEP) * step_time - 0.05 * step_time, held)
             rss = _proc_rss_mib(active.pid)
             kill_t = time.monotonic()
             os.kill(active.pid, signal.SIGKILL)
             standby_cpu = _cpu_trace(coordinators[1].pid, kill_t + 4 * step_time)
         else:
-            _sleep_until(t0 + (warmup + admit + TAKEOVER_STEP - 0.5) * step_time)
+            _sleep_until(t0 + (warmup + admit + TAKEOVER_STEP - 0.5) * step_time, held)
             rss = _proc_rss_mib(active.pid)
         results = []
         for p, (_, _, out_r) in zip(procs, links, strict=False):
@@ -261,8 +262,10 @@ def _cpu_trace(pid: int, until: float) -> list[tuple[float, float]]:
     return trace
 
 
-def _sleep_until(t: float) -> None:
-    time.sleep(max(0.0, t - time.monotonic()))
+def _sleep_until(t: float, held: Any) -> None:
+    """Sleeps until ``t`` moved as the groups' schedule was (``held``: it may move meanwhile)."""
+    while (left := t + held.value - time.monotonic()) > 0:
+        time.sleep(min(left, 0.05))
 
 
 def _figures(
@@ -292,7 +295,9 @@ def _figures(
                 first_epoch = epoch if first_epoch is None else first_epoch
     fast_bytes = _fast_bytes(records, warmup)
     survivors = [r for r in records if r["replica"] != victim]
-    disconnect_t = t0 + (warmup + DISCONNECT_STEP) * step_time + step_time / 2
+    victim_rec = next((r for r in records if r["replica"] == victim), None)
+    left = victim_rec["left"] if victim_rec else []
+    disconnect_t = left[0] if left else t0 + (warmup + DISCONNECT_STEP) * step_time + step_time / 2
     after = []
     for r in survivors:
         got = [a for a in r["answers"] if a[2] > disconnect_t and a[3] != first_epoch]
@@ -300,7 +305,6 @@ def _figures(
             after.append(min(a[2] for a in got))
     disconnect_ms = (max(after) - disconnect_t) * 1000 if len(after) == len(survivors) else None
     rejoin_ms = None
-    victim_rec = next((r for r in records if r["replica"] == victim), None)
     if victim_rec and len(victim_rec["connects"]) >= 2:
         back = victim_rec["connects"][1]
         admitted = [a[2] for a in victim_rec["answers"] if a[2] > back]

@@ -78,15 +78,19 @@ class Answer:
 class SimReplica:
     """One simulated replica group (one rank) and its connection."""
 
-    def __init__(self, plan: Plan, replica: int, offset: float, answered: Any) -> None:
+    def __init__(self, plan: Plan, replica: int, offset: float, answered: Any, held: Any = None) -> None:
         self.plan = plan
         self.answered = answered  # the newest step answered to any group, shared by the client processes
+        # Seconds every group's schedule moved because an answer came after the next step was due
+        # (shared by the client processes; None: a schedule that never moves).
+        self.held = held
         self.replica = replica
         self.offset = offset
         self.secret = JobSecret(plan.key)
         self.answers: list[Answer] = []
         self.aborts: list[tuple[float, int]] = []
         self.connects: list[float] = []
+        self.left: list[float] = []  # when it left (the victim's disconnect)
         self.bytes_in = 0
         self.bytes_at: list[int] = []  # bytes_in at each step's start
         self.step = 0
@@ -270,6 +274,8 @@ class SimReplica:
 
     def leave(self) -> None:
         """The process dies: its connection closes (the kernel's FIN, as on kill -9)."""
+        if not self.closed:
+            self.left.append(time.monotonic())
         self.closed = True
         if self._writer is not None:
             self._writer.close()
@@ -288,6 +294,23 @@ class SimReplica:
 
     # -- the schedule ----------------------------------------------------------------------
 
+    def _start(self, k: int) -> float:
+        """When step ``k`` starts: the plan's time, moved by every wait the job was held for."""
+        return self.plan.step_start(k) + (self.held.value if self.held is not None else 0.0)
+
+    def _held_back(self, k: int) -> None:
+        """Step ``k``'s answer came after step ``k + 1`` was due (a standby taking over, a coordinator
+        that fell behind): a real replica cannot start the step before its exchange ends, and its
+        exchange holds every member back, so every group's schedule moves by the wait. Without
+        this, the groups asked for the steps their clocks said once the answers came back: a
+        mixture of steps that no job trains, whose catch-ups and evictions were then measured."""
+        if self.held is None or self.replica == self.plan.victim:  # a newcomer's wait holds nobody back
+            return
+        late = time.monotonic() - self._start(k + 1)
+        if late > 0:
+            with self.held.get_lock():
+                self.held.value = max(self.held.value, time.monotonic() - self.plan.step_start(k + 1))
+
     async def run(self) -> None:
         plan = self.plan
         beats = asyncio.create_task(self.heartbeats())
@@ -297,14 +320,14 @@ class SimReplica:
             self.bytes_at.append(self.bytes_in)
             if self.replica == plan.victim and plan.disconnect_step is not None and plan.rejoin_step is not None:
                 if k == plan.disconnect_step:
-                    await _until(plan.step_start(k) + plan.step_time / 2)
+                    await _until(self._start(k) + plan.step_time / 2)
                     self.leave()
                     beats.cancel()
                     continue
                 if plan.disconnect_step < k < plan.rejoin_step:
                     continue
                 if k == plan.rejoin_step:
-                    await _until(plan.step_start(k) + plan.step_time / 2)
+                    await _until(self._start(k) + plan.step_time / 2)
                     self.step = plan.disconnect_step  # behind: it resumes from an older state
                     try:
                         await self.come_back(time.monotonic() + 30.0)
@@ -312,8 +335,11 @@ class SimReplica:
                         continue
                     beats = asyncio.create_task(self.heartbeats())
                     await self.ask(self.step)
+                    if self._last is not None:  # admitted: it caught up to the step its epoch trains, on from there
+                        self.step = max(self.step, self._last["decision"]["step"])
+                        k = max(k, self.step)
                     continue
-            await _until(plan.step_start(k) + self.offset)
+            await _until(self._start(k) + self.offset)
             # Late (its last answer came after its peers moved on): they, whom a real exchange
             # would have held back, train a newer step in this simulation; it asks for the newest
             # step the coordinator has answered any group, as a replica kept in step by its
@@ -326,6 +352,7 @@ class SimReplica:
                 k = now
             self.step = max(self.step, k)
             await self.ask(self.step)
+            self._held_back(k)
         self.closed = True
         beats.cancel()
 
@@ -335,6 +362,7 @@ class SimReplica:
             "answers": [dataclasses.astuple(a) for a in self.answers],
             "aborts": self.aborts,
             "connects": self.connects,
+            "left": self.left,
             "bytes_in": self.bytes_in,
             "bytes_at": self.bytes_at,
             "heartbeat_s": self.heartbeat_s,
@@ -363,14 +391,14 @@ async def _until(t: float) -> None:
         await asyncio.sleep(delay)
 
 
-async def _main(plan: Plan, ready: Any, go: Any, answered: Any) -> list[dict[str, Any]]:
+async def _main(plan: Plan, ready: Any, go: Any, answered: Any, held: Any) -> list[dict[str, Any]]:
     rng = random.Random(plan.seed)
     kind = SimReplica
     if plan.ranks_per_node:
         from unbroken.bench.coordinator_sim_nodes import SimNode
 
         kind = SimNode
-    sims = [kind(plan, r, rng.uniform(0.0, plan.jitter * plan.step_time), answered) for r in plan.replicas]
+    sims = [kind(plan, r, rng.uniform(0.0, plan.jitter * plan.step_time), answered, held) for r in plan.replicas]
     sem = asyncio.Semaphore(64)  # handshakes in flight: not a SYN flood of the listener's backlog
 
     async def connect(s: SimReplica) -> None:
@@ -396,8 +424,8 @@ async def _main(plan: Plan, ready: Any, go: Any, answered: Any) -> list[dict[str
     return [s.records() for s in sims]
 
 
-def client_process(plan: Plan, ready: Any, go: Any, out: Any, answered: Any) -> None:
+def client_process(plan: Plan, ready: Any, go: Any, out: Any, answered: Any, held: Any = None) -> None:
     """A client process's body: connects its groups, waits for the start time, runs, reports."""
-    records = event_loop.run(_main(plan, ready, go, answered))
+    records = event_loop.run(_main(plan, ready, go, answered, held))
     usage = resource.getrusage(resource.RUSAGE_SELF)
     out.send(json.dumps({"records": records, "cpu_s": usage.ru_utime + usage.ru_stime}))

@@ -1,0 +1,55 @@
+"""The simulated groups' schedule in ``unbroken bench coordinator`` (no sockets, no processes).
+
+A real replica cannot start a step before its exchange of the last one ends, and the exchange
+holds every member back: an answer that comes after the next step was due (a standby taking
+over) moves every group's schedule, not one group's, and a newcomer waiting to be admitted holds
+nobody back. Without that, the groups asked for the steps their clocks said once the answers came
+back, a mixture of steps no job trains, and the bench measured the evictions it caused.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+
+from unbroken.bench.coordinator_sim import Plan, SimReplica
+
+
+def plan(t0: float) -> Plan:
+    return Plan(
+        addresses=(("127.0.0.1", 1),),
+        key=b"k" * 32,
+        replicas=(0, 1),
+        t0=t0,
+        steps=20,
+        step_time=1.0,
+        jitter=0.0,
+        heartbeat_s=1.0,
+        victim=1,
+        disconnect_step=2,
+        rejoin_step=4,
+    )
+
+
+def test_an_answer_after_the_next_step_was_due_moves_every_groups_schedule() -> None:
+    held = multiprocessing.Value("d", 0.0)
+    answered = multiprocessing.Value("q", -1)
+    p = plan(time.monotonic() - 10.0)  # step 6 was due 4 s ago
+    group, other = SimReplica(p, 0, 0.0, answered, held), SimReplica(p, 2, 0.0, answered, held)
+    group._held_back(12)  # step 12's answer, with step 13 due in 3 s: on time, nothing moves
+    assert held.value == 0.0
+    group._held_back(5)  # step 6 was due 4 s ago
+    assert held.value == pytest.approx(4.0, abs=0.2)
+    assert other._start(6) == pytest.approx(time.monotonic(), abs=0.2)  # every group starts step 6 now
+    group._held_back(5)  # the same wait, told again: counted once
+    other._held_back(5)
+    assert held.value == pytest.approx(4.0, abs=0.2)
+
+
+def test_a_newcomers_wait_holds_nobody_back() -> None:
+    held = multiprocessing.Value("d", 0.0)
+    p = plan(time.monotonic() - 10.0)
+    SimReplica(p, 1, 0.0, multiprocessing.Value("q", -1), held)._held_back(5)  # the victim, rejoining
+    assert held.value == 0.0
