@@ -276,6 +276,26 @@ def answer_tail(decision: dict[str, Any], transfer_addrs: dict[str, str], store:
     return body[1:].encode()  # without the opening brace: answer_payload puts op and id first
 
 
+def decision_head(decision: dict[str, Any]) -> bytes:
+    """A decision's JSON text without its donors and closing brace: what the answer of every
+    member named in a donor pair shares (:func:`paired_tail`). Made once per decision: with
+    thousands of members behind (a standby's first epoch), encoding the decision again for each
+    of them was most of the time to answer them."""
+    body = json.dumps({k: v for k, v in decision.items() if k != "donors"}, separators=(",", ":"))
+    return body[:-1].encode()
+
+
+def paired_tail(head: bytes, pairs: list[list[int]], transfer_addrs: dict[str, str], store: str) -> bytes:
+    """``answer_tail({**decision, "donors": pairs}, transfer_addrs, store)`` from the decision's
+    :func:`decision_head`: only the pairs, addresses and store are encoded here."""
+    return b'"decision":%s,"donors":%s},"transfer_addrs":%s,"store":%s}' % (
+        head,
+        json.dumps(pairs, separators=(",", ":")).encode(),
+        json.dumps(transfer_addrs, separators=(",", ":")).encode(),
+        json.dumps(store).encode(),
+    )
+
+
 def answer_payload(req_id: int, tail: bytes) -> bytes:
     """The JSON text of a full quorum answer to request ``req_id`` (see :func:`answer_tail`)."""
     return b'{"op":"quorum","id":%d,%s' % (req_id, tail)

@@ -93,10 +93,10 @@ class QuorumDecision:
         return dict(self.donors)
 
     @functools.cached_property
-    def wire_tails(self) -> dict[str, bytes]:
-        """Store address -> the shared tail of this decision's full answer
-        (:func:`unbroken.control.protocol.answer_tail`), filled by whoever answers first: a
-        replica asking after the epoch formed gets it without encoding thousands of members again."""
+    def wire(self) -> dict[str, bytes]:
+        """This decision's texts for the wire (:mod:`unbroken.control.protocol`), by what they
+        are, filled by whoever answers first: a replica asking after the epoch formed gets them
+        without encoding thousands of members again."""
         return {}
 
     def to_json(self) -> dict[str, object]:

@@ -378,6 +378,7 @@ class QuorumService:
         ``ranks_of`` but the ranks named there (they asked, and were answered)."""
         pushes: dict[str, bytes] = {}
         decision = {**d.to_json(), "donors": []}
+        head = b""  # the decision's text for those named in donor pairs (protocol.decision_head), made once
         donors = d.donor_map
         pairs = d.donors_by_replica() if d.donors else {}
         for replica, answered in ranks_of.items():
@@ -391,7 +392,8 @@ class QuorumService:
                     donor = donors.get(replica)
                     peer = self.replicas.get(donor, {}).get(rank) if donor is not None else None
                     addrs = {str(donor): peer.transfer_addr} if peer is not None else {}
-                    tail = protocol.answer_tail({**decision, "donors": pairs[replica]}, addrs, store)
+                    head = head or protocol.decision_head(decision)
+                    tail = protocol.paired_tail(head, pairs[replica], addrs, store)
                     conn.link.send_payload(protocol.push_payload(abort, tail))
                     continue
                 payload = pushes.get(store)  # the same text for every rank of the same store: made once
@@ -411,7 +413,7 @@ class QuorumService:
         and a member named in donor pairs gets those alone (every pair to every member was 60 KB
         an answer with most of 5,000 members behind).
         """
-        tails = d.wire_tails  # shared by every _reply of this decision
+        wire = d.wire  # the decision's texts, shared by every _reply of it
         decision: dict[str, object] | None = None
         donors = d.donor_map
         pairs = d.donors_by_replica() if d.donors else {}  # a member gets only the pairs that name it
@@ -428,22 +430,25 @@ class QuorumService:
                 store = self.store_for(conn.link)
                 donor = donors.get(replica)
                 if replica in pairs:
-                    decision = decision or {**d.to_json(), "donors": []}
-                    mine = {**decision, "donors": pairs[replica]}
+                    head = wire.get("head")
+                    if head is None:
+                        decision = decision or d.to_json()
+                        head = wire["head"] = protocol.decision_head(decision)
                     addrs: dict[str, str] = {}
                     if donor is not None:  # the address of its donor's rank of the same index
                         peer = self.replicas.get(donor, {}).get(rank)
                         addrs = {str(donor): peer.transfer_addr} if peer is not None else {}
-                    conn.link.send_payload(protocol.answer_payload(req_id, protocol.answer_tail(mine, addrs, store)))
+                    mine = protocol.paired_tail(head, pairs[replica], addrs, store)
+                    conn.link.send_payload(protocol.answer_payload(req_id, mine))
                     continue
-                tail = tails.get(store)
-                if tail is None:
-                    if len(tails) >= MAX_TAILS:
-                        tails.clear()
-                    decision = decision or {**d.to_json(), "donors": []}
-                    tail = tails[store] = protocol.answer_tail(decision, {}, store)
-                if req_id != full_id or tail is not full_tail:
-                    full_id, full_tail, full = req_id, tail, protocol.answer_payload(req_id, tail)
+                shared = wire.get(store)
+                if shared is None:
+                    if len(wire) >= MAX_TAILS:
+                        wire.clear()
+                    decision = decision or d.to_json()
+                    shared = wire[store] = protocol.answer_tail({**decision, "donors": []}, {}, store)
+                if req_id != full_id or shared is not full_tail:
+                    full_id, full_tail, full = req_id, shared, protocol.answer_payload(req_id, shared)
                 conn.link.send_payload(full)
 
     def push_aborts(self) -> None:

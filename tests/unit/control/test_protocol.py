@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import socket
 
 import pytest
 
+from unbroken.control import protocol
 from unbroken.control.protocol import connected_to_itself, decode, encode
+from unbroken.control.quorum import QuorumDecision
 from unbroken.wire.auth import AuthError, Session
 
 
@@ -50,3 +53,16 @@ def test_an_authentic_line_that_is_no_message_is_a_value_error() -> None:
     sender, receiver = _pair()
     with pytest.raises(ValueError):
         decode(sender.seal_line(b"[1, 2]"), receiver)
+
+
+def test_a_paired_answer_made_from_the_decisions_head_is_the_answer_made_whole() -> None:
+    """A member named in donor pairs gets the decision with its own pairs and its donor's address:
+    made from the decision's text encoded once, it must be the very answer encoded whole."""
+    decision = QuorumDecision(
+        epoch=9, step=41, members=(0, 1, 2, 5, 6), behind=(2, 6), donors=((2, 0), (6, 1))
+    ).to_json()
+    head = protocol.decision_head(decision)
+    for pairs, addrs in (([[2, 0]], {"0": "10.0.0.1:2000"}), ([[6, 1], [7, 1]], {}), ([], {})):
+        whole = protocol.answer_tail({**decision, "donors": pairs}, addrs, "10.0.0.9:29500")
+        assert protocol.paired_tail(head, pairs, addrs, "10.0.0.9:29500") == whole
+        assert json.loads(b"{" + whole)["decision"]["donors"] == pairs

@@ -302,7 +302,7 @@ def test_a_decision_for_the_next_step_keeps_nothing_of_the_last_ones_answers() -
     new decision, whose answers must not carry the last one's donors or text."""
     d = QuorumDecision(epoch=3, step=7, members=(0, 1, 2), behind=(2,), donors=((2, 0),))
     assert d.donor_map == {2: 0} and d.donor_of(2) == 0 and d.donors_by_replica() == {2: [[2, 0]], 0: [[2, 0]]}
-    d.wire_tails["127.0.0.1:1"] = b"the text of step 7"
+    d.wire["127.0.0.1:1"] = b"the text of step 7"
     nxt = dataclasses.replace(d, step=8, behind=(), donors=())
-    assert nxt.wire_tails == {} and nxt.donor_map == {} and nxt.donors_by_replica() == {}
-    assert d.wire_tails == {"127.0.0.1:1": b"the text of step 7"}
+    assert nxt.wire == {} and nxt.donor_map == {} and nxt.donors_by_replica() == {}
+    assert d.wire == {"127.0.0.1:1": b"the text of step 7"}
