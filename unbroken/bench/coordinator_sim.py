@@ -40,6 +40,8 @@ from unbroken.control.heartbeat import heartbeat_due
 from unbroken.control.quorum import members_of_runs
 from unbroken.wire.auth import AuthError, JobSecret, Session
 
+REJOIN_PATIENCE_S = 60.0  # how long the rejoining victim waits to be admitted before it asks again
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -248,7 +250,9 @@ class SimReplica:
             "step_time": self.plan.step_time,
         }
 
-    async def ask(self, step: int, failed_epoch: int | None = None) -> None:
+    async def ask(self, step: int, failed_epoch: int | None = None, patience_s: float | None = None) -> None:
+        """Asks for ``step`` and waits for the answer, or gives up after ``patience_s`` (default:
+        four steps, at least 5 s: an overloaded coordinator)."""
         if self.closed or any(s == step and f for (s, _, f, _) in self._pending.values()):
             return
         req_id = next(self._ids)
@@ -256,7 +260,7 @@ class SimReplica:
         self._pending[req_id] = (step, time.monotonic(), failed_epoch is not None, fut)
         self._send(self._ask_msg(req_id, step, failed_epoch))
         with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
-            await asyncio.wait_for(fut, max(5.0, 4 * self.plan.step_time))  # an overloaded coordinator: given up
+            await asyncio.wait_for(fut, patience_s or max(5.0, 4 * self.plan.step_time))
 
     async def heartbeats(self) -> None:
         """As a replica's client: a heartbeat line only when nothing else went out for a period.
@@ -334,7 +338,8 @@ class SimReplica:
                     except (TimeoutError, asyncio.TimeoutError):  # not admitted: no rejoin figure, the rest stands
                         continue
                     beats = asyncio.create_task(self.heartbeats())
-                    await self.ask(self.step)
+                    # A newcomer waits out the steps granted to its peers (up to 10 s) before it is admitted.
+                    await self.ask(self.step, patience_s=REJOIN_PATIENCE_S)
                     if self._last is not None:  # admitted: it caught up to the step its epoch trains, on from there
                         self.step = max(self.step, self._last["decision"]["step"])
                         k = max(k, self.step)

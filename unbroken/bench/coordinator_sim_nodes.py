@@ -73,7 +73,7 @@ class SimNode(SimReplica):
         self.grant = None  # as the relay's: a lost node connection ends every grant (its ranks reconnect)
         await super()._reconnect()
 
-    async def ask(self, step: int, failed_epoch: int | None = None) -> None:
+    async def ask(self, step: int, failed_epoch: int | None = None, patience_s: float | None = None) -> None:
         grant, last = self.grant, self._last
         if not self._connected.is_set():
             grant = self.grant = None
@@ -85,7 +85,7 @@ class SimNode(SimReplica):
                     self.answered.value = max(self.answered.value, step)
             return
         self.grant = None
-        await super().ask(step, failed_epoch)
+        await super().ask(step, failed_epoch, patience_s)
 
     async def heartbeats(self) -> None:
         """One line for the node's ranks, only when nothing else went out for a period."""

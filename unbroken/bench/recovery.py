@@ -253,6 +253,7 @@ class BenchSettings:
     model: str = "mlp"  # of steady, crash and hang: "mlp" (recovery_worker) or "llama" (the example)
     ranks: int = 1  # ranks per replica
     device: str = "cpu"  # where the llama trains (--model llama); the MLP trains on the CPU
+    batch_size: int = 32  # of the MLP: compute per step at the same exchange size
 
     @property
     def processes(self) -> int:
@@ -286,6 +287,8 @@ class BenchSettings:
             model,
             "--params-m",
             str(self.params_m),
+            "--batch-size",
+            str(self.batch_size),
             "--steps",
             str(self.steps),
             "--out",
@@ -421,6 +424,8 @@ def run_all(s: BenchSettings, rounds: int, log: Any, scenarios: tuple[str, ...] 
     baseline_cpu, steady_cpu = [], []  # the training thread's CPU per step, where the worker records it
     identical: dict[str, bool] = {}
     result: dict[str, Any] = {"replicas": s.replicas, "params_m": s.params_m, "steps": s.steps}
+    if s.model == "mlp":
+        result["batch_size"] = s.batch_size
     if s.model != "mlp":
         del result["params_m"]  # the MLP's size; the example Llama has its own (3.9M)
         result |= {"model": s.model, "ranks_per_replica": s.ranks}
@@ -576,6 +581,14 @@ def ddp_figures(s: BenchSettings, model: str, rounds: int, log: Any, identical: 
     help="Baseline/steady pairs for the overhead ratio, in ABBA order (an even number cancels a steady drift).",
 )
 @click.option(
+    "--batch-size",
+    type=click.IntRange(1, 4096),
+    default=32,
+    show_default=True,
+    help="MLP samples per replica and step: more compute per step at the same exchange, to tell a fixed "
+    "per-step cost from one that grows with the step.",
+)
+@click.option(
     "--only",
     "only",
     multiple=True,
@@ -622,6 +635,7 @@ def recovery(
     fault_step: int,
     hang_s: float,
     rounds: int,
+    batch_size: int,
     only: tuple[str, ...],
     api: str,
     model: str,
@@ -663,6 +677,7 @@ def recovery(
         model=model,
         ranks=ranks_per_replica or (2 if model == "llama" and device == "cpu" else 1),
         device=device,
+        batch_size=batch_size,
     )
 
     def log(msg: str) -> None:
