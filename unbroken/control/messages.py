@@ -743,7 +743,9 @@ class NodeAnswers:
     """What the coordinator tells a node's ranks, in one line: ``msgs[i]`` is for rank ``to[i]``
     (the agent fans them out); ``dropped``: ranks the coordinator no longer hears through this
     node (evicted, refused: as their own connections closing; a restarted rank says hello again).
-    The coordinator sends it pre-encoded (:mod:`unbroken.control.node_relay`)."""
+    The coordinator sends it pre-encoded (:mod:`unbroken.control.node_relay`); on the wire a
+    message for several ranks in a row may be sent once, ``runs[i]`` saying for how many (the
+    parsed form lists it for each, the same object)."""
 
     OP: ClassVar[str] = "node_answers"
     to: tuple[tuple[int, int], ...]
@@ -752,13 +754,24 @@ class NodeAnswers:
 
     @classmethod
     def from_msg(cls, msg: Message) -> NodeAnswers:
-        to, msgs = msg.get("to"), msg.get("msgs")
-        if not isinstance(to, list) or not isinstance(msgs, list) or len(to) != len(msgs):
+        to, msgs, runs = msg.get("to"), msg.get("msgs"), msg.get("runs")
+        if not isinstance(to, list) or not isinstance(msgs, list):
+            raise ValueError("a node_answers needs as many messages as ranks they are for")
+        if not all(isinstance(m, dict) and isinstance(m.get("op"), str) for m in msgs):
+            raise ValueError("a node_answers' messages are protocol messages")
+        if runs is not None:
+            if (
+                not isinstance(runs, list)
+                or len(runs) != len(msgs)
+                or not all(type(n) is int and n >= 1 for n in runs)
+                or sum(runs) != len(to)
+            ):
+                raise ValueError("a node_answers' runs say for how many ranks in a row each message is")
+            msgs = [m for m, n in zip(msgs, runs, strict=True) for _ in range(n)]
+        if len(to) != len(msgs):
             raise ValueError("a node_answers needs as many messages as ranks they are for")
         if not all(isinstance(t, list) and len(t) == 2 for t in to):
             raise ValueError("a node_answers' ranks are [replica, rank] pairs")
-        if not all(isinstance(m, dict) and isinstance(m.get("op"), str) for m in msgs):
-            raise ValueError("a node_answers' messages are protocol messages")
         dropped = tuple(_slot(r, k) for r, k in _pairs(msg, "dropped", 2))
         return cls(to=tuple(_slot(r, k) for r, k in to), msgs=tuple(msgs), dropped=dropped)
 

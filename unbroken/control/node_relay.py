@@ -92,11 +92,26 @@ class NodeConn:
 def answers_payload(batch: list[tuple[bytes, bytes]], dropped: list[Slot]) -> bytes:
     """The JSON text of a :class:`~unbroken.control.messages.NodeAnswers` whose ranks
     (:func:`slot_json`) and messages are already encoded (a full quorum answer's text is shared
-    by many ranks: it is not parsed again)."""
+    by many ranks: it is not parsed again).
+
+    A text told to several ranks in a row (the same object: a node's ranks are told alike, as
+    an epoch pushed after a death or a welcome) goes once, with ``runs`` saying for how many:
+    at 12,500 nodes a push was 100,000 copies of the same answer, written, sealed and parsed."""
     to = b",".join(s for s, _ in batch)
-    msgs = b",".join(p for _, p in batch)
     gone = b",".join(slot_json(s) for s in dropped)
-    return b'{"op":"%s","to":[%s],"msgs":[%s],"dropped":[%s]}' % (protocol.NodeAnswers.OP.encode(), to, msgs, gone)
+    texts: list[bytes] = []
+    runs: list[int] = []
+    for _, payload in batch:
+        if texts and payload is texts[-1]:
+            runs[-1] += 1
+        else:
+            texts.append(payload)
+            runs.append(1)
+    op, msgs = protocol.NodeAnswers.OP.encode(), b",".join(texts)
+    if len(texts) == len(batch):
+        return b'{"op":"%s","to":[%s],"msgs":[%s],"dropped":[%s]}' % (op, to, msgs, gone)
+    counts = b",".join(b"%d" % n for n in runs)
+    return b'{"op":"%s","to":[%s],"msgs":[%s],"runs":[%s],"dropped":[%s]}' % (op, to, msgs, counts, gone)
 
 
 Run = tuple[int, protocol.QuorumAsk, list[int]]  # (replica, its request, the ranks asking it)

@@ -52,7 +52,7 @@ class RankConn:
 
 # A rank's request: its connection, the request's id, the step it asks for, the epoch it says failed.
 Asked = tuple[RankConn, int, int, int | None]
-MAX_TAILS = 16  # answer tails kept per decision: one per store address the coordinator hands out
+MAX_TAILS = 16  # wire texts kept per decision: a shared tail per store address it hands out, and its head
 
 
 class QuorumService:

@@ -8,6 +8,7 @@ per node, told to abort, evicted alone) and that a node speaks for no rank but i
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -229,3 +230,29 @@ def test_a_rank_of_its_own_connection_is_never_granted(tmp_path: Path) -> None:
         assert c.requests.granted == 0
 
     run(tmp_path, scenario, total_replicas=2, min_replicas=1, max_asks_per_s=0.5)
+
+
+def test_a_text_told_to_a_nodes_ranks_alike_goes_once_and_reaches_each() -> None:
+    """An epoch pushed after a death is the same text for every rank of a node: it goes once
+    with the count of ranks it is for, and the node's agent still hands each rank its message."""
+    push = b'{"op":"epoch","abort":4,"decision":{"epoch":5,"step":9}}'
+    alone = b'{"op":"abort","epoch":4}'
+    batch = [(slot_json((3, k)), push) for k in range(6)] + [(slot_json((3, 6)), alone), (slot_json((3, 7)), push)]
+    payload = answers_payload(batch, [(3, 9)])
+    assert payload.count(b'"decision"') == 2 and b'"runs":[6,1,1]' in payload
+    got = protocol.NodeAnswers.from_msg(json.loads(payload))
+    assert got.to == tuple((3, k) for k in range(8)) and got.dropped == ((3, 9),)
+    assert [m["op"] for m in got.msgs] == ["epoch"] * 6 + ["abort", "epoch"]
+    assert got.msgs[0] == json.loads(push) and got.msgs[7] == json.loads(push)
+    # Texts that differ (each rank's own answer) go as before, one each, without runs.
+    own = [(slot_json((3, k)), b'{"op":"abort","epoch":%d}' % k) for k in range(3)]
+    assert b'"runs"' not in answers_payload(own, [])
+
+
+@pytest.mark.parametrize(
+    "runs", [[1], [2, 2], [0, 3], [3, "1"], "3", [1.0, 2]], ids=["short", "long", "zero", "text", "not-list", "float"]
+)
+def test_runs_that_do_not_add_up_to_the_ranks_are_refused(runs: object) -> None:
+    msg = {"to": [[0, 0], [0, 1], [0, 2]], "msgs": [{"op": "abort", "epoch": 1}, {"op": "abort", "epoch": 2}]}
+    with pytest.raises(ValueError, match="runs|as many"):
+        protocol.NodeAnswers.from_msg({**msg, "runs": runs})
