@@ -551,6 +551,9 @@ class Agent:
         decision = self.book.decide(r.replica)
         if self._job_finished or self._coordinator_lost:
             decision = dataclasses.replace(decision, action="stop", reason="the job is over: nothing to rejoin")
+        if decision.action == "restart" and self.s.nodes_per_replica == 1:
+            # Counted when decided, not after the kill and the backoff: a replica failing meanwhile sees it.
+            self.book.restarted(r.replica)
         self.events.emit(
             "process_exited",
             replica=r.replica,
@@ -579,7 +582,6 @@ class Agent:
             self._maybe_done()
             return
         r.restarts += 1
-        self.book.restarted(r.replica)
         self.events.emit("replica_restarting", replica=r.replica, restart=r.restarts)
         await self._spawn(r)
 

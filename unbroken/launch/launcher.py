@@ -320,6 +320,10 @@ class Launcher:
         decision = self.book.decide(r.replica)
         if any(self.lifecycle.state[x] == State.FINISHED for x in self.lifecycle.state):
             decision = dataclasses.replace(decision, action="stop", reason="the job finished: nothing to rejoin")
+        if decision.action == "restart":
+            # Counted when decided, not after the backoff: two replicas failing within it were
+            # both restarted past the crash-loop limit.
+            self.book.restarted(r.replica)
         decision_ms = (time.monotonic() - t_detect) * 1e3
         if process_exited is not None:
             self.events.emit(
@@ -372,7 +376,6 @@ class Launcher:
         if self._stop.is_set():
             return
         r.restarts += 1
-        self.book.restarted(r.replica)
         self.events.emit("replica_restarting", replica=r.replica, restart=r.restarts)
         if self.placement.place(r.replica) is not None:
             self._move(r.replica, State.RECOVERING, f"restart {r.restarts} after {delay_s:.2f}s backoff")
