@@ -310,10 +310,10 @@ class SimReplica:
         mixture of steps that no job trains, whose catch-ups and evictions were then measured."""
         if self.held is None or self.replica == self.plan.victim:  # a newcomer's wait holds nobody back
             return
-        late = time.monotonic() - self._start(k + 1)
-        if late > 0:
-            with self.held.get_lock():
-                self.held.value = max(self.held.value, time.monotonic() - self.plan.step_start(k + 1))
+        wait = time.monotonic() - self.plan.step_start(k + 1)
+        if wait > self.held.value:
+            with self.held.get_lock():  # another group, in another process, may have moved it meanwhile
+                self.held.value = max(self.held.value, wait)
 
     async def run(self) -> None:
         plan = self.plan
