@@ -14,9 +14,12 @@ processes, speaking the real, authenticated protocol at a fixed step time. Per s
   request), heartbeats and ticks included; ``rss_mib``: its resident memory at the end;
 * ``bytes_per_client_step``: what one group receives per fast-path step;
 * ``takeover_ms`` (with the standby): from ``kill -9`` of the active coordinator to the last
-  group reconnected to the standby; ``takeover_quorum_ms``: to the last group holding the
-  standby's first epoch (the kill comes just before a step: this includes the step's spread of
-  asks, up to ``jitter`` of a step).
+  group reconnected to the standby; ``takeover_quorum_ms``: to the last group answered by the
+  standby (which continues the epoch: :mod:`unbroken.control.resume`; the kill comes just before
+  a step: this includes the step's spread of asks, up to ``jitter`` of a step);
+  ``takeover_held_ms``: what the takeover cost the job, how far every group's schedule moved
+  after the kill (a group starts no step before every group was answered for the one before:
+  :mod:`unbroken.bench.lockstep`).
 
 Are the clients the bottleneck? Each client process reports its CPU time; ``client_cpu_util``
 is the busiest one's share of the run (under 0.5: it was not saturated on average; an eviction
@@ -166,6 +169,7 @@ def run_size(
         chunks = [tuple(range(size))[i::client_procs] for i in range(client_procs) if i < size]
         answered = ctx.Value("q", -1)  # the newest step the coordinator answered any group
         held = ctx.Value("d", 0.0)  # seconds the groups' schedule moved for answers that came late
+        floors = ctx.Array("q", len(chunks))  # the hold of the exchange (bench.lockstep): a slot per process
         links = []
         for i, chunk in enumerate(chunks):
             plan = Plan(
@@ -187,7 +191,9 @@ def run_size(
             ready_r, ready_w = ctx.Pipe(duplex=False)
             go_r, go_w = ctx.Pipe(duplex=False)
             out_r, out_w = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=client_process, args=(plan, ready_w, go_r, out_w, answered, held), daemon=True)
+            p = ctx.Process(
+                target=client_process, args=(plan, ready_w, go_r, out_w, answered, held, floors, i), daemon=True
+            )
             p.start()
             procs.append(p)
             links.append((ready_r, go_w, out_r))
@@ -206,11 +212,13 @@ def run_size(
         _sleep_until(t0 + (warmup + DISCONNECT_STEP) * step_time, held)
         cpu1 = _proc_cpu_s(active.pid)
         kill_t = None
+        held_at_kill = 0.0
         standby_cpu: list[tuple[float, float]] = []
         if standby:
             _sleep_until(t0 + (warmup + admit + TAKEOVER_STEP) * step_time - 0.05 * step_time, held)
             rss = _proc_rss_mib(active.pid)
             kill_t = time.monotonic()
+            held_at_kill = held.value
             os.kill(active.pid, signal.SIGKILL)
             standby_cpu = _cpu_trace(coordinators[1].pid, kill_t + 4 * step_time)
         else:
@@ -236,6 +244,9 @@ def run_size(
                     c.kill()
                     c.wait()
     row = _figures(size, step_time, results, cpu1 - cpu0, rss, kill_t, victim, connect_s, wall, t0, warmup)
+    if kill_t is not None:
+        # What the takeover cost the job: how far every group's schedule moved after the kill.
+        row["takeover_held_ms"] = round((held.value - held_at_kill) * 1000, 1)
     if kill_t is not None and row.get("takeover_quorum_ms") is not None:
         # The standby's own CPU from the kill to the last group holding its first epoch.
         until = kill_t + row["takeover_quorum_ms"] / 1000

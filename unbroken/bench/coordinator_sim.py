@@ -35,12 +35,16 @@ import resource
 import time
 from typing import Any
 
+from unbroken.bench.lockstep import Lockstep
 from unbroken.control import event_loop, protocol
 from unbroken.control.heartbeat import heartbeat_due
 from unbroken.control.quorum import members_of_runs
 from unbroken.wire.auth import AuthError, JobSecret, Session
 
 REJOIN_PATIENCE_S = 60.0  # how long the rejoining victim waits to be admitted before it asks again
+LOCKSTEP_PATIENCE_S = (
+    30.0  # how long a group waits for every group's answer to the step before (an exchange's deadline)
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,12 +84,18 @@ class Answer:
 class SimReplica:
     """One simulated replica group (one rank) and its connection."""
 
-    def __init__(self, plan: Plan, replica: int, offset: float, answered: Any, held: Any = None) -> None:
+    def __init__(
+        self, plan: Plan, replica: int, offset: float, answered: Any, held: Any = None, lockstep: Lockstep | None = None
+    ) -> None:
         self.plan = plan
         self.answered = answered  # the newest step answered to any group, shared by the client processes
         # Seconds every group's schedule moved because an answer came after the next step was due
         # (shared by the client processes; None: a schedule that never moves).
         self.held = held
+        # No group asks for a step before every group was answered for the one before (None: no hold).
+        self.lockstep = lockstep
+        if lockstep is not None:
+            lockstep.join(replica, -1)
         self.replica = replica
         self.offset = offset
         self.secret = JobSecret(plan.key)
@@ -171,6 +181,7 @@ class SimReplica:
             "transfer_addr": f"127.0.0.1:{20000 + self.replica % 40000}",
             "node": f"sim{self.replica}",
             "step": self.step,
+            **({"epoch": self.epoch} if self.epoch is not None else {}),  # a standby resumes it
         }
 
     def _send(self, msg: dict[str, Any]) -> None:
@@ -216,9 +227,7 @@ class SimReplica:
             step, asked, failed, fut = entry
             d = msg["decision"]
             self.epoch = d["epoch"]
-            if d["step"] > self.answered.value:
-                with self.answered.get_lock():
-                    self.answered.value = max(self.answered.value, d["step"])
+            self._answered(d["step"])
             self.answers.append(Answer(step, asked, time.monotonic(), d["epoch"], len(d["members"]), failed))
             if not fut.done():  # not given up on
                 fut.set_result(msg)
@@ -231,6 +240,8 @@ class SimReplica:
             }
             self.epoch = epoch = msg["decision"]["epoch"]
             self.answers.append(Answer(self.step, now, now, epoch, len(self._last["decision"]["members"]), True))
+            if self.lockstep is not None:
+                self.lockstep.answered(self.replica, msg["decision"]["step"])
             for req_id, (step, _, _, fut) in list(self._pending.items()):  # sent before the push came: answered
                 if step == msg["decision"]["step"] and not fut.done():
                     del self._pending[req_id]
@@ -239,6 +250,14 @@ class SimReplica:
             self.aborts.append((time.monotonic(), msg["epoch"]))
             # A replica blocked in the broken epoch's exchange fails it and asks again at once.
             asyncio.get_running_loop().create_task(self.ask(self.step, failed_epoch=msg["epoch"]))
+
+    def _answered(self, step: int) -> None:
+        """This group was answered for ``step``: the newest any group was answered for, and the hold."""
+        if step > self.answered.value:
+            with self.answered.get_lock():
+                self.answered.value = max(self.answered.value, step)
+        if self.lockstep is not None:
+            self.lockstep.answered(self.replica, step)
 
     def _ask_msg(self, req_id: int, step: int, failed_epoch: int | None) -> dict[str, Any]:
         # The step time, as a replica reports it: the coordinator sizes its join window from it.
@@ -281,6 +300,8 @@ class SimReplica:
         if not self.closed:
             self.left.append(time.monotonic())
         self.closed = True
+        if self.lockstep is not None:
+            self.lockstep.leave(self.replica)
         if self._writer is not None:
             self._writer.close()
         if self._warming is not None:
@@ -343,6 +364,8 @@ class SimReplica:
                     if self._last is not None:  # admitted: it caught up to the step its epoch trains, on from there
                         self.step = max(self.step, self._last["decision"]["step"])
                         k = max(k, self.step)
+                        if self.lockstep is not None:
+                            self.lockstep.join(self.replica, self.step)
                     continue
             await _until(self._start(k) + self.offset)
             # Late (its last answer came after its peers moved on): they, whom a real exchange
@@ -356,9 +379,13 @@ class SimReplica:
                 self.bytes_at.extend([self.bytes_in] * (now - k))
                 k = now
             self.step = max(self.step, k)
+            if self.lockstep is not None and self.step > 0:  # the exchange of the step before ended
+                await self.lockstep.reached(self.step - 1, LOCKSTEP_PATIENCE_S)
             await self.ask(self.step)
             self._held_back(k)
         self.closed = True
+        if self.lockstep is not None:
+            self.lockstep.leave(self.replica)
         beats.cancel()
 
     def records(self) -> dict[str, Any]:
@@ -396,14 +423,19 @@ async def _until(t: float) -> None:
         await asyncio.sleep(delay)
 
 
-async def _main(plan: Plan, ready: Any, go: Any, answered: Any, held: Any) -> list[dict[str, Any]]:
+async def _main(
+    plan: Plan, ready: Any, go: Any, answered: Any, held: Any, floors: Any, index: int
+) -> list[dict[str, Any]]:
     rng = random.Random(plan.seed)
     kind = SimReplica
     if plan.ranks_per_node:
         from unbroken.bench.coordinator_sim_nodes import SimNode
 
         kind = SimNode
-    sims = [kind(plan, r, rng.uniform(0.0, plan.jitter * plan.step_time), answered, held) for r in plan.replicas]
+    lockstep = Lockstep(floors, index) if floors is not None else None
+    sims = [
+        kind(plan, r, rng.uniform(0.0, plan.jitter * plan.step_time), answered, held, lockstep) for r in plan.replicas
+    ]
     sem = asyncio.Semaphore(64)  # handshakes in flight: not a SYN flood of the listener's backlog
 
     async def connect(s: SimReplica) -> None:
@@ -429,8 +461,11 @@ async def _main(plan: Plan, ready: Any, go: Any, answered: Any, held: Any) -> li
     return [s.records() for s in sims]
 
 
-def client_process(plan: Plan, ready: Any, go: Any, out: Any, answered: Any, held: Any = None) -> None:
-    """A client process's body: connects its groups, waits for the start time, runs, reports."""
-    records = event_loop.run(_main(plan, ready, go, answered, held))
+def client_process(
+    plan: Plan, ready: Any, go: Any, out: Any, answered: Any, held: Any = None, floors: Any = None, index: int = 0
+) -> None:
+    """A client process's body: connects its groups, waits for the start time, runs, reports.
+    ``floors``: the hold's shared array (:mod:`unbroken.bench.lockstep`), this process at ``index``."""
+    records = event_loop.run(_main(plan, ready, go, answered, held, floors, index))
     usage = resource.getrusage(resource.RUSAGE_SELF)
     out.send(json.dumps({"records": records, "cpu_s": usage.ru_utime + usage.ru_stime}))

@@ -41,6 +41,7 @@ class SimNode(SimReplica):
                 transfer_addr=f"127.0.0.1:{20000 + (self.replica * n + k) % 40000}",
                 node=node,
                 step=self.step,
+                epoch=self.epoch,
             )
             for k in range(n)
         )
@@ -80,9 +81,7 @@ class SimNode(SimReplica):
         if grant is not None and last is not None and grant.epoch == self.epoch and grant.answers(step, failed_epoch):
             now = time.monotonic()
             self.answers.append(Answer(step, now, now, grant.epoch, len(last["decision"]["members"]), False, True))
-            if step > self.answered.value:
-                with self.answered.get_lock():
-                    self.answered.value = max(self.answered.value, step)
+            self._answered(step)
             return
         self.grant = None
         await super().ask(step, failed_epoch, patience_s)

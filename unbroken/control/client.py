@@ -121,6 +121,7 @@ class CoordinatorClient:
         self.telemetry = telemetry  # flight-recorder batches ride along with the heartbeat
         self.store_address: str | None = None
         self.step = 0
+        self.epoch: int | None = None  # the last epoch answered or pushed: its hello says it (control.resume)
         self.compute_s: float | None = None  # reported in heartbeats, for stragglers and status
         self._ids = itertools.count(1)
         self._pending: dict[int, tuple[dict[str, Any], Future[dict[str, Any]]]] = {}
@@ -226,7 +227,7 @@ class CoordinatorClient:
                 try:
                     sock, session = protocol.connect(self.host, self.port, self.secret, timeout=5.0)
                     sock.settimeout(None)
-                    hello = dataclasses.replace(self.hello, step=self.step).to_msg()
+                    hello = dataclasses.replace(self.hello, step=self.step, epoch=self.epoch).to_msg()
                     sock.sendall(protocol.encode(hello, session))
                     return sock, session
                 except AuthError as e:
@@ -375,6 +376,7 @@ class CoordinatorClient:
             raise OutOfStep(str(e)) from e
         msg = {**msg, "decision": listed_decision(msg.get("decision"))}
         self._last_answer = msg
+        self.epoch = protocol.count(msg["decision"], "epoch")
         store = msg.get("store", self.store_address)
         if not isinstance(store, str):
             raise ValueError("a store address that is no string")
@@ -388,13 +390,15 @@ class CoordinatorClient:
         """The next epoch, pushed with the abort of the broken one: the answer to the request in
         flight that it answers (sent before the push arrived), else kept for the next request."""
         push = protocol.EpochPush.from_msg(msg)
+        decision = listed_decision(push.decision)
         answer = {
             "id": 0,
-            "decision": listed_decision(push.decision),
+            "decision": decision,
             "transfer_addrs": push.transfer_addrs,
             "store": push.store,
         }
         self._last_answer = answer  # the short answers of this epoch complete from it
+        self.epoch = protocol.count(decision, "epoch")
         if push.store:
             self.store_address = push.store
         with self._lock:

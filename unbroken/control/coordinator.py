@@ -44,8 +44,9 @@ from unbroken.control.heartbeat import ALIVE_S, HeartbeatPlan, alive_every, plan
 from unbroken.control.job_health import JobHealth, JobStop
 from unbroken.control.node_relay import NodeConn, NodeLink, NodeRelay
 from unbroken.control.placement import AgentConn, PlacementHooks
-from unbroken.control.quorum import QuorumRules, QuorumState
+from unbroken.control.quorum import QuorumRules, QuorumState, decision
 from unbroken.control.quorum_service import QuorumService, RankConn
+from unbroken.control.resume import EpochResume
 from unbroken.control.serving import ConnectionServer, Refused
 from unbroken.control.settings import CoordinatorSettings
 from unbroken.control.state_store import StateStore
@@ -215,6 +216,13 @@ class Coordinator:
         )
         if first_epoch:
             self.events.emit(ev.CoordinatorRestarted(continue_after_epoch=first_epoch))
+        last = self.store.last_epoch()
+        # The epoch the job trains in goes on under this coordinator (a restart, a takeover).
+        self.resumed = (
+            EpochResume(decision(*last), self.quorum, self.replicas, self.events, self.evict, settings.startup_window_s)
+            if last is not None
+            else None
+        )
 
     @property
     def address(self) -> str:
@@ -453,6 +461,9 @@ class Coordinator:
         if self._alive_s is None:  # the plan only slows down: the first timeout told is the shortest
             self._alive_s = alive_every(self.beat.timeout_s)
         link.send_payload(self._welcome(self._store_for(link)))
+        if self.resumed is not None:
+            self.resumed.hello(conn, hello.epoch, len(ranks) == conn.world_size)
+            self.resumed = None if self.resumed.done else self.resumed
         if len(ranks) == conn.world_size:
             self.quorum.connect(conn.replica)
             self.events.emit(ev.ReplicaConnected(replica=conn.replica, node=conn.node, step=conn.step))
@@ -583,6 +594,9 @@ class Coordinator:
         if now >= self._next_silence_scan:  # a scan of every replica: a fifth of the suspect time is soon enough
             self._next_silence_scan = now + self.beat.suspect_after_s / 5
             suspects = self._scan_silence(now)
+        if self.resumed is not None:
+            self.resumed.tick(now)
+            self.resumed = None if self.resumed.done else self.resumed
         held = self.requests.release_held(now)
         suspects |= held & self.quorum.alive
         if suspects != self.quorum.silent:

@@ -207,7 +207,8 @@ def job_health_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     type=float,
     default=CoordinatorSettings.startup_window_s,
     show_default=True,
-    help="Seconds the first quorum waits for every replica.",
+    help="Seconds the first quorum waits for every replica (a restarted coordinator: for the members "
+    "of the epoch it continues).",
 )
 @click.option(
     "--journal-mode",

@@ -73,7 +73,9 @@ def _exitcode(msg: Message) -> int | None:
 
 @dataclasses.dataclass(frozen=True)
 class Hello:
-    """A rank says who it is (the first line of a replica's connection)."""
+    """A rank says who it is (the first line of a replica's connection), and the epoch it
+    trains in (the last one it was answered or pushed; None: none yet), which a coordinator
+    that restarted or took over continues (:mod:`unbroken.control.resume`)."""
 
     OP: ClassVar[str] = "hello"
     replica: int
@@ -82,6 +84,7 @@ class Hello:
     transfer_addr: str = ""
     node: str = ""
     step: int = 0
+    epoch: int | None = None
 
     @classmethod
     def from_msg(cls, msg: Message, node: str | None = None) -> Hello:
@@ -93,10 +96,14 @@ class Hello:
             transfer_addr=text(msg, "transfer_addr"),
             node=text(msg, "node") if node is None else node,
             step=count(msg, "step", 0),
+            epoch=None if msg.get("epoch") is None else count(msg, "epoch"),
         )
 
     def to_msg(self) -> Message:
-        return {"op": self.OP, **dataclasses.asdict(self)}
+        msg: Message = {"op": self.OP, **dataclasses.asdict(self)}
+        if self.epoch is None:
+            del msg["epoch"]  # as before there was one: a coordinator of an older version reads it
+        return msg
 
 
 @dataclasses.dataclass(frozen=True)

@@ -368,15 +368,34 @@ class QuorumState:
             return None
         return self._form(steps)
 
+    def resume(self, d: QuorumDecision) -> None:
+        """Continues ``d``, the epoch a previous coordinator issued last, as the current one
+        (:mod:`unbroken.control.resume`): its members are counted alive until they are back or
+        given up on, and asking for their next step they are answered at once, in ``d``, instead
+        of forming a first epoch that every replica rebuilds its group for. Epochs formed from
+        here on are still numbered above :attr:`epoch` (what the previous one may have issued)."""
+        self.current = d
+        self.alive |= d.member_set
+        self.broken = False
+        self.granted_through = -1
+        self.forming_since = None
+
+    def abandon(self, alive: Iterable[int], now: float) -> None:
+        """Gives up the resumed epoch (someone trains in another one): the next epoch forms as
+        a first one, from every replica in ``alive`` (those connected) that asks."""
+        self.current = None
+        self.alive = set(alive)
+        self.broken = False
+        self.granted_through = -1
+        self.forming_since = now if self.waiting else None
+
     def _form(self, steps: dict[int, int]) -> QuorumDecision:
         """The next epoch of the replicas in ``steps`` (replica -> the step it is at)."""
         members = tuple(sorted(steps))
         step = max(steps.values())
         behind = tuple(m for m in members if steps[m] < step)
-        ahead = [m for m in members if steps[m] == step]
-        donors = tuple((b, ahead[i % len(ahead)]) for i, b in enumerate(behind))
         self.epoch += 1
-        self.current = QuorumDecision(self.epoch, step, members, behind, donors)
+        self.current = decision(self.epoch, step, members, behind)
         self.broken = False
         self.granted_through = -1
         self.waiting.clear()
@@ -386,6 +405,15 @@ class QuorumState:
     def _start_forming(self, now: float) -> None:
         if self.forming_since is None:
             self.forming_since = now
+
+
+def decision(epoch: int, step: int, members: tuple[int, ...], behind: tuple[int, ...]) -> QuorumDecision:
+    """The decision of ``epoch``: each member in ``behind`` is served by an up-to-date one, in
+    turn (a decision read back from the history gets the donors it was formed with)."""
+    behind_set = set(behind)
+    ahead = [m for m in members if m not in behind_set]
+    donors = tuple((b, ahead[i % len(ahead)]) for i, b in enumerate(behind)) if ahead else ()
+    return QuorumDecision(epoch, step, members, behind, donors)
 
 
 #: The most members a decision may list: far above any job (replica groups, not GPUs), and a

@@ -48,6 +48,9 @@ class RankConn:
     failure: str | None = None  # the error of its exchange in the epoch its last request says failed
     pushed: QuorumDecision | None = None  # the epoch pushed to it unasked, until its next request arrives
     relayed: bool = False  # spoken for by its node's relay, which answers within a grant (control.grants)
+    trains: int | None = (
+        None  # the epoch its hello said it trains in, when this coordinator resumed it (control.resume)
+    )
 
 
 # A rank's request: its connection, the request's id, the step it asks for, the epoch it says failed.
@@ -207,8 +210,9 @@ class QuorumService:
         step, failed = ask.step, ask.failed_epoch
         cur = self.quorum.current
         # This very connection trains in the current epoch (a restarted process of a member
-        # of it is a newcomer: it asks for the step of its checkpoint, and catches up).
-        member = cur is not None and conn.epoch == cur.epoch and conn.replica in cur.member_set
+        # of it is a newcomer: it asks for the step of its checkpoint, and catches up), told it
+        # here or, by a coordinator that resumed it, by the previous one.
+        member = cur is not None and cur.epoch in (conn.epoch, conn.trains) and conn.replica in cur.member_set
         if cur is not None and member and step < cur.step and pushed is not None and pushed.epoch == cur.epoch:
             failed = cur.epoch
         elif cur is not None and member and step < cur.step:

@@ -29,7 +29,8 @@ class CoordinatorSettings:
             (five missed heartbeats); it stays alive, and counted, until the timeout above.
         join_window_floor_s: the join window never drops below this; above it the window is
             three median step times, learned from what replicas report.
-        startup_window_s: how long the first quorum waits for every configured replica.
+        startup_window_s: how long the first quorum waits for every configured replica (and a
+            restarted coordinator for the members of the epoch it resumes: control.resume).
         finish_grace_s: node agents are told the job is over this long after the first replica
             finished, even if a replica is still catching up (with no donor left it never can).
         anomaly_policy: actions for training-metric anomalies over the default, as in

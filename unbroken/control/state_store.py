@@ -158,6 +158,24 @@ class StateStore:
         row = self._db.execute("SELECT MAX(epoch) FROM epochs").fetchone()
         return int(row[0]) if row and row[0] is not None else 0
 
+    def last_epoch(self) -> tuple[int, int, tuple[int, ...], tuple[int, ...]] | None:
+        """The newest epoch in the history (epoch, step it was formed at, members, behind), or
+        None when there is none or its row does not read as one (then nothing is continued)."""
+        with self._db_lock:
+            row = self._db.execute(
+                "SELECT epoch, step, members, behind FROM epochs ORDER BY epoch DESC LIMIT 1"
+            ).fetchone()
+        if row is None:
+            return None
+        try:
+            members, behind = json.loads(row[2]), json.loads(row[3])
+            if not all(type(m) is int and m >= 0 for m in [*members, *behind]) or not set(behind) <= set(members):
+                raise ValueError("ids that are not a set of members")
+            return int(row[0]), int(row[1]), tuple(sorted(set(members))), tuple(sorted(set(behind)))
+        except (TypeError, ValueError) as e:
+            log.warning("the last epoch in %s does not read (%s): it is not continued", self.path, e)
+            return None
+
     def record_epoch(self, epoch: int, step: int, members: list[int], behind: list[int]) -> None:
         """Queues an issued epoch for the history (its number is already safe: see the ceiling)."""
         with self._queue_lock:

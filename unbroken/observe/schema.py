@@ -147,6 +147,31 @@ class CoordinatorRestarted(Event):
     step: int | None = None
 
 
+@_kind("epoch_resumed")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EpochResumed(Event):
+    """A coordinator that found history continues its last epoch (:mod:`unbroken.control.resume`):
+    members saying it in their hello are answered in it; those not back within ``window_s`` are
+    evicted."""
+
+    epoch: int
+    step: int
+    members: list[int]
+    window_s: float
+
+
+@_kind("resume_given_up")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ResumeGivenUp(Event):
+    """The resumed epoch is given up: member ``replica`` trains in another epoch (``said``; None:
+    none, a restarted process), so the history was behind or the group is gone; the next epoch
+    forms as a first one."""
+
+    epoch: int
+    replica: int
+    said: int | None = None
+
+
 @_kind("replica_connected")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReplicaConnected(Event):

@@ -200,3 +200,26 @@ def test_a_client_asking_every_period_sends_no_heartbeat_line_of_its_own() -> No
     finally:
         client.close(finished=False)
         fake.close()
+
+
+def test_after_a_lost_coordinator_the_hello_says_the_epoch_the_rank_trains_in() -> None:
+    # What a restarted coordinator or a standby continues (control.resume): the epoch of the
+    # last answer, or of an epoch pushed since; none before any.
+    fake = FakeCoordinator()
+    client = CoordinatorClient(fake.address, SECRET, HELLO, heartbeat_s=0.5, reconnect_timeout_s=20)
+    try:
+        assert "epoch" not in fake.accept()
+        future = client.request_quorum(5)
+        fake.answer(fake.next("quorum"))
+        future.result(timeout=20)
+        assert fake.conn is not None
+        fake.conn.shutdown(socket.SHUT_RDWR)  # the coordinator is gone
+        assert fake.accept()["epoch"] == 4
+        decision = {"epoch": 9, "step": 6, "member_runs": [[0, 1]], "behind_runs": [], "donors": []}
+        fake.send({"op": "epoch", "abort": 4, "decision": decision, "transfer_addrs": {}, "store": "s:1"})
+        time.sleep(0.2)
+        fake.conn.shutdown(socket.SHUT_RDWR)
+        assert fake.accept()["epoch"] == 9
+    finally:
+        client.close(finished=False)
+        fake.close()

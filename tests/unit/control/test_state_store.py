@@ -26,6 +26,12 @@ def coordinator(state_dir: Path, **kw: object) -> Coordinator:
     )
 
 
+def new_epoch_request(c: Coordinator) -> QuorumRequest:
+    """A request that forms an epoch: the one a restarted coordinator resumed (if any) failed."""
+    cur = c.quorum.current
+    return QuorumRequest(replica=0, step=0, failed_epoch=cur.epoch if cur is not None else None)
+
+
 def test_the_database_uses_a_rollback_journal_unless_wal_is_asked_for(tmp_path: Path) -> None:
     # WAL's shared-memory index is unsafe on a network filesystem, where the README puts it.
     c = coordinator(tmp_path / "a")
@@ -51,7 +57,7 @@ def test_an_epoch_is_never_issued_twice_across_restarts(tmp_path: Path) -> None:
     issued = []
     for _ in range(3):
         c = coordinator(tmp_path)
-        _, formed = c.quorum.request(QuorumRequest(replica=0, step=0), time.monotonic())
+        _, formed = c.quorum.request(new_epoch_request(c), time.monotonic())
         c.requests.deliver(formed)
         issued.append(formed[0].epoch)
         asyncio.run(c.stop())
@@ -77,7 +83,7 @@ def test_an_epoch_handed_out_just_before_a_crash_is_not_reused(tmp_path: Path) -
     assert out.returncode == 9, out.stderr.decode()
     lost = int(out.stdout)
     c = coordinator(tmp_path)  # the lock died with the crashed process
-    _, formed = c.quorum.request(QuorumRequest(replica=0, step=0), time.monotonic())
+    _, formed = c.quorum.request(new_epoch_request(c), time.monotonic())
     asyncio.run(c.stop())
     assert formed[0].epoch > lost
 
