@@ -199,6 +199,11 @@ class SimReplica:
                 self._handle(protocol.decode(line, session))
         except (ConnectionError, ValueError):
             pass
+        if not self._connected.is_set():
+            # Ended before its welcome: a standby that is not serving yet holds a hello and then
+            # refuses it. The next address, as a client moves on (it came back to the standby
+            # after one failed handshake with the active one, and never got a welcome).
+            self._address += 1
         self._connected.clear()
         if not self.closed:
             asyncio.get_running_loop().create_task(self._reconnect())

@@ -100,9 +100,22 @@ class Hello:
         )
 
     def to_msg(self) -> Message:
-        msg: Message = {"op": self.OP, **dataclasses.asdict(self)}
-        if self.epoch is None:
-            del msg["epoch"]  # as before there was one: a coordinator of an older version reads it
+        msg = self._fields()
+        msg["node"] = self.node
+        return {"op": self.OP, **msg}
+
+    def _fields(self) -> Message:
+        """Its fields but the node, as a node's hello lists them (no ``dataclasses.asdict``: its
+        deep copy made a node's hello 190 us, 12,500 of them in a takeover's burst)."""
+        msg: Message = {
+            "replica": self.replica,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "transfer_addr": self.transfer_addr,
+            "step": self.step,
+        }
+        if self.epoch is not None:  # left out when none, as before there was one: an older coordinator reads it
+            msg["epoch"] = self.epoch
         return msg
 
 
@@ -650,8 +663,7 @@ class NodeHello:
         return cls(node=node, ranks=tuple(Hello.from_msg(r, node) for r in ranks))
 
     def to_msg(self) -> Message:
-        ranks = [{k: v for k, v in dataclasses.asdict(h).items() if k != "node"} for h in self.ranks]
-        return {"op": self.OP, "node": self.node, "ranks": ranks}
+        return {"op": self.OP, "node": self.node, "ranks": [h._fields() for h in self.ranks]}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from unbroken.control import protocol
@@ -56,3 +58,14 @@ def test_the_job_failed_notice_to_agents_round_trips_and_refuses_bad_codes() -> 
     for code in (0, 256, "78", True):
         with pytest.raises(ValueError):
             protocol.JobFailedNotice.from_msg({"op": "job_failed", "reason": "r", "exit_code": code})
+
+
+def test_a_hello_says_its_epoch_only_when_it_has_one_and_a_node_hello_round_trips() -> None:
+    fresh = protocol.Hello(replica=2, rank=1, world_size=8, transfer_addr="10.0.0.2:5000", node="n2", step=40)
+    assert "epoch" not in fresh.to_msg()  # as an older coordinator reads it
+    trained = dataclasses.replace(fresh, epoch=7)
+    assert protocol.Hello.from_msg(trained.to_msg()) == trained
+    node = protocol.NodeHello(node="n2", ranks=(fresh, dataclasses.replace(trained, rank=2)))
+    assert protocol.NodeHello.from_msg(node.to_msg()) == node
+    with pytest.raises(ValueError, match="epoch"):
+        protocol.Hello.from_msg({**trained.to_msg(), "epoch": -1})
