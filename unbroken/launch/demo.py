@@ -172,10 +172,16 @@ def fault_outcomes(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 None,
                 f.get("rank"),
             )
-            row["recovered"] = any(
-                e["kind"] == "replica_state" and e["replica"] == target and e["t"] > hit["t"] and e["new"] == "training"
-                for e in events
-            )
+            if target is None:  # the coordinator's: recovered once an epoch is served again (resumed or new)
+                row["recovered"] = any(e["kind"] in ("quorum", "epoch_resumed") and e["t"] >= hit["t"] for e in events)
+            else:
+                row["recovered"] = any(
+                    e["kind"] == "replica_state"
+                    and e["replica"] == target
+                    and e["t"] > hit["t"]
+                    and e["new"] == "training"
+                    for e in events
+                )
         out.append(row)
     return out
 

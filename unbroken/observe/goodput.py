@@ -28,7 +28,8 @@ from typing import Any
 Event = Mapping[str, Any]
 Row = Mapping[str, Any]
 
-DETECTION_KINDS = ("process_exited", "replica_evicted", "verdict", "restart_decision")
+# A restarted coordinator is what detects its own kill (a fault with no replica target).
+DETECTION_KINDS = ("process_exited", "replica_evicted", "verdict", "restart_decision", "coordinator_restarted")
 
 
 @dataclasses.dataclass(frozen=True)

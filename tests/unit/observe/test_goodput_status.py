@@ -58,6 +58,22 @@ def test_a_crashed_replica_costs_detection_and_recovery() -> None:
     assert hit is not None and hit["kind"] == "process_exited"
 
 
+def test_a_killed_coordinator_is_detected_by_its_restart_and_recovered_once_it_serves_an_epoch() -> None:
+    from unbroken.launch.demo import fault_outcomes
+
+    events = [
+        {"t": 0.0, "kind": "quorum", "epoch": 3, "members": [0, 1], "behind": []},
+        {"t": 4.0, "kind": "fault_injected", "fault_kind": "coordinator_kill", "target": "coordinator", "rank": 0},
+        {"t": 5.0, "kind": "coordinator_restarted", "continue_after_epoch": 1000},
+        {"t": 5.0, "kind": "epoch_resumed", "epoch": 3, "step": 20, "members": [0, 1], "window_s": 20.0},
+    ]
+    [row] = fault_outcomes(events)
+    assert row["detected"] and row["recovered"] and row["detect_s"] == 1.0
+    assert row["detected_by"] == "coordinator_restarted"
+    [row] = fault_outcomes(events[:3])  # restarted, but never served an epoch again
+    assert row["detected"] and not row["recovered"]
+
+
 def test_status_rows_join_the_coordinator_and_the_typed_events(tmp_path: Path) -> None:
     status = {
         "epoch": 4,
