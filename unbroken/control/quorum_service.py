@@ -48,9 +48,7 @@ class RankConn:
     failure: str | None = None  # the error of its exchange in the epoch its last request says failed
     pushed: QuorumDecision | None = None  # the epoch pushed to it unasked, until its next request arrives
     relayed: bool = False  # spoken for by its node's relay, which answers within a grant (control.grants)
-    trains: int | None = (
-        None  # the epoch its hello said it trains in, when this coordinator resumed it (control.resume)
-    )
+    trains: int | None = None  # the epoch its hello said, when this coordinator resumed it (control.resume)
 
 
 # A rank's request: its connection, the request's id, the step it asks for, the epoch it says failed.
