@@ -156,6 +156,11 @@ class NodeLink(protocol.Link):
                 node.schedule()
             self.sent += 1
 
+    def flush(self) -> None:
+        """Sends what the node's connection holds now, as one ``node_answers`` line."""
+        if self.node._flushing:
+            self.node.flush()
+
     def close(self) -> None:
         """The coordinator ends this rank's connection (an eviction): the node is told, the rest of
         its ranks stay connected."""

@@ -198,6 +198,10 @@ class Link:
             self.writer.write(self.session.seal_line(payload))
             self.sent += 1
 
+    def flush(self) -> None:
+        """Sends what this link holds back: nothing, its lines go out as they are sent (a node
+        connection's rank links hold theirs for one ``node_answers`` line)."""
+
     def close(self) -> None:
         self.writer.close()
 
