@@ -248,7 +248,7 @@ def run_size(
         # What the takeover cost the job: how far every group's schedule moved after the kill.
         row["takeover_held_ms"] = round((held.value - held_at_kill) * 1000, 1)
     if kill_t is not None and row.get("takeover_quorum_ms") is not None:
-        # The standby's own CPU from the kill to the last group holding its first epoch.
+        # The standby's own CPU from the kill to the last group it answered.
         until = kill_t + row["takeover_quorum_ms"] / 1000
         used = [cpu for t, cpu in standby_cpu if t <= until]
         row["takeover_cpu_s"] = round(used[-1] - standby_cpu[0][1], 2) if used else None

@@ -42,9 +42,8 @@ from unbroken.control.quorum import members_of_runs
 from unbroken.wire.auth import AuthError, JobSecret, Session
 
 REJOIN_PATIENCE_S = 60.0  # how long the rejoining victim waits to be admitted before it asks again
-LOCKSTEP_PATIENCE_S = (
-    30.0  # how long a group waits for every group's answer to the step before (an exchange's deadline)
-)
+# How long a group waits for every group's answer to the step before (an exchange's deadline).
+LOCKSTEP_PATIENCE_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,7 +42,7 @@ class Lockstep:
 
     def join(self, group: int, step: int) -> None:
         """``group`` trains, answered up to ``step`` (-1: none yet)."""
-        self.leave(group)
+        self._drop(group)  # published once, below: the other processes never see it gone meanwhile
         self.last[group] = step
         self._at[step] += 1
         self._publish()
@@ -56,13 +56,17 @@ class Lockstep:
 
     def leave(self, group: int) -> None:
         """``group`` is out of the job (it left, or finished): nobody waits for it."""
+        if self._drop(group):
+            self._publish()
+
+    def _drop(self, group: int) -> bool:
         old = self.last.pop(group, None)
         if old is None:
-            return
+            return False
         self._at[old] -= 1
         if not self._at[old]:
             del self._at[old]
-        self._publish()
+        return True
 
     def _publish(self) -> None:
         low = min(self._at) if self._at else 1 << 62  # a process with nobody training holds nobody back
@@ -71,7 +75,7 @@ class Lockstep:
 
     def floor(self) -> int:
         """The lowest step answered to every training group of every process."""
-        return min(self.floors.get_obj()) if hasattr(self.floors, "get_obj") else min(self.floors)
+        return min(self.floors[:])
 
     async def reached(self, step: int, timeout: float) -> bool:
         """Waits until every group was answered for ``step`` (at most ``timeout``: a group that

@@ -127,11 +127,10 @@ class EpochResume:
 
     def tick(self, now: float) -> None:
         """Evicts the members not back once the window is over; then it is done."""
-        overdue = self.state.overdue(now)
         if now < self.state.until:
             return
         self.done = True
-        for replica in overdue:
+        for replica in self.state.overdue(now):
             self.evict(
                 replica,
                 ev.EvictCause.NO_HEARTBEAT,
