@@ -229,6 +229,17 @@ class CrossReplicaGroup:
             if self.epoch == epoch and self._wake is not None:
                 self._wake.set()
 
+    def superseded(self) -> bool:
+        """Whether the coordinator has aborted the current epoch (or a later one).
+
+        Read before a step whose sum completed is committed: a peer that gave up on the
+        exchange (its deadline, or an abort) leaves its backend operation running, and a late
+        member's call can still pair with it and complete; that peer redoes the step in the next
+        epoch, so this member must not apply it."""
+        with self._lock:
+            aborted = self._aborted_epoch
+            return self.epoch is not None and aborted is not None and aborted >= self.epoch
+
     def allreduce_sum(self, tensor: torch.Tensor, deadline_s: float) -> float:
         """Sums ``tensor`` in place across the group; returns the seconds it took.
 

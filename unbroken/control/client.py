@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import select
 import selectors
 import socket
 import threading
@@ -39,6 +40,7 @@ from unbroken.wire.auth import AuthError, JobSecret, Session
 log = logging.getLogger(__name__)
 
 MAX_BAD_LINES = 20
+DRAIN_S = 0.25  # the longest a commit waits for the connection thread to read what has arrived
 HUNG_SKIP_S = 2.0  # the address left for silence is not tried again this long (two leases)
 
 # The heartbeat period a coordinator may ask for: never a flood, never so slow that a timeout
@@ -72,6 +74,8 @@ class QuorumClient(Protocol):
         step_time: float | None = None,
         failure: str | None = None,
     ) -> Future[dict[str, Any]]: ...
+
+    def drain(self, timeout_s: float = DRAIN_S) -> None: ...
 
     def close(self, finished: bool = True) -> None: ...
 
@@ -138,6 +142,7 @@ class CoordinatorClient:
         self._hop = False
         self.coordinator_silent_s = COORDINATOR_SILENT_S
         self.silence = SilenceWatch()  # gaps long enough for the coordinator to have evicted us
+        self._reading = threading.Lock()  # held from a read until its lines are handled (drain)
         self._connected = threading.Event()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="unbroken-coordinator", daemon=True)
@@ -181,6 +186,28 @@ class CoordinatorClient:
             return fut
         self._send(msg)
         return fut
+
+    def drain(self, timeout_s: float = DRAIN_S) -> None:
+        """Returns once every line that had reached this process is handled (an abort among
+        them has been passed to ``on_abort``), or after ``timeout_s``.
+
+        The connection thread may not have run yet when the training thread is about to commit a
+        step: after a ``SIGSTOP`` both resume at once, with the coordinator's abort of the epoch
+        waiting in the socket. Committing before reading it would apply a step its peers gave up
+        on (:mod:`unbroken.train.vote`)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._reading:
+                sock = self._sock
+                if sock is None:
+                    return
+                try:
+                    waiting = bool(select.select([sock], [], [], 0)[0])
+                except (OSError, ValueError):  # closed under us: nothing more will be read from it
+                    return
+            if not waiting or time.monotonic() > deadline:
+                return
+            time.sleep(0.001)  # the connection thread reads it
 
     def _answers(self, pushed: dict[str, Any], step: int, failed_epoch: int | None) -> bool:
         d = QuorumDecision.from_json(pushed["decision"])
@@ -300,26 +327,27 @@ class CoordinatorClient:
                     next_beat = now + self.heartbeat_s
                 if not sel.select(timeout=max(0.0, next_beat - now)):
                     continue
-                data = sock.recv(1 << 16)
-                if not data:
-                    return
-                self._quiet_since = time.monotonic()
-                buf += data
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    try:
-                        ok = self._handle_line(line, session)
-                    except AuthError as e:
-                        log.warning("a line from the coordinator failed its MAC (%s): reconnecting", e)
+                with self._reading:
+                    data = sock.recv(1 << 16)
+                    if not data:
                         return
-                    except OutOfStep as e:
-                        log.warning("%s: reconnecting", e)
-                        return
-                    if not ok:
-                        bad += 1
-                        if bad >= MAX_BAD_LINES:
-                            log.warning("%d malformed lines from the coordinator: reconnecting", bad)
+                    self._quiet_since = time.monotonic()
+                    buf += data
+                    while b"\n" in buf:
+                        line, buf = buf.split(b"\n", 1)
+                        try:
+                            ok = self._handle_line(line, session)
+                        except AuthError as e:
+                            log.warning("a line from the coordinator failed its MAC (%s): reconnecting", e)
                             return
+                        except OutOfStep as e:
+                            log.warning("%s: reconnecting", e)
+                            return
+                        if not ok:
+                            bad += 1
+                            if bad >= MAX_BAD_LINES:
+                                log.warning("%d malformed lines from the coordinator: reconnecting", bad)
+                                return
                 if len(buf) > protocol.MAX_LINE:
                     log.warning("a line of more than %d bytes from the coordinator: reconnecting", protocol.MAX_LINE)
                     return

@@ -179,7 +179,11 @@ class Manager:
         self.anomaly_policy = anomaly_policy if anomaly_policy is not None else parse_policy("")
         self._metrics: tuple[float | None, float | None] = (None, None)
         self._voter = ReplicaVote(
-            config.world_size, client.silence, vote_device or torch.device("cpu"), config.replica_id
+            config.world_size,
+            client.silence,
+            vote_device or torch.device("cpu"),
+            config.replica_id,
+            superseded=self._epoch_superseded,
         )
         self._on_shutdown = on_shutdown
 
@@ -605,6 +609,11 @@ class Manager:
                 self.recorder.record_step(self.step, *self._metrics, None)
             log.warning("replica %d step %d: %s, sitting this step out", self.config.replica_id, self.step, skip)
         return bool(skip)
+
+    def _epoch_superseded(self) -> bool:
+        """Whether the coordinator aborted the epoch of this step's exchange (:mod:`unbroken.train.vote`)."""
+        self.client.drain()
+        return self.group.superseded()
 
     def _vote(self, ok: bool) -> bool:
         """Whether every rank of this replica may commit the step (:mod:`unbroken.train.vote`)."""

@@ -2,14 +2,18 @@
 
 The ranks of one replica each exchange their own shards with the other replicas; a step is
 applied only if every one of them succeeded, so the replica's ranks never drift apart. A rank
-that went silent during the step long enough to have been evicted votes no, whatever its sum
-says (:mod:`unbroken.control.silence`).
+votes no, whatever its sum says, when it went silent during the step long enough to have been
+evicted (:mod:`unbroken.control.silence`), or when the coordinator has aborted the step's epoch:
+its peers gave up on the exchange and redo the step without it, yet its own late call could
+still pair with their abandoned operations and complete (the abort may be waiting unread in the
+socket when the process resumes from a stop, so the coordinator connection is drained first).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,13 +38,22 @@ def vote_device(backend: str) -> torch.device:
 class ReplicaVote:
     """Whether every rank of this replica may commit the step: a MIN all-reduce on the replica's
     own (default) group, with a tensor on ``device``, the device its backend carries; with one
-    rank, this rank's own answer."""
+    rank, this rank's own answer. ``superseded``: whether the coordinator has aborted the epoch
+    the step was exchanged in, once every line it sent that has arrived is read."""
 
-    def __init__(self, world_size: int, silence: SilenceWatch, device: torch.device, replica_id: int) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        silence: SilenceWatch,
+        device: torch.device,
+        replica_id: int,
+        superseded: Callable[[], bool],
+    ) -> None:
         self.world_size = world_size
         self.silence = silence
         self.device = device
         self.replica_id = replica_id
+        self.superseded = superseded
 
     def __call__(self, ok: bool, step: int, step_began: float) -> bool:
         """``ok``: this rank's exchange succeeded; ``step_began``: when its attempt asked for a
@@ -49,6 +62,14 @@ class ReplicaVote:
             log.warning(
                 "replica %d step %d: this process was silent past half the coordinator's eviction "
                 "timeout during the step (stopped?): not committing it",
+                self.replica_id,
+                step,
+            )
+            ok = False
+        if ok and self.superseded():
+            log.warning(
+                "replica %d step %d: the coordinator aborted this step's epoch while its exchange "
+                "completed here (the peers gave up on it): not committing it",
                 self.replica_id,
                 step,
             )

@@ -223,3 +223,29 @@ def test_after_a_lost_coordinator_the_hello_says_the_epoch_the_rank_trains_in() 
     finally:
         client.close(finished=False)
         fake.close()
+
+
+def test_drain_returns_once_an_abort_that_arrived_is_handled() -> None:
+    # What a commit relies on after a stop (train.vote): an abort already in the socket is read
+    # before the step is applied, even while the connection thread is busy with an earlier line.
+    fake = FakeCoordinator()
+    aborted: list[int] = []
+
+    def slow_donate(to: int) -> None:
+        time.sleep(0.5)  # the connection thread is held up, as after a SIGCONT before it runs
+
+    client = CoordinatorClient(
+        fake.address, SECRET, HELLO, on_abort=aborted.append, on_donate=slow_donate, heartbeat_s=0.5
+    )
+    try:
+        fake.accept()
+        client.wait_connected(20)
+        fake.send({"op": "donate", "to": 2})
+        fake.send({"op": "abort", "epoch": 7})
+        time.sleep(0.1)  # both lines are here; the thread is still in the first one's handler
+        assert aborted == []
+        client.drain()
+        assert aborted == [7]
+    finally:
+        client.close(finished=False)
+        fake.close()

@@ -14,6 +14,7 @@ import torch
 
 from unbroken.comm.process_group import ExchangeFailed
 from unbroken.config import ReplicaConfig
+from unbroken.control.client import DRAIN_S
 from unbroken.control.quorum import QuorumDecision
 from unbroken.control.silence import SilenceWatch
 from unbroken.train.manager import Manager
@@ -33,6 +34,7 @@ class FakeClient:
         self.compute_s: float | None = None
         self.store_address: str | None = "127.0.0.1:1"
         self.closed: bool | None = None
+        self.drained = 0
 
     def request_quorum(
         self,
@@ -48,6 +50,9 @@ class FakeClient:
         self.answers.append(fut)
         return fut
 
+    def drain(self, timeout_s: float = DRAIN_S) -> None:
+        self.drained += 1
+
     def close(self, finished: bool = True) -> None:
         self.closed = finished
 
@@ -58,6 +63,7 @@ class FakeGroup:
     def __init__(self, fail: bool = False) -> None:
         self.fail = fail
         self.epoch: int | None = None
+        self.aborted: int | None = None  # the last epoch aborted
         self.last_failure: tuple[int | None, str] | None = None
         self.last_join_wait_s = 0.0
         self.overlaps = False
@@ -82,7 +88,10 @@ class FakeGroup:
         return 0.001
 
     def abort(self, epoch: int) -> None:
-        pass
+        self.aborted = epoch
+
+    def superseded(self) -> bool:
+        return self.epoch is not None and self.aborted is not None and self.aborted >= self.epoch
 
     def close(self, timeout_s: float = 0.0) -> None:
         self.closed = True
