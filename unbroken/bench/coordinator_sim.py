@@ -146,11 +146,13 @@ class SimReplica:
                     continue
             self._writer, self._session, self._last = writer, session, None
             self._send(self._hello_msg())
+            # What was asked before the loss goes right behind the hello, not after the welcome:
+            # as a replica's client re-sends it (control.client), and a relay with it.
+            for req_id, (step, _, failed, _) in list(self._pending.items()):
+                self._send(self._ask_msg(req_id, step, self.epoch if failed else None))
             self._reader_task = asyncio.create_task(self._read(reader, session))
             await asyncio.wait_for(self._connected.wait(), max(0.1, deadline - time.monotonic()))
             self.connects.append(time.monotonic())
-            for req_id, (step, _, failed, _) in list(self._pending.items()):  # asked before the loss
-                self._send(self._ask_msg(req_id, step, self.epoch if failed else None))
             n = len(self.plan.addresses)
             if self.plan.warm and n > 1:
                 self._warming = asyncio.create_task(self._keep_warm((self._address + 1) % n))

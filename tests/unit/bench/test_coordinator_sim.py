@@ -9,12 +9,18 @@ back, a mixture of steps no job trains, and the bench measured the evictions it 
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import multiprocessing
 import time
+from typing import Any
 
 import pytest
 
 from unbroken.bench.coordinator_sim import Plan, SimReplica
+from unbroken.control import protocol
+from unbroken.control.serving import ConnectionServer
+from unbroken.wire.auth import JobSecret
 
 
 def plan(t0: float) -> Plan:
@@ -53,3 +59,30 @@ def test_a_newcomers_wait_holds_nobody_back() -> None:
     p = plan(time.monotonic() - 10.0)
     SimReplica(p, 1, 0.0, multiprocessing.Value("q", -1), held)._held_back(5)  # the victim, rejoining
     assert held.value == 0.0
+
+
+def test_a_group_says_what_it_asked_before_a_loss_right_behind_its_hello() -> None:
+    # As a replica's client (control.client) and a relay do: not after the welcome, which would
+    # make every node of a takeover cost the standby a round trip more than a real job's.
+    async def scenario() -> list[str]:
+        said: list[str] = []
+
+        def dispatch(msg: dict[str, Any], link: Any, c: Any, a: Any) -> tuple[str, Any, Any]:
+            said.append(msg["op"])  # and no welcome
+            return msg["op"], c, a
+
+        server: ConnectionServer[Any, Any] = ConnectionServer(
+            JobSecret(b"k" * 32), 4, 10.0, dispatch=dispatch, closed=lambda c, a: None
+        )
+        listener = await asyncio.start_server(server.serve, "127.0.0.1", 0, limit=protocol.MAX_LINE)
+        port = listener.sockets[0].getsockname()[1]
+        p = dataclasses.replace(plan(time.monotonic()), addresses=(("127.0.0.1", port),))
+        group = SimReplica(p, 0, 0.0, multiprocessing.Value("q", -1))
+        group._pending[7] = (5, time.monotonic(), False, asyncio.get_running_loop().create_future())
+        with pytest.raises((TimeoutError, asyncio.TimeoutError)):
+            await group.connect(time.monotonic() + 0.5)
+        group.closed = True
+        listener.close()
+        return said
+
+    assert asyncio.run(scenario()) == ["hello", "quorum"]
