@@ -138,54 +138,69 @@ class ConnectionServer(Generic[C, A]):
             writer.close()
             self.closed(conn, agent)
 
-    async def _held(self, link: protocol.Link) -> bytes | None:
-        """Until :meth:`open_to`: the connection's first line, once this server serves (None: it
-        ended, or said something before a takeover that did not come)."""
+    async def _held(self, link: protocol.Link) -> protocol.Message | ValueError | None:
+        """Until :meth:`open_to`: the connection's first message, once this server serves (None:
+        nothing held, or it ended, failed its MAC, or said something before a takeover that did not
+        come; a ValueError: it is malformed).
+
+        Its MAC is checked and its JSON parsed while the standby waits for the lease, not in the
+        burst of the takeover: a node agent says its hello as soon as the active coordinator is
+        gone, about a lease before the standby may answer it."""
         serving = self._serving
         if serving is None or serving.is_set():
-            return b""
+            return None
         line = await link.readline()  # no timeout: a warm connection says nothing until it is needed
         if line is None:
             return None
+        try:
+            msg: protocol.Message | ValueError = link.decode(line)
+        except AuthError as e:
+            self.dropped(f"{e} (from a client)")
+            return None
+        except ValueError as e:
+            msg = e
         try:
             await asyncio.wait_for(serving.wait(), HOLD_S)
         except (asyncio.TimeoutError, TimeoutError):
             link.send(protocol.Error("a standby coordinator, not serving: the active one is alive").to_msg())
             return None
-        return line
+        return msg
 
     async def _converse(self, link: protocol.Link, who: list[Any]) -> None:
         """Serves one authenticated connection until it ends; ``who`` holds the rank connection
         and the agent it spoke as (kept up to date, so a connection error still cleans up)."""
         bad = 0
+        held = self._serving is not None and not self._serving.is_set()
         first = await self._held(link)
-        if first is None:
+        if first is None and held:
             return
         while True:
             conn, agent = who
-            anonymous = conn is None and agent is None
-            line: bytes | None = first
-            if first:
-                first = b""
+            error: Exception
+            msg: protocol.Message | ValueError
+            if first is not None:
+                msg, first = first, None
             else:
                 try:
                     # wait_for only until it said who it is: a layer of coroutine per line otherwise
                     wait = link.readline()
+                    anonymous = conn is None and agent is None
                     line = await (asyncio.wait_for(wait, self.hello_timeout_s) if anonymous else wait)
                 except (asyncio.TimeoutError, TimeoutError):
                     log.info("closed a connection that said no hello within %.0fs", self.hello_timeout_s)
                     return
-            if line is None:
-                return
-            error: Exception
-            try:
-                msg = link.decode(line)
-            except AuthError as e:
-                who_ = f"replica {conn.replica} rank {conn.rank}" if isinstance(conn, RankConn) else "a client"
-                self.dropped(f"{e} (from {who_})")
-                return
-            except ValueError as e:
-                error = e
+                if line is None:
+                    return
+                try:
+                    msg = link.decode(line)
+                except AuthError as e:
+                    who_ = f"replica {conn.replica} rank {conn.rank}" if isinstance(conn, RankConn) else "a client"
+                    self.dropped(f"{e} (from {who_})")
+                    return
+                except ValueError as e:
+                    msg = e
+            if isinstance(msg, ValueError):
+                error = msg
             else:
                 try:
                     kind, who[0], who[1] = self.dispatch(msg, link, conn, agent)

@@ -131,3 +131,18 @@ def test_a_relay_keeps_a_warm_connection_to_the_standby_and_moves_its_node_onto_
         listener.close()
 
     run(scenario)
+
+
+def test_a_forged_line_to_a_standby_is_dropped_before_the_takeover() -> None:
+    # The held line's MAC is checked while the standby waits (not in the takeover's burst): a
+    # forged one is refused at once, not served once the standby serves.
+    async def scenario() -> None:
+        server = held_server()
+        listener, port = await listen(server)
+        link = await dial(port)
+        link.writer.write(b'{"op":"status"}\n')  # no valid MAC
+        assert await asyncio.wait_for(link.readline(), 5) is None  # closed, with the standby still held
+        assert server.auth_failures == 1
+        listener.close()
+
+    run(scenario)
