@@ -40,7 +40,7 @@ def main() -> None:
         "--pace-s",
         type=float,
         default=0.0,
-        help="Make each step last at least this long, as a larger model would (tests and demos).",
+        help="Make each step's compute last at least this long, as a larger model's would (tests and demos).",
     )
     args = ap.parse_args()
 
@@ -83,6 +83,12 @@ def train(
         x, y = batch(corpus, manager.step, cfg_r.replica_id, cfg_r.num_replicas, args.batch_size, cfg.block_size)
         loss = model(x, y)
         loss.backward()
+        if args.pace_s > 0:
+            # Before the exchange, as a larger model's compute would be: every replica leaves the
+            # exchange at once and arrives at the next one together. Slept after it, each would
+            # keep its own phase, and the one whose clock runs latest would always arrive last
+            # (a false straggler to the diagnosis).
+            time.sleep(max(0.0, args.pace_s - (time.perf_counter() - t0)))
         step = manager.step
         # unbroken: report the loss before the exchange (a NaN then sits the step out),
         # average across replicas and step if every replica's exchange succeeded, then
@@ -92,8 +98,6 @@ def train(
         committed = manager.last_step_committed
         if committed:
             unbroken.save_if_due(manager, checkpointer, args.checkpoint_every)
-        if args.pace_s > 0:
-            time.sleep(max(0.0, args.pace_s - (time.perf_counter() - t0)))
         d = manager.decision
         metrics.write(
             json.dumps(
