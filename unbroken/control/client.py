@@ -77,6 +77,8 @@ class QuorumClient(Protocol):
 
     def drain(self, timeout_s: float = DRAIN_S) -> None: ...
 
+    def next_step_after(self, epoch: int) -> int | None: ...
+
     def close(self, finished: bool = True) -> None: ...
 
 
@@ -143,6 +145,7 @@ class CoordinatorClient:
         self.coordinator_silent_s = COORDINATOR_SILENT_S
         self.silence = SilenceWatch()  # gaps long enough for the coordinator to have evicted us
         self._reading = threading.Lock()  # held from a read until its lines are handled (drain)
+        self._pushed_after: tuple[int, int] | None = None  # (epoch aborted, step of the epoch pushed with it)
         self._connected = threading.Event()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="unbroken-coordinator", daemon=True)
@@ -197,17 +200,35 @@ class CoordinatorClient:
         on (:mod:`unbroken.train.vote`)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            with self._reading:
+            if not self._reading.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                log.warning(
+                    "the coordinator connection was still busy after %.2fs: committing without draining it", timeout_s
+                )
+                return
+            try:
                 sock = self._sock
                 if sock is None:
                     return
+                poll = select.poll()  # not select.select: a descriptor past 1023 is common in a large job
                 try:
-                    waiting = bool(select.select([sock], [], [], 0)[0])
+                    poll.register(sock, select.POLLIN)
+                    waiting = bool(poll.poll(0))
                 except (OSError, ValueError):  # closed under us: nothing more will be read from it
                     return
-            if not waiting or time.monotonic() > deadline:
+            finally:
+                self._reading.release()
+            if not waiting:
                 return
-            time.sleep(0.001)  # the connection thread reads it
+            if time.monotonic() > deadline:
+                log.warning("lines from the coordinator still unread after %.2fs: committing without them", timeout_s)
+                return
+            time.sleep(0.001)  # the connection thread reads them
+
+    def next_step_after(self, epoch: int) -> int | None:
+        """The step the epoch pushed with the abort of ``epoch`` (or of a later one) trains; None
+        when no such push came (an abort alone, or none)."""
+        after = self._pushed_after
+        return after[1] if after is not None and after[0] >= epoch else None
 
     def _answers(self, pushed: dict[str, Any], step: int, failed_epoch: int | None) -> bool:
         d = QuorumDecision.from_json(pushed["decision"])
@@ -427,6 +448,7 @@ class CoordinatorClient:
         }
         self._last_answer = answer  # the short answers of this epoch complete from it
         self.epoch = protocol.count(decision, "epoch")
+        self._pushed_after = (push.abort, protocol.count(decision, "step"))
         if push.store:
             self.store_address = push.store
         with self._lock:

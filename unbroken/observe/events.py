@@ -83,6 +83,7 @@ class EventLog:
             self._fd = self._open()
         self._subscribers: list[Callable[[Event], None]] = []
         self._soon: list[Event] = []  # emit_soon's, not written yet
+        self._soon_lock = threading.Lock()
 
     def subscribe(self, fn: Callable[[Event], None]) -> None:
         self._subscribers.append(fn)
@@ -109,12 +110,20 @@ class EventLog:
         For a burst of work whose answers matter more than its record: a standby taking over
         welcomes thousands of replicas in one turn, and each one's event would otherwise delay
         every answer after it by the time it takes to write."""
-        self._soon.append(event)
-        if len(self._soon) == 1:
-            asyncio.get_running_loop().call_soon(self._write_soon)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop runs in this thread: no turn to wait for
+            self.emit(event)
+            return
+        with self._soon_lock:
+            self._soon.append(event)
+            first = len(self._soon) == 1
+        if first:
+            loop.call_soon(self._write_soon)
 
     def _write_soon(self) -> None:
-        soon, self._soon = self._soon, []
+        with self._soon_lock:
+            soon, self._soon = self._soon, []
         for event in soon:
             self._write(event)
 

@@ -610,10 +610,15 @@ class Manager:
             log.warning("replica %d step %d: %s, sitting this step out", self.config.replica_id, self.step, skip)
         return bool(skip)
 
-    def _epoch_superseded(self) -> bool:
-        """Whether the coordinator aborted the epoch of this step's exchange (:mod:`unbroken.train.vote`)."""
+    def _epoch_superseded(self, step: int) -> bool:
+        """Whether the coordinator aborted the epoch of this step's exchange before its peers
+        applied ``step`` (:mod:`unbroken.train.vote`). An epoch pushed with the abort that trains
+        a later step says they did: a member died after the step's sum completed everywhere."""
         self.client.drain()
-        return self.group.superseded()
+        if not self.group.superseded() or self.group.epoch is None:
+            return False
+        after = self.client.next_step_after(self.group.epoch)
+        return after is None or after <= step
 
     def _vote(self, ok: bool) -> bool:
         """Whether every rank of this replica may commit the step (:mod:`unbroken.train.vote`)."""

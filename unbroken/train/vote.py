@@ -39,7 +39,8 @@ class ReplicaVote:
     """Whether every rank of this replica may commit the step: a MIN all-reduce on the replica's
     own (default) group, with a tensor on ``device``, the device its backend carries; with one
     rank, this rank's own answer. ``superseded``: whether the coordinator has aborted the epoch
-    the step was exchanged in, once every line it sent that has arrived is read."""
+    the step was exchanged in before its peers applied the step, once every line it sent that has
+    arrived is read."""
 
     def __init__(
         self,
@@ -47,7 +48,7 @@ class ReplicaVote:
         silence: SilenceWatch,
         device: torch.device,
         replica_id: int,
-        superseded: Callable[[], bool],
+        superseded: Callable[[int], bool],
     ) -> None:
         self.world_size = world_size
         self.silence = silence
@@ -66,7 +67,7 @@ class ReplicaVote:
                 step,
             )
             ok = False
-        if ok and self.superseded():
+        if ok and self.superseded(step):
             log.warning(
                 "replica %d step %d: the coordinator aborted this step's epoch while its exchange "
                 "completed here (the peers gave up on it): not committing it",

@@ -232,7 +232,7 @@ def test_drain_returns_once_an_abort_that_arrived_is_handled() -> None:
     aborted: list[int] = []
 
     def slow_donate(to: int) -> None:
-        time.sleep(0.5)  # the connection thread is held up, as after a SIGCONT before it runs
+        time.sleep(0.15)  # the connection thread is held up, as after a SIGCONT before it runs
 
     client = CoordinatorClient(
         fake.address, SECRET, HELLO, on_abort=aborted.append, on_donate=slow_donate, heartbeat_s=0.5
@@ -240,12 +240,34 @@ def test_drain_returns_once_an_abort_that_arrived_is_handled() -> None:
     try:
         fake.accept()
         client.wait_connected(20)
-        fake.send({"op": "donate", "to": 2})
-        fake.send({"op": "abort", "epoch": 7})
-        time.sleep(0.1)  # both lines are here; the thread is still in the first one's handler
+        assert fake.conn is not None and fake.session is not None
+        donate = protocol.encode({"op": "donate", "to": 2}, fake.session)
+        fake.conn.sendall(donate + protocol.encode({"op": "abort", "epoch": 7}, fake.session))
+        time.sleep(0.05)  # both lines are here; the thread is still in the first one's handler
         assert aborted == []
         client.drain()
         assert aborted == [7]
+    finally:
+        client.close(finished=False)
+        fake.close()
+
+
+def test_a_pushed_epoch_says_which_step_follows_the_one_it_aborts() -> None:
+    # An epoch pushed after a death trains the step the survivors reached: one past a step whose
+    # sum completed everywhere, which a member voting late may then still apply (train.vote).
+    fake = FakeCoordinator()
+    client = CoordinatorClient(fake.address, SECRET, HELLO, heartbeat_s=0.5)
+    try:
+        fake.accept()
+        client.wait_connected(20)
+        assert client.next_step_after(4) is None
+        decision = {"epoch": 5, "step": 6, "member_runs": [[0, 1]], "behind_runs": [], "donors": []}
+        fake.send({"op": "epoch", "abort": 4, "decision": decision, "transfer_addrs": {}, "store": "s:1"})
+        deadline = time.monotonic() + 10
+        while client.next_step_after(4) is None and time.monotonic() < deadline:
+            client.drain()
+        assert client.next_step_after(4) == 6
+        assert client.next_step_after(5) is None  # no push followed an abort of epoch 5
     finally:
         client.close(finished=False)
         fake.close()

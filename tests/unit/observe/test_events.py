@@ -61,3 +61,10 @@ def test_an_event_emitted_soon_is_written_after_the_turn_and_in_order(tmp_path: 
         ("replica_connected", 2),
         ("epoch_resumed", None),
     ]
+
+
+def test_an_event_emitted_soon_outside_an_event_loop_is_written_at_once(tmp_path: Path) -> None:
+    log = EventLog(tmp_path / "events.jsonl", "test")
+    log.emit_soon(schema.build("replica_connected", replica=0, node="n0", step=3))
+    assert [e["kind"] for e in read_jsonl(tmp_path / "events.jsonl")] == ["replica_connected"]
+    log.close()

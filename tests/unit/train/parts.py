@@ -35,6 +35,7 @@ class FakeClient:
         self.store_address: str | None = "127.0.0.1:1"
         self.closed: bool | None = None
         self.drained = 0
+        self.pushed_after: tuple[int, int] | None = None  # (epoch aborted, step its pushed successor trains)
 
     def request_quorum(
         self,
@@ -52,6 +53,9 @@ class FakeClient:
 
     def drain(self, timeout_s: float = DRAIN_S) -> None:
         self.drained += 1
+
+    def next_step_after(self, epoch: int) -> int | None:
+        return self.pushed_after[1] if self.pushed_after is not None and self.pushed_after[0] >= epoch else None
 
     def close(self, finished: bool = True) -> None:
         self.closed = finished

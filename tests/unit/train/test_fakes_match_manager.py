@@ -35,7 +35,7 @@ FAKES: list[tuple[type, type, set[str]]] = [
     (test_optimizer.FakeManager, Manager, {"answer", "calls", "synced", "expected"}),
     (test_resume.FakeManager, Manager, {"weight"}),
     (test_ddp_buckets._NoExchange, Manager, set()),
-    (FakeClient, CoordinatorClient, {"replica_id", "asked", "answers", "closed", "drained"}),
+    (FakeClient, CoordinatorClient, {"replica_id", "asked", "answers", "closed", "drained", "pushed_after"}),
     (FakeGroup, CrossReplicaGroup, {"fail", "closed", "aborted"}),
 ]
 

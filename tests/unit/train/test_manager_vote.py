@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from tests.unit.train.parts import FakeGroup, manager_with_fakes
+from tests.unit.train.parts import SECRET, FakeGroup, manager_with_fakes
+from unbroken.comm.process_group import CrossReplicaGroup
 
 
 class AbortedAsItSums(FakeGroup):
@@ -34,3 +35,28 @@ def test_an_abort_of_an_earlier_epoch_does_not_stop_this_one() -> None:
     assert m.sync_gradients([torch.zeros(2)])
     m.commit()
     assert m.step == 1
+
+
+def test_a_step_summed_everywhere_before_a_death_is_committed() -> None:
+    # A member died after the step's sum completed on every replica: the epoch pushed with the
+    # abort trains the next step, so the peers applied this one, and so does this replica.
+    m, client, _ = manager_with_fakes(group=AbortedAsItSums())
+    client.pushed_after = (1, 1)  # epoch 1 aborted; its successor trains step 1
+    assert m.sync_gradients([torch.zeros(2)])
+    assert client.asked == [(0, None)]  # committed in epoch 1: not asked again
+    m.commit()
+    assert m.step == 1
+
+
+def test_the_groups_epoch_is_superseded_by_its_abort_or_a_later_one() -> None:
+    group = CrossReplicaGroup(SECRET)
+    group.configure("127.0.0.1:1", epoch=4, rank=0, size=1, tag="t", device=torch.device("cpu"))
+    assert not group.superseded()
+    group.abort(3)  # an older epoch's abort, read late
+    assert not group.superseded()
+    group.abort(4)
+    assert group.superseded()
+    group.configure("127.0.0.1:1", epoch=5, rank=0, size=1, tag="t", device=torch.device("cpu"))
+    assert not group.superseded()
+    group.abort(6)
+    assert group.superseded()
