@@ -461,14 +461,14 @@ class Coordinator:
         if self._alive_s is None:  # the plan only slows down: the first timeout told is the shortest
             self._alive_s = alive_every(self.beat.timeout_s)
         link.send_payload(self._welcome(self._store_for(link)))
-        resuming = self.resumed is not None
-        if self.resumed is not None:
-            self.resumed.hello(conn, hello.epoch, len(ranks) == conn.world_size)
-            self.resumed = None if self.resumed.done else self.resumed
+        resumed = self.resumed
+        if resumed is not None:
+            resumed.hello(conn, hello.epoch, len(ranks) == conn.world_size)
+            self.resumed = None if resumed.done else resumed
         if len(ranks) == conn.world_size:
             self.quorum.connect(conn.replica)
             connected = ev.ReplicaConnected(replica=conn.replica, node=conn.node, step=conn.step)
-            if resuming:  # every replica of the job at once: each is answered before it is logged
+            if resumed is not None:  # every replica of the job at once: each is answered before it is logged
                 self.events.emit_soon(connected)
             else:
                 self.events.emit(connected)

@@ -143,9 +143,10 @@ class ConnectionServer(Generic[C, A]):
         nothing held, or it ended, failed its MAC, or said something before a takeover that did not
         come; a ValueError: it is malformed).
 
-        Its MAC is checked and its JSON parsed while the standby waits for the lease, not in the
+        Its MAC is checked and its JSON parsed while the standby waits to take over, not in the
         burst of the takeover: a node agent says its hello as soon as the active coordinator is
-        gone, about a lease before the standby may answer it."""
+        gone, before the standby may answer it (a lease before, for a hung one; for a dead one,
+        the few tens of milliseconds until the standby sees its lock free)."""
         serving = self._serving
         if serving is None or serving.is_set():
             return None
