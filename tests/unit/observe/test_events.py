@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from unbroken.observe import schema
-from unbroken.observe.events import EventLog, read_jsonl
+from unbroken.observe.events import SOON_BATCH, EventLog, read_jsonl
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a device that is always full)")
@@ -68,3 +68,39 @@ def test_an_event_emitted_soon_outside_an_event_loop_is_written_at_once(tmp_path
     log.emit_soon(schema.build("replica_connected", replica=0, node="n0", step=3))
     assert [e["kind"] for e in read_jsonl(tmp_path / "events.jsonl")] == ["replica_connected"]
     log.close()
+
+
+def test_a_burst_emitted_soon_lands_whole_in_order_and_rotates(tmp_path: Path) -> None:
+    """Written in batched appends: every event of a burst larger than a batch, in order, each
+    handed to the subscribers, and the file still rotates past its size."""
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path, "coordinator", max_bytes=64 << 10, backups=8)
+    seen: list[int] = []
+    log.subscribe(lambda e: seen.append(e.replica))  # type: ignore[attr-defined]
+    n = 2 * SOON_BATCH + 7
+
+    async def burst() -> None:
+        for r in range(n):
+            log.emit_soon(schema.build("replica_connected", replica=r, node=f"n{r}", step=3))
+        await asyncio.sleep(0)
+
+    asyncio.run(burst())
+    log.close()
+    rows = read_jsonl(path)
+    assert [e["replica"] for e in rows] == list(range(n)) == seen
+    assert all(e["source"] == "coordinator" for e in rows)
+    assert (tmp_path / "events.jsonl.1").exists()  # rotated: the burst did not grow one file without bound
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a device that is always full)")
+def test_a_full_disk_counts_every_event_of_a_lost_batch() -> None:
+    log = EventLog("/dev/full", "test")
+
+    async def burst() -> None:
+        for r in range(5):
+            log.emit_soon(schema.build("replica_connected", replica=r, node="n", step=0))
+        await asyncio.sleep(0)
+
+    asyncio.run(burst())
+    log.close()
+    assert log.write_failures == 5
