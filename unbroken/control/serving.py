@@ -72,7 +72,8 @@ class ConnectionServer(Generic[C, A]):
         self._admission: Admission[asyncio.StreamWriter] = Admission()
         self._refusals = RefusalLog(log, f"dropped connections to {what}")
         self.lines_in = self.lines_out = 0  # over closed connections (what `unbroken bench auth` counts)
-        self._serving: asyncio.Event | None = None  # set: held connections wait for it (hold())
+        # While holding (hold()): each held line's wait for open_to(), with its HOLD_S timer.
+        self._holding: dict[asyncio.Future[bool], asyncio.TimerHandle] | None = None
 
     def hold(self) -> None:
         """Accepts and authenticates connections now, and serves them once :meth:`open_to` is called.
@@ -84,13 +85,16 @@ class ConnectionServer(Generic[C, A]):
         :data:`HOLD_S` for the takeover; past that the standby says it is not serving, and
         closes (the peer goes on to the active coordinator).
         """
-        self._serving = asyncio.Event()
+        self._holding = {}
 
     def open_to(self, dispatch: Dispatch[C, A], closed: Callable[[C | None, A | None], None]) -> None:
         """Serves the held connections, and every later one, with ``dispatch`` and ``closed``."""
         self.dispatch, self.closed = dispatch, closed
-        if self._serving is not None:
-            self._serving.set()
+        holding, self._holding = self._holding, None
+        for waiting, timer in (holding or {}).items():
+            timer.cancel()
+            if not waiting.done():
+                waiting.set_result(True)
 
     def close_all(self) -> None:
         for writer in list(self.open):
@@ -147,8 +151,7 @@ class ConnectionServer(Generic[C, A]):
         burst of the takeover: a node agent says its hello as soon as the active coordinator is
         gone, before the standby may answer it (a lease before, for a hung one; for a dead one,
         the few tens of milliseconds until the standby sees its lock free)."""
-        serving = self._serving
-        if serving is None or serving.is_set():
+        if self._holding is None:
             return None
         line = await link.readline()  # no timeout: a warm connection says nothing until it is needed
         if line is None:
@@ -160,18 +163,31 @@ class ConnectionServer(Generic[C, A]):
             return None
         except ValueError as e:
             msg = e
-        try:
-            await asyncio.wait_for(serving.wait(), HOLD_S)
-        except (asyncio.TimeoutError, TimeoutError):
+        if self._holding is not None and not await self._until_served(self._holding):
             link.send(protocol.Error("a standby coordinator, not serving: the active one is alive").to_msg())
             return None
         return msg
+
+    @staticmethod
+    def _until_served(holding: dict[asyncio.Future[bool], asyncio.TimerHandle]) -> asyncio.Future[bool]:
+        """True once :meth:`open_to` is called, False after :data:`HOLD_S`: a future and a timer
+        per held line, not a task (``wait_for``'s) that 12,500 lines woke at once in a takeover."""
+        loop = asyncio.get_running_loop()
+        waiting: asyncio.Future[bool] = loop.create_future()
+
+        def lapsed() -> None:
+            holding.pop(waiting, None)
+            if not waiting.done():
+                waiting.set_result(False)
+
+        holding[waiting] = loop.call_later(HOLD_S, lapsed)
+        return waiting
 
     async def _converse(self, link: protocol.Link, who: list[Any]) -> None:
         """Serves one authenticated connection until it ends; ``who`` holds the rank connection
         and the agent it spoke as (kept up to date, so a connection error still cleans up)."""
         bad = 0
-        held = self._serving is not None and not self._serving.is_set()
+        held = self._holding is not None
         first = await self._held(link)
         if first is None and held:
             return
