@@ -122,10 +122,18 @@ async def _serve(
         settings, secret, lock_fd=lock_fd, fence=keeper.valid, held_by_lease=lock_fd is None, listening=listening
     )
     keeper.start()
+    settling = None
+    if standby:  # the takeover's burst: see event_loop.release_gc_when
+        running = event_loop.hold_gc()
+        settling = asyncio.ensure_future(
+            event_loop.release_gc_when(lambda: coordinator.resumed is None, settings.startup_window_s + 1.0, running)
+        )
     try:
         await coordinator.start()
     except BaseException:
         keeper.stop()
+        if settling is not None:
+            settling.cancel()
         raise
     if standby:
         click.echo(f"standby took over in {time.monotonic() - took_over:.3f}s", err=True)
@@ -146,6 +154,8 @@ async def _serve(
         await stop.wait()
     if adopting is not None:
         adopting.cancel()
+    if settling is not None:
+        settling.cancel()
     keeper.stop()
     if server is not None:
         server.close()

@@ -53,3 +53,51 @@ def test_the_coordinator_serves_on_uvloop_with_a_backlog_for_every_group(tmp_pat
     backlog, ranks = event_loop.run(main())
     assert backlog == min(1000, _somaxconn())
     assert ranks == "1"
+
+
+def test_the_collector_stays_off_through_a_burst_and_restarts_once_it_is_done() -> None:
+    """A standby's takeover: no collection while the burst runs; after it, what was built is
+    frozen out of later passes, and the collector runs again."""
+    import gc
+
+    frozen_before = gc.get_freeze_count()
+    kept: list[list[int]] = []
+    finished = False
+
+    async def burst() -> list[bool]:
+        nonlocal finished
+        running = event_loop.hold_gc()
+        releasing = asyncio.ensure_future(event_loop.release_gc_when(lambda: finished, 30.0, running, every_s=0.01))
+        seen = []
+        for _ in range(3):
+            kept.extend([[i] for i in range(10_000)])  # the job's bookkeeping, alive after the burst
+            await asyncio.sleep(0.02)
+            seen.append(gc.isenabled())
+        finished = True
+        await asyncio.wait_for(releasing, 5.0)
+        return seen
+
+    try:
+        assert asyncio.run(burst()) == [False, False, False]
+        assert gc.isenabled()
+        assert gc.get_freeze_count() >= frozen_before + len(kept)  # out of every later pass
+    finally:
+        gc.unfreeze()
+        gc.enable()
+
+
+def test_the_collector_restarts_after_its_bound_if_the_burst_never_ends() -> None:
+    import gc
+
+    async def stuck() -> float:
+        running = event_loop.hold_gc()
+        t = asyncio.get_running_loop().time()
+        await event_loop.release_gc_when(lambda: False, 0.1, running, every_s=0.01)
+        return asyncio.get_running_loop().time() - t
+
+    try:
+        assert 0.1 <= asyncio.run(stuck()) < 2.0
+        assert gc.isenabled()
+    finally:
+        gc.unfreeze()
+        gc.enable()
