@@ -39,6 +39,7 @@ from unbroken.bench.lockstep import Lockstep
 from unbroken.control import event_loop, protocol
 from unbroken.control.heartbeat import heartbeat_due
 from unbroken.control.quorum import members_of_runs
+from unbroken.launch.relay import first_warm_wait
 from unbroken.wire.auth import AuthError, JobSecret, Session
 
 REJOIN_PATIENCE_S = 60.0  # how long the rejoining victim waits to be admitted before it asks again
@@ -155,14 +156,17 @@ class SimReplica:
             self.connects.append(time.monotonic())
             n = len(self.plan.addresses)
             if self.plan.warm and n > 1:
-                self._warming = asyncio.create_task(self._keep_warm((self._address + 1) % n))
+                wait = first_warm_wait(failover=len(self.connects) > 1)  # as the relay
+                self._warming = asyncio.create_task(self._keep_warm((self._address + 1) % n, wait))
             return
         raise TimeoutError(f"replica {self.replica} could not connect")
 
-    async def _keep_warm(self, index: int) -> None:
+    async def _keep_warm(self, index: int, wait: float = 0.0) -> None:
         """An idle, authenticated connection to the standby at ``index``, as a relay keeps one
         (:mod:`unbroken.launch.relay`); dropped if it says anything or ends."""
         host, port = self.plan.addresses[index]
+        if wait:
+            await asyncio.sleep(wait)
         try:
             reader, writer, session = await protocol.connect_async(host, port, self.secret, timeout=10.0)
         except (OSError, AuthError, asyncio.TimeoutError, RuntimeError):

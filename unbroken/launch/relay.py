@@ -49,6 +49,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import random
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -72,6 +73,20 @@ MAX_QUEUED = 16 * MAX_NODE_RANKS  # items waiting for the node connection (a ran
 MAX_RANK_BACKLOG = 8 << 20  # bytes queued to a rank that does not read: its connection is closed
 WARM_RETRY_S = 5.0  # how soon a warm connection to the standby that failed or ended is tried again
 DEFAULT_HEARTBEAT_S = 0.1  # the client's own default, until a welcome says the coordinator's
+
+
+def first_warm_wait(failover: bool, rng: random.Random | None = None) -> float:
+    """Seconds before a relay first reaches for the standby after its node connection is made:
+    none at the start; after a failover, a random part of :data:`WARM_RETRY_S`.
+
+    After a failover the next address is most likely the coordinator just lost, and every relay
+    of the job failed over in the same instant: at once, 12,500 of them reached for it while the
+    new coordinator served them (on the 2-core bench, their futile connects took CPU from the
+    takeover), and they would reach for it again in one burst once it restarts as the standby.
+    """
+    if not failover:
+        return 0.0
+    return random.uniform(0.0, WARM_RETRY_S) if rng is None else rng.uniform(0.0, WARM_RETRY_S)
 
 
 class Overloaded(Exception):
@@ -464,7 +479,8 @@ class Relay:
             self._up = link
             self.connections += 1
             if len(self.addresses) > 1:
-                self._warming = asyncio.create_task(self._keep_warm((self._next + 1) % len(self.addresses)))
+                wait = first_warm_wait(failover=self.connections > 1)
+                self._warming = asyncio.create_task(self._keep_warm((self._next + 1) % len(self.addresses), wait))
             try:
                 self._flush()
                 with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
@@ -477,10 +493,13 @@ class Relay:
                     rank.link.close()
                 self._wanted.clear()
 
-    async def _keep_warm(self, index: int) -> None:
+    async def _keep_warm(self, index: int, wait: float = 0.0) -> None:
         """Holds an idle, authenticated connection to address ``index`` (the standby) for the next
-        node connection; one that fails or ends is tried again after :data:`WARM_RETRY_S`."""
+        node connection, first tried ``wait`` seconds from now; one that fails or ends is tried
+        again after :data:`WARM_RETRY_S`."""
         host, port = self.addresses[index]
+        if wait:
+            await asyncio.sleep(wait)
         while True:
             try:
                 reader, writer, session = await protocol.connect_async(host, port, self.secret, timeout=5.0)

@@ -146,3 +146,16 @@ def test_a_forged_line_to_a_standby_is_dropped_before_the_takeover() -> None:
         listener.close()
 
     run(scenario)
+
+
+def test_a_relay_reaches_for_the_standby_at_once_at_the_start_and_spread_out_after_a_failover() -> None:
+    import random
+
+    from unbroken.launch.relay import WARM_RETRY_S, first_warm_wait
+
+    assert first_warm_wait(failover=False) == 0.0  # a job's start: the standby is up, nothing to spread
+    rng = random.Random(7)
+    waits = [first_warm_wait(failover=True, rng=rng) for _ in range(1000)]
+    assert all(0.0 <= w < WARM_RETRY_S for w in waits)  # one try of the retry period, no later
+    # spread over it: a job's relays do not reach for the coordinator just lost in one instant
+    assert sum(w < WARM_RETRY_S / 10 for w in waits) < 200 and max(waits) - min(waits) > 0.8 * WARM_RETRY_S
