@@ -32,20 +32,16 @@ class SimNode(SimReplica):
     grant: Grant | None = None
 
     def _hello_msg(self) -> dict[str, Any]:
+        """The node's ``node_hello``, as :class:`protocol.NodeHello` writes it (the same text),
+        without its eight ``Hello`` objects: a node's hello is built in the takeover's burst, on
+        the cores the coordinator under test shares with the simulated nodes."""
         n, node = self.plan.ranks_per_node, f"sim{self.replica}"
-        ranks = tuple(
-            protocol.Hello(
-                replica=self.replica,
-                rank=k,
-                world_size=n,
-                transfer_addr=f"127.0.0.1:{20000 + (self.replica * n + k) % 40000}",
-                node=node,
-                step=self.step,
-                epoch=self.epoch,
-            )
-            for k in range(n)
-        )
-        return protocol.NodeHello(node=node, ranks=ranks).to_msg()
+        first = protocol.Hello(
+            replica=self.replica, rank=0, world_size=n, node=node, step=self.step, epoch=self.epoch
+        )._fields()
+        base = self.replica * n
+        ranks = [{**first, "rank": k, "transfer_addr": f"127.0.0.1:{20000 + (base + k) % 40000}"} for k in range(n)]
+        return {"op": protocol.NodeHello.OP, "node": node, "ranks": ranks}
 
     def _ask_msg(self, req_id: int, step: int, failed_epoch: int | None) -> dict[str, Any]:
         ask = protocol.QuorumAsk(id=req_id, step=step, step_time=self.plan.step_time, failed_epoch=failed_epoch)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import multiprocessing
 import time
 from typing import Any
@@ -86,3 +87,27 @@ def test_a_group_says_what_it_asked_before_a_loss_right_behind_its_hello() -> No
         return said
 
     assert asyncio.run(scenario()) == ["hello", "quorum"]
+
+
+@pytest.mark.parametrize("epoch", [None, 5])
+def test_a_simulated_node_says_the_node_hello_a_relay_says(epoch: int | None) -> None:
+    """Built without its eight Hello objects, the simulated node's hello is the protocol's own text."""
+    from unbroken.bench.coordinator_sim_nodes import SimNode
+
+    node = SimNode(dataclasses.replace(plan(0.0), ranks_per_node=8), 6001, 0.0, multiprocessing.Value("q", -1))
+    node.step, node.epoch = 33, epoch
+    ranks = tuple(
+        protocol.Hello(
+            replica=6001,
+            rank=k,
+            world_size=8,
+            transfer_addr=f"127.0.0.1:{20000 + (6001 * 8 + k) % 40000}",
+            node="sim6001",
+            step=33,
+            epoch=epoch,
+        )
+        for k in range(8)
+    )
+    said = node._hello_msg()
+    assert json.dumps(said) == json.dumps(protocol.NodeHello(node="sim6001", ranks=ranks).to_msg())  # the same text
+    assert protocol.NodeHello.from_msg(said).ranks == ranks  # and the coordinator reads it as such
