@@ -6,7 +6,7 @@ few requests a second (``--max-asks-per-s``), let the relays answer granted step
 (``status``'s ``granted``). ``kill -9`` of one agent must take its ranks with it (they are its
 children) and leave the other node's replicas training, as without the relay; its replicas,
 moved to the spare, are admitted once the granted steps are out, and every replica ends
-bitwise identical.
+bitwise identical. Each agent hosts a rendezvous store, and the groups meet on their leader's.
 """
 
 from __future__ import annotations
@@ -62,6 +62,10 @@ def test_agents_relay_their_ranks_answer_granted_steps_and_a_killed_agent_loses_
     quorums = cluster.events("quorum")
     assert quorums[-1]["members"] == [0, 1, 2, 3], "the moved replicas were never admitted"
     assert not cluster.agent_events("a", "relay_failed")
+    # The cross-replica groups met on their leader's node (each agent hosts a store), not on the
+    # coordinator's: the stores of the agents that stopped answered their rendezvous.
+    assert all(cluster.agent_events(n, "agent_started")[0]["store"].startswith("127.0.0.1:") for n in "abc")
+    assert sum(cluster.agent_events(n, "agent_stopped")[0]["store_requests"] for n in "ac") > 0
     finals = load_finals(run_dir, [0, 1, 2, 3])
     assert set(finals) == {0, 1, 2, 3} and finals[0]["step"] == STEPS
     assert_identical(finals)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Any
 
@@ -56,6 +57,8 @@ NCCL_RETIRED_MOST = 1
 # Past the backend's timeout, by which a Gloo operation has ended (with an error): a retired
 # group whose operation runs longer is stuck.
 LINGER_MARGIN_S = 30.0
+# Rendezvous stores kept with their idle connections: the current epoch's and a few before it.
+MAX_STORES = 4
 
 
 class ExchangeFailed(RuntimeError):
@@ -113,7 +116,7 @@ class CrossReplicaGroup:
         self.size = 1
         self._pg: Any = None
         self._pending: Future[Any] | None = None  # the group of this epoch, being built
-        self._stores: dict[str, AuthenticatedStore] = {}
+        self._stores: OrderedDict[str, AuthenticatedStore] = OrderedDict()  # the last MAX_STORES used
         self._wake: threading.Event | None = None  # the wait in progress, one per operation
         self._batch: tuple[threading.Event, Any] | None = None  # overlapped sums: their wake, record
         self._aborted_epoch: int | None = None
@@ -516,12 +519,18 @@ class CrossReplicaGroup:
         return options
 
     def _store(self, address: str) -> AuthenticatedStore:
+        """The store at ``address``, with its pooled connections. Each epoch's groups may meet on
+        another node's store (the leader's, turned with the epoch): only the :data:`MAX_STORES`
+        used last are kept, and the idle connections of the others closed, so a long job holds
+        no connection to every store it ever met on (nor do those stores hold one to it)."""
         with self._store_lock:
-            if address not in self._stores:
-                self._stores[address] = AuthenticatedStore(
-                    address, self._secret, timeout=datetime.timedelta(seconds=30)
-                )
-            return self._stores[address]
+            store = self._stores.pop(address, None)
+            if store is None:
+                store = AuthenticatedStore(address, self._secret, timeout=datetime.timedelta(seconds=30))
+            self._stores[address] = store
+            while len(self._stores) > MAX_STORES:
+                self._stores.popitem(last=False)[1].close()
+            return store
 
 
 class _Held:

@@ -52,6 +52,7 @@ class AuthenticatedStore(dist.Store):
         self._connect_timeout_s = connect_timeout_s
         self._idle: list[tuple[socket.socket, Session]] = []
         self._lock = threading.Lock()
+        self._closed = False  # closed: a connection given back is closed, not kept
         self.set_timeout(timeout)
 
     # -- dist.Store ---------------------------------------------------------------------------
@@ -91,7 +92,10 @@ class AuthenticatedStore(dist.Store):
     getNumKeys = num_keys  # noqa: N815
 
     def close(self) -> None:
+        """Closes the idle connections; a call still running keeps its own until it ends (and the
+        store stays usable: a later call connects again)."""
         with self._lock:
+            self._closed = True
             idle, self._idle = self._idle, []
         for sock, _ in idle:
             sock.close()
@@ -134,7 +138,7 @@ class AuthenticatedStore(dist.Store):
 
     def _give_back(self, sock: socket.socket, session: Session) -> None:
         with self._lock:
-            if len(self._idle) < MAX_IDLE:
+            if len(self._idle) < MAX_IDLE and not self._closed:
                 self._idle.append((sock, session))
                 return
         sock.close()

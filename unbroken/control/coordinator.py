@@ -450,6 +450,7 @@ class Coordinator:
             last_heartbeat=time.monotonic(),
             step=hello.step,
             relayed=isinstance(link, NodeLink),
+            store=link.node.store if isinstance(link, NodeLink) else "",
         )
         ranks = self.replicas.setdefault(replica, {})
         ranks[rank] = conn

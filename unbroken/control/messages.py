@@ -61,6 +61,15 @@ def text(msg: Message, key: str, max_len: int = 256) -> str:
     return value
 
 
+def address(msg: Message, key: str) -> str:
+    """``msg[key]`` as ``HOST:PORT`` (a port of 1 to 65535), or "" when absent; ValueError otherwise."""
+    value = text(msg, key)
+    host, sep, port = value.rpartition(":")
+    if value and (not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536):
+        raise ValueError(f"{key} must look like HOST:PORT, got {value!r:.40}")
+    return value
+
+
 def _exitcode(msg: Message) -> int | None:
     code = msg.get("exitcode")
     if code is not None and (type(code) is not int or not -256 <= code <= 255):
@@ -647,11 +656,16 @@ def _slot(replica: Any, rank: Any) -> tuple[int, int]:
 @dataclasses.dataclass(frozen=True)
 class NodeHello:
     """A node agent speaks for these ranks of its node (the first line of a node connection, and
-    again for a rank that restarted): each as its own :class:`Hello` would say."""
+    again for a rank that restarted): each as its own :class:`Hello` would say.
+
+    ``store``: the ``HOST:PORT`` of the rendezvous store the agent hosts ("" for none): the
+    cross-replica groups whose leader rank is on this node meet there, not on the
+    coordinator's (:meth:`unbroken.control.quorum_service.QuorumService.rendezvous`)."""
 
     OP: ClassVar[str] = "node_hello"
     node: str
     ranks: tuple[Hello, ...]
+    store: str = ""
 
     @classmethod
     def from_msg(cls, msg: Message) -> NodeHello:
@@ -660,10 +674,13 @@ class NodeHello:
             raise ValueError(f"a node_hello needs a node name and 1 to {MAX_NODE_RANKS} ranks")
         if not all(isinstance(r, dict) for r in ranks):
             raise ValueError("a node_hello's ranks are objects, as a rank's hello")
-        return cls(node=node, ranks=tuple(Hello.from_msg(r, node) for r in ranks))
+        return cls(node=node, ranks=tuple(Hello.from_msg(r, node) for r in ranks), store=address(msg, "store"))
 
     def to_msg(self) -> Message:
-        return {"op": self.OP, "node": self.node, "ranks": [h._fields() for h in self.ranks]}
+        msg = {"op": self.OP, "node": self.node, "ranks": [h._fields() for h in self.ranks]}
+        if self.store:
+            msg["store"] = self.store
+        return msg
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,6 +44,7 @@ class NodeConn:
 
     def __init__(self, node: str, link: protocol.Link) -> None:
         self.node, self.link = node, link
+        self.store = ""  # the rendezvous store its agent hosts (NodeHello.store)
         self.ranks: dict[Slot, RankConn] = {}
         # What this turn of the loop sent its ranks (NodeLink.send_payload): (the rank's slot_json,
         # the message's JSON text), one node_answers line at the end of the turn.
@@ -221,6 +222,7 @@ class NodeRelay:
             raise ValueError(f"this connection speaks for node {node.node!r}, not {hello.node!r}")
         if len(node.ranks) + len(hello.ranks) > MAX_NODE_RANKS:
             raise ValueError(f"a node connection speaks for at most {MAX_NODE_RANKS} ranks")
+        node.store = hello.store or node.store
         for h in hello.ranks:
             slot = (h.replica, h.rank)
             link = NodeLink(node, slot)

@@ -92,6 +92,20 @@ class QuorumDecision:
         """Behind replica -> its donor (read, never changed, by every answer of the decision)."""
         return dict(self.donors)
 
+    @property
+    def leader(self) -> int:
+        """The member whose node hosts the rendezvous of this epoch's cross-replica groups
+        (:meth:`unbroken.control.quorum_service.QuorumService.rendezvous`): turned with the
+        epoch, so the epoch after one that failed (its leader's store unreachable) meets on
+        another node, and no store serves every epoch of a long job."""
+        return self.members[self.epoch % len(self.members)] if self.members else -1
+
+    @functools.cached_property
+    def stores(self) -> dict[int, str]:
+        """Rank index -> the store its cross-replica group meets on ("": the coordinator's),
+        chosen by whoever answers first, so every member of a group is told the same."""
+        return {}
+
     @functools.cached_property
     def wire(self) -> dict[str, bytes]:
         """This decision's texts for the wire (:mod:`unbroken.control.protocol`), by what they

@@ -49,11 +49,12 @@ class RankConn:
     pushed: QuorumDecision | None = None  # the epoch pushed to it unasked, until its next request arrives
     relayed: bool = False  # spoken for by its node's relay, which answers within a grant (control.grants)
     trains: int | None = None  # the epoch its hello said, when this coordinator resumed it (control.resume)
+    store: str = ""  # the rendezvous store its node agent hosts ("" for none: control.node_relay)
 
 
 # A rank's request: its connection, the request's id, the step it asks for, the epoch it says failed.
 Asked = tuple[RankConn, int, int, int | None]
-MAX_TAILS = 16  # wire texts kept per decision: a shared tail per store address it hands out, and its head
+MAX_TAILS = 64  # wire texts kept per decision: its head, and a shared tail per store address it hands out
 
 
 class QuorumService:
@@ -390,24 +391,39 @@ class QuorumService:
                 if rank in answered:
                     continue
                 conn.epoch, conn.pushed = d.epoch, d
-                store = self.store_for(conn.link)
+                store = self.rendezvous(d, conn)
+                head = head or protocol.decision_head(decision)
                 if replica in pairs:
                     donor = donors.get(replica)
                     peer = self.replicas.get(donor, {}).get(rank) if donor is not None else None
                     addrs = {str(donor): peer.transfer_addr} if peer is not None else {}
-                    head = head or protocol.decision_head(decision)
                     tail = protocol.paired_tail(head, pairs[replica], addrs, store)
                     conn.link.send_payload(protocol.push_payload(abort, tail))
                     continue
                 payload = pushes.get(store)  # the same text for every rank of the same store: made once
                 if payload is None:
-                    payload = pushes[store] = protocol.push_payload(abort, protocol.answer_tail(decision, {}, store))
+                    payload = pushes[store] = protocol.push_payload(abort, protocol.paired_tail(head, [], {}, store))
                 conn.link.send_payload(payload)
             # Out now, not once every replica's push is queued: the first nodes read theirs while the
             # rest is made (at 12,500 nodes the first line left after all 100,000 were queued). A
             # node's first rank sends its line; the others find nothing held.
             for conn in ranks.values():
                 conn.link.flush()
+
+    def rendezvous(self, d: QuorumDecision, conn: RankConn) -> str:
+        """The store ``conn``'s cross-replica group of epoch ``d`` meets on: the one hosted by the
+        node agent that speaks for that group's rank of :attr:`QuorumDecision.leader`, else the
+        coordinator's (as ``conn`` sees it).
+
+        One group, one store on one of its members' nodes: at 100,000 ranks every group meeting
+        on the coordinator's store (a thread per connection, at most 4,096 of them) could not
+        even connect. Chosen once per decision and rank index (:attr:`QuorumDecision.stores`),
+        so every member of a group is told the same store, whenever it asks."""
+        chosen = d.stores.get(conn.rank)
+        if chosen is None:
+            peer = self.replicas.get(d.leader, {}).get(conn.rank)
+            chosen = d.stores[conn.rank] = peer.store if peer is not None else ""
+        return chosen or self.store_for(conn.link)
 
     def _reply(self, d: QuorumDecision, waiting: dict[int, dict[int, Asked]], through: int | None = None) -> None:
         """Answers the ranks in ``waiting`` with ``d`` (a fast answer standing ``through`` that step: its
@@ -435,13 +451,13 @@ class QuorumService:
                     conn.link.send_payload(same)
                     continue
                 conn.epoch = d.epoch
-                store = self.store_for(conn.link)
+                store = self.rendezvous(d, conn)
                 donor = donors.get(replica)
+                head = wire.get("head")
+                if head is None:
+                    decision = decision or d.to_json()
+                    head = wire["head"] = protocol.decision_head(decision)
                 if replica in pairs:
-                    head = wire.get("head")
-                    if head is None:
-                        decision = decision or d.to_json()
-                        head = wire["head"] = protocol.decision_head(decision)
                     addrs: dict[str, str] = {}
                     if donor is not None:  # the address of its donor's rank of the same index
                         peer = self.replicas.get(donor, {}).get(rank)
@@ -451,10 +467,10 @@ class QuorumService:
                     continue
                 shared = wire.get(store)
                 if shared is None:
-                    if len(wire) >= MAX_TAILS:
+                    if len(wire) >= MAX_TAILS:  # stores of many leader nodes: the head stays, made once
                         wire.clear()
-                    decision = decision or d.to_json()
-                    shared = wire[store] = protocol.answer_tail({**decision, "donors": []}, {}, store)
+                        wire["head"] = head
+                    shared = wire[store] = protocol.paired_tail(head, [], {}, store)
                 if req_id != full_id or shared is not full_tail:
                     full_id, full_tail, full = req_id, shared, protocol.answer_payload(req_id, shared)
                 conn.link.send_payload(full)

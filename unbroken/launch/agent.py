@@ -26,6 +26,9 @@ SIGINT ends them at once.
 The agent speaks for its ranks (:mod:`unbroken.launch.relay`, off with ``--no-relay``): they
 connect to its loopback relay, first in their ``UNBROKEN_COORDINATOR``, and the relay speaks for
 them through one node connection, so the coordinator's load is the node count, not the rank count.
+With the relay, the agent also hosts a rendezvous store (:class:`~unbroken.wire.store.StoreServer`
+at its advertised address): the cross-replica groups whose leader rank runs here meet on it, so
+a 100,000-rank job's groups rendezvous on thousands of stores, not all on the coordinator's.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from unbroken.launch.relay import Relay
 from unbroken.observe.events import EventLog
 from unbroken.train.preemption import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
 from unbroken.wire.auth import AuthError, JobSecret
+from unbroken.wire.store import StoreServer
 
 if TYPE_CHECKING:
     from unbroken.observe.http import ObserveServer
@@ -173,6 +177,7 @@ class Agent:
         self.exit_code = 1
         self._link: protocol.Link | None = None
         self.relay: Relay | None = None
+        self.store: StoreServer | None = None  # the rendezvous store of the groups led from this node
         self.http: ObserveServer | None = None
         self._terminated: float | None = None  # when SIGTERM came (monotonic)
         self._job_finished = False
@@ -200,7 +205,10 @@ class Agent:
                         self._serve_http()
                     self._link = await self._connect()
                     if self.s.relay:
-                        self.relay = Relay(self.s.node, self.s.coordinator, self.secret, self._relay_failed)
+                        self.store = StoreServer(self.addr, self.secret)
+                        self.relay = Relay(
+                            self.s.node, self.s.coordinator, self.secret, self._relay_failed, store=self.store.address
+                        )
                         await self.relay.start()
                     self._send(self._hello().to_msg())
                     self.events.emit(
@@ -209,6 +217,7 @@ class Agent:
                         slots=self.s.slots,
                         coordinator=self.s.coordinator,
                         relay=self.relay.address if self.relay is not None else None,
+                        store=self.store.address if self.store is not None else None,
                     )
                     self._tasks += [asyncio.create_task(self._listen()), asyncio.create_task(self._heartbeat())]
                     await self._stop.wait()
@@ -625,9 +634,13 @@ class Agent:
             await workers.kill_groups(procs, self._guardian)
         if self.relay is not None:
             self.relay.close()
+        served = None
+        if self.store is not None:
+            self.store.close()
+            served = self.store.served
         if self._link is not None:
             self._link.close()
-        self.events.emit("agent_stopped", exit_code=self.exit_code)
+        self.events.emit("agent_stopped", exit_code=self.exit_code, store_requests=served)
         self.events.close()
 
 

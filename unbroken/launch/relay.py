@@ -118,8 +118,11 @@ class RelayBook:
     rank's leave precedes the hello of its next connection.
     """
 
-    def __init__(self, node: str, max_ranks: int = MAX_NODE_RANKS, max_queued: int = MAX_QUEUED) -> None:
+    def __init__(
+        self, node: str, max_ranks: int = MAX_NODE_RANKS, max_queued: int = MAX_QUEUED, store: str = ""
+    ) -> None:
         self.node, self.max_ranks, self.max_queued = node, max_ranks, max_queued
+        self.store = store  # the rendezvous store the agent hosts, said in every node_hello
         self.ranks: dict[Slot, RankLine] = {}
         self.heartbeat_s = DEFAULT_HEARTBEAT_S
         self.urgent = False  # something queued must go this turn (more than telemetry)
@@ -236,7 +239,7 @@ class RelayBook:
 
     def _line(self, kind: str, run: list[tuple[RankLine, Any]]) -> protocol.Message:
         if kind == "hello":
-            return protocol.NodeHello(node=self.node, ranks=tuple(item for _, item in run)).to_msg()
+            return protocol.NodeHello(node=self.node, ranks=tuple(item for _, item in run), store=self.store).to_msg()
         if kind == "ask":
             return protocol.NodeQuorum(asks=tuple((*r.slot, item) for r, item in run)).to_msg()
         if kind == "say":
@@ -299,6 +302,8 @@ class Relay:
         coordinator: the coordinator's ``HOST:PORT[,HOST:PORT...]`` (the active one and standbys).
         secret: the job's secret.
         on_fail: told why, once, if the relay's own code failed and it stopped (see the module).
+        store: the ``HOST:PORT`` of the rendezvous store the agent hosts for the cross-replica
+            groups led from this node ("" for none: they meet on the coordinator's).
     """
 
     def __init__(
@@ -308,8 +313,9 @@ class Relay:
         secret: JobSecret,
         on_fail: Callable[[str], None] | None = None,
         hello_timeout_s: float = 10.0,
+        store: str = "",
     ) -> None:
-        self.book = RelayBook(node)
+        self.book = RelayBook(node, store=store)
         self.addresses = env.parse_host_ports(coordinator, "--coordinator")
         self.secret, self.on_fail = secret, on_fail
         self.server: ConnectionServer[RankLine, None] = ConnectionServer(

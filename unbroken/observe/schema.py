@@ -570,6 +570,7 @@ class AgentStarted(Event):
     slots: int
     coordinator: str
     relay: str | None = None  # the loopback address its ranks reach the coordinator through
+    store: str | None = None  # the rendezvous store it hosts for the cross-replica groups led from it
 
 
 @_kind("relay_failed")
@@ -599,6 +600,7 @@ class AgentTerminated(Event):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AgentStopped(Event):
     exit_code: int | None
+    store_requests: int | None = None  # requests its rendezvous store answered (None: it hosted none)
 
 
 @_kind("coordinator_lost")

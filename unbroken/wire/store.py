@@ -82,6 +82,7 @@ class StoreServer:
         self._refusals = RefusalLog(log, "refused store connections")
         self._refused = 0
         self.dropped_keys = 0
+        self.served = 0  # requests answered (a node agent's store: the rendezvous it hosted)
         self.gate = Gate(self._sock, secret, PURPOSE, self._admitted, name="unbroken-store", policy=admission)
 
     @property
@@ -140,6 +141,7 @@ class StoreServer:
                     except AuthError as e:
                         log.warning("dropped a store connection: %s", e)
                         return
+                    self.served += 1
                     try:
                         answer = {"ok": True, **self._handle(json.loads(request))}
                     except (StoreRequestError, ValueError, KeyError, TypeError) as e:

@@ -7,6 +7,7 @@ import asyncio
 import datetime
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,26 @@ def test_the_coordinators_store_authenticates_and_listens_on_its_host_only(tmp_p
     assert address.startswith("127.0.0.1:")
     assert anonymous is None, "an unauthenticated client used the job's store"
     assert reached is None, f"the store of a loopback coordinator is reachable at {reached}"
+
+
+def test_a_member_keeps_connections_to_the_last_few_stores_it_met_on_only() -> None:
+    """Each epoch's groups may meet on another node's store (the leader turns with the epoch): a
+    member of a long job keeps pooled connections to the MAX_STORES it used last, and closes the
+    rest, on its side and so on the store's."""
+    from unbroken.comm.process_group import MAX_STORES, CrossReplicaGroup
+
+    servers = [StoreServer("127.0.0.1", SECRET) for _ in range(MAX_STORES + 2)]
+    group = CrossReplicaGroup(SECRET)
+    try:
+        for n, server in enumerate(servers):
+            group._store(server.address).set(f"epoch{n}", b"x")
+        again = group._store(servers[2].address)  # met on again: kept, the newest now
+        assert again.get("epoch2") == b"x"
+        assert list(group._stores) == [s.address for s in servers[3:]] + [servers[2].address]
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(len(s._conns) for s in servers[:2]):
+            time.sleep(0.01)
+        assert [len(s._conns) for s in servers] == [0, 0] + [1] * MAX_STORES
+    finally:
+        for server in servers:
+            server.close()

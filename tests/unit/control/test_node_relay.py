@@ -256,3 +256,55 @@ def test_runs_that_do_not_add_up_to_the_ranks_are_refused(runs: object) -> None:
     msg = {"to": [[0, 0], [0, 1], [0, 2]], "msgs": [{"op": "abort", "epoch": 1}, {"op": "abort", "epoch": 2}]}
     with pytest.raises(ValueError, match="runs|as many"):
         protocol.NodeAnswers.from_msg({**msg, "runs": runs})
+
+
+def test_each_group_meets_on_its_leader_node_s_store_and_the_leader_turns_with_the_epoch(tmp_path: Path) -> None:
+    """Rank k of every member is told the store of the node speaking for rank k of the epoch's
+    leader (``members[epoch % len(members)]``): one store per group on one of its members' nodes,
+    never the coordinator's for relayed ranks. A node that hosts none leaves its groups on the
+    coordinator's store; a malformed store refuses the node."""
+    stores = {0: "10.0.0.1:7000", 1: "10.0.0.2:7000", 2: ""}
+
+    async def node_with_store(c: Coordinator, replica: int) -> protocol.Link:
+        link = await connect(c, SECRET)
+        said = protocol.NodeHello(node=f"n{replica}", ranks=hello(f"n{replica}", replica).ranks, store=stores[replica])
+        link.send(said.to_msg())
+        assert {m["op"] for m in (await answers(link)).msgs} == {"welcome"}
+        return link
+
+    async def scenario(c: Coordinator) -> None:
+        links = [await node_with_store(c, r) for r in range(3)]
+        for r, link in enumerate(links):
+            link.send(asks(r, 5, 1).to_msg())
+        got = await asyncio.gather(*(answers(link) for link in links))
+        epoch = got[0].msgs[0]["decision"]["epoch"]
+        leader = [0, 1, 2][epoch % 3]
+        expected = stores[leader] or c.store_address
+        for r in range(3):
+            assert [m["store"] for m in got[r].msgs] == [expected] * RANKS, (r, epoch)
+        # Node 1 dies: the next epoch, pushed, meets on its new leader's store.
+        links[1].writer.close()
+        pushed = await asyncio.gather(answers(links[0]), answers(links[2]))
+        decision = QuorumDecision.from_json(pushed[0].msgs[0]["decision"])
+        assert list(decision.members) == [0, 2] and decision.epoch == epoch + 1
+        expected = stores[decision.leader] or c.store_address
+        for got_ in pushed:
+            assert [m["store"] for m in got_.msgs] == [expected] * RANKS
+        # A store that is no HOST:PORT refuses the node that says it.
+        bad = await connect(c, SECRET)
+        one = (protocol.Hello(replica=1, rank=0, world_size=RANKS, node="n9"),)
+        bad.send({**protocol.NodeHello(node="n9", ranks=one).to_msg(), "store": "no-port"})
+        assert "store must look like HOST:PORT" in (await next_op(bad, "error"))["message"]
+
+    run(tmp_path, scenario, total_replicas=3, min_replicas=1)
+
+
+def test_a_node_hello_says_its_store_only_when_it_hosts_one() -> None:
+    ranks = (protocol.Hello(replica=0, rank=0, world_size=1, node="a"),)
+    plain = protocol.NodeHello(node="a", ranks=ranks)
+    assert "store" not in plain.to_msg() and protocol.NodeHello.from_msg(plain.to_msg()) == plain
+    hosting = protocol.NodeHello(node="a", ranks=ranks, store="10.1.2.3:4567")
+    assert protocol.NodeHello.from_msg(hosting.to_msg()) == hosting
+    for bad in ("host", "host:0", "host:70000", ":80", "h:８0", "x" * 300 + ":1", 5):
+        with pytest.raises(ValueError, match="store"):
+            protocol.NodeHello.from_msg({**plain.to_msg(), "store": bad})

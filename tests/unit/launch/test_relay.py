@@ -56,6 +56,18 @@ def test_the_hellos_and_requests_of_one_turn_share_a_line_each_in_order() -> Non
     assert [m["op"] for m in book.lines()] == ["node_quorum"]
 
 
+def test_every_node_hello_says_the_store_the_agent_hosts() -> None:
+    book = RelayBook("n1", store="10.0.0.7:4100")
+    book.hello("la", hello(0, 0))
+    first = protocol.NodeHello.from_msg(book.lines()[0])
+    book.hello("lb", hello(0, 1))  # a rank announced later: its line says the store too
+    later = protocol.NodeHello.from_msg(book.lines()[0])
+    assert first.store == later.store == "10.0.0.7:4100"
+    plain = RelayBook("n2")  # an agent hosting no store (its ranks' groups meet on the coordinator's)
+    plain.hello("lc", hello(0, 0))
+    assert "store" not in plain.lines()[0]
+
+
 def test_a_rank_that_reconnects_in_the_same_turn_leaves_before_it_says_hello_again() -> None:
     book, (a,) = book_with((0, 0))
     book.gone(a)
