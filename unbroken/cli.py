@@ -41,6 +41,7 @@ BENCHMARKS: dict[str, str] = {
     "epochs": "unbroken.bench.epochs:epochs",
     "iccl": "unbroken.bench.iccl:iccl",
     "abuse": "unbroken.bench.abuse:abuse",
+    "rendezvous": "unbroken.bench.rendezvous:rendezvous",
 }
 
 

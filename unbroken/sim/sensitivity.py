@@ -1,7 +1,7 @@
 """How much the unbroken projection moves with each of its inputs.
 
 A projection from a handful of single-machine figures to 100,000 GPUs is only as good as the
-figure it leans on most. For each input (every measured figure, and the two assumed costs) this
+figure it leans on most. For each input (every measured figure, and the assumed cost) this
 reports the closed-form ETTR with the input halved and doubled, and for the figures that decide
 a target, the largest value that still meets it: which figure to measure better, or to improve,
 is then read off, not argued.
@@ -13,11 +13,11 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-from unbroken.sim.measured import PG_REBUILD_S, REPLICA_RESTART_S, Figure, unbroken_policy
+from unbroken.sim.measured import REPLICA_RESTART_S, Figure, unbroken_policy
 from unbroken.sim.model import Cluster, Policy, closed_form
 
 #: The assumed inputs (not measured by unbroken), varied beside the measured figures.
-ASSUMED = {"replica_restart_s": REPLICA_RESTART_S, "pg_rebuild_s": PG_REBUILD_S}
+ASSUMED = {"replica_restart_s": REPLICA_RESTART_S}
 #: Ratios: what is halved or doubled is their excess over 1 (a 5% overhead becomes 2.5% or 10%).
 RATIOS = frozenset({"overhead_ratio", "record_overhead_ratio", "donor_slowdown"})
 #: Not a cost: the size the checkpoint figures were measured at (they are scaled per GiB).
