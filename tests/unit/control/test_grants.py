@@ -21,6 +21,14 @@ def test_grants_grow_with_the_request_rate_and_are_bounded_in_time_and_steps() -
     assert grant_steps(12500, 20.0, 1.0, 10.0) == 1  # a step longer than the bound: none
 
 
+def test_a_step_clock_read_a_little_slow_does_not_cut_a_grant_by_a_step() -> None:
+    # 2 s steps under the 10 s bound: 5 steps, also when a busy minute reads the clock at 2.02 s
+    # (before: 4 steps, and a quarter more requests reached the coordinator) ...
+    assert grant_steps(12500, 2.0, 1000.0, 10.0) == grant_steps(12500, 2.02, 1000.0, 10.0) == 5
+    # ... but a job that really runs slower gets the shorter grant its bound allows.
+    assert grant_steps(12500, 2.2, 1000.0, 10.0) == 4
+
+
 def test_each_replica_asks_once_every_k_steps_and_each_step_gets_its_share() -> None:
     k, replicas = 7, range(700)
     asked: Counter[int] = Counter()
