@@ -152,10 +152,16 @@ class CrossReplicaGroup:
         if size == 1:
             return
         pending: Future[Any] = Future()
+        self._pending = pending
+        try:
+            store = self._store(store_address)  # here, not on the build thread: the pool keeps epochs in order
+        except ValueError as e:  # an address that is no HOST:PORT: this epoch's exchange fails with it
+            pending.set_exception(e)
+            return
 
         def build() -> None:
             try:
-                prefix = dist.PrefixStore(f"unbroken/{tag}/epoch{epoch}", self._store(store_address))
+                prefix = dist.PrefixStore(f"unbroken/{tag}/epoch{epoch}", store)
                 if self.mode == "iccl" and device.type == "cpu":  # unbroken.comm.iccl: its own connections
                     host = parse_host_port(store_address, "store address")[0]
                     tag_epoch = f"{tag}/epoch{epoch}"
@@ -168,7 +174,6 @@ class CrossReplicaGroup:
                 pending.set_exception(e)
 
         threading.Thread(target=build, name=f"unbroken-group-epoch{epoch}", daemon=True).start()
-        self._pending = pending
 
     def _choose(self, store: Any, rank: int, size: int, device: torch.device) -> str:
         """This epoch's backend; with ``auto`` on CUDA the members first tell each other their GPU."""

@@ -212,7 +212,12 @@ class Coordinator:
         }
         # A node agent's connection speaking for its node's ranks (:mod:`unbroken.control.node_relay`).
         self.nodes = NodeRelay(
-            self._hello, self.requests.ask_ranks, self._connection_closed, (Refused,), self._node_said
+            self._hello,
+            self.requests.ask_ranks,
+            self._connection_closed,
+            (Refused,),
+            self._node_said,
+            coordinator_host=settings.host,
         )
         if first_epoch:
             self.events.emit(ev.CoordinatorRestarted(continue_after_epoch=first_epoch))

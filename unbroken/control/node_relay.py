@@ -21,13 +21,17 @@ reported ``dropped`` (as its own connection closing would have told it).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
+import logging
 import time
 from collections.abc import Callable
 
 from unbroken.control import protocol
 from unbroken.control.messages import MAX_NODE_RANKS
 from unbroken.control.quorum_service import RankConn
+
+log = logging.getLogger("unbroken.control.coordinator")  # the coordinator's log
 
 MAX_ANSWER_LINE = protocol.MAX_LINE // 2  # a node_answers line is split before it nears the reader's limit
 
@@ -44,7 +48,8 @@ class NodeConn:
 
     def __init__(self, node: str, link: protocol.Link) -> None:
         self.node, self.link = node, link
-        self.store = ""  # the rendezvous store its agent hosts (NodeHello.store)
+        self.announced = ""  # the rendezvous store its agent hosts (NodeHello.store) ...
+        self.store = ""  # ... as its groups use it ("": not dialable from other nodes)
         self.ranks: dict[Slot, RankConn] = {}
         # What this turn of the loop sent its ranks (NodeLink.send_payload): (the rank's slot_json,
         # the message's JSON text), one node_answers line at the end of the turn.
@@ -88,6 +93,27 @@ class NodeConn:
             batch, outbox = outbox[:n], outbox[n:]
             self.link.send_payload(answers_payload(batch, dropped))
             dropped = []
+
+
+def usable_store(store: str, coordinator_host: str) -> str:
+    """``store``, announced by a node's agent, if every member can dial it: a loopback or wildcard
+    host only while the coordinator listens on loopback too (the whole job on one machine). Else
+    "": the groups that node leads meet on the coordinator's store. (An agent that reached the
+    coordinator through loopback, on the coordinator's own node, advertises loopback.)"""
+    host = store.rpartition(":")[0].strip("[]")
+    if _local(host, wildcard=True) and not _local(coordinator_host, wildcard=False):
+        return ""
+    return store
+
+
+def _local(host: str, wildcard: bool) -> bool:
+    """Whether ``host`` is a loopback address (or ``localhost``), or with ``wildcard`` also the
+    wildcard address: no other node dials it (a coordinator on the wildcard serves every node)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host == "localhost" or (wildcard and host == "")
+    return ip.is_loopback or (wildcard and ip.is_unspecified)
 
 
 def answers_payload(batch: list[tuple[bytes, bytes]], dropped: list[Slot]) -> bytes:
@@ -181,6 +207,8 @@ class NodeRelay:
         refused: the exceptions ``hello`` refuses a rank with (that rank alone is refused).
         said: one rank's other message (one of :data:`~unbroken.control.messages.NODE_SAID`), as
             its own connection would have said it.
+        coordinator_host: the host the coordinator listens on: a node's store on loopback is used
+            only when it is on loopback too (:func:`usable_store`).
     """
 
     def __init__(
@@ -190,9 +218,12 @@ class NodeRelay:
         closed: Callable[[RankConn], None],
         refused: tuple[type[Exception], ...],
         said: Callable[[RankConn, protocol.Message], None] | None = None,
+        coordinator_host: str = "127.0.0.1",
     ) -> None:
         self.hello_rank, self.quorum, self.closed = hello, quorum, closed
         self.refused, self.said = refused, said
+        self.coordinator_host = coordinator_host
+        self._warned = False  # of a store other nodes cannot dial: once
         self.connected: set[NodeConn] = set()  # the node connections served now (``unbroken status``)
         self.handlers: dict[str, Callable[[NodeConn, protocol.Message], None]] = {
             protocol.NodeHello.OP: lambda node, msg: self.hello(node, protocol.NodeHello.from_msg(msg)),
@@ -222,7 +253,16 @@ class NodeRelay:
             raise ValueError(f"this connection speaks for node {node.node!r}, not {hello.node!r}")
         if len(node.ranks) + len(hello.ranks) > MAX_NODE_RANKS:
             raise ValueError(f"a node connection speaks for at most {MAX_NODE_RANKS} ranks")
-        node.store = hello.store or node.store
+        if hello.store and hello.store != node.announced:
+            node.announced, node.store = hello.store, usable_store(hello.store, self.coordinator_host)
+            if not node.store and not self._warned:
+                self._warned = True
+                log.warning(
+                    "node %s announced the rendezvous store %s, which other nodes cannot dial: the groups "
+                    "it leads meet on the coordinator's store (give its agent --advertise-addr)",
+                    node.node,
+                    hello.store,
+                )
         for h in hello.ranks:
             slot = (h.replica, h.rank)
             link = NodeLink(node, slot)

@@ -205,9 +205,13 @@ class Agent:
                         self._serve_http()
                     self._link = await self._connect()
                     if self.s.relay:
-                        self.store = StoreServer(self.addr, self.secret)
+                        self.store = self._host_store()
                         self.relay = Relay(
-                            self.s.node, self.s.coordinator, self.secret, self._relay_failed, store=self.store.address
+                            self.s.node,
+                            self.s.coordinator,
+                            self.secret,
+                            self._relay_failed,
+                            store=self.store.address if self.store is not None else "",
                         )
                         await self.relay.start()
                     self._send(self._hello().to_msg())
@@ -231,6 +235,16 @@ class Agent:
         if self.error is not None:
             raise ValueError(self.error)
         return self.exit_code
+
+    def _host_store(self) -> StoreServer | None:
+        """The rendezvous store of the groups led from this node, at its advertised address; None
+        if it cannot be bound there (they then meet on the coordinator's store)."""
+        try:
+            return StoreServer(self.addr, self.secret)
+        except OSError as e:
+            why = "the groups led from here meet on the coordinator's"
+            log.warning("no rendezvous store at %s (%s): %s", self.addr, e, why)
+            return None
 
     def _relay_failed(self, why: str) -> None:
         """The relay stopped (its ranks moved to the coordinator); ranks started from now on go there."""

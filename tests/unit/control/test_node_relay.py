@@ -18,7 +18,7 @@ from tests.live_coordinator import connect, live_coordinator, member, next_op
 from unbroken.control import protocol
 from unbroken.control.coordinator import Coordinator
 from unbroken.control.messages import MAX_NODE_RANKS
-from unbroken.control.node_relay import NodeConn, answers_payload, slot_json
+from unbroken.control.node_relay import NodeConn, answers_payload, slot_json, usable_store
 from unbroken.control.quorum import QuorumDecision
 from unbroken.wire.auth import JobSecret
 
@@ -308,3 +308,21 @@ def test_a_node_hello_says_its_store_only_when_it_hosts_one() -> None:
     for bad in ("host", "host:0", "host:70000", ":80", "h:８0", "x" * 300 + ":1", 5):
         with pytest.raises(ValueError, match="store"):
             protocol.NodeHello.from_msg({**plain.to_msg(), "store": bad})
+
+
+@pytest.mark.parametrize(
+    ("store", "coordinator", "used"),
+    [
+        ("10.0.0.7:4100", "10.0.0.1", "10.0.0.7:4100"),  # a routable store: used
+        ("node7:4100", "0.0.0.0", "node7:4100"),  # a host name: resolved as every other address is
+        ("127.0.0.1:4100", "10.0.0.1", ""),  # an agent that reached the coordinator through loopback
+        ("127.0.1.1:4100", "0.0.0.0", ""),  # (a Debian host name) while the coordinator serves every node
+        ("localhost:4100", "10.0.0.1", ""),
+        ("0.0.0.0:4100", "10.0.0.1", ""),
+        ("[::1]:4100", "::", ""),
+        ("127.0.0.1:4100", "127.0.0.1", "127.0.0.1:4100"),  # the whole job on one machine
+        ("127.0.0.1:4100", "localhost", "127.0.0.1:4100"),
+    ],
+)
+def test_a_store_other_nodes_cannot_dial_is_not_used(store: str, coordinator: str, used: str) -> None:
+    assert usable_store(store, coordinator) == used
