@@ -23,7 +23,8 @@ pytestmark = pytest.mark.integration
 
 def test_each_epoch_s_group_meets_on_its_leader_s_store_and_the_one_store_rate_is_measured(tmp_path: Path) -> None:
     out = tmp_path / "rendezvous.json"
-    args = ["--members", "3", "--epochs", "2", "--period-s", "2", "--clients", "4", "--ranks", "40"]
+    args = ["--members", "3", "--ranks-per-node", "2", "--epochs", "2", "--period-s", "2"]
+    args += ["--clients", "4", "--ranks", "40"]
     done = subprocess.run(
         [sys.executable, "-m", "unbroken", "bench", "rendezvous", *args, "--out", str(out)],
         env=python_env(),
@@ -38,3 +39,8 @@ def test_each_epoch_s_group_meets_on_its_leader_s_store_and_the_one_store_rate_i
     assert group["requests_per_store"] == [0, 3 * requests_per_rank(3), 3 * requests_per_rank(3)]
     assert len(group["rebuild_s"]) == 2 and all(s > 0 for s in group["rebuild_s"])
     assert central["requests"] == 40 * requests_per_rank(3) and central["requests_per_s"] > 0
+    # A leader node's store serves the members of the 2 groups it leads, at once.
+    node = result["node"]
+    assert node["groups"] == 2 and node["clients"] == node["ranks"] == 6
+    assert node["requests"] == 6 * requests_per_rank(3)
+    assert result["rebuild_at_scale_s"] == pytest.approx(group["rebuild_s_max"] + node["wall_s"], abs=1e-3)

@@ -1,22 +1,30 @@
 """``unbroken bench rendezvous``: what rebuilding the cross-replica groups costs, and where they meet.
 
 At 100,000 GPUs (12 replicas of about 8,192 ranks) an epoch change rebuilds 8,192 cross-replica
-groups of 12 members at once. Each member's rendezvous is about 25 store requests (its Gloo
-address and its 11 peers', the device identities its backend is chosen by). Met on one store,
-the coordinator's, that is some 2.5 million requests through one process, which serves a
-connection per thread and at most :data:`~unbroken.wire.store.MAX_CONNECTIONS` of them. Met on
-their leader node's store (each node agent hosts one: :mod:`unbroken.launch.agent`), each group's
-rendezvous is its own, and a rebuild costs what one group's does, whatever the job's size.
+groups of 12 members at once. Each member's rendezvous is 25 store requests in a group of 12
+(``2 x members + 1``, as counted on the stores here: Gloo's full mesh and the backend's choice).
+Met on one store, the coordinator's, that is some 2.5 million requests through one process,
+which serves a connection per thread and at most :data:`~unbroken.wire.store.MAX_CONNECTIONS` of
+them. Met on the stores of the epoch leader's nodes (each node agent hosts one:
+:mod:`unbroken.launch.agent`), each store serves the groups of its own node's ranks (8 at 8 GPUs
+a node), whatever the job's size.
 
-Two measurements, on this machine:
+Three measurements, on this machine:
 
 * ``group``: ``--members`` processes build a Gloo group on the store of the epoch's leader (one
   store per simulated node, the leader turned with the epoch, as the coordinator picks it), for
   ``--epochs`` epochs; each epoch's figure is the time from its start to the last member's first
   all-reduce done: the rebuild every survivor waits for.
-* ``central``: the requests a second one store answers to ``--clients`` connections making a
-  rendezvous's requests (from two client processes), and what 100,000 ranks' rendezvous would
-  take at that rate (with every connection already open: the store's best case).
+* ``node``: one store serving the rendezvous requests of the ``--ranks-per-node`` groups it leads,
+  every member on its own connection at once (from two client processes).
+* ``central``: the requests a second one store answers to ``--clients`` connections (every peer
+  key present, every connection open before the clock starts: the store's best case), and what
+  100,000 ranks' rendezvous would take at that rate.
+
+``rebuild_at_scale_s``, what ``unbroken simulate goodput`` reads: the group's slowest rebuild
+plus the node's store time, as if one came after the other (they overlap in a real rebuild).
+Not measured here: NCCL's communicator init across nodes, and the store sharing its process with
+the agent's relay.
 """
 
 from __future__ import annotations
@@ -135,7 +143,7 @@ def _client(address: str, key: bytes, threads: int, ranks: int, members: int, ou
     out.send((started, time.monotonic()))
 
 
-def central_rate(clients: int, ranks: int, members: int) -> dict[str, Any]:
+def central_rate(clients: int, ranks: int, members: int, timeout_s: float = 600.0) -> dict[str, Any]:
     """The requests a second one store serves to ``clients`` connections doing rendezvous requests."""
     secret = JobSecret.generate()
     server = StoreServer("127.0.0.1", secret)
@@ -149,9 +157,17 @@ def central_rate(clients: int, ranks: int, members: int) -> dict[str, Any]:
             share = ranks // 2 + (ranks % 2 if n == 0 else 0)
             p = ctx.Process(target=_client, args=(server.address, secret.key, clients // 2, share, members, send))
             p.start()
+            send.close()  # the child's end: a child that dies closes it, and the wait below ends
             pipes.append(recv)
             procs.append(p)
-        spans = [pipe.recv() for pipe in pipes]
+        spans = []
+        for pipe in pipes:
+            if not pipe.poll(timeout_s):
+                raise click.ClickException(f"a rendezvous client did not report within {timeout_s:.0f}s")
+            try:
+                spans.append(pipe.recv())
+            except EOFError as e:
+                raise click.ClickException("a rendezvous client died before it reported") from e
         for p in procs:
             p.join(60)
     finally:
@@ -166,7 +182,7 @@ def central_rate(clients: int, ranks: int, members: int) -> dict[str, Any]:
         "clients": clients,
         "ranks": ranks,
         "requests": ranks * per_rank,
-        "wall_s": round(wall, 2),
+        "wall_s": round(wall, 3),
         "requests_per_s": round(rate),
         "rendezvous_100k_s": round(RANKS_100K * per_rank / rate, 1),
         "max_connections": MAX_CONNECTIONS,
@@ -175,23 +191,52 @@ def central_rate(clients: int, ranks: int, members: int) -> dict[str, Any]:
 
 @click.command()
 @click.option("--members", type=int, default=12, show_default=True, help="Replicas: members of each group.")
+@click.option(
+    "--ranks-per-node",
+    type=int,
+    default=8,
+    show_default=True,
+    help="Groups a leader node's store serves at once (one per rank of the node).",
+)
 @click.option("--epochs", type=int, default=8, show_default=True)
 @click.option("--period-s", type=float, default=4.0, show_default=True, help="Seconds between epochs.")
 @click.option("--clients", type=int, default=64, show_default=True, help="Connections to the one store.")
 @click.option("--ranks", type=int, default=4000, show_default=True, help="Ranks whose requests they make.")
 @click.option("--out", default="runs/bench/rendezvous.json", show_default=True)
 @click.option("--json", "as_json", is_flag=True)
-def rendezvous(members: int, epochs: int, period_s: float, clients: int, ranks: int, out: str, as_json: bool) -> None:
+def rendezvous(
+    members: int, ranks_per_node: int, epochs: int, period_s: float, clients: int, ranks: int, out: str, as_json: bool
+) -> None:
     """A group rebuilt on its leader's store, against every group on one store."""
-    if members < 2 or epochs < 1 or clients < 2 or ranks < clients:
-        raise click.UsageError("--members must be at least 2, --epochs 1, --clients 2, and --ranks >= --clients")
-    result = {"group": group_rebuilds(members, epochs, period_s), "central": central_rate(clients, ranks, members)}
+    if members < 2 or ranks_per_node < 1 or epochs < 1 or clients < 2 or ranks < clients:
+        raise click.UsageError(
+            "--members must be at least 2, --ranks-per-node and --epochs 1, --clients 2, and --ranks >= --clients"
+        )
+    group = group_rebuilds(members, epochs, period_s)
+    # A leader node's store serves the groups of all its ranks at once: their members' requests,
+    # each on its own connection, all at the same time.
+    at_node = ranks_per_node * members
+    served = central_rate(max(2, at_node), at_node, members)
+    node = {k: served[k] for k in ("clients", "ranks", "requests", "wall_s", "requests_per_s")}
+    node["groups"] = ranks_per_node
+    result = {
+        "group": group,
+        "node": node,
+        "central": central_rate(clients, ranks, members),
+        # What the projection reads: one group's slowest rebuild, and its node's store serving every
+        # group it leads, one after the other (they overlap in a real rebuild).
+        "rebuild_at_scale_s": round(group["rebuild_s_max"] + node["wall_s"], 3),
+    }
     path = publish(result, out, as_json)
     if not as_json:
         g, c = result["group"], result["central"]
         click.echo(
             f"a group of {members} rebuilt on its leader's store: median {g['rebuild_s_median']}s, "
             f"max {g['rebuild_s_max']}s over {epochs} epochs"
+        )
+        click.echo(
+            f"a leader node's store serving its {ranks_per_node} groups ({at_node} members): {node['wall_s']}s; "
+            f"a rebuild at any size: {result['rebuild_at_scale_s']}s"
         )
         click.echo(
             f"one store: {c['requests_per_s']} requests/s to {clients} connections; 100,000 ranks' "

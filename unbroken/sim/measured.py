@@ -24,7 +24,8 @@ HANG_SHARE = 0.2
 STATE_GIB_PER_GPU = 1.0
 #: Rebuilding the cross-replica groups without ``rendezvous.json``: FT-HSDP reports "seconds,
 #: not minutes"; 10 s is the fallback. Measured, it is one group's rebuild on its leader node's
-#: store (every group meets on a store of its own: it does not grow with the job).
+#: store and that store serving the groups it leads (``rebuild_at_scale_s``): every leader node
+#: serves only its own ranks' groups, so it does not grow with the job.
 PG_REBUILD_S = 10.0
 #: Restarting a failed replica (new node, containers, replica-internal init) is not something
 #: unbroken measures; FT-HSDP's published 7 minutes is used, less its state load.
@@ -40,11 +41,11 @@ ASSUMPTIONS: tuple[str, ...] = (
     f"per-GPU state {STATE_GIB_PER_GPU:g} GiB (405B params x 16 B over a ~8K-GPU replica); "
     "checkpoint stall and state load scale linearly from the benchmark's per-GiB figures, "
     "because every GPU snapshots and loads its own shard in parallel",
-    "survivor stall = the benchmark's single-machine stall (crash or hang, weighted) + the slowest "
-    "rebuild of one cross-replica group of 12 members on its leader node's store (`unbroken bench "
-    "rendezvous`: each group meets on a store of its own, so it does not grow with the job); measured "
-    "with Gloo on one machine: NCCL's communicator init across 12 nodes is not measured "
-    f"({PG_REBUILD_S:g} s without the file)",
+    "survivor stall = the benchmark's single-machine stall (crash or hang, weighted) + the groups' "
+    "rebuild: the slowest rebuild of one group of 12 on its leader node's store plus that store "
+    "serving the 8 groups it leads (`unbroken bench rendezvous` rebuild_at_scale_s; every leader node "
+    "serves its own ranks' groups, so it does not grow with the job); Gloo on one machine: NCCL's "
+    f"communicator init across 12 nodes is not measured ({PG_REBUILD_S:g} s assumed without the file)",
     f"replica restart (node, containers, init) = FT-HSDP's published {REPLICA_RESTART_S / 60:g} min; "
     "unbroken does not measure it",
     "catch-up: the rejoining replica is out for rejoin_steps more steps; survivors lose "
@@ -79,7 +80,7 @@ FIELDS: dict[str, tuple[str, str, float]] = {
     "checkpoint_stall_s": ("checkpoint.json", "systems.unbroken.stall_s", 0.055),
     "checkpoint_durable_s": ("checkpoint.json", "systems.unbroken.durable_s", 4.5),
     "restore_memory_s": ("checkpoint.json", "systems.unbroken.restore_memory_s", 0.1),
-    "pg_rebuild_s": ("rendezvous.json", "group.rebuild_s_max", PG_REBUILD_S),
+    "pg_rebuild_s": ("rendezvous.json", "rebuild_at_scale_s", PG_REBUILD_S),
 }
 
 

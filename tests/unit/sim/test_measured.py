@@ -119,7 +119,7 @@ def test_the_group_rebuild_is_read_from_the_rendezvous_bench_else_ten_seconds(tm
     assert read_figures(tmp_path)["pg_rebuild_s"].value == 10.0
     policy = unbroken_policy(read_figures(tmp_path), step_s=10.0)
     assert policy.stall_s["pg_rebuild"] == 10.0
-    (tmp_path / "rendezvous.json").write_text(json.dumps({"group": {"members": 12, "rebuild_s_max": 0.25}}))
+    (tmp_path / "rendezvous.json").write_text(json.dumps({"group": {"members": 12}, "rebuild_at_scale_s": 0.25}))
     figures = read_figures(tmp_path)
     assert figures["pg_rebuild_s"].value == 0.25 and "rendezvous.json" in figures["pg_rebuild_s"].source
     assert unbroken_policy(figures, step_s=10.0).stall_s["pg_rebuild"] == 0.25
