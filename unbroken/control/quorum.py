@@ -274,6 +274,8 @@ class QuorumState:
             if self.waiting and req.step > self.granted_through:
                 return None  # a newcomer waits: admit it at this new step (no step granted fixes it)
             self.current = dataclasses.replace(cur, step=req.step, behind=(), donors=())
+            # The same epoch's groups: the stores its members were told go on (QuorumDecision.stores).
+            self.current.__dict__["stores"] = cur.stores
         return self.current
 
     def grant(self, replica: int, step: int, steps: int) -> int:

@@ -72,6 +72,17 @@ def test_fast_path_answers_at_once_with_the_same_epoch() -> None:
             assert formed == []
 
 
+def test_the_next_step_of_an_epoch_keeps_the_stores_its_groups_were_told() -> None:
+    q = started()
+    first, _ = q.request(QuorumRequest(0, 1), now=1.0)
+    assert first is not None
+    first.stores[0] = "10.0.0.7:4100"  # rank 0's group was told this store in the epoch's answers
+    following, _ = q.request(QuorumRequest(0, 2), now=2.0)
+    assert following is not None and following is not first and following.step == 2
+    assert following.stores == {0: "10.0.0.7:4100"}
+    assert following.leader == first.leader
+
+
 def test_crash_of_a_member_forms_a_new_epoch_without_it() -> None:
     q = started()
     q.request(QuorumRequest(0, 1), 1.0)
