@@ -82,6 +82,7 @@ def main() -> None:
             for ids in plan.micro_batches:
                 x, y = samples(ids)
                 (torch.nn.functional.mse_loss(net(x), y) * plan.loss_scale).backward()
+            time.sleep(max(0.0, args.pace_s - (time.perf_counter() - t0)))  # paced before the exchange
             opt.step()
             if manager.last_step_committed:
                 batches.commit(plan)
@@ -99,7 +100,6 @@ def main() -> None:
                     )
                     + "\n"
                 )
-            time.sleep(max(0.0, args.pace_s - (time.perf_counter() - t0)))
         torch.save(
             {"step": manager.step, "model": net.state_dict(), "optim": opt.state_dict()},
             run_dir / f"final-r{cfg.replica_id}.pt",

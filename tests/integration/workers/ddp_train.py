@@ -116,6 +116,8 @@ def main() -> None:
         t0 = time.perf_counter()
         step = manager.step
         opt.zero_grad()
+        # Paced before the compute, whose last backward runs the exchange: replicas reach it together.
+        time.sleep(max(0.0, args.pace_s - (time.perf_counter() - t0)))
         for micro in range(MICRO):
             with model.no_sync() if micro < MICRO - 1 else contextlib.nullcontext():
                 x, y = batch(step, cfg.replica_id, micro)
@@ -126,7 +128,6 @@ def main() -> None:
         committed = manager.last_step_committed
         if committed:
             sched.step()
-        time.sleep(max(0.0, args.pace_s - (time.perf_counter() - t0)))
         d = manager.decision
         metrics.write(
             json.dumps(

@@ -115,12 +115,12 @@ def main() -> None:
         x, y = w.batch(manager.step, cfg.replica_id, cfg.rank)
         torch.nn.functional.mse_loss(model(x), y).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), w.MAX_NORM)
+        time.sleep(max(0.0, args.pace_s - (time.perf_counter() - t0)))  # paced before the exchange
         committed = manager.sync_gradients([p.grad for p in model.parameters()])
         if committed:
             opt.step()
             sched.step()
             manager.commit()
-        time.sleep(max(0.0, args.pace_s - (time.perf_counter() - t0)))
         if metrics is not None:
             d = manager.decision
             metrics.write(

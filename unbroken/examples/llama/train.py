@@ -83,7 +83,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="The least time an all-reduce may take before its peer is presumed hung.",
     )
     ap.add_argument("--save-final", action="store_true", help="Tests: every rank saves its final shards.")
-    ap.add_argument("--pace-s", type=float, default=0.0, help="Make each step last at least this long (tests).")
+    ap.add_argument(
+        "--pace-s", type=float, default=0.0, help="Make each step last at least this long, before its compute (tests)."
+    )
     ap.add_argument("--log-name", default="metrics", help="Per-step records go to {run_dir}/{name}-r{R}.jsonl.")
     ap.add_argument("--plain", action="store_true", help="A plain torch.distributed job (torchrun), no unbroken.")
     ap.add_argument("--ranks-per-replica", type=int, default=0, help="With --plain: ranks per replica (default all).")
@@ -315,6 +317,11 @@ def train_unbroken(args: argparse.Namespace) -> None:
             manager.start_step()  # the quorum request travels while the batches are read
             plan = batches.plan()  # this rank's micro-batches: waits for the step's quorum
             t_plan = time.time()
+            if args.pace_s > 0:
+                # Before the compute, whose backward runs the exchange (the FSDP2 hooks): every replica
+                # then reaches it together. Slept after it, each kept its own phase, and the one whose
+                # clock ran latest arrived last at every exchange (a false straggler to the diagnosis).
+                time.sleep(max(0.0, args.pace_s - (t_plan - t0)))
             optimizer.zero_grad(set_to_none=True)
             loss = forward_backward(model, data, plan.micro_batches, plan.loss_scale, device, bf16)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
@@ -332,7 +339,6 @@ def train_unbroken(args: argparse.Namespace) -> None:
                 if args.dcp_dir is not None and manager.step % args.dcp_every == 0 and manager.writes_checkpoints:
                     save_dcp(model, optimizer, args.dcp_dir, manager.step)
             cpu_s = time.thread_time() - c0
-            time.sleep(max(0.0, args.pace_s - (time.time() - t0)))
             t1 = time.time()
             d = manager.decision
             st = manager.stats
