@@ -88,7 +88,7 @@ class ConfigError(ValueError):
 def parse_host_port(value: str, what: str = "address") -> tuple[str, int]:
     """Parses ``HOST:PORT``; a clear error names the setting that is wrong."""
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise ConfigError(f"{what} must look like HOST:PORT (e.g. 127.0.0.1:29510), got {value!r}")
     return host, int(port)
 
@@ -303,17 +303,21 @@ def coordinator_host(value: str) -> str:
     A node agent's relay (``unbroken agent``) comes first in its ranks' list, on loopback: the
     route to it is no address another node can dial, the route to the coordinator after it is.
     """
-    import ipaddress
-
     hosts = [host for host, _ in parse_host_ports(value, ENV_COORDINATOR)]
     for host in hosts:
-        try:
-            if not ipaddress.ip_address(host).is_loopback:
-                return host
-        except ValueError:  # a name: taken as it is (localhost aside)
-            if host != "localhost":
-                return host
+        if not is_loopback(host):  # a name is taken as it is (localhost aside)
+            return host
     return hosts[0]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address, or ``localhost``: no other node can dial it."""
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def local_address_towards(host: str) -> str:

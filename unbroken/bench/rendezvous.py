@@ -117,6 +117,8 @@ def _client(address: str, key: bytes, threads: int, ranks: int, members: int, ou
 
     secret = JobSecret(key)
     stores = [AuthenticatedStore(address, secret, timeout=datetime.timedelta(seconds=60)) for _ in range(threads)]
+    for peer in range(members):
+        stores[0].set(f"peer{peer}", b"x" * 64)  # every peer's key is there: no request waits
     for s in stores:
         s.set("warm", b"1")  # connected and authenticated before the clock starts
     barrier = threading.Barrier(threads + 1)
@@ -147,8 +149,6 @@ def central_rate(clients: int, ranks: int, members: int, timeout_s: float = 600.
     """The requests a second one store serves to ``clients`` connections doing rendezvous requests."""
     secret = JobSecret.generate()
     server = StoreServer("127.0.0.1", secret)
-    for peer in range(members):
-        server._set(f"peer{peer}", b"x" * 64)  # every peer's key is there: no request waits
     ctx = multiprocessing.get_context("spawn")
     pipes, procs = [], []
     try:

@@ -43,7 +43,7 @@ from unbroken.comm.recorder import FlightRecorder
 from unbroken.comm.retire import GroupReaper
 from unbroken.comm.ring import ring_allreduce_sum
 from unbroken.comm.store import AuthenticatedStore
-from unbroken.config import exchange_mode, gloo_socket_ifname, local_address_towards, parse_host_port
+from unbroken.config import exchange_mode, gloo_socket_ifname, is_loopback, local_address_towards, parse_host_port
 from unbroken.control.failure import MAX_FAILURE_CHARS
 from unbroken.wire.auth import JobSecret
 
@@ -515,7 +515,7 @@ class CrossReplicaGroup:
         ifname = gloo_socket_ifname()
         if ifname:
             options._devices = [dist.ProcessGroupGloo.create_device(interface=ifname.split(",")[0])]
-        elif _is_loopback(host):
+        elif is_loopback(host):
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         else:
             # Not the default device: it binds what the host name resolves to, often loopback,
@@ -549,15 +549,6 @@ class _Held:
 
     def done(self) -> bool:
         return bool(self.future.done())
-
-
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 class _RingRun:

@@ -19,6 +19,7 @@ import enum
 import math
 from typing import Any, ClassVar
 
+from unbroken.config import parse_host_port
 from unbroken.control.failure import MAX_FAILURE_CHARS
 
 Message = dict[str, Any]
@@ -62,11 +63,11 @@ def text(msg: Message, key: str, max_len: int = 256) -> str:
 
 
 def address(msg: Message, key: str) -> str:
-    """``msg[key]`` as ``HOST:PORT`` (a port of 1 to 65535), or "" when absent; ValueError otherwise."""
+    """``msg[key]`` as ``HOST:PORT`` (:func:`unbroken.config.parse_host_port`), or "" when absent;
+    ValueError otherwise."""
     value = text(msg, key)
-    host, sep, port = value.rpartition(":")
-    if value and (not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536):
-        raise ValueError(f"{key} must look like HOST:PORT, got {value!r:.40}")
+    if value:
+        parse_host_port(value, key)
     return value
 
 

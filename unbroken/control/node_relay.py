@@ -21,12 +21,12 @@ reported ``dropped`` (as its own connection closing would have told it).
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import logging
 import time
 from collections.abc import Callable
 
+from unbroken.config import is_loopback
 from unbroken.control import protocol
 from unbroken.control.messages import MAX_NODE_RANKS
 from unbroken.control.quorum_service import RankConn
@@ -36,6 +36,7 @@ log = logging.getLogger("unbroken.control.coordinator")  # the coordinator's log
 MAX_ANSWER_LINE = protocol.MAX_LINE // 2  # a node_answers line is split before it nears the reader's limit
 
 Slot = tuple[int, int]  # (replica, rank)
+WILDCARD_HOSTS = ("0.0.0.0", "::")  # a store bound to every interface names no address to dial
 
 
 def slot_json(slot: Slot) -> bytes:
@@ -48,8 +49,7 @@ class NodeConn:
 
     def __init__(self, node: str, link: protocol.Link) -> None:
         self.node, self.link = node, link
-        self.announced = ""  # the rendezvous store its agent hosts (NodeHello.store) ...
-        self.store = ""  # ... as its groups use it ("": not dialable from other nodes)
+        self.store = ""  # the rendezvous store its agent hosts, as its groups use it (usable_store)
         self.ranks: dict[Slot, RankConn] = {}
         # What this turn of the loop sent its ranks (NodeLink.send_payload): (the rank's slot_json,
         # the message's JSON text), one node_answers line at the end of the turn.
@@ -101,19 +101,9 @@ def usable_store(store: str, coordinator_host: str) -> str:
     "": the groups that node leads meet on the coordinator's store. (An agent that reached the
     coordinator through loopback, on the coordinator's own node, advertises loopback.)"""
     host = store.rpartition(":")[0].strip("[]")
-    if _local(host, wildcard=True) and not _local(coordinator_host, wildcard=False):
+    if (is_loopback(host) or host in WILDCARD_HOSTS) and not is_loopback(coordinator_host):
         return ""
     return store
-
-
-def _local(host: str, wildcard: bool) -> bool:
-    """Whether ``host`` is a loopback address (or ``localhost``), or with ``wildcard`` also the
-    wildcard address: no other node dials it (a coordinator on the wildcard serves every node)."""
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return host == "localhost" or (wildcard and host == "")
-    return ip.is_loopback or (wildcard and ip.is_unspecified)
 
 
 def answers_payload(batch: list[tuple[bytes, bytes]], dropped: list[Slot]) -> bytes:
@@ -253,8 +243,8 @@ class NodeRelay:
             raise ValueError(f"this connection speaks for node {node.node!r}, not {hello.node!r}")
         if len(node.ranks) + len(hello.ranks) > MAX_NODE_RANKS:
             raise ValueError(f"a node connection speaks for at most {MAX_NODE_RANKS} ranks")
-        if hello.store and hello.store != node.announced:
-            node.announced, node.store = hello.store, usable_store(hello.store, self.coordinator_host)
+        if hello.store:
+            node.store = usable_store(hello.store, self.coordinator_host)
             if not node.store and not self._warned:
                 self._warned = True
                 log.warning(

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime
 import fcntl
-import ipaddress
 import socket
 import struct
 import time
@@ -32,6 +31,7 @@ from unbroken.config import (
     ConfigError,
     ReplicaConfig,
     gloo_interface,
+    is_loopback,
     master_address,
     parse_host_port,
 )
@@ -58,11 +58,7 @@ def loopback_interface() -> str | None:
 def gloo_interface_for(store_host: str) -> str | None:
     """Gloo's interface for a group whose store is at ``store_host``: loopback when the store is
     (the group is on one node); None otherwise (the launcher pins a spanning group's)."""
-    try:
-        loopback = ipaddress.ip_address(store_host).is_loopback
-    except ValueError:
-        loopback = store_host == "localhost"
-    return loopback_interface() if loopback else None
+    return loopback_interface() if is_loopback(store_host) else None
 
 
 def init_gloo_group(
