@@ -21,7 +21,6 @@ reported ``dropped`` (as its own connection closing would have told it).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from unbroken.config import is_loopback
 from unbroken.control import protocol
 from unbroken.control.messages import MAX_NODE_RANKS
 from unbroken.control.quorum_service import RankConn
+from unbroken.wire import jsontext
 
 log = logging.getLogger("unbroken.control.coordinator")  # the coordinator's log
 
@@ -162,7 +162,7 @@ class NodeLink(protocol.Link):
         self.node, self.slot, self.closed, self.to = node, slot, False, slot_json(slot)
 
     def send(self, msg: protocol.Message) -> None:
-        self.send_payload(json.dumps(msg, separators=(",", ":")).encode())
+        self.send_payload(jsontext.dumps(msg))
 
     def send_payload(self, payload: bytes) -> None:
         # No check of the node's stream here: its flush (Link.send_payload) drops what a closed one cannot send.
@@ -227,11 +227,13 @@ class NodeRelay:
         """A connection's first ``node_hello``: the node connection, with the ranks it speaks for."""
         node = NodeConn(hello.node, link)
         self.connected.add(node)
+        node.hold()  # its ranks' welcomes leave at the end of the hello, as answers do (handle)
         try:
             self.hello(node, hello)
         except Exception:
             self.gone(node)
             raise
+        node.flush()
         return node
 
     def status(self) -> dict[str, int]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import socket
 from typing import Any
 
@@ -75,6 +74,7 @@ from unbroken.control.messages import (
     seconds,
     text,
 )
+from unbroken.wire import jsontext
 from unbroken.wire.auth import JobSecret, Session, client_handshake, client_handshake_async
 
 __all__ = [
@@ -144,7 +144,7 @@ PURPOSE = "coordinator"  # binds the handshake to this listener: no other's can 
 
 def encode(msg: Message, session: Session) -> bytes:
     """One line: the message as JSON, sealed with the connection's next MAC."""
-    return session.seal_line(json.dumps(msg, separators=(",", ":")).encode())
+    return session.seal_line(jsontext.dumps(msg))
 
 
 def decode(line: bytes, session: Session) -> Message:
@@ -155,7 +155,7 @@ def decode(line: bytes, session: Session) -> Message:
             is out of step, and the peer is not who it claims).
         ValueError: an authentic line that is no protocol message (a peer's bug): skip it.
     """
-    msg = json.loads(session.open_line(line))
+    msg = jsontext.loads(session.open_line(line))
     if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
         raise ValueError(f"not a protocol message: {line[:80]!r}")
     return msg
@@ -276,8 +276,8 @@ def answer_tail(decision: dict[str, Any], transfer_addrs: dict[str, str], store:
     Encoded once per decision and rank index, not once per connection: at thousands of
     members the answer is tens of kilobytes, and its JSON text the costliest thing to make.
     """
-    body = json.dumps({"decision": decision, "transfer_addrs": transfer_addrs, "store": store}, separators=(",", ":"))
-    return body[1:].encode()  # without the opening brace: answer_payload puts op and id first
+    body = jsontext.dumps({"decision": decision, "transfer_addrs": transfer_addrs, "store": store})
+    return body[1:]  # without the opening brace: answer_payload puts op and id first
 
 
 def decision_head(decision: dict[str, Any]) -> bytes:
@@ -285,8 +285,7 @@ def decision_head(decision: dict[str, Any]) -> bytes:
     member named in a donor pair shares (:func:`paired_tail`). Made once per decision: with
     thousands of members behind (a standby's first epoch), encoding the decision again for each
     of them was most of the time to answer them."""
-    body = json.dumps({k: v for k, v in decision.items() if k != "donors"}, separators=(",", ":"))
-    return body[:-1].encode()
+    return jsontext.dumps({k: v for k, v in decision.items() if k != "donors"})[:-1]
 
 
 def paired_tail(head: bytes, pairs: list[list[int]], transfer_addrs: dict[str, str], store: str) -> bytes:
@@ -294,9 +293,9 @@ def paired_tail(head: bytes, pairs: list[list[int]], transfer_addrs: dict[str, s
     :func:`decision_head`: only the pairs, addresses and store are encoded here."""
     return b'"decision":%s,"donors":%s},"transfer_addrs":%s,"store":%s}' % (
         head,
-        json.dumps(pairs, separators=(",", ":")).encode(),
-        json.dumps(transfer_addrs, separators=(",", ":")).encode(),
-        json.dumps(store).encode(),
+        jsontext.dumps(pairs),
+        jsontext.dumps(transfer_addrs),
+        jsontext.dumps(store),
     )
 
 
@@ -307,7 +306,7 @@ def answer_payload(req_id: int, tail: bytes) -> bytes:
 
 #: An :class:`Alive`'s JSON text: sent four times a second to every rank whose request waits
 #: (100,000 of them while a standby's first epoch forms), so made once.
-ALIVE = json.dumps(Alive().to_msg(), separators=(",", ":")).encode()
+ALIVE = jsontext.dumps(Alive().to_msg())
 
 
 @functools.lru_cache(maxsize=16)
@@ -315,7 +314,7 @@ def welcome_payload(welcome: Welcome) -> bytes:
     """A welcome's JSON text, made once: every rank that says hello while the epoch and the
     heartbeat plan stand gets the same one (a standby taking over from 12,500 nodes of 8 ranks
     welcomes 100,000 ranks at once)."""
-    return json.dumps(welcome.to_msg(), separators=(",", ":")).encode()
+    return jsontext.dumps(welcome.to_msg())
 
 
 def same_payload(req_id: int, epoch: int, step: int, through: int | None = None) -> bytes:

@@ -12,7 +12,10 @@ from unbroken.control import protocol
 def test_a_hello_parses_into_named_fields_and_keeps_the_bounds() -> None:
     hello = protocol.Hello.from_msg({"op": "hello", "replica": 2, "rank": 1, "world_size": 4, "node": "n0"})
     assert hello == protocol.Hello(replica=2, rank=1, world_size=4, transfer_addr="", node="n0", step=0)
-    for bad in ({"replica": True}, {"replica": -1}, {"replica": 1 << 62}, {"node": "x" * 257}, {"step": 1.5}):
+    bounds = ({"replica": True}, {"replica": -1}, {"replica": 1 << 62}, {"node": "x" * 257}, {"step": 1.5})
+    # and what the common case's inline checks must refuse as count() and text() do
+    inline = ({"epoch": True}, {"epoch": -1}, {"rank": "1"}, {"transfer_addr": 5}, {"transfer_addr": "x" * 257})
+    for bad in (*bounds, *inline, {"world_size": 1 << 62}, {"step": -1}, {"node": None}):
         with pytest.raises(ValueError):
             protocol.Hello.from_msg({"op": "hello", "replica": 0, "rank": 0, "world_size": 1, **bad})
 
