@@ -99,23 +99,6 @@ class Hello:
     @classmethod
     def from_msg(cls, msg: Message, node: str | None = None) -> Hello:
         """``node``: the node it runs on, as its agent said it (its own ``node`` is not read)."""
-        get = msg.get
-        replica, rank, world_size, step = get("replica"), get("rank"), get("world_size"), get("step", 0)
-        addr, epoch, name = get("transfer_addr", ""), get("epoch"), get("node", "") if node is None else node
-        if (  # the common case, checked inline: a node's hello is eight of these, in a takeover's burst
-            type(replica) is int
-            and type(rank) is int
-            and type(world_size) is int
-            and type(step) is int
-            and (epoch is None or type(epoch) is int)
-            and type(addr) is str
-            and type(name) is str
-            and 0 <= min(replica, rank, world_size, step, epoch or 0)
-            and max(replica, rank, world_size, step, epoch or 0) < 1 << 62
-            and len(addr) <= 256
-            and len(name) <= 256
-        ):
-            return cls(replica, rank, world_size, addr, name, step, epoch)
         return cls(
             replica=count(msg, "replica"),
             rank=count(msg, "rank"),
