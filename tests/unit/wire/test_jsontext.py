@@ -44,3 +44,22 @@ def test_a_nan_travels_as_the_standard_library_writes_and_reads_it() -> None:
 
 def test_a_lone_surrogate_reads_as_before() -> None:
     assert jsontext.loads(b'"\\ud800"') == json.loads(b'"\\ud800"')
+
+
+def test_without_orjson_the_standard_library_writes_and_reads_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As on a machine without orjson (the GPU image): the same text, the same values.
+    msg = {"op": "quorum", "id": 7, "step_time": 0.25, 3: "x", "failed_epoch": None}
+    with_orjson = jsontext.dumps(msg)
+    monkeypatch.setattr(jsontext, "orjson", None)
+    assert jsontext.dumps(msg) == with_orjson
+    back = jsontext.loads(with_orjson)
+    assert back["3"] == "x" and back["failed_epoch"] is None and back["step_time"] == 0.25
+    assert math.isnan(jsontext.loads(jsontext.dumps({"loss": float("nan")}))["loss"])
+    with pytest.raises(ValueError):
+        jsontext.loads(b"[1,")
+
+
+def test_a_non_ascii_text_differs_in_its_bytes_only() -> None:
+    # orjson writes UTF-8 where json writes \u escapes: the value read back is the same.
+    msg = {"node": "nœud-ß"}
+    assert jsontext.loads(jsontext.dumps(msg)) == json.loads(json.dumps(msg)) == msg
