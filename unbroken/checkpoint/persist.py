@@ -108,7 +108,11 @@ def serve(sock: socket.socket) -> None:
             buffers[message["slot"]] = mmap.mmap(fds[0], message["size"], prot=mmap.PROT_READ)
             os.close(fds[0])
         elif message["op"] == "persist":
-            send(sock, _persist(message, buffers))
+            reply = _persist(message, buffers)
+            try:
+                send(sock, reply)
+            except (BrokenPipeError, ConnectionResetError):
+                return  # the trainer is gone (killed, or cut off by a time limit): what was written stays
 
 
 class PersistProcess:
