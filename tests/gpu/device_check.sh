@@ -47,7 +47,7 @@ want tests && step gpu_tests 240 $py -m pytest -q -p no:cacheprovider -m gpu tes
 if want recovery; then
     step bench_recovery $((budget - 60 - (SECONDS - start))) $py -m unbroken bench recovery --model llama \
         --device cuda --rounds "${ROUNDS:-2}" --json --work-dir /tmp/bench-recovery --out "$out/recovery.json"
-    find /tmp/bench-recovery -name '*.log' -size -2M 2>/dev/null | tar czf "$out/recovery_logs.tgz" -T - 2>/dev/null
+    find /tmp/bench-recovery \( -name '*.log' -o -name '*.jsonl' \) -size -2M 2>/dev/null | tar czf "$out/recovery_logs.tgz" -T - 2>/dev/null
 fi
 want checkpoint && step bench_checkpoint 90 $py -m unbroken bench checkpoint --device cuda --rounds 2 \
     --every-step-rounds 1 --json --out "$out/checkpoint.json"
