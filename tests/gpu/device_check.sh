@@ -4,6 +4,8 @@
 #
 #   OUT=/some/dir [CHECKS="churn tests recovery checkpoint"] tests/gpu/device_check.sh [SECONDS]
 #
+# (CHECKS may also name takeover, which is not run by default.)
+#
 # Runs `make test-gpu`, then the three GPU benchmarks, each with the time the budget still allows,
 # and packs every log and JSON figure into $OUT/device_check.tgz. A step that runs out of time is cut and said.
 set -u
@@ -49,6 +51,10 @@ if want recovery; then
         --device cuda --rounds "${ROUNDS:-2}" --json --work-dir /tmp/bench-recovery --out "$out/recovery.json"
     find /tmp/bench-recovery \( -name '*.log' -o -name '*.jsonl' \) -size -2M 2>/dev/null | tar czf "$out/recovery_logs.tgz" -T - 2>/dev/null
 fi
+# Opt-in (CHECKS=takeover): the 12,500-node takeover on 16 cores, the simulated agents spread over
+# 8 processes, so that they no longer take the standby's core as on the 2-core machine.
+want takeover && step takeover 200 $py -m unbroken bench coordinator --nodes 12500 --step-time 2.0 \
+    --client-procs 8 --max-asks-per-s 1000 --json --out "$out/takeover.json"
 want checkpoint && step bench_checkpoint 90 $py -m unbroken bench checkpoint --device cuda --rounds 2 \
     --every-step-rounds 1 --json --out "$out/checkpoint.json"
 echo "total $((SECONDS - start))s" | tee -a "$out/summary.txt"
