@@ -452,7 +452,7 @@ class CoordinatorClient:
         if push.store:
             self.store_address = push.store
         with self._lock:
-            fits = [i for i, (m, _) in self._pending.items() if self._answers(answer, m["step"], m["failed_epoch"])]
+            fits = [i for i, (m, _) in self._pending.items() if self._answers(answer, m["step"], m.get("failed_epoch"))]
             entry = self._pending.pop(fits[0]) if fits else None
             self._pushed = None if entry is not None else answer
         if entry is not None:

@@ -185,15 +185,15 @@ class QuorumAsk:
         )
 
     def to_msg(self) -> Message:
-        msg: Message = {
-            "op": self.OP,
-            "id": self.id,
-            "step": self.step,
-            "failed_epoch": self.failed_epoch,
-            "step_time": self.step_time,
-        }
-        if self.failure is not None and self.failed_epoch is not None:
-            msg["failure"] = self.failure[:MAX_FAILURE_CHARS]
+        # A field that is None is left out, as from_msg reads it: no ``null`` in the text, which
+        # jsontext.dumps would have to search the message for a NaN written as null.
+        msg: Message = {"op": self.OP, "id": self.id, "step": self.step}
+        if self.failed_epoch is not None:
+            msg["failed_epoch"] = self.failed_epoch
+            if self.failure is not None:
+                msg["failure"] = self.failure[:MAX_FAILURE_CHARS]
+        if self.step_time is not None:
+            msg["step_time"] = self.step_time
         return msg
 
 
@@ -731,7 +731,13 @@ class NodeQuorum:
         return cls(asks=tuple(asks))
 
     def to_msg(self) -> Message:
-        return {"op": self.OP, "asks": [[r, k, a.to_msg()] for r, k, a in self.asks]}
+        asks: list[list[Any]] = []
+        last: tuple[QuorumAsk, Message] | None = None
+        for r, k, a in self.asks:
+            if last is None or a is not last[0]:  # a node's ranks asking alike share one request's text
+                last = (a, a.to_msg())
+            asks.append([r, k, last[1]])
+        return {"op": self.OP, "asks": asks}
 
 
 @dataclasses.dataclass(frozen=True)

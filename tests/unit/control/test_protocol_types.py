@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from unbroken.control import protocol
+from unbroken.wire import jsontext
 
 
 def test_a_hello_parses_into_named_fields_and_keeps_the_bounds() -> None:
@@ -53,6 +54,20 @@ def test_a_failed_exchange_reports_its_error_text_within_bounds() -> None:
     for bad in (7, ["x"], "x" * 2001):
         with pytest.raises(ValueError):
             protocol.QuorumAsk.from_msg({**msg, "failure": bad})
+
+
+def test_a_quorum_request_leaves_out_what_it_does_not_say_and_reads_back_the_same() -> None:
+    plain = protocol.QuorumAsk(id=4, step=9, step_time=None, failed_epoch=None)
+    assert plain.to_msg() == {"op": "quorum", "id": 4, "step": 9}
+    assert b"null" not in jsontext.dumps(plain.to_msg())  # nothing for jsontext to search for a NaN
+    failed = protocol.QuorumAsk(id=5, step=9, step_time=0.5, failed_epoch=3, failure="Connection closed by peer")
+    for ask in (plain, failed, dataclasses.replace(failed, failure=None), dataclasses.replace(plain, step_time=2.0)):
+        assert protocol.QuorumAsk.from_msg(jsontext.loads(jsontext.dumps(ask.to_msg()))) == ask
+    # A node's ranks asking alike share one request's text, and are read back alike.
+    node = protocol.NodeQuorum(asks=tuple((7, k, plain) for k in range(8)) + ((8, 0, failed),))
+    msg = node.to_msg()
+    assert msg["asks"][0][2] is msg["asks"][7][2] and msg["asks"][8][2] == failed.to_msg()
+    assert protocol.NodeQuorum.from_msg(jsontext.loads(jsontext.dumps(msg))) == node
 
 
 def test_the_job_failed_notice_to_agents_round_trips_and_refuses_bad_codes() -> None:
