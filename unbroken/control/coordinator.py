@@ -31,7 +31,7 @@ import dataclasses
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -212,10 +212,9 @@ class Coordinator:
         }
         # A node agent's connection speaking for its node's ranks (:mod:`unbroken.control.node_relay`).
         self.nodes = NodeRelay(
-            self._hello,
+            self._hello_ranks,
             self.requests.ask_ranks,
             self._connection_closed,
-            (Refused,),
             self._node_said,
             coordinator_host=settings.host,
         )
@@ -428,37 +427,93 @@ class Coordinator:
             conn.compute_s = beat.compute_s
 
     def _hello(self, hello: protocol.Hello, link: protocol.Link) -> RankConn:
-        replica, world_size, rank = hello.replica, hello.world_size, hello.rank
-        if replica >= self.settings.total_replicas:
-            raise Refused(f"replica {replica} is not one of this job's {self.settings.total_replicas} replicas")
-        if not 1 <= world_size <= self.settings.max_world_size:
-            raise Refused(f"world_size must be 1 to {self.settings.max_world_size}, got {world_size}")
-        if rank >= world_size:
-            raise Refused(f"rank {rank} is not below world_size {world_size}")
+        """A rank's own hello: a run of one rank (:meth:`_hello_ranks`); raises Refused on a refusal."""
+        got = self._hello_ranks((hello,), (link,))[0]
+        if isinstance(got, Refused):
+            raise got
+        return got
+
+    def _hello_ranks(
+        self, hellos: Sequence[protocol.Hello], links: Sequence[protocol.Link]
+    ) -> list[RankConn | Refused]:
+        """Registers ranks of one replica said together through one connection (a node agent's
+        hello lists its ranks; :func:`unbroken.control.node_relay.hello_runs`), each with the same
+        world size and epoch: each rank registered, or refused with why.
+
+        What belongs to the replica (its checks, the welcome's text, its claim on a resumed epoch,
+        its connection once every rank is in) is done once for the run, not once per rank: a
+        standby taking over registers every rank of the job in one burst."""
+        first = hellos[0]
+        replica, world_size = first.replica, first.world_size
+        refused = self._refuse_replica(replica, world_size)
+        if refused is not None:
+            return [refused] * len(hellos)
         ranks = self.replicas.get(replica, {})
-        known = next(iter(ranks.values()), None)  # a replica's ranks share one world_size: one look
-        if known is not None and known.world_size != world_size:
-            raise Refused(f"replica {replica} has ranks of world_size {known.world_size}, not {world_size}")
-        if rank in ranks:
-            # Refused while the old connection lives: it ends when its process dies, or when it
-            # is evicted for silence; the client then reconnects and is served.
-            raise Refused(
-                f"replica {replica} rank {rank} is already connected: refused until that " "connection is gone"
+        got: list[RankConn | Refused] = []
+        now = time.monotonic()
+        relayed = isinstance(links[0], NodeLink)
+        store = links[0].node.store if isinstance(links[0], NodeLink) else ""
+        welcome = b""  # its text, once a rank of the run is in (the heartbeat plan may change first)
+        conns: list[RankConn] = []
+        for hello, link in zip(hellos, links, strict=True):
+            rank = hello.rank
+            if rank >= world_size:
+                got.append(Refused(f"rank {rank} is not below world_size {world_size}"))
+                continue
+            if rank in ranks:
+                # Refused while the old connection lives: it ends when its process dies, or when it
+                # is evicted for silence; the client then reconnects and is served.
+                got.append(Refused(f"replica {replica} rank {rank} is already connected: refused until it is gone"))
+                continue
+            conn = RankConn(
+                replica=replica,
+                rank=rank,
+                world_size=world_size,
+                link=link,
+                transfer_addr=hello.transfer_addr,
+                node=hello.node,
+                last_heartbeat=now,
+                step=hello.step,
+                relayed=relayed,
+                store=store,
             )
-        conn = RankConn(
-            replica=replica,
-            rank=rank,
-            world_size=world_size,
-            link=link,
-            transfer_addr=hello.transfer_addr,
-            node=hello.node,
-            last_heartbeat=time.monotonic(),
-            step=hello.step,
-            relayed=isinstance(link, NodeLink),
-            store=link.node.store if isinstance(link, NodeLink) else "",
-        )
-        ranks = self.replicas.setdefault(replica, {})
-        ranks[rank] = conn
+            ranks = self.replicas.setdefault(replica, ranks)
+            ranks[rank] = conn
+            if not welcome:
+                self._plan_for(world_size)
+                welcome = self._welcome(self._store_for(links[0]))
+            link.send_payload(welcome)
+            conns.append(conn)
+            got.append(conn)
+        if not conns:
+            return got
+        complete = len(ranks) == world_size
+        resumed = self.resumed
+        if resumed is not None:
+            resumed.hello(conns, first.epoch, complete)
+            self.resumed = None if resumed.done else resumed
+        if complete:
+            self.quorum.connect(replica)
+            connected = ev.ReplicaConnected(replica=replica, node=first.node, step=conns[-1].step)
+            if resumed is not None:  # every replica of the job at once: each is answered before it is logged
+                self.events.emit_soon(connected)
+            else:
+                self.events.emit(connected)
+        return got
+
+    def _refuse_replica(self, replica: int, world_size: int) -> Refused | None:
+        """Why no rank of ``replica`` of ``world_size`` ranks may say hello (None: they may)."""
+        if replica >= self.settings.total_replicas:
+            return Refused(f"replica {replica} is not one of this job's {self.settings.total_replicas} replicas")
+        if not 1 <= world_size <= self.settings.max_world_size:
+            return Refused(f"world_size must be 1 to {self.settings.max_world_size}, got {world_size}")
+        known = next(iter(self.replicas.get(replica, {}).values()), None)  # a replica's ranks share one world_size
+        if known is not None and known.world_size != world_size:
+            return Refused(f"replica {replica} has ranks of world_size {known.world_size}, not {world_size}")
+        return None
+
+    def _plan_for(self, world_size: int) -> None:
+        """The heartbeat plan follows the job's size as its registered replicas say it."""
         if world_size != self._planned_for:
             self._planned_for = world_size
             plan = self._plan_heartbeats(self.settings.total_replicas * world_size)
@@ -466,19 +521,6 @@ class Coordinator:
                 self.beat = plan
         if self._alive_s is None:  # the plan only slows down: the first timeout told is the shortest
             self._alive_s = alive_every(self.beat.timeout_s)
-        link.send_payload(self._welcome(self._store_for(link)))
-        resumed = self.resumed
-        if resumed is not None:
-            resumed.hello(conn, hello.epoch, len(ranks) == conn.world_size)
-            self.resumed = None if resumed.done else resumed
-        if len(ranks) == conn.world_size:
-            self.quorum.connect(conn.replica)
-            connected = ev.ReplicaConnected(replica=conn.replica, node=conn.node, step=conn.step)
-            if resumed is not None:  # every replica of the job at once: each is answered before it is logged
-                self.events.emit_soon(connected)
-            else:
-                self.events.emit(connected)
-        return conn
 
     def _welcome(self, store: str) -> bytes:
         """The welcome's text for ranks given ``store``: the same for every rank while the epoch

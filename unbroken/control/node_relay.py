@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from unbroken.config import is_loopback
 from unbroken.control import protocol
@@ -131,6 +131,19 @@ def answers_payload(batch: list[tuple[bytes, bytes]], dropped: list[Slot]) -> by
     return b'{"op":"%s","to":[%s],"msgs":[%s],"runs":[%s],"dropped":[%s]}' % (op, to, msgs, counts, gone)
 
 
+def hello_runs(hellos: Sequence[protocol.Hello]) -> list[list[protocol.Hello]]:
+    """A node's hellos as runs of ranks of one replica saying the same world size and epoch: what
+    is the replica's is then checked and done once per run (a node of one replica group: one run)."""
+    runs: list[list[protocol.Hello]] = []
+    for h in hellos:
+        last = runs[-1][0] if runs else None
+        if last is not None and last.replica == h.replica and last.world_size == h.world_size and last.epoch == h.epoch:
+            runs[-1].append(h)
+        else:
+            runs.append([h])
+    return runs
+
+
 Run = tuple[int, protocol.QuorumAsk, list[int]]  # (replica, its request, the ranks asking it)
 
 
@@ -191,10 +204,10 @@ class NodeRelay:
     """The coordinator's handling of node connections, given its per-rank operations.
 
     Args:
-        hello: registers one rank (as a rank's own hello would), on the link given; raises on a refusal.
+        hello: registers ranks of one replica said together (:func:`hello_runs`), each on its link
+            given, as their own hellos would: each its connection, or the exception it is refused with.
         quorum: the same quorum request of ranks of one replica (:meth:`QuorumService.ask_ranks`).
         closed: one rank's connection ended (it is evicted unless it finished).
-        refused: the exceptions ``hello`` refuses a rank with (that rank alone is refused).
         said: one rank's other message (one of :data:`~unbroken.control.messages.NODE_SAID`), as
             its own connection would have said it.
         coordinator_host: the host the coordinator listens on: a node's store on loopback is used
@@ -203,15 +216,14 @@ class NodeRelay:
 
     def __init__(
         self,
-        hello: Callable[[protocol.Hello, protocol.Link], RankConn],
+        hello: Callable[[Sequence[protocol.Hello], Sequence[protocol.Link]], Sequence[RankConn | Exception]],
         quorum: Callable[[list[RankConn], protocol.QuorumAsk], None],
         closed: Callable[[RankConn], None],
-        refused: tuple[type[Exception], ...],
         said: Callable[[RankConn, protocol.Message], None] | None = None,
         coordinator_host: str = "127.0.0.1",
     ) -> None:
-        self.hello_rank, self.quorum, self.closed = hello, quorum, closed
-        self.refused, self.said = refused, said
+        self.hello_ranks, self.quorum, self.closed = hello, quorum, closed
+        self.said = said
         self.coordinator_host = coordinator_host
         self._warned = False  # of a store other nodes cannot dial: once
         self.connected: set[NodeConn] = set()  # the node connections served now (``unbroken status``)
@@ -255,14 +267,15 @@ class NodeRelay:
                     node.node,
                     hello.store,
                 )
-        for h in hello.ranks:
-            slot = (h.replica, h.rank)
-            link = NodeLink(node, slot)
-            try:
-                node.ranks[slot] = self.hello_rank(h, link)
-            except self.refused as e:  # that rank alone: its node's other ranks are not refused with it
-                link.send(protocol.Error(str(e)).to_msg())
-                node.drop(slot)
+        for run in hello_runs(hello.ranks):
+            links = [NodeLink(node, (h.replica, h.rank)) for h in run]
+            for link, got in zip(links, self.hello_ranks(run, links), strict=True):
+                if isinstance(got, RankConn):
+                    node.ranks[link.slot] = got
+                else:  # that rank alone: its node's other ranks are not refused with it
+                    link.send(protocol.Error(str(got)).to_msg())
+                    if link.slot not in node.ranks:  # a slot said twice: the one this node holds stays
+                        node.drop(link.slot)
 
     def handle(self, node: NodeConn, op: str, msg: protocol.Message) -> None:
         handler = self.handlers.get(op)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from unbroken.control import protocol
 from unbroken.control.quorum import QuorumDecision, QuorumState
@@ -111,18 +111,20 @@ class EpochResume:
         cur = self.quorum.current
         return cur is not None and cur.epoch == self.state.decision.epoch
 
-    def hello(self, conn: RankConn, said: int | None, complete: bool) -> None:
-        """``conn`` said hello saying it trains in epoch ``said``; ``complete``: every rank of
-        its replica is connected now."""
+    def hello(self, conns: Sequence[RankConn], said: int | None, complete: bool) -> None:
+        """``conns``, ranks of one replica, said hello saying they train in epoch ``said``;
+        ``complete``: every rank of their replica is connected now."""
+        replica = conns[0].replica
         if self._continues():  # once this coordinator formed an epoch of its own, a claim is moot
-            claim = self.state.claim(conn.replica, said)
+            claim = self.state.claim(replica, said)
             if claim is Claim.CONFLICT:
-                self._give_up(conn.replica, said)
+                self._give_up(replica, said)
                 return
             if claim is Claim.MEMBER:
-                conn.trains = self.state.decision.epoch
+                for conn in conns:
+                    conn.trains = self.state.decision.epoch
         if complete:
-            self.state.back.add(conn.replica)
+            self.state.back.add(replica)
             self.done = self.state.complete
 
     def tick(self, now: float) -> None:

@@ -18,7 +18,7 @@ from tests.live_coordinator import connect, live_coordinator, member, next_op
 from unbroken.control import protocol
 from unbroken.control.coordinator import Coordinator
 from unbroken.control.messages import MAX_NODE_RANKS
-from unbroken.control.node_relay import NodeConn, answers_payload, slot_json, usable_store
+from unbroken.control.node_relay import NodeConn, answers_payload, hello_runs, slot_json, usable_store
 from unbroken.control.quorum import QuorumDecision
 from unbroken.wire.auth import JobSecret
 
@@ -326,3 +326,43 @@ def test_a_node_hello_says_its_store_only_when_it_hosts_one() -> None:
 )
 def test_a_store_other_nodes_cannot_dial_is_not_used(store: str, coordinator: str, used: str) -> None:
     assert usable_store(store, coordinator) == used
+
+
+def test_a_node_s_hellos_are_registered_by_replica_and_each_rank_refused_alone(tmp_path: Path) -> None:
+    async def scenario(c: Coordinator) -> None:
+        a = await node(c, "a", 0)
+        ranks = (
+            protocol.Hello(replica=1, rank=0, world_size=2, node="a"),
+            protocol.Hello(replica=1, rank=0, world_size=2, node="a"),  # said twice in one run: refused
+            protocol.Hello(replica=1, rank=5, world_size=2, node="a"),  # not below its world size
+            protocol.Hello(replica=7, rank=0, world_size=1, node="a"),  # no replica of this job
+            protocol.Hello(replica=1, rank=1, world_size=2, node="a"),
+        )
+        a.send(protocol.NodeHello(node="a", ranks=ranks).to_msg())
+        got = await answers(a)
+        told = dict(zip(got.to, (m["op"] for m in got.msgs), strict=True))
+        assert got.to.count((1, 0)) == 2 and told[(1, 1)] == "welcome"
+        assert [m["op"] for m in got.msgs] == ["welcome", "error", "error", "error", "welcome"]
+        assert "already connected" in got.msgs[1]["message"] and "not below world_size" in got.msgs[2]["message"]
+        assert "not one of this job's" in got.msgs[3]["message"]
+        assert set(got.dropped) == {(1, 5), (7, 0)}  # not (1, 0): its first hello holds it
+        assert set(c.replicas[1]) == {0, 1} and 7 not in c.replicas
+        assert set(c.nodes.status().values()) == {RANKS + 2}  # node a still speaks for (1, 0)
+        assert 1 in c.quorum.alive  # every rank of replica 1 is in: it is connected
+
+    run(tmp_path, scenario, total_replicas=3, min_replicas=1)
+
+
+def test_hellos_run_by_replica_world_size_and_epoch() -> None:
+    def h(replica: int, rank: int, world_size: int = 2, epoch: int | None = 3) -> protocol.Hello:
+        return protocol.Hello(replica=replica, rank=rank, world_size=world_size, epoch=epoch)
+
+    hellos = [h(0, 0), h(0, 1), h(1, 0), h(1, 1, epoch=None), h(1, 0, world_size=3), h(0, 0)]
+    assert [[(x.replica, x.rank) for x in run] for run in hello_runs(hellos)] == [
+        [(0, 0), (0, 1)],
+        [(1, 0)],
+        [(1, 1)],
+        [(1, 0)],
+        [(0, 0)],
+    ]
+    assert hello_runs([]) == []
