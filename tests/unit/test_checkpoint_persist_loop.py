@@ -24,6 +24,14 @@ def test_a_write_whose_trainer_is_gone_ends_the_loop_quietly(monkeypatch: pytest
     theirs.close()
 
 
+def test_a_trainer_gone_with_a_reply_unread_ends_the_loop_quietly() -> None:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    persist.send(theirs, {"op": "done", "slot": 0, "ok": True})  # a reply the trainer never reads
+    ours.close()
+    persist.serve(theirs)  # before: ConnectionResetError out of its next read
+    theirs.close()
+
+
 def test_the_loop_still_replies_to_a_trainer_that_is_there(monkeypatch: pytest.MonkeyPatch) -> None:
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     monkeypatch.setattr(persist, "_persist", lambda job, buffers: {"op": "done", "slot": job["slot"], "ok": True})

@@ -97,7 +97,10 @@ def serve(sock: socket.socket) -> None:
     """The persist process's loop: attach buffers, persist jobs one at a time, reply."""
     buffers: dict[int, mmap.mmap] = {}
     while True:
-        got = recv(sock)
+        try:
+            got = recv(sock)
+        except ConnectionResetError:  # the trainer died with a reply unread
+            return
         if got is None or got[0]["op"] == "exit":
             return
         message, fds = got
