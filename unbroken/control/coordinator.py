@@ -494,7 +494,7 @@ class Coordinator:
             self.resumed = None if resumed.done else resumed
         if complete:
             self.quorum.connect(replica)
-            connected = ev.ReplicaConnected(replica=replica, node=first.node, step=conns[-1].step)
+            connected = ev.ReplicaConnected(replica=replica, node=conns[-1].node, step=conns[-1].step)
             if resumed is not None:  # every replica of the job at once: each is answered before it is logged
                 self.events.emit_soon(connected)
             else:

@@ -20,6 +20,7 @@ from unbroken.control.coordinator import Coordinator
 from unbroken.control.messages import MAX_NODE_RANKS
 from unbroken.control.node_relay import NodeConn, answers_payload, hello_runs, slot_json, usable_store
 from unbroken.control.quorum import QuorumDecision
+from unbroken.control.state_store import StateStore
 from unbroken.wire.auth import JobSecret
 
 SECRET = JobSecret.generate()
@@ -366,3 +367,36 @@ def test_hellos_run_by_replica_world_size_and_epoch() -> None:
         [(0, 0)],
     ]
     assert hello_runs([]) == []
+
+
+def test_a_replica_whose_every_rank_is_refused_leaves_no_trace(tmp_path: Path) -> None:
+    async def scenario(c: Coordinator) -> None:
+        a = await node(c, "a", 0)
+        planned = c._planned_for
+        a.send(protocol.NodeHello(node="a", ranks=(protocol.Hello(replica=2, rank=5, world_size=2),)).to_msg())
+        got = await answers(a)
+        assert got.dropped == ((2, 5),) and got.msgs[0]["op"] == "error"
+        assert 2 not in c.replicas and c._planned_for == planned  # no entry, and no heartbeat plan for its size
+
+    run(tmp_path, scenario, total_replicas=3, min_replicas=1)
+
+
+def test_a_node_s_ranks_claim_the_resumed_epoch_together(tmp_path: Path) -> None:
+    history = StateStore(tmp_path)
+    history.record_epoch(5, 40, [0, 1], [])
+    history.flush()
+    history.close()
+
+    async def scenario(c: Coordinator) -> None:
+        assert c.resumed is not None
+        a = await connect(c, SECRET)
+        said = tuple(
+            protocol.Hello(replica=0, rank=k, world_size=RANKS, node="a", step=40, epoch=5) for k in range(RANKS)
+        )
+        a.send(protocol.NodeHello(node="a", ranks=said).to_msg())
+        got = await answers(a)
+        assert [m["op"] for m in got.msgs] == ["welcome"] * RANKS
+        assert [conn.trains for conn in c.replicas[0].values()] == [5] * RANKS  # every rank, not only the last
+        assert c.resumed is not None and c.resumed.state.back == {0}  # replica 1 is not back yet
+
+    run(tmp_path, scenario, total_replicas=2, min_replicas=1)
