@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from tests.shard_writer import write_shard_here
-from unbroken.checkpoint import Checkpointer, CheckpointError, PeerStore, PersistOutcome, Shard, directio, disk
+from unbroken.checkpoint import Checkpointer, CheckpointError, PeerStore, PersistOutcome, Shard, directio, disk, restore
 from unbroken.checkpoint.checkpointer import SnapshotTaken
 from unbroken.checkpoint.cli import checkpoint as checkpoint_cli
 from unbroken.config import local_address_towards
@@ -81,6 +81,38 @@ def test_save_load_round_trip_through_all_tiers(ckpt_dir: str) -> None:
     assert open(os.path.join(ckpt_dir, "latest")).read() == "step-00000003"
     tensors = load_file(os.path.join(ckpt_dir, "step-00000003", "r0-w0", "data.safetensors"))
     assert torch.equal(tensors["model/w"], make_state(3)["model"]["w"])
+
+
+def test_a_restore_into_destinations_it_cannot_read_into_is_staged_and_bitwise(
+    ckpt_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a device tensor takes (read into host memory, in batches, then copied), here through
+    strided views, which take the same path on a machine without a GPU."""
+    g = torch.Generator().manual_seed(5)
+    state = {
+        "a": torch.randn(64, 32, generator=g),  # 8 KiB and 16 KiB: each larger than the buffer
+        "b": torch.randn(4096, generator=g),
+        "c": torch.arange(9),  # these three share it: 72, 33 and 400 bytes, each at a 64-byte offset
+        "d": torch.rand(33, generator=g) > 0.5,
+        "e": torch.randn(100, generator=g),
+    }
+    with Checkpointer(ckpt_dir) as ck:
+        ck.save(1, state)
+        assert all(o.ok for o in ck.wait())
+    monkeypatch.setattr(restore, "STAGE_BYTES", 4096)
+    monkeypatch.setattr(restore, "_assemble", None)  # exact pieces: never assembled one at a time
+    into = {
+        "a": torch.zeros(32, 64).t(),
+        "b": torch.zeros(8192)[::2],
+        "c": torch.zeros(18, dtype=torch.int64)[::2],
+        "d": torch.zeros(66, dtype=torch.bool)[::2],
+        "e": torch.zeros(200)[::2],
+    }
+    assert not any(t.is_contiguous() for t in into.values())
+    with Checkpointer(ckpt_dir) as fresh:
+        restored = fresh.load_latest(into=into)
+    assert restored.source == "disk" and all(restored.state[k] is into[k] for k in state)
+    assert all(torch.equal(into[k], state[k]) for k in state)
 
 
 def test_overlapped_copy_is_fenced_before_the_optimizer_changes_weights(ckpt_dir: str) -> None:
