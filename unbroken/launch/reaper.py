@@ -134,6 +134,12 @@ class Guardian:
         for sid in self.sessions:
             self._tell(f"+{sid}")
 
+    def fileno(self) -> int:
+        """The write end of the guardian's pipe: a worker's ``preexec_fn`` announces its own
+        session on it (:func:`unbroken.launch.workers.die_with_parent`), a line like :meth:`add`'s."""
+        assert self._proc is not None and self._proc.stdin is not None
+        return self._proc.stdin.fileno()
+
     def add(self, sid: int) -> None:
         """A worker session started: the guardian kills it if this process dies."""
         self.sessions.add(sid)

@@ -59,6 +59,7 @@ class WarmSpare:
             "PYTHONUNBUFFERED": "1",
             env.ENV_OMP_NUM_THREADS: env.omp_num_threads(self.threads),
         }
+        guardian = self.guardian()
         self.proc = await asyncio.create_subprocess_exec(
             self.command[0],
             "-m",
@@ -68,9 +69,8 @@ class WarmSpare:
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=workers.die_with_parent(),
+            preexec_fn=workers.die_with_parent(guardian.fileno() if guardian is not None else None),
         )
-        guardian = self.guardian()
         if guardian is not None:
             guardian.add(self.proc.pid)
 

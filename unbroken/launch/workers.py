@@ -72,9 +72,36 @@ def _die_with_parent() -> None:
         os._exit(137)
 
 
-def die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that ties a child's life to ours, where the OS supports it."""
-    return _die_with_parent if sys.platform.startswith("linux") else None
+def _announce(fd: int) -> None:
+    """Runs in the child between fork and exec: tells the guardian (:mod:`unbroken.launch.reaper`)
+    this new session, before the child can start anything. The supervisor tells it too, once
+    it is back from the fork; a ``kill -9`` of the supervisor in between left a worker's child
+    (a trainer behind a shell) unknown to the guardian, alive."""
+    try:
+        pipe = signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # a guardian gone: no SIGPIPE death
+    except ValueError:  # not the interpreter's main thread: the supervisor's own word must do
+        return
+    try:
+        os.write(fd, b"+%d\n" % os.getpid())
+    except OSError:
+        pass
+    finally:
+        signal.signal(signal.SIGPIPE, pipe)
+
+
+def die_with_parent(announce_to: int | None = None) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that ties a child's life to ours, where the OS supports it; with
+    ``announce_to`` (the guardian's pipe), it also tells the guardian its session first."""
+    if not sys.platform.startswith("linux"):
+        return None
+    if announce_to is None:
+        return _die_with_parent
+
+    def preexec() -> None:
+        _die_with_parent()
+        _announce(announce_to)
+
+    return preexec
 
 
 def package_path() -> dict[str, str]:
@@ -205,7 +232,7 @@ async def start_worker(
             stdout=log,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=die_with_parent(),
+            preexec_fn=die_with_parent(guardian.fileno() if guardian is not None else None),
         )
     except FileNotFoundError as e:
         raise ValueError(f"cannot start the worker command {command[0]!r}: {e.strerror}") from e
