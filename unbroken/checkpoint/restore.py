@@ -21,6 +21,8 @@ from unbroken.checkpoint.manifest import ShardManifest, TensorEntry
 STAGE_BYTES = 256 << 20  # host memory a restore into device tensors reads ahead of its copies
 ALIGN = 64  # where each piece starts in that buffer: any dtype's view of it is aligned
 
+Staged = tuple[int, TensorEntry, torch.Tensor]  # (rank of the file, the piece, its destination)
+
 
 @dataclass
 class StepShards:
@@ -49,7 +51,7 @@ class StepShards:
         try:
             with ThreadPoolExecutor(disk.READERS, thread_name_prefix="unbroken-read") as pool:
                 batches: dict[int, list[tuple[TensorEntry, int | None]]] = {}
-                staged: list[tuple[int, TensorEntry, torch.Tensor]] = []
+                staged: list[Staged] = []
                 cuts = []
                 for name, (dest, spec) in want.items():
                     pieces = [(rank, by_name[rank][name]) for rank in sorted(by_name) if name in by_name[rank]]
@@ -87,9 +89,7 @@ def open_step(root: str, step: int, fences: history.Fences | None = None) -> Ste
     return StepShards(dirs, {rank: disk.read_manifest(path) for rank, path in dirs.items()})
 
 
-def _read_staged(
-    staged: list[tuple[int, TensorEntry, torch.Tensor]], files: dict[int, disk.DataFile], pool: Executor
-) -> None:
+def _read_staged(staged: list[Staged], files: dict[int, disk.DataFile], pool: Executor) -> None:
     """Reads exact pieces for destinations that cannot be read into (device tensors, strided
     views) through one host buffer of at most :data:`STAGE_BYTES`: as many pieces as fit are read
     into it together (their reads in flight at once), then copied into their destinations, and
@@ -98,34 +98,43 @@ def _read_staged(
     One tensor at a time, a device's restore was as many reads one after another as it has
     tensors; one buffer, not one per piece, touches fresh host memory once (on this project's
     2-core VM, 2 s a GiB)."""
-
-    def nbytes(e: TensorEntry) -> int:
-        return -(-(e.end - e.begin) // ALIGN) * ALIGN
-
     if not staged:
         return
-    buffer = torch.empty(min(STAGE_BYTES, sum(nbytes(e) for _, e, _ in staged)), dtype=torch.uint8)
-    i = 0
-    while i < len(staged):
-        batch: list[tuple[TensorEntry, torch.Tensor, torch.Tensor]] = []
+    batches = _stage_batches(staged, STAGE_BYTES)
+    buffer = torch.empty(min(STAGE_BYTES, max(size for _, size in batches)), dtype=torch.uint8)
+    for batch, size in batches:
+        room = buffer if size <= buffer.numel() else torch.empty(size, dtype=torch.uint8)
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         by_rank: dict[int, list[tuple[TensorEntry, int | None]]] = {}
-        used = 0
-        while i < len(staged) and (not batch or used + nbytes(staged[i][1]) <= buffer.numel()):
-            rank, e, dest = staged[i]
-            size = nbytes(e)
-            room = buffer if size <= buffer.numel() else torch.empty(size, dtype=torch.uint8)
-            start = used if room is buffer else 0
-            host = room[start : start + e.end - e.begin].view(dest.dtype).view(e.shape)
-            batch.append((e, dest, host))
+        offset = 0
+        for rank, e, dest in batch:
+            host = room[offset : offset + e.end - e.begin].view(dest.dtype).view(e.shape)
+            offset += _aligned(e)
+            copies.append((dest, host))
             by_rank.setdefault(rank, []).append((e, host.data_ptr() if host.numel() else None))
-            used += size if room is buffer else 0
-            i += 1
-            if room is not buffer:
-                break
         for rank, requests in by_rank.items():
             files[rank].read_many(requests, pool)
-        for _, dest, host in batch:
+        for dest, host in copies:
             dest.copy_(host)
+
+
+def _aligned(e: TensorEntry) -> int:
+    """The bytes ``e`` takes in the staging buffer: the next piece starts :data:`ALIGN`-aligned."""
+    return -(-(e.end - e.begin) // ALIGN) * ALIGN
+
+
+def _stage_batches(staged: list[Staged], capacity: int) -> list[tuple[list[Staged], int]]:
+    """``staged`` in order, cut into batches of at most ``capacity`` bytes (a larger piece alone),
+    each with the bytes it takes."""
+    batches: list[tuple[list[Staged], int]] = []
+    for item in staged:
+        size = _aligned(item[1])
+        if batches and batches[-1][1] + size <= capacity:
+            batches[-1][0].append(item)
+            batches[-1] = (batches[-1][0], batches[-1][1] + size)
+        else:
+            batches.append(([item], size))
+    return batches
 
 
 def _assemble(

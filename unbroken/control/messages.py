@@ -734,7 +734,7 @@ class NodeQuorum:
         asks: list[list[Any]] = []
         last: tuple[QuorumAsk, Message] | None = None
         for r, k, a in self.asks:
-            if last is None or not (a is last[0] or a == last[0]):  # a node's ranks asking alike share one dict
+            if last is None or a != last[0]:  # a node's ranks asking alike share one dict
                 last = (a, a.to_msg())
             asks.append([r, k, last[1]])
         return {"op": self.OP, "asks": asks}
