@@ -14,6 +14,7 @@ import asyncio
 import ctypes
 import dataclasses
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -224,6 +225,10 @@ async def start_worker(
 ) -> asyncio.subprocess.Process:
     """Starts one worker in its own session, its output appended to ``log_path``; the guardian
     ends that session if this process dies."""
+    if shutil.which(command[0], path=environ.get("PATH", os.defpath)) is None:
+        # Before the fork: a child whose exec fails has told the guardian a session that ends at
+        # once, and whose id a later, unrelated process may take.
+        raise ValueError(f"cannot start the worker command {command[0]!r}: not found, or not executable")
     log = open(log_path, "ab")  # noqa: SIM115
     try:
         proc = await asyncio.create_subprocess_exec(

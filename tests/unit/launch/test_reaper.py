@@ -85,3 +85,13 @@ def test_a_worker_tells_the_guardian_its_session_before_it_starts_anything(
                 if pid:
                     os.kill(pid, signal.SIGKILL)
         guardian.close()
+
+
+def test_a_worker_command_that_cannot_run_is_refused_before_any_fork(tmp_path: Path) -> None:
+    guardian = reaper.Guardian()
+    try:
+        with pytest.raises(ValueError, match="no-such-trainer.*not found"):
+            asyncio.run(workers.start_worker(("no-such-trainer",), dict(os.environ), tmp_path / "w.log", guardian))
+        assert guardian.sessions == set()
+    finally:
+        guardian.close()
