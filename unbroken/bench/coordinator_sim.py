@@ -156,10 +156,18 @@ class SimReplica:
             self.connects.append(time.monotonic())
             n = len(self.plan.addresses)
             if self.plan.warm and n > 1:
-                wait = first_warm_wait(failover=len(self.connects) > 1)  # as the relay
-                self._warming = asyncio.create_task(self._keep_warm((self._address + 1) % n, wait))
+                self._warm_up((self._address + 1) % n, first_warm_wait(failover=len(self.connects) > 1))  # as the relay
             return
         raise TimeoutError(f"replica {self.replica} could not connect")
+
+    def _warm_up(self, index: int, wait: float) -> None:
+        """One warm connection at a time (a connect raced by a reconnect once left one open)."""
+        if self._warming is not None:
+            self._warming.cancel()
+        if self._warm is not None:
+            self._warm[2].close()
+            self._warm = None
+        self._warming = asyncio.create_task(self._keep_warm(index, wait))
 
     async def _keep_warm(self, index: int, wait: float = 0.0) -> None:
         """An idle, authenticated connection to the standby at ``index``, as a relay keeps one

@@ -42,7 +42,7 @@ from unbroken.control.event_loop import listen_backlog
 from unbroken.control.groups import MAX_NODES_PER_REPLICA
 from unbroken.control.heartbeat import ALIVE_S, HeartbeatPlan, alive_every, plan_heartbeats
 from unbroken.control.job_health import JobHealth, JobStop
-from unbroken.control.node_relay import NodeConn, NodeLink, NodeRelay
+from unbroken.control.node_relay import NodeConn, NodeRelay, PreSaid
 from unbroken.control.placement import AgentConn, PlacementHooks
 from unbroken.control.quorum import QuorumRules, QuorumState, decision
 from unbroken.control.quorum_service import QuorumService, RankConn
@@ -65,6 +65,11 @@ __all__ = ["Coordinator", "CoordinatorSettings", "Refused"]
 
 JOIN_WINDOW_MAX_S = 300.0  # learned from step times; never longer, whatever replicas report
 MAX_SLOTS = 1024  # replicas one agent may offer to run
+# How long the replicas registered at a restart or a takeover wait to be logged: past the burst of
+# answers (12,500 events took the standby 0.2 s to write, before it answered any request; its burst
+# of answers at 12,500 nodes is 1 to 3 s).
+BURST_S = 5.0
+GRANT_SLACK_S = 1.0  # past max_grant_s, the longest a previous coordinator's grant may still stand
 
 
 async def listen(settings: CoordinatorSettings, connections: ConnectionServer[Any, Any]) -> asyncio.base_events.Server:
@@ -105,6 +110,8 @@ class Coordinator:
             from a hung coordinator that still holds the lock).
         listening: a standby's listener and the connections it holds already
             (:meth:`ConnectionServer.hold`): served from :meth:`start` on, instead of a new listener.
+        presaid: the node hellos said to that standby beforehand: registered in :meth:`start`,
+            before any line is read.
     """
 
     TICK_S = 0.05
@@ -118,6 +125,7 @@ class Coordinator:
         fence: Callable[[], bool] | None = None,
         held_by_lease: bool = False,
         listening: tuple[ConnectionServer[Any, Any], asyncio.base_events.Server] | None = None,
+        presaid: PreSaid | None = None,
     ) -> None:
         if not isinstance(secret, JobSecret):
             raise TypeError("the coordinator needs the job's JobSecret (there is no unauthenticated mode)")
@@ -184,7 +192,7 @@ class Coordinator:
         self.diagnosis = DiagnosisService(
             self.events, DiagnosisMaster(policy=policy), stacks or self.agents.request_stack
         )
-        self._listening = listening
+        self._listening, self._presaid, self._held_by_lease = listening, presaid, held_by_lease
         self.connections: ConnectionServer[RankConn | NodeConn, AgentConn]
         if listening is not None:
             self.connections = listening[0]
@@ -212,11 +220,12 @@ class Coordinator:
         }
         # A node agent's connection speaking for its node's ranks (:mod:`unbroken.control.node_relay`).
         self.nodes = NodeRelay(
-            self._hello_ranks,
+            self._admit,
             self.requests.ask_ranks,
             self._connection_closed,
             self._node_said,
             coordinator_host=settings.host,
+            claim=self._claim,
         )
         if first_epoch:
             self.events.emit(ev.CoordinatorRestarted(continue_after_epoch=first_epoch))
@@ -227,6 +236,9 @@ class Coordinator:
             if last is not None
             else None
         )
+        # The previous coordinator's grants run out within max_grant_s (and a step's slack): until
+        # then no newcomer is admitted (QuorumState.resume; its relays keep them across a takeover).
+        self._grants_lift_at = time.monotonic() + settings.max_grant_s + GRANT_SLACK_S if last is not None else 0.0
 
     @property
     def address(self) -> str:
@@ -271,7 +283,12 @@ class Coordinator:
             self._server = await listen(self.settings, self.connections)
         self._tick_task = asyncio.create_task(self._tick())
         self.events.emit(ev.CoordinatorStarted(address=self.address, store=self.store_address))
-        self.connections.open_to(self._dispatch, self._closed)  # a standby's held ones are served from now
+        # A standby's held connections are served from now, the nodes that said hello beforehand registered first.
+        adopted = None
+        if self._presaid is not None:
+            died = not self._held_by_lease  # the lock was free: its process is gone (it does not hang)
+            adopted = self._presaid.adopt(self.nodes, self.connections.speaking, self._claim_stands, died)
+        self.connections.open_to(self._dispatch, self._closed, adopted)
 
     async def stop(self) -> None:
         if self._tick_task:
@@ -427,36 +444,33 @@ class Coordinator:
             conn.compute_s = beat.compute_s
 
     def _hello(self, hello: protocol.Hello, link: protocol.Link) -> RankConn:
-        """A rank's own hello: a run of one rank (:meth:`_hello_ranks`); raises Refused on a refusal."""
-        got = self._hello_ranks((hello,), (link,))[0]
+        """A rank's own hello: a run of one rank (:meth:`_admit`); raises Refused on a refusal."""
+        got = self._admit([RankConn.said_hello(hello, link, time.monotonic())], hello.epoch, True)[0]
         if isinstance(got, Refused):
             raise got
         return got
 
-    def _hello_ranks(
-        self, hellos: Sequence[protocol.Hello], links: Sequence[protocol.Link]
-    ) -> list[RankConn | Refused]:
+    def _admit(self, conns: Sequence[RankConn], said: int | None, claims: bool = True) -> list[RankConn | Refused]:
         """Registers ranks of one replica said together through one connection (a node agent's
         hello lists its ranks; :func:`unbroken.control.node_relay.hello_runs`), each with the same
-        world size and epoch: each rank registered, or refused with why.
+        world size and saying it trains in epoch ``said`` (``claims``: a claim on the resumed epoch,
+        :meth:`_claim_stands`): each rank registered, or refused with why.
 
         What belongs to the replica (its checks, the welcome's text, its claim on a resumed epoch,
         its connection once every rank is in) is done once for the run, not once per rank: a
         standby taking over registers every rank of the job in one burst."""
-        first = hellos[0]
+        first = conns[0]
         replica, world_size = first.replica, first.world_size
         refused = self._refuse_replica(replica, world_size)
         if refused is not None:
-            return [refused] * len(hellos)
+            return [refused] * len(conns)
         ranks = self.replicas.get(replica, {})
         got: list[RankConn | Refused] = []
         now = time.monotonic()
-        relayed = isinstance(links[0], NodeLink)
-        store = links[0].node.store if isinstance(links[0], NodeLink) else ""
         welcome = b""  # its text, once a rank of the run is in (the heartbeat plan may change first)
-        conns: list[RankConn] = []
-        for hello, link in zip(hellos, links, strict=True):
-            rank = hello.rank
+        admitted: list[RankConn] = []
+        for conn in conns:
+            rank = conn.rank
             if rank >= world_size:
                 got.append(Refused(f"rank {rank} is not below world_size {world_size}"))
                 continue
@@ -465,41 +479,48 @@ class Coordinator:
                 # is evicted for silence; the client then reconnects and is served.
                 got.append(Refused(f"replica {replica} rank {rank} is already connected: refused until it is gone"))
                 continue
-            conn = RankConn(
-                replica=replica,
-                rank=rank,
-                world_size=world_size,
-                link=link,
-                transfer_addr=hello.transfer_addr,
-                node=hello.node,
-                last_heartbeat=now,
-                step=hello.step,
-                relayed=relayed,
-                store=store,
-            )
+            conn.last_heartbeat = now
             ranks = self.replicas.setdefault(replica, ranks)
             ranks[rank] = conn
             if not welcome:
                 self._plan_for(world_size)
-                welcome = self._welcome(self._store_for(links[0]))
-            link.send_payload(welcome)
-            conns.append(conn)
+                welcome = self._welcome(self._store_for(conn.link))
+            conn.link.send_payload(welcome)
+            admitted.append(conn)
             got.append(conn)
-        if not conns:
+        if not admitted:
             return got
         complete = len(ranks) == world_size
         resumed = self.resumed
-        if resumed is not None:
-            resumed.hello(conns, first.epoch, complete)
+        if resumed is not None and claims:
+            resumed.hello(admitted, said, complete)
             self.resumed = None if resumed.done else resumed
         if complete:
             self.quorum.connect(replica)
-            connected = ev.ReplicaConnected(replica=replica, node=conns[-1].node, step=conns[-1].step)
-            if resumed is not None:  # every replica of the job at once: each is answered before it is logged
-                self.events.emit_soon(connected)
+            connected = ev.ReplicaConnected(replica=replica, node=admitted[-1].node, step=admitted[-1].step)
+            if resumed is not None:  # every replica of the job at once: logged after the burst of answers
+                self.events.emit_soon(connected, after_s=BURST_S)
             else:
                 self.events.emit(connected)
         return got
+
+    def _claim(self, conns: Sequence[RankConn], said: int | None) -> None:
+        """Ranks registered already say the epoch they train in (their node's hello said again)."""
+        resumed = self.resumed
+        if resumed is not None and conns:
+            complete = len(self.replicas.get(conns[0].replica, {})) == conns[0].world_size
+            resumed.hello(conns, said, complete)
+            self.resumed = None if resumed.done else resumed
+
+    def _claim_stands(self, run: tuple[Sequence[RankConn], int | None]) -> bool:
+        """Whether ranks told beforehand (a standby's :class:`PreSaid`) claim the resumed epoch as
+        told: not a member said to train in an older one (or none), told before its relay heard of
+        the newer. Its relay says its hello again as it fails over; that claim is made then."""
+        resumed, (conns, said) = self.resumed, run
+        if resumed is None or not conns:
+            return True
+        d = resumed.state.decision
+        return conns[0].replica not in d.member_set or (said is not None and said >= d.epoch)
 
     def _refuse_replica(self, replica: int, world_size: int) -> Refused | None:
         """Why no rank of ``replica`` of ``world_size`` ranks may say hello (None: they may)."""
@@ -640,6 +661,9 @@ class Coordinator:
                     )
 
     def _tick_once(self, now: float) -> None:
+        if self._grants_lift_at and now >= self._grants_lift_at:
+            self._grants_lift_at = 0.0
+            self.quorum.lift_grants()
         # Twice the replicas' timeout: an agent's silence costs every replica it runs.
         self.agents.check_silence(now, 2 * self.settings.heartbeat_timeout_s)
         self.agents.check_job_finished()

@@ -33,6 +33,7 @@ from unbroken.control import event_loop, lease
 from unbroken.control import secret_file as secrets
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings, listen
 from unbroken.control.job_health import DEFAULT_FATAL_EPOCHS, DEFAULT_NO_PROGRESS_S
+from unbroken.control.node_relay import PreSaid
 from unbroken.control.serving import ConnectionServer
 from unbroken.control.state_store import JOURNAL_MODES, lock_state_dir
 from unbroken.wire.auth import JobSecret
@@ -46,10 +47,11 @@ STEPPED_DOWN = 75
 
 
 async def _hold_connections(
-    settings: CoordinatorSettings, secret: JobSecret
+    settings: CoordinatorSettings, secret: JobSecret, presaid: PreSaid
 ) -> tuple[ConnectionServer[Any, Any], asyncio.base_events.Server]:
     """A standby's listener, bound now: node agents keep an authenticated connection to it, which
-    it serves once it takes over (:meth:`ConnectionServer.hold`)."""
+    it serves once it takes over (:meth:`ConnectionServer.hold`), and say their node's hello on it
+    beforehand (``presaid``)."""
     held: ConnectionServer[Any, Any] = ConnectionServer(
         secret,
         settings.max_connections,
@@ -58,7 +60,7 @@ async def _hold_connections(
         closed=lambda conn, agent: None,
         what="the standby",
     )
-    held.hold()
+    held.hold(presaid)
     return held, await listen(settings, held)
 
 
@@ -78,9 +80,10 @@ async def _serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     files = lease.LeaseFiles(settings.state_dir)
-    listening = None
+    listening = presaid = None
     if standby:
-        listening = await _hold_connections(settings, secret)
+        presaid = PreSaid(settings.host)
+        listening = await _hold_connections(settings, secret, presaid)
         click.echo(f"standby: waiting for the active coordinator on {settings.state_dir} to stop", err=True)
         given_up = threading.Event()
         waiting = asyncio.ensure_future(
@@ -119,7 +122,13 @@ async def _serve(
 
     keeper = lease.LeaseKeeper(files, claimed, started, renew_s, active_at, on_lost)
     coordinator = Coordinator(
-        settings, secret, lock_fd=lock_fd, fence=keeper.valid, held_by_lease=lock_fd is None, listening=listening
+        settings,
+        secret,
+        lock_fd=lock_fd,
+        fence=keeper.valid,
+        held_by_lease=lock_fd is None,
+        listening=listening,
+        presaid=presaid,
     )
     keeper.start()
     settling = None

@@ -661,26 +661,40 @@ class NodeHello:
 
     ``store``: the ``HOST:PORT`` of the rendezvous store the agent hosts ("" for none): the
     cross-replica groups whose leader rank is on this node meet there, not on the
-    coordinator's (:meth:`unbroken.control.quorum_service.QuorumService.rendezvous`)."""
+    coordinator's (:meth:`unbroken.control.quorum_service.QuorumService.rendezvous`).
+
+    ``beforehand``: said to a standby before it takes over, on the agent's warm connection to
+    it, which the standby keeps and registers when it takes over
+    (:class:`unbroken.control.node_relay.PreSaid`); once it serves, a hello as any other."""
 
     OP: ClassVar[str] = "node_hello"
     node: str
     ranks: tuple[Hello, ...]
     store: str = ""
+    beforehand: bool = False
 
     @classmethod
     def from_msg(cls, msg: Message) -> NodeHello:
-        node, ranks = text(msg, "node"), msg.get("ranks")
+        node, ranks, beforehand = text(msg, "node"), msg.get("ranks"), msg.get("beforehand", False)
         if not node or not isinstance(ranks, list) or not 1 <= len(ranks) <= MAX_NODE_RANKS:
             raise ValueError(f"a node_hello needs a node name and 1 to {MAX_NODE_RANKS} ranks")
         if not all(isinstance(r, dict) for r in ranks):
             raise ValueError("a node_hello's ranks are objects, as a rank's hello")
-        return cls(node=node, ranks=tuple(Hello.from_msg(r, node) for r in ranks), store=address(msg, "store"))
+        if not isinstance(beforehand, bool):
+            raise ValueError("a node_hello's beforehand is true or false")
+        return cls(
+            node=node,
+            ranks=tuple(Hello.from_msg(r, node) for r in ranks),
+            store=address(msg, "store"),
+            beforehand=beforehand,
+        )
 
     def to_msg(self) -> Message:
-        msg = {"op": self.OP, "node": self.node, "ranks": [h._fields() for h in self.ranks]}
+        msg: Message = {"op": self.OP, "node": self.node, "ranks": [h._fields() for h in self.ranks]}
         if self.store:
             msg["store"] = self.store
+        if self.beforehand:
+            msg["beforehand"] = True
         return msg
 
 

@@ -21,6 +21,7 @@ reported ``dropped`` (as its own connection closing would have told it).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +35,9 @@ from unbroken.wire import jsontext
 log = logging.getLogger("unbroken.control.coordinator")  # the coordinator's log
 
 MAX_ANSWER_LINE = protocol.MAX_LINE // 2  # a node_answers line is split before it nears the reader's limit
+# How long an adopted node's welcome waits at most for the answers to the line it said already
+# (NodeRelay.adopt): within the silence a rank allows its coordinator (heartbeat.silent_after).
+ADOPTED_WELCOME_S = 1.0
 
 Slot = tuple[int, int]  # (replica, rank)
 WILDCARD_HOSTS = ("0.0.0.0", "::")  # a store bound to every interface names no address to dial
@@ -56,6 +60,7 @@ class NodeConn:
         self.outbox: list[tuple[bytes, bytes]] = []
         self._dropped: list[Slot] = []
         self._flushing = False
+        self.deferred = False  # adopted: its welcomes wait for its first line's answers (NodeRelay.adopt)
 
     def drop(self, slot: Slot) -> None:
         """The rank ``slot`` is no longer heard through this node: the agent is told."""
@@ -77,7 +82,7 @@ class NodeConn:
 
     def flush(self) -> None:
         """Sends what was queued as ``node_answers`` lines (one, unless it would be too long)."""
-        self._flushing = False
+        self._flushing = self.deferred = False
         outbox, dropped = self.outbox, self._dropped
         self.outbox, self._dropped = [], []
         if not outbox and not dropped:  # flushed already, at the end of the node's own line
@@ -131,6 +136,15 @@ def answers_payload(batch: list[tuple[bytes, bytes]], dropped: list[Slot]) -> by
     return b'{"op":"%s","to":[%s],"msgs":[%s],"runs":[%s],"dropped":[%s]}' % (op, to, msgs, counts, gone)
 
 
+def kept_answer(conn: RankConn) -> None:
+    """A rank spoken for through a connection its relay kept across a takeover holds the last full
+    answer of the epoch it trains in (its client's connection to the relay never ended): when
+    this coordinator continues that epoch, the rank is answered short in it, as the last one would
+    have (:class:`~unbroken.control.messages.QuorumSame`), and told to abort it if it is given up."""
+    if conn.trains is not None:
+        conn.epoch = conn.trains
+
+
 def hello_runs(hellos: Sequence[protocol.Hello]) -> list[list[protocol.Hello]]:
     """A node's hellos as runs of ranks of one replica saying the same world size and epoch: what
     is the replica's is then checked and done once per run (a node of one replica group: one run)."""
@@ -141,6 +155,22 @@ def hello_runs(hellos: Sequence[protocol.Hello]) -> list[list[protocol.Hello]]:
             runs[-1].append(h)
         else:
             runs.append([h])
+    return runs
+
+
+Built = tuple[list[RankConn], int | None]  # a run's rank connections, and the epoch its hellos say
+
+
+def built_runs(node: NodeConn, hello: protocol.NodeHello, now: float) -> list[Built]:
+    """The rank connections of ``hello``'s ranks through ``node``, by run (:func:`hello_runs`), to
+    be registered (:meth:`NodeRelay.admit`): built apart from registering, so that a standby builds
+    them from a node's hello said before it takes over (:class:`PreSaid`)."""
+    runs: list[Built] = []
+    for run in hello_runs(hello.ranks):
+        conns = [
+            RankConn.said_hello(h, NodeLink(node, (h.replica, h.rank)), now, node.store, relayed=True) for h in run
+        ]
+        runs.append((conns, run[0].epoch))
     return runs
 
 
@@ -204,26 +234,31 @@ class NodeRelay:
     """The coordinator's handling of node connections, given its per-rank operations.
 
     Args:
-        hello: registers ranks of one replica said together (:func:`hello_runs`), each on its link
-            given, as their own hellos would: each its connection, or the exception it is refused with.
+        admit: registers rank connections of one replica said together (a run of
+            :func:`built_runs`), saying the epoch given (claimed for the resumed epoch unless told
+            not to), as their own hellos would: each rank's connection, or the exception it is
+            refused with.
         quorum: the same quorum request of ranks of one replica (:meth:`QuorumService.ask_ranks`).
         closed: one rank's connection ended (it is evicted unless it finished).
         said: one rank's other message (one of :data:`~unbroken.control.messages.NODE_SAID`), as
             its own connection would have said it.
+        claim: ranks registered already say (again) the epoch they train in: a hello said
+            beforehand and read once the standby serves.
         coordinator_host: the host the coordinator listens on: a node's store on loopback is used
             only when it is on loopback too (:func:`usable_store`).
     """
 
     def __init__(
         self,
-        hello: Callable[[Sequence[protocol.Hello], Sequence[protocol.Link]], Sequence[RankConn | Exception]],
+        admit: Callable[[Sequence[RankConn], int | None, bool], Sequence[RankConn | Exception]],
         quorum: Callable[[list[RankConn], protocol.QuorumAsk], None],
         closed: Callable[[RankConn], None],
         said: Callable[[RankConn, protocol.Message], None] | None = None,
         coordinator_host: str = "127.0.0.1",
+        claim: Callable[[Sequence[RankConn], int | None], None] | None = None,
     ) -> None:
-        self.hello_ranks, self.quorum, self.closed = hello, quorum, closed
-        self.said = said
+        self.admit, self.quorum, self.closed = admit, quorum, closed
+        self.said, self.claim = said, claim
         self.coordinator_host = coordinator_host
         self._warned = False  # of a store other nodes cannot dial: once
         self.connected: set[NodeConn] = set()  # the node connections served now (``unbroken status``)
@@ -248,6 +283,37 @@ class NodeRelay:
         node.flush()
         return node
 
+    def adopt(
+        self, node: NodeConn, runs: list[Built], speaking: bool = False, stands: Callable[[Built], bool] | None = None
+    ) -> None:
+        """A node connection whose ranks were built before this coordinator served (a standby's
+        :class:`PreSaid`): registered now, each rank welcomed, as if its hello had just come.
+
+        ``speaking``: its welcomes wait for the answers to a line of its own (its relay moved onto
+        this connection when the active coordinator's ended, and says the requests that wait), one
+        line each way in the takeover's burst, or :data:`ADOPTED_WELCOME_S` at the longest. Else
+        they leave now: the welcome is how a relay learns of a takeover from an active coordinator
+        that hangs (its lease lapsed; its connection does not end).
+        ``stands``: whether a run's epoch is claimed as told (else it is when the node says it
+        again, :meth:`hello`)."""
+        self.connected.add(node)
+        node.hold()
+        node.deferred = speaking
+        try:
+            self._register(node, runs, stands)
+            for conn in node.ranks.values():
+                kept_answer(conn)
+        finally:
+            if speaking:
+                asyncio.get_running_loop().call_later(ADOPTED_WELCOME_S, self._welcome_adopted, node)
+            else:
+                node.flush()
+
+    @staticmethod
+    def _welcome_adopted(node: NodeConn) -> None:
+        if node.deferred:
+            node.flush()
+
     def status(self) -> dict[str, int]:
         """The ranks each node connection speaks for now, by node."""
         return {node.node: len(node.ranks) for node in sorted(self.connected, key=lambda n: n.node)}
@@ -255,7 +321,8 @@ class NodeRelay:
     def hello(self, node: NodeConn, hello: protocol.NodeHello) -> None:
         if hello.node != node.node:
             raise ValueError(f"this connection speaks for node {node.node!r}, not {hello.node!r}")
-        if len(node.ranks) + len(hello.ranks) > MAX_NODE_RANKS:
+        new = [h for h in hello.ranks if (h.replica, h.rank) not in node.ranks] if hello.beforehand else hello.ranks
+        if len(node.ranks) + len(new) > MAX_NODE_RANKS:
             raise ValueError(f"a node connection speaks for at most {MAX_NODE_RANKS} ranks")
         if hello.store:
             node.store = usable_store(hello.store, self.coordinator_host)
@@ -267,15 +334,32 @@ class NodeRelay:
                     node.node,
                     hello.store,
                 )
-        for run in hello_runs(hello.ranks):
-            links = [NodeLink(node, (h.replica, h.rank)) for h in run]
-            for link, got in zip(links, self.hello_ranks(run, links), strict=True):
+        if hello.beforehand:  # said to a standby, read once it serves: the ranks it holds say their epoch again
+            held = [h for h in hello.ranks if (h.replica, h.rank) in node.ranks]
+            for run in hello_runs(held):
+                conns = [node.ranks[(h.replica, h.rank)] for h in run]
+                for conn, h in zip(conns, run, strict=True):
+                    conn.step = max(conn.step, h.step)
+                if self.claim is not None:
+                    self.claim(conns, run[0].epoch)
+                    for conn in conns:
+                        kept_answer(conn)
+            hello = dataclasses.replace(hello, ranks=tuple(new))
+            if not hello.ranks:
+                return
+        self._register(node, built_runs(node, hello, time.monotonic()))
+
+    def _register(self, node: NodeConn, runs: list[Built], stands: Callable[[Built], bool] | None = None) -> None:
+        for conns, said in runs:
+            claims = stands is None or stands((conns, said))
+            for conn, got in zip(conns, self.admit(conns, said, claims), strict=True):
+                slot = (conn.replica, conn.rank)
                 if isinstance(got, RankConn):
-                    node.ranks[link.slot] = got
+                    node.ranks[slot] = got
                 else:  # that rank alone: its node's other ranks are not refused with it
-                    link.send(protocol.Error(str(got)).to_msg())
-                    if link.slot not in node.ranks:  # a slot said twice: the one this node holds stays
-                        node.drop(link.slot)
+                    conn.link.send(protocol.Error(str(got)).to_msg())
+                    if slot not in node.ranks:  # a slot said twice: the one this node holds stays
+                        node.drop(slot)
 
     def handle(self, node: NodeConn, op: str, msg: protocol.Message) -> None:
         handler = self.handlers.get(op)
@@ -287,7 +371,7 @@ class NodeRelay:
         try:
             handler(node, msg)
         finally:
-            if held:
+            if held or node.deferred:
                 node.flush()
 
     def _asks(self, node: NodeConn, asks: protocol.NodeQuorum) -> None:
@@ -341,3 +425,86 @@ class NodeRelay:
         ranks, node.ranks = node.ranks, {}
         for conn in ranks.values():
             self.closed(conn)
+
+
+class PreSaid:
+    """The node hellos a standby was told before it took over, built into rank connections.
+
+    A node agent's relay says its node's ``node_hello`` on its warm connection to the standby
+    (:mod:`unbroken.launch.relay`) when that connection is made, and again when it changes (a
+    rank that came or went, the epoch its ranks train in). The standby, holding the connection
+    (:meth:`~unbroken.control.serving.ConnectionServer.hold`), keeps the latest one, parsed and
+    built into the node's rank connections (:func:`built_runs`), and registers them all when it
+    takes over (:meth:`NodeRelay.adopt`), before it reads any line: in the takeover's burst, each
+    node then sends only its pending requests. At 12,500 nodes the hellos were half of the
+    standby's burst (docs/benchmarks/2026-11-28-takeover-registration.md).
+
+    Only a ``node_hello`` said ``beforehand`` is kept (another line is held as before, a hello said
+    to reach a coordinator too); one per node, the latest, forgotten when its connection ends (or
+    the node says it on another); a malformed one is not kept.
+    """
+
+    def __init__(self, coordinator_host: str) -> None:
+        self.coordinator_host = coordinator_host
+        self.nodes: dict[protocol.Link, tuple[NodeConn, list[Built]]] = {}
+        self.links: dict[str, protocol.Link] = {}  # the connection each node said its hello on last
+
+    def said(self, link: protocol.Link, msg: protocol.Message) -> bool:
+        """Keeps ``msg`` if it is a node's hello (True); False: a line to hold until the takeover."""
+        if msg.get("op") != protocol.NodeHello.OP or msg.get("beforehand") is not True:
+            return False  # a hello said to reach a coordinator: held, and refused if none takes over
+        try:
+            hello = protocol.NodeHello.from_msg(msg)
+        except (ValueError, TypeError, KeyError):
+            return False
+        node = NodeConn(hello.node, link)
+        node.store = usable_store(hello.store, self.coordinator_host) if hello.store else ""
+        older = self.links.get(hello.node)
+        if older is not None and older is not link:  # a connection of the node's agent before this one, open still
+            self.nodes.pop(older, None)
+        self.links[hello.node] = link
+        self.nodes[link] = (node, built_runs(node, hello, time.monotonic()))
+        return True
+
+    def forget(self, link: protocol.Link) -> None:
+        """The connection ended before the takeover."""
+        kept = self.nodes.pop(link, None)
+        if kept is not None and self.links.get(kept[0].node) is link:
+            del self.links[kept[0].node]
+
+    def adopt(
+        self,
+        relay: NodeRelay,
+        speaking: dict[protocol.Link, protocol.Message | ValueError] | None = None,
+        stands: Callable[[Built], bool] = lambda run: True,
+        died: bool = False,
+    ) -> dict[protocol.Link, NodeConn]:
+        """Registers every node kept (:meth:`NodeRelay.adopt`); returns who each connection speaks
+        for from now on. Emptied: what a node says from here on is served as any line.
+
+        ``speaking``: the held connections' lines that wait to be served. One that is a hello said
+        beforehand is taken as such, first, and removed: a relay whose node changed since it last
+        told the standby says its whole hello again as it fails over, and that one stands (its
+        ranks' epochs above all: a stale one would give up the resumed epoch for every replica).
+        ``died``: the active coordinator died (it did not hang): every relay moves over by itself,
+        and each node's welcomes wait for the answers to its own line.
+        A run that does not ``stand`` (it says an epoch older than the one resumed: told before its
+        relay heard of the newer) is registered without its claim on the resumed epoch: its relay
+        says its hello again as it fails over, and that claim is made then (or the replica is not
+        back in time, and is evicted)."""
+        speaking = {} if speaking is None else speaking
+        for link, msg in list(speaking.items()):
+            if not isinstance(msg, ValueError) and self.said(link, msg):
+                del speaking[link]
+        adopted: dict[protocol.Link, NodeConn] = {}
+        nodes, self.nodes, self.links = self.nodes, {}, {}
+        for link, (node, runs) in nodes.items():
+            try:
+                relay.adopt(node, runs, died or link in speaking, stands)
+            except Exception:  # a bug: that node reconnects and says hello, as to any coordinator
+                log.exception("the hello node %s said before the takeover could not be registered", node.node)
+                relay.gone(node)
+                link.close()
+                continue
+            adopted[link] = node
+        return adopted

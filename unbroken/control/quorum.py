@@ -51,6 +51,10 @@ class QuorumRequest:
     failed_epoch: int | None = None
 
 
+# granted_through while a previous coordinator's grants are not known (QuorumState.resume): any step.
+UNKNOWN_GRANTS = 1 << 62
+
+
 @dataclasses.dataclass(frozen=True)
 class QuorumDecision:
     """Who trains step ``step`` together under ``epoch``.
@@ -216,6 +220,7 @@ class QuorumState:
         self.broken = False
         # The newest step a fast answer of the current epoch was granted through: fixed membership.
         self.granted_through = -1
+        self._own_through = -1  # granted through by this coordinator (while a previous one's are not known)
 
     # -- events -------------------------------------------------------------------------
 
@@ -287,7 +292,14 @@ class QuorumState:
             return step
         through = grant_through(replica, step, steps)
         self.granted_through = max(self.granted_through, through)
+        self._own_through = max(self._own_through, through)
         return through
+
+    def lift_grants(self) -> None:
+        """Every grant of the coordinator before this one has run out (``max_grant_s`` after
+        :meth:`resume`): newcomers are admitted past the steps this one granted only."""
+        if self.granted_through == UNKNOWN_GRANTS:
+            self.granted_through = self._own_through
 
     def upcoming_donors(self) -> dict[int, int]:
         """Which member will most likely serve each newcomer now waiting to be admitted.
@@ -393,7 +405,10 @@ class QuorumState:
         self.current = d
         self.alive |= d.member_set
         self.broken = False
-        self.granted_through = -1
+        # The previous coordinator's grants may stand (a node's relay keeps them across a takeover):
+        # how far is not known, so no newcomer is admitted until they have run out (lift_grants).
+        self.granted_through = UNKNOWN_GRANTS
+        self._own_through = -1
         self.forming_since = None
 
     def abandon(self, alive: Iterable[int], now: float) -> None:
@@ -402,7 +417,7 @@ class QuorumState:
         self.current = None
         self.alive = set(alive)
         self.broken = False
-        self.granted_through = -1
+        self.granted_through = self._own_through = -1
         self.forming_since = now if self.waiting else None
 
     def _form(self, steps: dict[int, int]) -> QuorumDecision:
@@ -413,7 +428,7 @@ class QuorumState:
         self.epoch += 1
         self.current = decision(self.epoch, step, members, behind)
         self.broken = False
-        self.granted_through = -1
+        self.granted_through = self._own_through = -1
         self.waiting.clear()
         self.forming_since = None
         return self.current

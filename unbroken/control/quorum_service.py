@@ -51,6 +51,24 @@ class RankConn:
     trains: int | None = None  # the epoch its hello said, when this coordinator resumed it (control.resume)
     store: str = ""  # the rendezvous store its node agent hosts ("" for none: control.node_relay)
 
+    @classmethod
+    def said_hello(
+        cls, hello: protocol.Hello, link: protocol.Link, now: float, store: str = "", relayed: bool = False
+    ) -> RankConn:
+        """The connection of a rank that said ``hello`` (checked when it is registered, not here)."""
+        return cls(
+            replica=hello.replica,
+            rank=hello.rank,
+            world_size=hello.world_size,
+            link=link,
+            transfer_addr=hello.transfer_addr,
+            node=hello.node,
+            last_heartbeat=now,
+            step=hello.step,
+            relayed=relayed,
+            store=store,
+        )
+
 
 # A rank's request: its connection, the request's id, the step it asks for, the epoch it says failed.
 Asked = tuple[RankConn, int, int, int | None]

@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, Protocol, TypeVar
 
 from unbroken.control import protocol
 from unbroken.control.quorum_service import RankConn
@@ -37,6 +37,14 @@ A = TypeVar("A")  # ... or an agent
 # Acts on one message (msg, link, the rank and agent it spoke as so far) and returns the op and
 # who the connection speaks as now; the op ``stop`` ends the connection.
 Dispatch = Callable[[protocol.Message, protocol.Link, C | None, A | None], tuple[str, C | None, A | None]]
+
+
+class PreSay(Protocol):
+    """What a held connection said before the takeover, kept (:meth:`ConnectionServer.hold`)."""
+
+    def said(self, link: protocol.Link, msg: protocol.Message) -> bool: ...
+
+    def forget(self, link: protocol.Link) -> None: ...
 
 
 class Refused(Exception):
@@ -74,8 +82,13 @@ class ConnectionServer(Generic[C, A]):
         self.lines_in = self.lines_out = 0  # over closed connections (what `unbroken bench auth` counts)
         # While holding (hold()): each held line's wait for open_to(), with its HOLD_S timer.
         self._holding: dict[asyncio.Future[bool], asyncio.TimerHandle] | None = None
+        self._presaid: PreSay | None = None
+        # Held connections whose first line waits for open_to(), and that line (which the standby
+        # may take as said beforehand when it takes over: PreSay.adopt): the line is then not served.
+        self.speaking: dict[protocol.Link, protocol.Message | ValueError] = {}
+        self._adopted: dict[protocol.Link, C] = {}  # who held connections speak for once served (open_to)
 
-    def hold(self) -> None:
+    def hold(self, presaid: PreSay | None = None) -> None:
         """Accepts and authenticates connections now, and serves them once :meth:`open_to` is called.
 
         A standby listens this way while it waits for its turn: each node agent keeps one idle,
@@ -84,12 +97,25 @@ class ConnectionServer(Generic[C, A]):
         handshakes alone were seconds of its one core). A line said before then waits up to
         :data:`HOLD_S` for the takeover; past that the standby says it is not serving, and
         closes (the peer goes on to the active coordinator).
+
+        ``presaid`` is offered every line a held connection says first: what it keeps (True) is
+        said beforehand, not held (a node's hello: :class:`~unbroken.control.node_relay.PreSaid`),
+        and the connection is read on; it is told of a held connection that ended.
         """
         self._holding = {}
+        self._presaid = presaid
 
-    def open_to(self, dispatch: Dispatch[C, A], closed: Callable[[C | None, A | None], None]) -> None:
-        """Serves the held connections, and every later one, with ``dispatch`` and ``closed``."""
+    def open_to(
+        self,
+        dispatch: Dispatch[C, A],
+        closed: Callable[[C | None, A | None], None],
+        adopted: Mapping[protocol.Link, C] | None = None,
+    ) -> None:
+        """Serves the held connections, and every later one, with ``dispatch`` and ``closed``;
+        ``adopted``: who held connections speak for already (what they said beforehand)."""
         self.dispatch, self.closed = dispatch, closed
+        self._adopted = dict(adopted or {})
+        self._presaid = None
         holding, self._holding = self._holding, None
         for waiting, timer in (holding or {}).items():
             timer.cancel()
@@ -153,20 +179,36 @@ class ConnectionServer(Generic[C, A]):
         the few tens of milliseconds until the standby sees its lock free)."""
         if self._holding is None:
             return None
-        line = await link.readline()  # no timeout: a warm connection says nothing until it is needed
-        if line is None:
-            return None
         try:
-            msg: protocol.Message | ValueError = link.decode(line)
-        except AuthError as e:
-            self.dropped(f"{e} (from a client)")
-            return None
-        except ValueError as e:
-            msg = e
-        if self._holding is not None and not await self._until_served(self._holding):
-            link.send(protocol.Error("a standby coordinator, not serving: the active one is alive").to_msg())
-            return None
-        return msg
+            while True:
+                line = await link.readline()  # no timeout: a warm connection says nothing until it is needed
+                if line is None:
+                    return None
+                try:
+                    msg: protocol.Message | ValueError = link.decode(line)
+                except AuthError as e:
+                    self.dropped(f"{e} (from a client)")
+                    return None
+                except ValueError as e:
+                    msg = e
+                if self._holding is None:  # served already: a line as any other
+                    return msg
+                if not isinstance(msg, ValueError) and self._presaid is not None and self._presaid.said(link, msg):
+                    continue
+                self.speaking[link] = msg
+                try:
+                    served = await self._until_served(self._holding)
+                finally:
+                    taken = self.speaking.pop(link, None) is None
+                if not served:
+                    link.send(protocol.Error("a standby coordinator, not serving: the active one is alive").to_msg())
+                    return None
+                if not taken:
+                    return msg
+                # taken as said beforehand when the standby took over: the next line is the first served
+        finally:
+            if self._holding is not None and self._presaid is not None:
+                self._presaid.forget(link)  # ended (or refused) before the takeover: nothing it said stands
 
     @staticmethod
     def _until_served(holding: dict[asyncio.Future[bool], asyncio.TimerHandle]) -> asyncio.Future[bool]:
@@ -188,7 +230,11 @@ class ConnectionServer(Generic[C, A]):
         and the agent it spoke as (kept up to date, so a connection error still cleans up)."""
         bad = 0
         held = self._holding is not None
-        first = await self._held(link)
+        try:
+            first = await self._held(link)
+        finally:
+            if self._adopted:  # it spoke for its node before the takeover: it does from the start
+                who[0] = self._adopted.pop(link, who[0])
         if first is None and held:
             return
         while True:

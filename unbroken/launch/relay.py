@@ -30,15 +30,25 @@ connection speaks only for the (replica, rank) it said hello as, and every queue
 Failure, by design: the ranks are the agent's children and die with it (``kill -9`` of the
 agent loses the node, as without the relay). If the relay's own code fails while the agent
 lives, it closes its listener and every rank connection: each rank's client moves to the next
-address, the coordinator's, and is served on its own connection, as without the relay. If the
-node connection upstream is lost (the coordinator restarts, a standby takes over), every rank
-connection is closed too: each client reconnects (to the relay first) and says its own hello
+address, the coordinator's, and is served on its own connection, as without the relay.
+
+Given a standby (a second address), the relay keeps an idle, authenticated connection to it,
+which the standby holds without answering until it takes over
+(:meth:`~unbroken.control.serving.ConnectionServer.hold`), and says the node's hello on it
+beforehand (``node_hello`` with ``beforehand``: every rank it speaks for, at its step and in the
+epoch it trains), and again a while after that changes (:data:`RESAY_S`). The standby registers
+those ranks the moment it takes over (:class:`~unbroken.control.node_relay.PreSaid`). So a takeover
+costs no handshake and no hello: when the node connection is lost (the active coordinator died),
+or the standby's welcome comes on that connection (the active one hangs, its lease lapsed), the
+relay moves onto it with every rank connection kept, and their grants: it says only what the
+standby was not told (the node's hello again if it changed since, a leave for a rank gone) and
+each request that waits (each waiting rank is told ``alive``, so that none gives up on the
+coordinator meanwhile). At 12,500 nodes the hellos were half of the standby's takeover
+(docs/benchmarks/2026-11-28-takeover-presaid.md). Without a standby told, a lost node connection
+closes every rank connection: each client reconnects (to the relay first), says its own hello
 and re-sends what it waits for, exactly as after a lost coordinator connection, and the relay
 says ``node_hello`` again for them on its next node connection. A client that waits longer than
-it allows a silent coordinator (1.5 s) moves on to the coordinator directly. Given a standby (a
-second address), the relay keeps an idle, authenticated connection to it, which the standby holds
-without a word until it takes over (:meth:`~unbroken.control.serving.ConnectionServer.hold`):
-the next node connection is that one, so a takeover costs neither side a handshake per node.
+it allows a silent coordinator (1.5 s) moves on to the coordinator directly.
 
 :class:`RelayBook` is the bookkeeping, pure (no I/O); :class:`Relay` is the asyncio shell.
 """
@@ -57,6 +67,7 @@ from unbroken import config as env
 from unbroken.control import protocol
 from unbroken.control.grants import Grant
 from unbroken.control.messages import MAX_NODE_RANKS
+from unbroken.control.quorum import QuorumDecision, push_answers
 from unbroken.control.serving import ConnectionServer, Refused
 from unbroken.diagnosis.telemetry import TelemetryBatch
 from unbroken.wire.auth import JobSecret
@@ -72,21 +83,28 @@ MAX_SAY_BYTES = protocol.MAX_LINE // 2  # a node_say line is split before it nea
 MAX_QUEUED = 16 * MAX_NODE_RANKS  # items waiting for the node connection (a rank past it is closed)
 MAX_RANK_BACKLOG = 8 << 20  # bytes queued to a rank that does not read: its connection is closed
 WARM_RETRY_S = 5.0  # how soon a warm connection to the standby that failed or ended is tried again
+# How long after the node changed (a rank came or went, its epoch) the standby is told again: at
+# random within, past the push of an epoch (0.9 s at 12,500 nodes), so that the standby's 12,500
+# hellos do not take CPU from it. A failover within it says the whole hello first (failover).
+RESAY_S = (1.0, 3.0)
 DEFAULT_HEARTBEAT_S = 0.1  # the client's own default, until a welcome says the coordinator's
 
 
 def first_warm_wait(failover: bool, rng: random.Random | None = None) -> float:
     """Seconds before a relay first reaches for the standby after its node connection is made:
-    none at the start; after a failover, a random part of :data:`WARM_RETRY_S`.
+    none at the start; after a failover, one to two :data:`WARM_RETRY_S`, at random.
 
     After a failover the next address is most likely the coordinator just lost, and every relay
     of the job failed over in the same instant: at once, 12,500 of them reached for it while the
     new coordinator served them (on the 2-core bench, their futile connects took CPU from the
     takeover), and they would reach for it again in one burst once it restarts as the standby.
+    Not before the takeover's burst is over: a coordinator restarted as the standby takes
+    seconds to be up in any case.
     """
     if not failover:
         return 0.0
-    return random.uniform(0.0, WARM_RETRY_S) if rng is None else rng.uniform(0.0, WARM_RETRY_S)
+    draw = random.uniform if rng is None else rng.uniform
+    return draw(WARM_RETRY_S, 2 * WARM_RETRY_S)
 
 
 class Overloaded(Exception):
@@ -104,6 +122,8 @@ class RankLine:
     step: int | None = None
     compute_s: float | None = None
     grant: Grant | None = None  # the coordinator's fast answer standing for its next steps
+    trains: int | None = None  # the epoch it trains in: its hello's, then the last answered or pushed to it
+    pending: protocol.QuorumAsk | None = None  # its request sent upstream and not answered yet
 
     @property
     def slot(self) -> Slot:
@@ -127,7 +147,10 @@ class RelayBook:
         self.heartbeat_s = DEFAULT_HEARTBEAT_S
         self.urgent = False  # something queued must go this turn (more than telemetry)
         self.answered = 0  # requests answered here, within a grant (unbroken.control.grants)
-        self._queue: list[tuple[str, RankLine, Any]] = []
+        # What the standby was told of this node (standby_hello): each slot and the epoch it said.
+        self.presaid: dict[Slot, int | None] | None = None
+        self.stale = False  # the node changed since: the standby is told again
+        self._queue: list[tuple[str, RankLine | None, Any]] = []
 
     def hello(self, link: Any, hello: protocol.Hello) -> RankLine:
         """A rank's hello (already parsed): its connection now speaks for that slot alone.
@@ -144,7 +167,7 @@ class RelayBook:
             )
         if len(self.ranks) >= self.max_ranks:
             raise ValueError(f"node {self.node!r} relays at most {self.max_ranks} ranks")
-        rank = RankLine(hello, link, step=hello.step)
+        rank = RankLine(hello, link, step=hello.step, trains=hello.epoch)
         self.ranks[slot] = rank
         self._put("hello", rank, hello)
         return rank
@@ -169,6 +192,7 @@ class RelayBook:
                 return protocol.same_payload(ask.id, grant.epoch, ask.step)
             rank.grant = None
             self._put("ask", rank, ask)
+            rank.pending = ask
         elif op == protocol.Heartbeat.OP:
             self._note(rank, protocol.Heartbeat.from_msg(msg))
         elif op == protocol.Telemetry.OP:
@@ -211,7 +235,7 @@ class RelayBook:
         del self.ranks[rank.slot]
         if rank.announced:  # what it said before it closed goes first (a goodbye, above all)
             self._queue.append(("leave", rank, rank.slot))
-            self.urgent = True
+            self.urgent = self.stale = True
         else:
             self._queue = [q for q in self._queue if q[1] is not rank]
 
@@ -221,15 +245,18 @@ class RelayBook:
         queue, self._queue, self.urgent = self._queue, [], False
         out: list[protocol.Message] = []
         kind, size = "", 0
-        run: list[tuple[RankLine, Any]] = []
+        run: list[tuple[RankLine | None, Any]] = []
         for k, rank, item in queue:
             cost = len(str(item)) if k == "say" else 0  # a bound, not the exact JSON length
-            if run and (k != kind or len(run) >= MAX_NODE_RANKS or size + cost > MAX_SAY_BYTES):
+            if run and (k != kind or k == "node" or len(run) >= MAX_NODE_RANKS or size + cost > MAX_SAY_BYTES):
                 out.append(self._line(kind, run))
                 run, size = [], 0
             kind, size = k, size + cost
-            if k == "hello":
+            if rank is None:
+                pass
+            elif k == "hello":
                 rank.announced = True
+                self.stale = True
             elif k != "leave":
                 rank.heard = False  # the coordinator hears of it from this line
             run.append((rank, item))
@@ -237,13 +264,16 @@ class RelayBook:
             out.append(self._line(kind, run))
         return out
 
-    def _line(self, kind: str, run: list[tuple[RankLine, Any]]) -> protocol.Message:
+    def _line(self, kind: str, run: list[tuple[RankLine | None, Any]]) -> protocol.Message:
         if kind == "hello":
             return protocol.NodeHello(node=self.node, ranks=tuple(item for _, item in run), store=self.store).to_msg()
         if kind == "ask":
-            return protocol.NodeQuorum(asks=tuple((*r.slot, item) for r, item in run)).to_msg()
+            return protocol.NodeQuorum(asks=tuple((*r.slot, item) for r, item in run if r is not None)).to_msg()
         if kind == "say":
-            return protocol.NodeSay(says=tuple((*r.slot, item) for r, item in run)).to_msg()
+            return protocol.NodeSay(says=tuple((*r.slot, item) for r, item in run if r is not None)).to_msg()
+        if kind == "node":
+            msg: protocol.Message = run[0][1]
+            return msg
         return protocol.NodeLeave(ranks=tuple(item for _, item in run)).to_msg()
 
     def beats(self) -> protocol.Message | None:
@@ -275,8 +305,13 @@ class RelayBook:
             if op == protocol.QuorumSame.OP and "decision" not in msg:
                 same = protocol.QuorumSame.from_msg(msg)
                 rank.grant = Grant.from_answer(same.same_epoch, same.step, same.through)
+                self._answered(rank, same.id, same.same_epoch)
             elif op not in (protocol.Alive.OP, protocol.Donate.OP, protocol.Error.OP):
                 rank.grant = None  # a full answer, a pushed epoch, an abort: the coordinator decides again
+                if op == protocol.QuorumAnswer.OP:
+                    self._answered(rank, protocol.count(msg, "id"), protocol.count(msg["decision"], "epoch"))
+                elif op == protocol.EpochPush.OP:
+                    self._pushed(rank, protocol.EpochPush.from_msg(msg).decision)
             out.append((rank, msg))
         dropped = []
         for slot in answers.dropped:
@@ -285,12 +320,75 @@ class RelayBook:
                 del self.ranks[slot]
                 self._queue = [q for q in self._queue if q[1] is not rank]
                 dropped.append(rank)
+                self.stale = True
         return out, dropped
+
+    def _answered(self, rank: RankLine, answer_id: int, epoch: int) -> None:
+        """The rank was answered in ``epoch``, its request ``answer_id`` with it."""
+        if rank.pending is not None and rank.pending.id == answer_id:
+            rank.pending = None
+        self._trains(rank, epoch)
+
+    def _pushed(self, rank: RankLine, decision: dict[str, Any]) -> None:
+        """An epoch pushed to the rank: the answer to its request for that very step (else it asks
+        on: kept, the request is said again after a failover; a stale one is only answered twice)."""
+        d = QuorumDecision.from_json(decision)
+        ask = rank.pending
+        if ask is not None and push_answers(d, rank.hello.replica, ask.step, ask.failed_epoch):
+            rank.pending = None  # as the rank's client takes it (control.client)
+        self._trains(rank, d.epoch)
+
+    def _trains(self, rank: RankLine, epoch: int) -> None:
+        if rank.trains != epoch:
+            rank.trains = epoch
+            self.stale = True  # the epoch its hello says, which a standby resumes (control.resume)
+
+    def standby_hello(self) -> protocol.Message | None:
+        """This node's hello for the standby, said before it takes over: every rank announced upstream,
+        at its step and in the epoch it trains (None: no rank yet). Noted as what the standby was told."""
+        ranks = sorted(
+            (r for r in self.ranks.values() if r.announced), key=lambda r: r.slot
+        )  # by replica: one run each
+        self.presaid = {r.slot: r.trains for r in ranks}
+        self.stale = False
+        if not ranks:
+            return None
+        hellos = tuple(dataclasses.replace(r.hello, step=r.step or 0, epoch=r.trains) for r in ranks)
+        return protocol.NodeHello(node=self.node, ranks=hellos, store=self.store, beforehand=True).to_msg()
+
+    def failover(self) -> list[RankLine]:
+        """The node connection moves to the standby this node's hello was said to (:attr:`presaid`):
+        every rank stays connected, and keeps its grant (the standby resumes the epoch granted, and
+        admits no newcomer until every grant of the coordinator it took over from has run out:
+        :meth:`~unbroken.control.quorum.QuorumState.resume`). What the standby was not told goes
+        first: the node's whole hello if a rank came or its epoch changed since (the standby takes
+        it as it takes over, in place of the one said). Then what the ranks said that was not
+        sent (a goodbye before its rank's leave), a leave for each rank gone since it was told,
+        and each request that waits, said again. Returns the ranks whose request waits."""
+        presaid, self.presaid = self.presaid or {}, None
+        queue, self._queue = self._queue, []
+        if {slot: r.trains for slot, r in self.ranks.items()} != presaid:
+            for r in self.ranks.values():
+                r.announced = True
+            whole = self.standby_hello()
+            if whole is not None:
+                self._queue.append(("node", None, whole))
+            self.presaid = None
+        self._queue += [q for q in queue if q[0] == "say"]
+        self._queue += [("leave", None, slot) for slot in presaid if slot not in self.ranks]
+        waiting = [r for r in self.ranks.values() if r.pending is not None]
+        self._queue += [("ask", r, r.pending) for r in waiting]
+        for r in self.ranks.values():
+            r.announced = True
+        self.urgent = bool(self._queue)
+        self.stale = False
+        return waiting
 
     def reset(self) -> list[RankLine]:
         """The node connection is gone: every rank connection is to be closed (each client
         reconnects, says its own hello and re-sends what it waits for), nothing queued is sent."""
         ranks, self.ranks, self._queue, self.urgent = list(self.ranks.values()), {}, [], False
+        self.presaid, self.stale = None, False
         return ranks
 
 
@@ -332,6 +430,10 @@ class Relay:
         self._warm: tuple[int, protocol.Link] | None = None  # (address index, an idle link to the standby)
         self._warming: asyncio.Task[None] | None = None
         self.warm_used = 0  # node connections that were the standby's warm one
+        self.kept = 0  # failovers to the standby with every rank connection kept
+        self._presaid_on: protocol.Link | None = None  # the warm link the node's hello was said on
+        self._resay: asyncio.TimerHandle | None = None  # the standby is told the node's hello again then
+        self._taken: protocol.Message | None = None  # the standby's first line on the warm link: it took over
 
     @property
     def address(self) -> str:
@@ -354,6 +456,9 @@ class Relay:
         self._shut()
 
     def _cool(self) -> None:
+        if self._resay is not None:
+            self._resay.cancel()
+            self._resay = None
         if self._warming is not None:
             self._warming.cancel()
             self._warming = None
@@ -424,6 +529,7 @@ class Relay:
             self.book.gone(rank)
             if self.book.urgent:
                 self._schedule()
+            self._mind_standby()
 
     def _to_rank(self, rank: RankLine, msg: protocol.Message) -> None:
         link: protocol.Link = rank.link
@@ -447,6 +553,7 @@ class Relay:
             return  # kept for the node connection, being made
         for line in self.book.lines():
             self._up.send(line)
+        self._mind_standby()
 
     async def _beat(self) -> None:
         while True:
@@ -456,6 +563,24 @@ class Relay:
                 beat = self.book.beats()
                 if beat is not None:
                     self._up.send(beat)
+
+    def _mind_standby(self) -> None:
+        """Has the standby told the node's hello again a while after it changed (:data:`RESAY_S`)."""
+        warm = self._warm
+        if self.book.stale and self._resay is None and warm is not None and warm[1] is self._presaid_on:
+            self._resay = asyncio.get_running_loop().call_later(random.uniform(*RESAY_S), self._resay_now)
+
+    def _resay_now(self) -> None:
+        self._resay = None
+        warm = self._warm
+        if warm is not None and warm[1] is self._presaid_on and self.book.stale:
+            self._presay(warm[1])
+
+    def _presay(self, link: protocol.Link) -> None:
+        hello = self.book.standby_hello()
+        self._presaid_on = link
+        if hello is not None:
+            link.send(hello)
 
     async def _connect(self) -> protocol.Link:
         warm, self._warm = self._warm, None
@@ -488,6 +613,9 @@ class Relay:
                 wait = first_warm_wait(failover=self.connections > 1)
                 self._warming = asyncio.create_task(self._keep_warm((self._next + 1) % len(self.addresses), wait))
             try:
+                taken, self._taken = self._taken, None
+                if taken is not None:  # the standby's welcome that told the relay it took over
+                    self._answer_msg(taken)
                 self._flush()
                 with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
                     while (line := await link.readline()) is not None:
@@ -495,9 +623,24 @@ class Relay:
             finally:
                 self._up = None
                 link.close()
-                for rank in self.book.reset():  # each reconnects, and is announced again
-                    rank.link.close()
-                self._wanted.clear()
+                self._fail_over()
+
+    def _fail_over(self) -> None:
+        """The node connection is gone. Onto a standby told this node's hello: every rank stays
+        connected (those waiting for an answer are told the coordinator is alive, so that none
+        gives up on it while the standby takes over). Else each rank connection is closed: each
+        client reconnects, says hello and re-sends what it waits for."""
+        warm = self._warm
+        if warm is not None and warm[1] is self._presaid_on and self.book.presaid is not None:
+            if not warm[1].writer.is_closing():
+                self.kept += 1
+                for rank in self.book.failover():
+                    rank.link.send_payload(protocol.ALIVE)
+                self._wanted.set()
+                return
+        for rank in self.book.reset():  # each reconnects, and is announced again
+            rank.link.close()
+        self._wanted.clear()
 
     async def _keep_warm(self, index: int, wait: float = 0.0) -> None:
         """Holds an idle, authenticated connection to address ``index`` (the standby) for the next
@@ -514,15 +657,47 @@ class Relay:
             else:
                 link = protocol.Link(reader, writer, session)
                 self._warm = (index, link)
+                self._presay(link)
+                line = None
                 with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError, ValueError):
-                    await link.readline()  # a standby says nothing first: a line, or the end, drops it
+                    line = await link.readline()  # a standby says nothing until it takes over
+                if line is not None and self._took_over(link, line):
+                    return
                 self._warm = None
                 link.close()
             await asyncio.sleep(WARM_RETRY_S)
 
+    def _took_over(self, link: protocol.Link, line: bytes) -> bool:
+        """The standby's first line: it took over (its welcome of the node's ranks, said beforehand),
+        whether or not the active one's connection ended (it hangs: its lease lapsed). The node
+        connection moves onto this one. False: not a welcome (a refusal), the link is dropped."""
+        try:
+            msg = link.decode(line)
+        except (ValueError, ConnectionError):  # malformed, or forged (AuthError)
+            return False
+        msgs = msg.get("msgs") if msg.get("op") == protocol.NodeAnswers.OP else None
+        if not isinstance(msgs, list) or not any(
+            isinstance(m, dict) and m.get("op") == protocol.Welcome.OP for m in msgs
+        ):
+            return False  # a welcome of the node's ranks, not an answer to the hello (the same coordinator twice)
+        self._taken = msg
+        up, self._up = self._up, None  # nothing more is sent there (what is queued goes to this one)
+        if up is not None:
+            up.close()  # its read ends: the node connection fails over onto this one
+        else:
+            self._wanted.set()
+        return True
+
     def _answer(self, link: protocol.Link, line: bytes) -> None:
         try:
             msg = link.decode(line)  # AuthError (a ConnectionError): the node connection ends
+        except ValueError as e:
+            log.warning("malformed line from the coordinator skipped (%s): %r", e, line[:80])
+            return
+        self._answer_msg(msg)
+
+    def _answer_msg(self, msg: protocol.Message) -> None:
+        try:
             if msg["op"] == protocol.Error.OP:
                 log.warning("the coordinator: %s", protocol.Error.from_msg(msg).message)
                 return
@@ -530,9 +705,10 @@ class Relay:
                 raise ValueError(f"a node connection is answered with node_answers, not {msg['op']!r}")
             out, dropped = self.book.fan_out(protocol.NodeAnswers.from_msg(msg))
         except (ValueError, TypeError, KeyError) as e:
-            log.warning("malformed line from the coordinator skipped (%s): %r", e, line[:80])
+            log.warning("malformed line from the coordinator skipped (%s): %.80r", e, msg)
             return
         for rank, m in out:
             self._to_rank(rank, m)
         for rank in dropped:
             rank.link.close()
+        self._mind_standby()

@@ -105,9 +105,9 @@ class EventLog:
             self._write_soon()
         return self._write(event)
 
-    def emit_soon(self, event: Event) -> None:
-        """Writes ``event`` once the running event loop's current turn is over, in order with
-        every other event (an :meth:`emit` meanwhile writes it first).
+    def emit_soon(self, event: Event, after_s: float = 0.0) -> None:
+        """Writes ``event`` once the running event loop's current turn is over (``after_s``
+        later, if given), in order with every other event (an :meth:`emit` meanwhile writes it first).
 
         For a burst of work whose answers matter more than its record: a standby taking over
         welcomes thousands of replicas in one turn, and each one's event would otherwise delay
@@ -121,7 +121,10 @@ class EventLog:
             self._soon.append(event)
             first = len(self._soon) == 1
         if first:
-            loop.call_soon(self._write_soon)
+            if after_s > 0:
+                loop.call_later(after_s, self._write_soon)
+            else:
+                loop.call_soon(self._write_soon)
 
     def _write_soon(self) -> None:
         """Writes what :meth:`emit_soon` queued with one append: a takeover's 12,500 events were

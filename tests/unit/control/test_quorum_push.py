@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from unbroken.control.quorum import QuorumDecision, QuorumRequest, QuorumRules, QuorumState, push_answers
+from unbroken.control.quorum import QuorumDecision, QuorumRequest, QuorumRules, QuorumState, decision, push_answers
 
 
 def training(n: int, step: int = 5, min_replicas: int = 1) -> QuorumState:
@@ -153,3 +153,21 @@ def test_a_push_answers_the_request_it_stands_for_and_no_other() -> None:
     assert not push_answers(d, 0, 4, 6)  # older than the step it is up to date at
     assert not push_answers(d, 0, 5, failed_epoch=7)  # the pushed epoch itself failed
     assert not push_answers(d, 3, 5, None)  # not a member
+
+
+def test_a_resumed_epoch_admits_no_newcomer_until_the_previous_coordinator_s_grants_ran_out() -> None:
+    # A standby continues the epoch; the relays keep the grants the coordinator before it gave,
+    # for steps it cannot know: a newcomer admitted at one of them would split the members.
+    q = QuorumState(QuorumRules(total_replicas=3, min_replicas=1, join_window_s=0.1, startup_window_s=1.0))
+    q.resume(decision(4, 10, (0, 1), ()))
+    q.connect(2)
+    q.request(QuorumRequest(2, 0), 1.0)  # a newcomer waits
+    for step in (11, 30):  # any step a relay may still be answering alone: the epoch stands
+        for r in (0, 1):
+            answer, formed = q.request(QuorumRequest(r, step), 1.1)
+            assert answer is not None and answer.epoch == 4 and formed == []
+    assert q.grant(0, 30, 4) == 30  # and this one grants nothing while the newcomer waits
+    q.lift_grants()  # max_grant_s after the takeover: they ran out
+    assert q.request(QuorumRequest(0, 31), 2.0)[0] is None
+    _, formed = q.request(QuorumRequest(1, 31), 2.0)
+    assert [(d.step, d.members, d.behind) for d in formed] == [(31, (0, 1, 2), (2,))]

@@ -26,23 +26,28 @@ SECRET = JobSecret.generate()
 REPLICAS, RANKS = 2, 2
 
 
+def rank_clients(addresses: str) -> list[CoordinatorClient]:
+    """A real client for every rank of the node's replicas, given ``addresses`` (the relay's first)."""
+    return [
+        CoordinatorClient(
+            addresses,
+            SECRET,
+            {"replica": r, "rank": k, "world_size": RANKS, "transfer_addr": "", "node": "n1"},
+            heartbeat_s=0.1,
+            reconnect_timeout_s=20,
+        )
+        for r in range(REPLICAS)
+        for k in range(RANKS)
+    ]
+
+
 def run(state_dir: Path, scenario: Callable[[Coordinator, Relay, list[CoordinatorClient]], Awaitable[None]]) -> None:
     async def main() -> None:
         settings: dict[str, Any] = {"heartbeat_timeout_s": 30.0, "suspect_after_s": 15.0}
         async with live_coordinator(state_dir, SECRET, total_replicas=REPLICAS, min_replicas=1, **settings) as c:
             relay = Relay("n1", c.address, SECRET)
             await relay.start()
-            clients = [
-                CoordinatorClient(
-                    f"{relay.address},{c.address}",
-                    SECRET,
-                    {"replica": r, "rank": k, "world_size": RANKS, "transfer_addr": "", "node": "n1"},
-                    heartbeat_s=0.1,
-                    reconnect_timeout_s=20,
-                )
-                for r in range(REPLICAS)
-                for k in range(RANKS)
-            ]
+            clients = rank_clients(f"{relay.address},{c.address}")
             try:
                 await asyncio.wait_for(scenario(c, relay, clients), 30)
             finally:
@@ -153,3 +158,63 @@ def test_the_relay_admits_no_one_without_the_job_s_secret(tmp_path: Path, who: s
         assert relay.server.auth_failures == 1
 
     run(tmp_path, scenario)
+
+
+def test_a_standby_told_beforehand_takes_the_node_over_with_every_rank_connection_kept(tmp_path: Path) -> None:
+    # The active coordinator hangs (here: lives on, unheard of); its lease lapses and the standby
+    # takes over. The relay told the standby its node's hello beforehand: the standby registers
+    # the ranks as it takes over, its welcome on the warm connection moves the relay onto it, and
+    # no rank reconnects or says hello again. Their next step is answered by the standby.
+    from unbroken.control.coordinator import CoordinatorSettings
+    from unbroken.control.node_relay import PreSaid
+    from unbroken.control.serving import ConnectionServer
+
+    async def main() -> None:
+        settings: dict[str, Any] = {"heartbeat_timeout_s": 30.0, "suspect_after_s": 15.0}
+        presaid = PreSaid("127.0.0.1")
+        held: ConnectionServer[Any, Any] = ConnectionServer(
+            SECRET, 64, 10.0, dispatch=lambda msg, link, c, a: ("stop", c, a), closed=lambda c, a: None
+        )
+        held.hold(presaid)
+        listener = await asyncio.start_server(held.serve, "127.0.0.1", 0)
+        standby_address = f"127.0.0.1:{listener.sockets[0].getsockname()[1]}"
+        async with live_coordinator(tmp_path / "a", SECRET, total_replicas=REPLICAS, min_replicas=1, **settings) as c:
+            relay = Relay("n1", f"{c.address},{standby_address}", SECRET)
+            await relay.start()
+            clients = rank_clients(f"{relay.address},{c.address},{standby_address}")
+            standby = None
+            try:
+                for client in clients:
+                    await asyncio.to_thread(client.wait_connected, 10)
+                first = await step(clients, 1)
+                epoch = first[0]["decision"]["epoch"]
+
+                def told() -> list[tuple[int, int | None]]:
+                    return [(len(conns), said) for _, runs in presaid.nodes.values() for conns, said in runs]
+
+                # told again a while after the epoch its ranks train in changed (RESAY_S)
+                await until("the standby told every rank and its epoch", lambda: told() == [(2, epoch), (2, epoch)])
+                rank_links = set(relay.server.open)
+                standby = Coordinator(
+                    CoordinatorSettings(state_dir=tmp_path / "b", total_replicas=REPLICAS, min_replicas=1, **settings),
+                    SECRET,
+                    listening=(held, listener),
+                    presaid=presaid,
+                )
+                await standby.start()  # registers the node's ranks at once, and welcomes them
+                assert {r: sorted(ranks) for r, ranks in standby.replicas.items()} == {0: [0, 1], 1: [0, 1]}
+                await until("the relay moved onto the standby", lambda: relay.kept == 1)
+                answers = await step(clients, 2)
+                assert all(a["decision"]["step"] == 2 for a in answers)
+                assert set(relay.server.open) == rank_links  # no rank connection closed or made
+                assert standby.status()["nodes"] == {"n1": REPLICAS * RANKS} and served_directly(standby) == 0
+                assert relay.warm_used == 1 and relay.failed is None
+            finally:
+                for client in clients:
+                    await asyncio.to_thread(client.close, False)
+                relay.close()
+                if standby is not None:
+                    await standby.stop()
+                listener.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
