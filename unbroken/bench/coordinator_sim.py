@@ -169,17 +169,25 @@ class SimReplica:
             self._warm = None
         self._warming = asyncio.create_task(self._keep_warm(index, wait))
 
-    async def _keep_warm(self, index: int, wait: float = 0.0) -> None:
-        """An idle, authenticated connection to the standby at ``index``, as a relay keeps one
-        (:mod:`unbroken.launch.relay`); dropped if it says anything or ends."""
+    async def _dial_warm(self, index: int, wait: float) -> bool:
+        """Connects to the standby at ``index`` after ``wait`` seconds, as :attr:`_warm` (False: it failed)."""
         host, port = self.plan.addresses[index]
         if wait:
             await asyncio.sleep(wait)
         try:
             reader, writer, session = await protocol.connect_async(host, port, self.secret, timeout=10.0)
         except (OSError, AuthError, asyncio.TimeoutError, RuntimeError):
-            return
+            return False
         self._warm = (index, reader, writer, session)
+        return True
+
+    async def _keep_warm(self, index: int, wait: float = 0.0) -> None:
+        """An idle, authenticated connection to the standby at ``index``, as a relay keeps one
+        (:mod:`unbroken.launch.relay`); dropped if it says anything or ends."""
+        if not await self._dial_warm(index, wait):
+            return
+        assert self._warm is not None
+        reader, writer = self._warm[1], self._warm[2]
         with contextlib.suppress(ConnectionError, OSError):
             await reader.read(1)  # nothing comes before it is used
         self._warm = None

@@ -32,7 +32,6 @@ from unbroken.control import protocol
 from unbroken.control.grants import Grant
 from unbroken.control.heartbeat import heartbeat_due
 from unbroken.launch.relay import RESAY_S, first_warm_wait
-from unbroken.wire.auth import AuthError
 
 
 class SimNode(SimReplica):
@@ -72,14 +71,10 @@ class SimNode(SimReplica):
         (:meth:`_switch`), this task goes on as its reader: no task is cancelled or started for a
         failover (at 6,250 nodes a process, the simulated nodes' own failover was the burst's
         bottleneck, not the standby)."""
-        host, port = self.plan.addresses[index]
-        if wait:
-            await asyncio.sleep(wait)
-        try:
-            reader, writer, session = await protocol.connect_async(host, port, self.secret, timeout=10.0)
-        except (OSError, AuthError, asyncio.TimeoutError, RuntimeError):
+        if not await self._dial_warm(index, wait):
             return
-        self._warm = (index, reader, writer, session)
+        assert self._warm is not None
+        _, reader, writer, session = self._warm
         self._presay(writer, session)
         while True:
             msg = None
