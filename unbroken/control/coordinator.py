@@ -104,8 +104,10 @@ class Coordinator:
             own); None asks the node agent that runs the replica.
         lock_fd: the state directory's lock, taken already (a standby taking over).
         fence: whether this coordinator may answer now (its lease, :mod:`unbroken.control.lease`),
-            asked before every answer: while it says no, a message closes its connection
-            unanswered and the tick does nothing. None: always.
+            asked before every answer: while it says no, a message waits unanswered on its
+            connection (kept), a closed connection's eviction waits, and the tick does nothing;
+            once it says yes again, the silence it could not hear is not held against anyone.
+            None: always.
         held_by_lease: the state directory is held through the lease alone (a standby took over
             from a hung coordinator that still holds the lock).
         listening: a standby's listener and the connections it holds already
@@ -200,6 +202,9 @@ class Coordinator:
             self.connections = ConnectionServer(
                 secret, settings.max_connections, settings.hello_timeout_s, self._dispatch, self._closed
             )
+        self.connections.fence = None if fence is None else self.fence
+        self._fenced_since: float | None = None  # when the tick last found the lease lapsed
+        self._closing_fenced: set[asyncio.Task[None]] = set()  # closed connections waiting for the lease
         self.beat = self._plan_heartbeats(settings.total_replicas)
         self._next_silence_scan = 0.0
         self._next_alive = 0.0
@@ -291,6 +296,8 @@ class Coordinator:
         self.connections.open_to(self._dispatch, self._closed, adopted)
 
     async def stop(self) -> None:
+        for task in list(self._closing_fenced):
+            task.cancel()
         if self._tick_task:
             self._tick_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -552,14 +559,37 @@ class Coordinator:
             self._welcomes = (key, protocol.welcome_payload(welcome))
         return self._welcomes[1]
 
+    async def _closed_when_fenced_in(self, conn: RankConn | NodeConn | None, agent: AgentConn | None) -> None:
+        """A connection that ended while the lease was lapsed: its eviction once it is valid
+        again (cancelled with the tick when the coordinator stops: it stepped down)."""
+        while not self.fence():
+            await asyncio.sleep(self.TICK_S)
+        self._closed(conn, agent)
+
+    def _forgive_deafness(self, now: float) -> None:
+        """The lease was lapsed since ``self._fenced_since``: no line was read meanwhile, so that
+        silence is nobody's. Every rank's and agent's last sign of life moves on by as much."""
+        if self._fenced_since is None:
+            return
+        deaf, self._fenced_since = now - self._fenced_since, None
+        for ranks in self.replicas.values():
+            for c in ranks.values():
+                c.last_heartbeat = min(now, c.last_heartbeat + deaf)
+        for agent in self.agents.agents.values():
+            agent.last_heartbeat = min(now, agent.last_heartbeat + deaf)
+
     def _plan_heartbeats(self, ranks: int) -> HeartbeatPlan:
         s = self.settings
         return plan_heartbeats(ranks, s.heartbeat_s, s.suspect_after_s, s.heartbeat_timeout_s, s.max_heartbeats_per_s)
 
     def _closed(self, conn: RankConn | NodeConn | None, agent: AgentConn | None) -> None:
         """A connection ended: the rank, node or agent it spoke for is gone."""
-        if not self.fence():  # evicting would answer the survivors
+        if not self.fence():  # evicting would answer the survivors: once the lease is valid again
             self.fenced_off += 1
+            if conn is not None or agent is not None:
+                task = asyncio.get_running_loop().create_task(self._closed_when_fenced_in(conn, agent))
+                self._closing_fenced.add(task)
+                task.add_done_callback(self._closing_fenced.discard)
             return
         if isinstance(conn, NodeConn):
             self.nodes.gone(conn)
@@ -650,8 +680,11 @@ class Coordinator:
             await asyncio.sleep(self.TICK_S)
             if not self.fence():
                 self.fenced_off += 1
+                if self._fenced_since is None:
+                    self._fenced_since = time.monotonic()
                 continue
             try:
+                self._forgive_deafness(time.monotonic())
                 self._tick_once(time.monotonic())
             except Exception:
                 self.tick_errors += 1

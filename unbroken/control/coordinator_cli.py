@@ -13,7 +13,8 @@ directory over: its epochs start above every epoch the active one reserved, so n
 reused. Workers and agents given both addresses (``--coordinator A,B``) reconnect to whichever
 listens. A coordinator that wakes up after its lease lapsed answers nothing (its fence is
 checked before every answer), finds the next term at its next renewal, and exits with
-:data:`STEPPED_DOWN`.
+:data:`STEPPED_DOWN`. One whose lease store keeps failing exits with
+:data:`~unbroken.control.lease.EXIT_LEASE_STORE` (74), so that its supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -87,13 +88,22 @@ async def _serve(
         click.echo(f"standby: waiting for the active coordinator on {settings.state_dir} to stop", err=True)
         given_up = threading.Event()
         waiting = asyncio.ensure_future(
-            asyncio.to_thread(lease.wait_for_takeover, settings.state_dir, given_up, lease_s)
+            asyncio.to_thread(
+                lease.wait_for_takeover, settings.state_dir, given_up, lease_s, files=files, renew_s=renew_s
+            )
         )
         stopping = asyncio.ensure_future(stop.wait())
         await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
         given_up.set()
         stopping.cancel()
-        takeover = await waiting
+        try:
+            takeover = await waiting
+        except lease.LeaseStoreFailed as e:
+            takeover = None
+            click.echo(f"standby: giving up: {e}", err=True)
+            listening[1].close()
+            listening[0].close_all()
+            return lease.EXIT_LEASE_STORE
         if takeover is None:
             listening[1].close()
             listening[0].close_all()
@@ -111,7 +121,11 @@ async def _serve(
         # The lock first: a coordinator refused for a held directory must not claim a term.
         Path(settings.state_dir).mkdir(parents=True, exist_ok=True)
         lock_fd = lock_state_dir(Path(settings.state_dir))
-        claimed, started = lease.claim_next(files, lease_s)
+        try:
+            claimed, started = lease.claim_next(files, lease_s)
+        except OSError as e:
+            click.echo(f"cannot claim the lease in {files.where}: {e}", err=True)
+            return lease.EXIT_LEASE_STORE
         active_at = 0.0
     lost = threading.Event()
 
@@ -159,8 +173,10 @@ async def _serve(
         click.echo(f"dashboard {server.url} (metrics: /metrics, same token)", err=True)
     click.echo(f"job secret: {secret_path} (agents and workers on other nodes need it: --secret-file)", err=True)
     adopting = asyncio.ensure_future(_adopt_lock(coordinator, renew_s)) if lock_fd is None else None
+    store_failed = asyncio.ensure_future(_watch_store(keeper, renew_s, stop))
     with contextlib.suppress(asyncio.CancelledError):
         await stop.wait()
+    store_failed.cancel()
     if adopting is not None:
         adopting.cancel()
     if settling is not None:
@@ -177,7 +193,41 @@ async def _serve(
             err=True,
         )
         return STEPPED_DOWN
+    if keeper.gave_up():
+        bound = lease.store_gives_up_after(claimed.lease_s, renew_s)
+        click.echo(
+            f"exiting: the lease store {files.where} failed for {bound}s ({keeper.renew_failures} failed "
+            "renewal(s)); a standby takes over, a supervisor restarts this one",
+            err=True,
+        )
+        return lease.EXIT_LEASE_STORE
     return 0
+
+
+async def _watch_store(keeper: lease.LeaseKeeper, every_s: float, stop: asyncio.Event) -> None:
+    """Stops the coordinator once its lease store failed past the bound (errors, or a call that
+    never returns in the keeper's thread): never a coordinator that is silently fenced forever."""
+    while not keeper.gave_up():
+        await asyncio.sleep(every_s)
+    stop.set()
+
+
+def _fit_lease(state_dir: Path, lease_s: float, renew_s: float) -> tuple[float, float]:
+    """Refuses a state directory whose mount cannot hold a lease; widens the lease on a slow one,
+    saying why (a standby's periods must be the same: it widens too, on the same store)."""
+    mount = lease.mount_of(state_dir)
+    if mount is not None and (problem := lease.mount_problem(*mount)) is not None:
+        raise ValueError(problem)
+    probe = lease.LeaseFiles(state_dir).probe()
+    lease_s, renew_s, why = lease.fit_to_store(lease_s, renew_s, probe.latency_s)
+    if why is not None:
+        click.echo(f"lease: {why}", err=True)
+    if probe.timestamp_ns >= 1_000_000:
+        click.echo(
+            f"lease: {state_dir} keeps timestamps to {probe.timestamp_ns / 1e9:g}s; the lease does not rely on them",
+            err=True,
+        )
+    return lease_s, renew_s
 
 
 async def _adopt_lock(coordinator: Coordinator, every_s: float) -> None:
@@ -332,6 +382,7 @@ def coordinator(
         secret, path = found if found is not None else secrets.kept(state_dir)
         event_loop.pace_gc_for_a_server()
         lease.check_periods(lease_s, renew_s)
+        lease_s, renew_s = _fit_lease(state_dir, lease_s, renew_s)
         code = event_loop.run(_serve(settings, secret, path, http_port, standby, lease_s, renew_s))
     except (ValueError, OSError) as e:
         raise click.UsageError(str(e)) from e

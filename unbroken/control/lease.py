@@ -2,22 +2,31 @@
 
 The state directory's ``flock`` fences a dead coordinator only: a hung one (SIGSTOP, a stalled
 host) keeps its lock, and a standby waiting on the lock waits forever. So the active coordinator
-also holds a lease, one file per term in the state directory (``lease-<term>.json``):
+also holds a lease: a record per term in a store (:class:`LeaseStore`), here one file per term
+in the state directory (``lease-<term>.json``; :mod:`unbroken.control.lease_etcd` keeps it in
+etcd instead):
 
-- A coordinator that becomes active claims the next term by creating its file exclusively
-  (``link``: only one claimant of a term wins), then renews it every ``renew_s`` by setting the
-  file's modification time to a new stamp (``seq``, nanoseconds, always increasing): no data is
-  written, so a full disk (or a file size limit) does not take the lease away from a coordinator
-  that is otherwise fine. Readers open the file (on NFS, open revalidates cached attributes).
-- The holder may answer until ``lease_s - margin`` after the *start* of its last renewal, by its
-  own monotonic clock, and checks that before every answer: a stopped process sees its clock jump
-  past that the moment it runs again. After each write it looks for a higher term; one found
+- A coordinator that becomes active claims the next term by creating its record exclusively
+  (``link``, or ``O_EXCL`` where the filesystem has no hard links: only one claimant of a term
+  wins), then renews it every ``renew_s`` by writing the record again with its counter ``seq``
+  one higher, in place (a fixed-size record: a full disk does not take the lease away from a
+  coordinator that is otherwise fine). The counter is in the content, never a timestamp: on a
+  filesystem that keeps whole seconds (ext4 with 128-byte inodes, FAT, many FUSE filesystems)
+  most renewals would not change a timestamp, and a standby would take over from a live holder.
+  Readers open the record by name each time (on NFS, open revalidates cached data).
+- The holder may answer until ``lease_s - renew_s`` after the *start* of its last renewal, by
+  its own monotonic clock, and checks that before every answer: a stopped process sees its clock
+  jump past that the moment it runs again. After each write it looks for a higher term; one found
   means it was replaced, and it steps down without answering.
-- A standby watches the highest term's file. Once its content has not changed for ``lease_s`` of
-  the standby's own clock, it claims the next term. It then reads the old file again: unchanged,
+- A store that fails (``EIO``, ``ESTALE``, ``EMFILE``) is retried at every renewal; once no
+  renewal succeeded for :func:`store_gives_up_after` the holder gives up, and its process exits
+  with :data:`EXIT_LEASE_STORE` so that its supervisor restarts it (never a silent fence).
+- A standby watches the highest term's record. Once it has not changed for ``lease_s`` of the
+  standby's own clock, it claims the next term. It then reads the old record again: unchanged,
   the old holder's answers ended before (each write it made was seen, and its validity ends
-  ``margin`` before the standby's); changed, the old holder is alive, will see the new term at
-  its next renewal, and the new holder waits one more ``lease_s`` before it answers.
+  ``renew_s`` before the standby's); changed, the old holder is alive, will see the new term at
+  its next renewal, and the new holder waits one more ``lease_s`` before it answers. A read that
+  fails or is torn counts as a change: not knowing is never a reason to take over.
 
 The rules are plain functions of what was read and the time passed in (tested without files);
 :class:`LeaseFiles` is the thin shell over the directory.
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -36,7 +46,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from unbroken.control.state_store import StateDirInUse, lock_state_dir
 
@@ -48,6 +58,10 @@ DEFAULT_LEASE_S = 1.0
 DEFAULT_RENEW_S = 0.25
 MAX_LEASE_S = 600.0  # a longer lease read from a file is an error, not a reason to wait for hours
 KEEP_TERMS = 3  # older term files are deleted by the next holder: nothing grows without bound
+RECORD_BYTES = 512  # a term's record, padded: renewals overwrite it in place, never grow it
+# The exit code of a coordinator (or standby) whose lease store kept failing past
+# :func:`store_gives_up_after`: EX_IOERR. Its supervisor restarts it; a standby answers meanwhile.
+EXIT_LEASE_STORE = 74
 
 _NAME = re.compile(r"^lease-(\d{1,18})\.json$")
 
@@ -64,6 +78,14 @@ class Lease:
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    def record(self) -> bytes:
+        """The record as stored: the JSON padded with spaces to :data:`RECORD_BYTES`, so that a
+        renewal rewrites the same bytes in place (JSON allows the trailing blanks)."""
+        text = self.to_json().encode()
+        if len(text) > RECORD_BYTES:
+            raise ValueError(f"a lease record of {len(text)} bytes (at most {RECORD_BYTES}): shorten the address")
+        return text.ljust(RECORD_BYTES, b" ")
 
     @classmethod
     def from_json(cls, text: str) -> Lease:
@@ -98,6 +120,18 @@ def valid_until(renew_started: float, lease_s: float, renew_s: float) -> float:
     lets the holder answer: one renewal period short of the lease, so that it stops before
     any standby, which counts from when it saw the write (after it started), may take over."""
     return renew_started + lease_s - renew_s
+
+
+def store_gives_up_after(lease_s: float, renew_s: float) -> float:
+    """How long after the start of its last successful renewal a holder whose store fails gives
+    up (and its process exits with :data:`EXIT_LEASE_STORE`): a lease and a renewal period, the
+    moment a standby may have taken over. A stall shorter than the lease never reaches it; with
+    the watchdog's own period the exit comes within two lease periods of the last renewal."""
+    return lease_s + renew_s
+
+
+class LeaseStoreFailed(RuntimeError):
+    """The lease store failed for longer than :func:`store_gives_up_after`: exit, be restarted."""
 
 
 def lost(term: int, terms: list[int]) -> bool:
@@ -149,15 +183,95 @@ def holder_id() -> str:
     return f"pid {os.getpid()} on {os.uname().nodename} ({uuid.uuid4().hex[:8]})"
 
 
-class LeaseFiles:
-    """The lease files of one state directory: claimed, renewed, read, pruned.
+@dataclasses.dataclass(frozen=True)
+class StoreProbe:
+    """What a coordinator measured of its lease store at start."""
 
-    Every write is of a whole file renamed (or linked) into place, so a reader sees an old
-    lease or a new one, never a torn one; a file that does not parse is skipped, not trusted.
+    timestamp_ns: int  # the store's timestamp granularity: 1 (nanoseconds) to 2e9 (FAT); informative only
+    latency_s: float  # the slowest renewal's calls (open, write, close, read, listing)
+
+
+def fit_to_store(lease_s: float, renew_s: float, latency_s: float) -> tuple[float, float, str | None]:
+    """The lease and renewal periods a store this slow can hold, and why they were widened (None:
+    as asked). A renewal's calls must take at most a quarter of the renewal period, or a metadata
+    hiccup of a few calls' length lapses the lease."""
+    if 4 * latency_s <= renew_s:
+        return lease_s, renew_s, None
+    renew = round(4 * latency_s, 3)
+    lease = max(lease_s, 4 * renew)
+    if lease > MAX_LEASE_S:
+        raise ValueError(
+            f"the lease store takes {latency_s * 1000:.0f} ms per renewal: no lease up to {MAX_LEASE_S}s holds on "
+            "it; put the state directory on a faster filesystem"
+        )
+    why = (
+        f"the lease store took up to {latency_s * 1000:.0f} ms per renewal, more than a quarter of the "
+        f"{renew_s}s renewal period: lease widened to {lease}s, renewed every {renew}s"
+    )
+    return lease, renew, why
+
+
+def mount_problem(fstype: str, options: set[str]) -> str | None:
+    """Why a state directory on this mount cannot hold a lease (None: it can). Only what breaks the
+    lease itself: coarse timestamps do not (the counter is in the record)."""
+    if fstype.startswith("nfs") and "nocto" in options:
+        return (
+            f"the state directory is on {fstype} mounted with nocto: a standby reads a renewal only once its "
+            "attribute cache expires (actimeo, up to a minute) and would take over from a live coordinator; "
+            "mount it without nocto, or keep the lease in etcd (--lease-store etcd://HOST:PORT)"
+        )
+    return None
+
+
+def mount_of(path: str | Path, mountinfo: str = "/proc/self/mountinfo") -> tuple[str, set[str]] | None:
+    """The filesystem type and options (per mount and per superblock) of the mount holding ``path``."""
+    real = os.path.realpath(path)
+    best: tuple[int, str, set[str]] | None = None
+    try:
+        with open(mountinfo) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if len(fields) < 6 or len(tail) < 3:
+            continue
+        point = fields[4].replace("\\040", " ")
+        if real == point or real.startswith(point.rstrip("/") + "/"):
+            if best is None or len(point) > best[0]:
+                best = (len(point), tail[0], set(fields[5].split(",")) | set(tail[2].split(",")))
+    return None if best is None else (best[1], best[2])
+
+
+class LeaseStore(Protocol):
+    """Where the terms' records live. Every method raises OSError when the store fails (a read
+    that finds no record, or one that does not parse, is None: not trusted, never an error)."""
+
+    where: str  # said in messages: the directory, or the etcd endpoints
+
+    def terms(self) -> list[int]: ...
+
+    def read(self, term: int) -> Lease | None: ...
+
+    def newest(self) -> Lease | None: ...
+
+    def claim(self, lease: Lease) -> bool: ...
+
+    def renew(self, lease: Lease) -> None: ...
+
+
+class LeaseFiles:
+    """The lease records of one state directory: claimed, renewed, read, pruned.
+
+    A claim links a complete file into place (a reader sees no record or a whole one); a renewal
+    rewrites the record's fixed-size bytes in place. A record that does not parse (torn by a
+    concurrent renewal, or foreign) is skipped, not trusted: to a standby it is a change.
     """
 
     def __init__(self, state_dir: str | Path) -> None:
         self.dir = Path(state_dir)
+        self.where = str(self.dir)
 
     def path(self, term: int) -> Path:
         return self.dir / f"lease-{term}.json"
@@ -170,26 +284,35 @@ class LeaseFiles:
         return sorted(int(m.group(1)) for n in names if (m := _NAME.match(n)))
 
     def read(self, term: int) -> Lease | None:
-        """The term's lease, its ``seq`` the file's renewal stamp (its modification time)."""
+        """The term's record, looked up by name and read afresh (never a cached handle)."""
         try:
             with open(self.path(term), "rb") as f:
-                stamp = os.fstat(f.fileno()).st_mtime_ns
-                lease = Lease.from_json(f.read(4096).decode(errors="replace"))
-        except (OSError, ValueError):
+                data = f.read(RECORD_BYTES + 1)
+        except FileNotFoundError:
             return None
-        return dataclasses.replace(lease, seq=stamp) if lease.term == term else None
+        try:
+            lease = Lease.from_json(data.decode(errors="replace"))
+        except ValueError:
+            return None
+        return lease if lease.term == term else None
 
     def newest(self) -> Lease | None:
         terms = self.terms()
         return self.read(terms[-1]) if terms else None
 
     def claim(self, lease: Lease) -> bool:
-        """Creates ``lease``'s term file; False if another claimant has it already."""
-        tmp = self._write_tmp(lease)
+        """Creates ``lease``'s term record; False if another claimant has it already."""
+        record = lease.record()
+        tmp = self._write_tmp(record)
         try:
             os.link(tmp, self.path(lease.term))
         except FileExistsError:
             return False
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            if not self._create(lease.term, record):  # no hard links here (FAT, some FUSE filesystems)
+                return False
         finally:
             tmp.unlink(missing_ok=True)
         self._sync_dir()
@@ -198,15 +321,59 @@ class LeaseFiles:
         return True
 
     def renew(self, lease: Lease) -> None:
-        """Stamps the holder's own term file with ``lease.seq`` (only its holder does). Raises OSError."""
-        os.utime(self.path(lease.term), ns=(lease.seq, lease.seq))
-
-    def _write_tmp(self, lease: Lease) -> Path:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.dir / f".lease-{lease.term}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        """Rewrites the holder's own record in place (only its holder does); no ``O_CREAT``: a
+        record pruned by a later holder is not brought back. Raises OSError."""
+        fd = os.open(self.path(lease.term), os.O_WRONLY | os.O_CLOEXEC)
         try:
-            os.write(fd, lease.to_json().encode())
+            os.pwrite(fd, lease.record(), 0)
+        finally:
+            os.close(fd)  # on NFS, close sends the write to the server (close-to-open)
+
+    def probe(self, rounds: int = 5) -> StoreProbe:
+        """Measures the store as a renewal uses it, on a probe file of its own (removed after)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / f".lease-probe.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        record = Lease(term=1, holder="probe").record()
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            os.close(fd)
+            stamp = 1_700_000_001_999_999_999
+            os.utime(path, ns=(stamp, stamp))
+            timestamp_ns = stamp - os.stat(path).st_mtime_ns + 1
+            latency = 0.0
+            for _ in range(rounds):
+                t0 = time.monotonic()
+                fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+                try:
+                    os.pwrite(fd, record, 0)
+                finally:
+                    os.close(fd)
+                with open(path, "rb") as f:
+                    f.read(RECORD_BYTES + 1)
+                os.listdir(self.dir)
+                latency = max(latency, time.monotonic() - t0)
+        finally:
+            path.unlink(missing_ok=True)
+        return StoreProbe(timestamp_ns=max(1, timestamp_ns), latency_s=latency)
+
+    def _create(self, term: int, record: bytes) -> bool:
+        try:
+            fd = os.open(self.path(term), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            return False
+        try:
+            os.write(fd, record)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return True
+
+    def _write_tmp(self, record: bytes) -> Path:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / f".lease.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, record)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -228,7 +395,7 @@ class LeaseKeeper:
     the lease lapse, and a lapse must be seen by :meth:`valid` even while the loop is stalled.
 
     Args:
-        files: the state directory's lease files.
+        files: the store of the terms' records.
         lease: the term claimed (:meth:`LeaseFiles.claim`).
         claim_started: the holder's clock when the claim started (validity counts from there).
         renew_s: the renewal period.
@@ -239,7 +406,7 @@ class LeaseKeeper:
 
     def __init__(
         self,
-        files: LeaseFiles,
+        files: LeaseStore,
         lease: Lease,
         claim_started: float,
         renew_s: float = DEFAULT_RENEW_S,
@@ -251,6 +418,7 @@ class LeaseKeeper:
         self.files, self.lease, self.renew_s = files, lease, renew_s
         self.active_at, self.on_lost, self.clock = active_at, on_lost, clock
         self.until = valid_until(claim_started, lease.lease_s, renew_s)
+        self.last_renewed = claim_started  # the start of the last renewal that reached the store
         self.lost_to: Lease | None = None
         self.is_lost = False
         self.renew_failures = 0
@@ -261,6 +429,12 @@ class LeaseKeeper:
         """Whether the holder may answer now: the fence checked before every answer."""
         now = self.clock() if now is None else now
         return not self.is_lost and self.active_at <= now < self.until
+
+    def gave_up(self, now: float | None = None) -> bool:
+        """Whether the store failed (errors, or a call that does not return) for longer than
+        :func:`store_gives_up_after`: the process must exit with :data:`EXIT_LEASE_STORE`."""
+        now = self.clock() if now is None else now
+        return not self.is_lost and now - self.last_renewed >= store_gives_up_after(self.lease.lease_s, self.renew_s)
 
     def start(self) -> LeaseKeeper:
         self._thread.start()
@@ -274,21 +448,28 @@ class LeaseKeeper:
     def renew_once(self) -> bool:
         """One renewal; False once the term is lost (and ``on_lost`` was called)."""
         started = self.clock()
-        if self._check_lost():
-            return False
-        lease = dataclasses.replace(self.lease, seq=max(self.lease.seq + 1, time.time_ns()))
+        lease = dataclasses.replace(self.lease, seq=self.lease.seq + 1)
         try:
+            if self._check_lost():
+                return False
             self.files.renew(lease)
+            self.lease = lease
+            if self._check_lost():  # a claim that raced this write: the claimant judged by what it read
+                return False
         except OSError as e:
             self.renew_failures += 1
-            if self.renew_failures & (self.renew_failures - 1) == 0:
+            if self.renew_failures & (self.renew_failures - 1) == 0:  # 1st, 2nd, 4th...: no log flood
                 log.warning(
-                    "cannot renew the coordinator's lease in %s: %s (it lapses if this goes on)", self.files.dir, e
+                    "cannot renew the coordinator's lease in %s: %s (%d failure(s); the process exits with %d "
+                    "if it cannot for %.1fs)",
+                    self.files.where,
+                    e,
+                    self.renew_failures,
+                    EXIT_LEASE_STORE,
+                    store_gives_up_after(lease.lease_s, self.renew_s),
                 )
             return True
-        self.lease = lease
-        if self._check_lost():  # a claim that raced this write: the claimant judged by what it read
-            return False
+        self.last_renewed = max(self.last_renewed, started)
         self.until = max(self.until, valid_until(started, lease.lease_s, self.renew_s))
         return True
 
@@ -318,9 +499,10 @@ class Takeover:
 
 
 def claim_next(
-    files: LeaseFiles, lease_s: float, address: str = "", clock: Callable[[], float] = time.monotonic
+    files: LeaseStore, lease_s: float, address: str = "", clock: Callable[[], float] = time.monotonic
 ) -> tuple[Lease, float]:
-    """Claims the term after the newest (a coordinator that holds the directory's lock)."""
+    """Claims the term after the newest (a coordinator that holds the directory's lock). Raises
+    OSError when the store fails."""
     while True:
         started = clock()
         lease = Lease(term=next_term(files.terms()), holder=holder_id(), lease_s=lease_s, address=address)
@@ -334,30 +516,54 @@ def wait_for_takeover(
     lease_s: float = DEFAULT_LEASE_S,
     poll_s: float = 0.02,
     clock: Callable[[], float] = time.monotonic,
+    files: LeaseStore | None = None,
+    renew_s: float = DEFAULT_RENEW_S,
 ) -> Takeover | None:
     """A standby's wait: returns once the active coordinator's process is gone (its lock is
-    free) or its lease lapsed (it hangs); None once ``stop`` is set."""
-    files = LeaseFiles(state_dir)
-    files.dir.mkdir(parents=True, exist_ok=True)
+    free) or its lease lapsed (it hangs); None once ``stop`` is set.
+
+    A store that fails restarts the count (not knowing is no reason to take over) and is
+    retried; failing for longer than :func:`store_gives_up_after` raises LeaseStoreFailed."""
+    store: LeaseStore = LeaseFiles(state_dir) if files is None else files
+    Path(state_dir).mkdir(parents=True, exist_ok=True)
     watch = Watch()
+    failing_since: float | None = None
+    failures = 0
     while not stop.is_set():
+        lock_fd: int | None = None
         try:
-            lock_fd: int | None = lock_state_dir(files.dir)
-        except StateDirInUse:
-            lock_fd = None
-        now = clock()
-        watch = watch.observe(files.newest(), now)
-        if lock_fd is not None:
-            lease, started = claim_next(files, lease_s, clock=clock)
-            return Takeover(lease, started, clock(), lock_fd)
-        if watch.expired(now, lease_s):
-            started = clock()
-            lease = Lease(term=next_term(files.terms()), holder=holder_id(), lease_s=lease_s)
-            if not files.claim(lease):  # another standby was first: watch it instead
-                watch = Watch()
-                continue
-            old = watch.seen
-            reread = files.read(old.term) if old is not None else None
-            return Takeover(lease, started, watch.active_at(reread, clock(), lease_s), None)
+            try:
+                lock_fd = lock_state_dir(Path(state_dir))
+            except StateDirInUse:
+                lock_fd = None
+            now = clock()
+            watch = watch.observe(store.newest(), now)
+            if lock_fd is not None:
+                lease, started = claim_next(store, lease_s, clock=clock)
+                return Takeover(lease, started, clock(), lock_fd)
+            if watch.expired(now, lease_s):
+                started = clock()
+                lease = Lease(term=next_term(store.terms()), holder=holder_id(), lease_s=lease_s)
+                if not store.claim(lease):  # another standby was first: watch it instead
+                    watch = Watch()
+                    continue
+                old = watch.seen
+                reread = store.read(old.term) if old is not None else None
+                return Takeover(lease, started, watch.active_at(reread, clock(), lease_s), None)
+            failing_since = None
+        except OSError as e:
+            if lock_fd is not None:
+                os.close(lock_fd)
+            now = clock()
+            failing_since = now if failing_since is None else failing_since
+            failures += 1
+            watch = Watch()
+            if failures & (failures - 1) == 0:
+                log.warning("standby: cannot read the lease in %s: %s (%d failure(s))", store.where, e, failures)
+            if now - failing_since >= store_gives_up_after(lease_s, renew_s):
+                raise LeaseStoreFailed(
+                    f"the lease store {store.where} failed for {now - failing_since:.1f}s ({failures} errors, "
+                    f"the last: {e})"
+                ) from e
         stop.wait(poll_s)
     return None

@@ -30,6 +30,7 @@ log = logging.getLogger("unbroken.control.coordinator")  # the coordinator's log
 MAX_BAD_MESSAGES = 100
 # How long a line said to a standby that is not serving yet waits for it to take over.
 HOLD_S = 5.0
+FENCE_POLL_S = 0.01  # how often a line that waits for the lease looks again
 
 C = TypeVar("C")  # who a connection speaks as: a rank (or a node's ranks) ...
 A = TypeVar("A")  # ... or an agent
@@ -87,6 +88,10 @@ class ConnectionServer(Generic[C, A]):
         # may take as said beforehand when it takes over: PreSay.adopt): the line is then not served.
         self.speaking: dict[protocol.Link, protocol.Message | ValueError] = {}
         self._adopted: dict[protocol.Link, C] = {}  # who held connections speak for once served (open_to)
+        # Whether the server may answer now (the coordinator's lease): while it may not, a line
+        # waits unread-on (its connection kept) until it may, or until the connection is closed.
+        self.fence: Callable[[], bool] | None = None
+        self.fenced_waits = 0  # lines that waited for the lease (a store stall), none dropped
 
     def hold(self, presaid: PreSay | None = None) -> None:
         """Accepts and authenticates connections now, and serves them once :meth:`open_to` is called.
@@ -265,6 +270,8 @@ class ConnectionServer(Generic[C, A]):
             if isinstance(msg, ValueError):
                 error = msg
             else:
+                if self.fence is not None and not self.fence() and not await self._until_fenced_in(link):
+                    return
                 try:
                     kind, who[0], who[1] = self.dispatch(msg, link, conn, agent)
                     if kind == "stop":
@@ -286,6 +293,19 @@ class ConnectionServer(Generic[C, A]):
             link.send(protocol.Error(f"malformed message skipped: {error}").to_msg())
             if bad >= MAX_BAD_MESSAGES:
                 return
+
+    async def _until_fenced_in(self, link: protocol.Link) -> bool:
+        """Waits while the lease is not valid (a metadata stall on its store lapses it for a
+        moment): True once it is again, False once the connection is closed (the coordinator
+        stepped down, or gave up on its store, and closed every connection). Dropping the line
+        instead would make every rank that spoke in a stall reconnect, and evict it."""
+        assert self.fence is not None
+        self.fenced_waits += 1
+        while not self.fence():
+            if link.writer.is_closing():
+                return False
+            await asyncio.sleep(FENCE_POLL_S)
+        return not link.writer.is_closing()
 
     def dropped(self, reason: str, auth: bool = True) -> None:
         """Counts a refused connection; logs once per interval (a flood is no log flood)."""

@@ -5,6 +5,7 @@ Pure rules with the time passed in; the file shell on a temporary directory (no 
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from pathlib import Path
@@ -12,14 +13,20 @@ from pathlib import Path
 import pytest
 
 from unbroken.control.lease import (
+    RECORD_BYTES,
     Lease,
     LeaseFiles,
     LeaseKeeper,
+    LeaseStoreFailed,
     Watch,
     check_periods,
     claim_next,
+    fit_to_store,
     lost,
+    mount_of,
+    mount_problem,
     next_term,
+    store_gives_up_after,
     to_prune,
     valid_until,
     wait_for_takeover,
@@ -160,3 +167,112 @@ def test_a_store_held_through_the_lease_takes_the_lock_once_it_is_free(tmp_path:
             StateStore(tmp_path)  # a plain coordinator on the same directory is refused
     finally:
         store.close()
+
+
+def test_a_renewal_changes_the_record_whatever_the_timestamps_say(tmp_path: Path) -> None:
+    # On a filesystem that keeps whole seconds most renewals leave the timestamp as it was: the
+    # standby must see each one all the same. Here every timestamp is set back after each write.
+    files = LeaseFiles(tmp_path)
+    mine, started = claim_next(files, L)
+    keeper = LeaseKeeper(files, mine, started, R)
+    watch = Watch().observe(files.newest(), 0.0)
+    for i in range(1, 6):
+        assert keeper.renew_once()
+        os.utime(files.path(mine.term), ns=(10**18, 10**18))
+        seen = files.newest()
+        assert seen is not None and seen.seq == i
+        watch = watch.observe(seen, 0.9 * i)
+        assert watch.since == 0.9 * i  # counted as a renewal
+    assert not watch.expired(0.9 * 5 + 0.99, L)
+    assert os.path.getsize(files.path(mine.term)) == RECORD_BYTES  # rewritten in place, never grown
+
+
+class FailingStore:
+    """A lease store whose calls fail (EIO) while ``failing`` is set: a stand-in for a store's
+    failure in a test of the keeper's rules alone (the real one is in tests/integration)."""
+
+    def __init__(self, inner: LeaseFiles) -> None:
+        self.inner, self.where, self.failing = inner, inner.where, False
+
+    def _check(self) -> None:
+        if self.failing:
+            raise OSError(errno.EIO, "Input/output error")
+
+    def terms(self) -> list[int]:
+        self._check()
+        return self.inner.terms()
+
+    def read(self, term: int) -> Lease | None:
+        self._check()
+        return self.inner.read(term)
+
+    def newest(self) -> Lease | None:
+        self._check()
+        return self.inner.newest()
+
+    def claim(self, lease: Lease) -> bool:
+        self._check()
+        return self.inner.claim(lease)
+
+    def renew(self, lease: Lease) -> None:
+        self._check()
+        self.inner.renew(lease)
+
+
+def test_a_keeper_retries_a_failing_store_and_gives_up_past_the_bound(tmp_path: Path) -> None:
+    store = FailingStore(LeaseFiles(tmp_path))
+    now = [0.0]
+    mine, started = claim_next(store, L, clock=lambda: now[0])
+    keeper = LeaseKeeper(store, mine, started, R, clock=lambda: now[0])
+    store.failing = True
+    for t in (0.25, 0.5, 0.75):
+        now[0] = t
+        assert keeper.renew_once()  # retried, the thread goes on
+    assert keeper.renew_failures == 3 and not keeper.valid(0.75) and not keeper.gave_up(1.2)
+    store.failing = False
+    now[0] = 1.0
+    assert keeper.renew_once() and keeper.valid(1.1) and not keeper.gave_up(2.0)  # back within the bound
+    store.failing = True
+    assert keeper.gave_up(1.0 + store_gives_up_after(L, R))
+    assert store_gives_up_after(L, R) + R <= 2 * L  # the watchdog exits within two lease periods
+
+
+def test_a_standby_never_takes_over_on_a_failing_store_and_gives_up_past_the_bound(tmp_path: Path) -> None:
+    store = FailingStore(LeaseFiles(tmp_path))
+    lock = lock_state_dir(tmp_path)  # the active coordinator holds the lock
+    try:
+        assert store.claim(lease(1, holder="active"))
+        store.failing = True
+        with pytest.raises(LeaseStoreFailed, match="failed for"):
+            wait_for_takeover(tmp_path, threading.Event(), lease_s=0.2, poll_s=0.01, files=store, renew_s=0.05)
+        assert store.inner.terms() == [1]  # no claim: not knowing is no reason to take over
+    finally:
+        os.close(lock)
+
+
+def test_a_slow_store_widens_the_lease_and_says_why() -> None:
+    assert fit_to_store(1.0, 0.25, 0.01) == (1.0, 0.25, None)
+    lease_s, renew_s, why = fit_to_store(1.0, 0.25, 0.2)
+    assert renew_s >= 0.8 and lease_s >= 4 * renew_s and why is not None and "200 ms" in why
+    with pytest.raises(ValueError, match="faster filesystem"):
+        fit_to_store(1.0, 0.25, 200.0)
+
+
+def test_nfs_without_close_to_open_is_refused_and_its_mount_is_found(tmp_path: Path) -> None:
+    assert mount_problem("ext4", {"rw", "relatime"}) is None
+    assert mount_problem("nfs4", {"rw", "actimeo=60"}) is None  # open revalidates (close-to-open)
+    problem = mount_problem("nfs4", {"rw", "nocto"})
+    assert problem is not None and "nocto" in problem and "etcd" in problem
+    info = tmp_path / "mountinfo"
+    info.write_text(
+        "22 1 0:21 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"
+        f"40 22 0:40 / {tmp_path} rw,nosuid shared:9 - nfs4 server:/x rw,nocto,vers=4.2\n"
+    )
+    assert mount_of(tmp_path / "state", str(info)) == ("nfs4", {"rw", "nosuid", "nocto", "vers=4.2"})
+    assert mount_of("/elsewhere", str(info)) == ("ext4", {"rw", "relatime"})
+
+
+def test_the_probe_measures_the_store(tmp_path: Path) -> None:
+    probe = LeaseFiles(tmp_path).probe()
+    assert 1 <= probe.timestamp_ns <= 2_000_000_000 and 0 < probe.latency_s < 5.0
+    assert list(tmp_path.iterdir()) == []  # its file removed
