@@ -8,20 +8,20 @@ STAMP := $(VENV)/.installed-stamp
 # then already satisfied, so pip never pulls a CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install demo test test-unit test-gpu lint commits scenarios clean browser slurm
+.PHONY: install demo test test-unit test-gpu lint commits scenarios clean browser slurm lease-fs
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e '.[dev,plan,sim,report,examples]'
+	$(PY) -m pip install -q -e '.[dev,plan,sim,report,examples,etcd]'
 	touch $(STAMP)
 
 demo: install
 	$(VENV)/bin/unbroken demo
 
-test: install browser
+test: install browser lease-fs
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # The inner loop of development: tests/unit alone (no job started; about a minute on 2 cores).
@@ -40,6 +40,18 @@ browser:
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 		apt-get install -y -q chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium); \
 	else echo "chromium is missing and this is not root: the dashboard's browser test will be skipped"; fi
+
+# The lease's tests on real filesystems (tests/integration/test_lease_filesystems.py, `unbroken
+# bench lease`) need Debian's dosfstools and fusefat (a FAT image), fuse3 (the fault-injecting FUSE
+# layer), and etcd-server (the etcd lease): installed here when running as root (CI); otherwise
+# those tests are skipped and say why.
+LEASE_FS_TOOLS := mkfs.vfat fusefat fusermount3 etcd
+LEASE_FS_PKGS := dosfstools fusefat fuse3 etcd-server
+lease-fs:
+	@if PATH="$$PATH:/usr/sbin:/sbin" sh -c 'for t in $(LEASE_FS_TOOLS); do command -v $$t || exit 1; done' >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get install -y -q $(LEASE_FS_PKGS) >/dev/null || (apt-get update -q && apt-get install -y -q $(LEASE_FS_PKGS)); \
+	else echo "$(LEASE_FS_PKGS) are missing and this is not root: the lease's filesystem tests will be skipped"; fi
 
 # The Slurm scenario (`unbroken bench cluster --slurm`) needs Debian's slurm-wlm and munge:
 # installed here when running as root (CI); otherwise that scenario is skipped and says why.
@@ -65,7 +77,7 @@ commits:
 	else echo "no git history back to $(SUBJECTS_SINCE): the commit-subject check is skipped"; fi
 
 # The long end-to-end scenarios the suite leaves out (about 5 minutes on 2 cores).
-scenarios: install slurm
+scenarios: install slurm lease-fs
 	$(PY) -m pytest -q -p no:cacheprovider -m scenario
 
 clean:

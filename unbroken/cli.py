@@ -42,6 +42,7 @@ BENCHMARKS: dict[str, str] = {
     "iccl": "unbroken.bench.iccl:iccl",
     "abuse": "unbroken.bench.abuse:abuse",
     "rendezvous": "unbroken.bench.rendezvous:rendezvous",
+    "lease": "unbroken.bench.lease:lease",
 }
 
 

@@ -184,8 +184,13 @@ async def _serve(
     keeper.stop()
     if server is not None:
         server.close()
-    await coordinator.stop()
-    if lost.is_set():
+    try:
+        await coordinator.stop()
+    except OSError as e:  # its state lives on the store that failed: what it could not write is lost anyway
+        if not keeper.gave_up():
+            raise
+        click.echo(f"closing the state on the failed store: {e}", err=True)
+    if lost.is_set() or (keeper.gave_up() and keeper.replaced()):
         to = keeper.lost_to
         click.echo(
             f"stepped down: the lease went to term {to.term if to else '?'} ({to.holder if to else 'unknown'}); "

@@ -419,6 +419,7 @@ class LeaseKeeper:
         self.active_at, self.on_lost, self.clock = active_at, on_lost, clock
         self.until = valid_until(claim_started, lease.lease_s, renew_s)
         self.last_renewed = claim_started  # the start of the last renewal that reached the store
+        self.failing = False  # the last renewal failed (an error), or one is in a call that has not returned
         self.lost_to: Lease | None = None
         self.is_lost = False
         self.renew_failures = 0
@@ -432,9 +433,20 @@ class LeaseKeeper:
 
     def gave_up(self, now: float | None = None) -> bool:
         """Whether the store failed (errors, or a call that does not return) for longer than
-        :func:`store_gives_up_after`: the process must exit with :data:`EXIT_LEASE_STORE`."""
+        :func:`store_gives_up_after`: the process must exit with :data:`EXIT_LEASE_STORE`. A
+        process that was stopped (SIGSTOP) and runs again has not failed: it renews, and steps
+        down if it was replaced."""
         now = self.clock() if now is None else now
-        return not self.is_lost and now - self.last_renewed >= store_gives_up_after(self.lease.lease_s, self.renew_s)
+        bound = store_gives_up_after(self.lease.lease_s, self.renew_s)
+        return not self.is_lost and self.failing and now - self.last_renewed >= bound
+
+    def replaced(self) -> bool:
+        """One more look for a higher term (a holder about to exit for its store: if a standby
+        took over meanwhile, it stepped down rather than failed). False when the store cannot say."""
+        try:
+            return self.is_lost or lost(self.lease.term, self.files.terms())
+        except OSError:
+            return False
 
     def start(self) -> LeaseKeeper:
         self._thread.start()
@@ -449,6 +461,7 @@ class LeaseKeeper:
         """One renewal; False once the term is lost (and ``on_lost`` was called)."""
         started = self.clock()
         lease = dataclasses.replace(self.lease, seq=self.lease.seq + 1)
+        self.failing = True  # until the calls return: a call that never does is a failure too
         try:
             if self._check_lost():
                 return False
@@ -469,6 +482,7 @@ class LeaseKeeper:
                     store_gives_up_after(lease.lease_s, self.renew_s),
                 )
             return True
+        self.failing = False
         self.last_renewed = max(self.last_renewed, started)
         self.until = max(self.until, valid_until(started, lease.lease_s, self.renew_s))
         return True
@@ -478,7 +492,8 @@ class LeaseKeeper:
         if not lost(self.lease.term, terms):
             return False
         self.is_lost = True
-        self.lost_to = self.files.read(max(terms))
+        with contextlib.suppress(OSError):  # who won is for the message only: the step-down is not
+            self.lost_to = self.files.read(max(terms))
         self.on_lost(self.lost_to)
         return True
 

@@ -232,7 +232,10 @@ def test_a_keeper_retries_a_failing_store_and_gives_up_past_the_bound(tmp_path: 
     store.failing = False
     now[0] = 1.0
     assert keeper.renew_once() and keeper.valid(1.1) and not keeper.gave_up(2.0)  # back within the bound
+    assert not keeper.gave_up(1.0 + store_gives_up_after(L, R))  # a stopped process woken is no failure
     store.failing = True
+    now[0] = 1.25
+    assert keeper.renew_once()
     assert keeper.gave_up(1.0 + store_gives_up_after(L, R))
     assert store_gives_up_after(L, R) + R <= 2 * L  # the watchdog exits within two lease periods
 

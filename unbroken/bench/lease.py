@@ -1,0 +1,371 @@
+"""``unbroken bench lease``: the coordinator's lease on real filesystems that lie.
+
+Real parts only: an active ``unbroken coordinator`` and a ``--standby`` (processes) on one state
+directory, on
+
+- ``ext4-128``: a loop-mounted ext4 made with ``-I 128`` (whole-second timestamps);
+- ``vfat``: a FAT filesystem image mounted by ``fusefat`` (2 s timestamps, no hard links; this
+  kernel has no vfat module, and a FUSE filesystem is what many sites' storage is anyway);
+- ``tmp``: the machine's own filesystem;
+
+each optionally under :mod:`unbroken.bench.faultfs` (FUSE), which adds latency to every call,
+stalls them all, or fails them with ``EIO`` for one process. Scenarios:
+
+- ``live``: both run for a number of renewals; a takeover of the live holder is a failure.
+  Then the active is stopped (SIGSTOP): the standby must take over within the target.
+- ``store_fails``: the active's lease calls fail with ``EIO`` from an instant on: it must exit
+  with :data:`~unbroken.control.lease.EXIT_LEASE_STORE` within two lease periods, and the
+  standby answer (a status request) within the takeover target.
+- ``stall``: members connected to the active send a heartbeat every 0.1 s while every call of
+  the filesystem stalls for 0.5 s: no connection may drop, no replica be evicted.
+
+Needs root (loop mounts, FUSE) and ``make lease-fs`` (dosfstools, fuse3, mfusepy). What is
+missing is reported as skipped, with the reason, never counted as passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+
+from unbroken.bench.faultfs import Faults, write_faults
+from unbroken.bench.output import publish
+from unbroken.control.lease import EXIT_LEASE_STORE, LeaseFiles
+from unbroken.launch.workers import free_port
+
+FILESYSTEMS = ("ext4-128", "vfat", "tmp")
+TAKEOVER_TARGET_S = 2.0
+DEFAULT_LEASE_S, DEFAULT_RENEW_S = 1.0, 0.25
+
+
+def missing_tools(fs: str, fuse: bool) -> str | None:
+    """Why this machine cannot run ``fs`` (None: it can)."""
+    if os.geteuid() != 0 and (fs != "tmp" or fuse):
+        return "needs root (loop mounts and FUSE)"
+    need = {"ext4-128": ["mkfs.ext4", "losetup"], "vfat": ["mkfs.vfat", "fusefat", "fusermount3"], "tmp": []}[fs]
+    if fuse:
+        need.append("fusermount3")
+    path = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
+    gone = [t for t in need if shutil.which(t, path=path) is None]
+    if fuse:
+        try:
+            import mfusepy  # noqa: F401
+        except (ImportError, OSError) as e:
+            gone.append(f"mfusepy ({e})")
+        if not os.path.exists("/dev/fuse"):
+            gone.append("/dev/fuse")
+    return f"missing {', '.join(gone)} (make lease-fs)" if gone else None
+
+
+def _run(*cmd: str) -> None:
+    env = {**os.environ, "PATH": os.environ.get("PATH", "") + ":/usr/sbin:/sbin"}
+    subprocess.run(cmd, check=True, capture_output=True, env=env, timeout=60)
+
+
+@contextlib.contextmanager
+def mounted(fs: str, work: Path, fuse: bool) -> Iterator[tuple[Path, Path | None]]:
+    """A state directory on ``fs`` (and the faultfs control file, with ``fuse``); unmounted after."""
+    base = work / f"{fs}-base"
+    base.mkdir(parents=True, exist_ok=True)
+    image = work / f"{fs}.img"
+    mounts: list[Path] = []
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        if fs != "tmp":
+            with open(image, "wb") as f:
+                f.truncate(64 << 20)
+            _run(*(("mkfs.ext4", "-q", "-F", "-I", "128") if fs == "ext4-128" else ("mkfs.vfat",)), str(image))
+            if fs == "vfat":
+                _run("fusefat", "-o", "rw+", str(image), str(base))
+            else:
+                _run("mount", "-o", "loop", str(image), str(base))
+            mounts.append(base)
+        top, control = base, None
+        if fuse:
+            top, control = work / f"{fs}-fuse", work / f"{fs}-faults.json"
+            top.mkdir(exist_ok=True)
+            write_faults(control, Faults())
+            log = open(work / f"{fs}-faultfs.log", "wb")  # noqa: SIM115: the daemon's, closed below
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "unbroken.bench.faultfs", str(base), str(top), str(control)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+            log.close()
+            deadline = time.monotonic() + 15
+            while not os.path.ismount(top):
+                if procs[0].poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"faultfs did not mount: {(work / f'{fs}-faultfs.log').read_text()[-500:]}")
+                time.sleep(0.05)
+            mounts.insert(0, top)
+        state = top / "state"
+        state.mkdir()
+        yield state, control
+    finally:
+        for m in mounts:
+            fuse_mount = m.name.endswith("-fuse") or fs == "vfat"
+            with contextlib.suppress(Exception):
+                _run(*(("fusermount3", "-u") if fuse_mount else ("umount",)), str(m))
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(10)
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        image.unlink(missing_ok=True)
+
+
+@dataclasses.dataclass
+class Pair:
+    """An active coordinator and its standby on one state directory."""
+
+    active: subprocess.Popen[bytes]
+    standby: subprocess.Popen[bytes]
+    active_log: Path
+    standby_log: Path
+    ports: tuple[int, int]
+
+    def said(self, which: str, text: str) -> bool:
+        log = self.active_log if which == "active" else self.standby_log
+        return text in log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        for p in (self.active, self.standby):
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGCONT)
+                    p.terminate()
+        for p in (self.active, self.standby):
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def start_pair(state: Path, work: Path, lease_s: float = DEFAULT_LEASE_S, renew_s: float = DEFAULT_RENEW_S) -> Pair:
+    """Starts the active coordinator, waits for its lease, then starts the standby."""
+    ports = (free_port(), free_port())
+    common = ["--replicas", "2", "--min-replicas", "1", "--state-dir", str(state), "--lease", str(lease_s)]
+    common += ["--lease-renew", str(renew_s), "--host", "127.0.0.1"]
+    logs = (work / "active.log", work / "standby.log")
+    procs = []
+    for i, extra in enumerate(([], ["--standby"])):
+        with open(logs[i], "wb") as log:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "unbroken", "coordinator", "--port", str(ports[i]), *common, *extra],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        if i == 0:
+            wait_for(lambda: "coordinator listening" in logs[0].read_text(errors="replace"), 30, "the active to listen")
+    pair = Pair(procs[0], procs[1], logs[0], logs[1], ports)
+    wait_for(lambda: pair.said("standby", "standby: waiting"), 30, "the standby to wait")
+    return pair
+
+
+def wait_for(cond: Any, timeout: float, what: str) -> float:
+    """Polls ``cond`` until true; returns when (monotonic). TimeoutError with ``what``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return time.monotonic()
+        time.sleep(0.01)
+    raise TimeoutError(f"waited {timeout}s for {what}")
+
+
+def answers_status(port: int, state: Path, timeout: float) -> float | None:
+    """When (monotonic) the coordinator on ``port`` answered a status request; None by ``timeout``."""
+    from unbroken.control import protocol
+    from unbroken.control import secret_file as secrets
+
+    secret, _ = secrets.kept(state)
+
+    async def ask() -> float | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                reader, writer, session = await asyncio.wait_for(protocol.connect_async("127.0.0.1", port, secret), 1.0)
+                link = protocol.Link(reader, writer, session)
+                link.send(protocol.StatusRequest().to_msg())
+                line = await asyncio.wait_for(link.readline(), 1.0)
+                writer.close()
+                if line is not None and link.decode(line).get("op") == "status":
+                    return time.monotonic()
+            except (OSError, asyncio.TimeoutError, TimeoutError, EOFError, ValueError):
+                pass
+            await asyncio.sleep(0.02)
+        return None
+
+    return asyncio.run(ask())
+
+
+def live(fs: str, work: Path, *, renewals: int, delay_s: float) -> dict[str, Any]:
+    """A live holder for ``renewals`` renewal periods (takeovers must be 0), then SIGSTOP."""
+    with mounted(fs, work, fuse=delay_s > 0) as (state, control):
+        if control is not None:
+            write_faults(control, Faults(delay_s=delay_s))
+        pair = start_pair(state, work)
+        try:
+            time.sleep(renewals * DEFAULT_RENEW_S)
+            takeovers = int(pair.said("standby", "taking over")) + int(pair.active.poll() is not None)
+            newest = LeaseFiles(state).newest()
+            seq = newest.seq if newest is not None else None
+            stopped = time.monotonic()
+            os.kill(pair.active.pid, signal.SIGSTOP)
+            answered = answers_status(pair.ports[1], state, 15.0)
+            os.kill(pair.active.pid, signal.SIGCONT)
+            code = pair.active.wait(15)
+        finally:
+            pair.stop()
+        return {
+            "filesystem": fs,
+            "delay_ms": delay_s * 1000,
+            "renewals": renewals,
+            "holder_renewals_seen": seq,
+            "takeovers_of_a_live_holder": takeovers,
+            "sigstop_to_standby_answer_s": None if answered is None else round(answered - stopped, 3),
+            "woken_holder_exit": code,
+        }
+
+
+def store_fails(fs: str, work: Path) -> dict[str, Any]:
+    """The active's lease calls fail with EIO from an instant on."""
+    with mounted(fs, work, fuse=True) as (state, control):
+        assert control is not None
+        pair = start_pair(state, work)
+        try:
+            time.sleep(2.0)
+            failed = time.monotonic()
+            # Every call of the active's on the store (its lease and its state), not its standby's.
+            write_faults(control, Faults(errno="EIO", pids=(pair.active.pid,)))
+            try:
+                code = pair.active.wait(15)
+            except subprocess.TimeoutExpired:
+                code = None
+            exited = time.monotonic()
+            answered = answers_status(pair.ports[1], state, 15.0)
+        finally:
+            pair.stop()
+        return {
+            "filesystem": fs,
+            "exit_code": code,
+            "exit_code_expected": EXIT_LEASE_STORE,
+            "failure_to_exit_s": round(exited - failed, 3),
+            "failure_to_standby_answer_s": None if answered is None else round(answered - failed, 3),
+        }
+
+
+def stall(fs: str, work: Path, stall_s: float = 0.5) -> dict[str, Any]:
+    """Members heartbeat through a stall of every call of the store: none may be dropped or evicted."""
+    from unbroken.control import protocol
+    from unbroken.control import secret_file as secrets
+
+    with mounted(fs, work, fuse=True) as (state, control):
+        assert control is not None
+        pair = start_pair(state, work)
+        secret, _ = secrets.kept(state)
+
+        async def members() -> dict[str, Any]:
+            links = []
+            for replica in (0, 1):
+                reader, writer, session = await protocol.connect_async("127.0.0.1", pair.ports[0], secret)
+                link = protocol.Link(reader, writer, session)
+                link.send({"op": "hello", "replica": replica, "rank": 0, "world_size": 1, "transfer_addr": ""})
+                links.append(link)
+            dropped = [0]
+
+            async def beat(link: protocol.Link) -> None:
+                while True:
+                    link.send(protocol.Heartbeat(step=0, compute_s=None).to_msg())
+                    await asyncio.sleep(0.1)
+
+            async def read(link: protocol.Link) -> None:
+                if await link.readline() is None:
+                    dropped[0] += 1
+                    return
+                while await link.readline() is not None:
+                    pass
+                dropped[0] += 1
+
+            tasks = [asyncio.ensure_future(f(link)) for link in links for f in (beat, read)]
+            await asyncio.sleep(2.0)
+            write_faults(control, Faults(stall_until=time.time() + stall_s))
+            await asyncio.sleep(stall_s + 3.0)
+            for t in tasks:
+                t.cancel()
+            ended = time.time()  # the members leave: what follows is not the stall's
+            for link in links:
+                link.writer.close()
+            return {"connections_dropped": dropped[0], "ended": ended}
+
+        try:
+            got = asyncio.run(members())
+            ended = got.pop("ended")
+            time.sleep(0.5)
+        finally:
+            pair.stop()
+        events = [json.loads(line) for line in (state / "events.jsonl").read_text().splitlines() if line.strip()]
+        return {
+            "filesystem": fs,
+            "stall_s": stall_s,
+            **got,
+            "replicas_evicted": len([e for e in events if e.get("kind") == "replica_evicted" and e["t"] < ended]),
+            "took_over": pair.said("standby", "taking over"),
+        }
+
+
+@click.command("lease")
+@click.option("--filesystem", "filesystems", multiple=True, type=click.Choice(FILESYSTEMS), default=FILESYSTEMS)
+@click.option("--renewals", default=200, show_default=True, help="How long the live holder runs, in renewals.")
+@click.option("--delay-ms", default=5.0, show_default=True, help="Latency added to every call (FUSE).")
+@click.option("--work-dir", type=click.Path(path_type=Path), default=None, help="Default: a temporary directory.")
+@click.option("--out", default="runs/bench/lease.json", show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def lease(
+    filesystems: tuple[str, ...], renewals: int, delay_ms: float, work_dir: Path | None, out: str, as_json: bool
+) -> None:
+    """The lease on real filesystems: no takeover of a live holder, exits on store failures, stalls."""
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="unbroken-lease-") as tmp:
+        work = work_dir or Path(tmp)
+        for fs in filesystems:
+            scenarios: list[tuple[str, bool, Callable[[Path], dict[str, Any]]]] = [
+                ("live", False, functools.partial(live, fs, renewals=renewals, delay_s=0.0)),
+                ("live_slow", True, functools.partial(live, fs, renewals=renewals, delay_s=delay_ms / 1000)),
+                ("store_fails", True, functools.partial(store_fails, fs)),
+                ("stall", True, functools.partial(stall, fs)),
+            ]
+            for name, fuse, run in scenarios:
+                why = missing_tools(fs, fuse)
+                if why is not None:
+                    rows.append({"scenario": name, "filesystem": fs, "skipped": why})
+                    continue
+                w = work / f"{name}-{fs}"
+                shutil.rmtree(w, ignore_errors=True)
+                w.mkdir(parents=True)
+                row = {"scenario": name, **run(w)}
+                rows.append(row)
+                if not as_json:
+                    click.echo(json.dumps(row))
+    result = {"takeover_target_s": TAKEOVER_TARGET_S, "scenarios": rows}
+    publish(result, out, as_json)
