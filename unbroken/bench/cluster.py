@@ -9,6 +9,7 @@ needs Debian's ``slurm-wlm`` and ``munge`` (``make slurm``) and so is not in the
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -42,6 +43,10 @@ def cluster(names: tuple[str, ...], slurm: bool, quick: bool, run_dir: Path, as_
         chosen.append(scenarios.SLURM)
     if scenarios.SLURM in chosen and (why := slurm_missing()) is not None:
         raise click.UsageError(f"cannot run the Slurm scenario: {why}")
+    try:
+        fresh_run_dir(run_dir)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
     records = []
     for sc in chosen:
         t = time.monotonic()
@@ -53,3 +58,27 @@ def cluster(names: tuple[str, ...], slurm: bool, quick: bool, run_dir: Path, as_
         records.append(record)
         click.echo(f"{sc.name}: {'passed' if record['passed'] else 'FAILED'}", err=True)
     publish({"scenarios": records, "passed": all(r["passed"] for r in records)}, out, as_json)
+
+
+MARKER = ".unbroken-bench-cluster"  # a run directory this command made, and may move aside
+
+
+def fresh_run_dir(run_dir: Path) -> None:
+    """An empty run directory: the previous run's (secrets, state, logs: a coordinator would resume
+    its finished job) is moved to ``<run-dir>.previous``, replacing the one before it. A non-empty
+    directory this command did not make is refused: nothing of anyone else's is moved or deleted."""
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if not (run_dir / MARKER).exists():
+            raise ValueError(
+                f"{run_dir} is not empty and no earlier `unbroken bench cluster` made it: give an empty --run-dir"
+            )
+        previous = run_dir.with_name(run_dir.name + ".previous")
+        if previous.exists():
+            if not (previous / MARKER).exists():
+                raise ValueError(
+                    f"{previous} is in the way and no earlier run made it: move it, or give another --run-dir"
+                )
+            shutil.rmtree(previous)
+        run_dir.rename(previous)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / MARKER).touch()

@@ -83,6 +83,12 @@ class NodeAgents:
             if p.nodes_per_replica == 1:
                 self.placement = GroupLaunch(self.hooks, hello.nodes_per_replica)
         agent = AgentConn(node=hello.node, link=link, last_heartbeat=time.monotonic())
+        if self.job_over:
+            # An agent back after the end (cut off when the others were told, healed since): it is
+            # told too, and given nothing to run. A replica placed now would train from step 0.
+            link.send(protocol.JobFinished().to_msg())
+            self.hooks.events.emit(ev.AgentJoined(node=agent.node, slots=hello.slots, replicas=[]))
+            return agent
 
         def admit() -> None:
             self.agents[agent.node] = agent

@@ -26,6 +26,7 @@ class Assignment:
         slots: int,
         running: list[int] | tuple[int, ...] = (),
         busy: set[int] | frozenset[int] = frozenset(),
+        done: set[int] | frozenset[int] = frozenset(),
     ) -> list[int]:
         """Registers ``node``'s agent; returns the replica ids it should run.
 
@@ -34,16 +35,20 @@ class Assignment:
                 restarted, and keeps them unless another agent claimed them first.
             busy: replicas whose workers are connected though no agent owns them (their agent
                 has not come back yet after a restart): not handed to anyone else meanwhile.
+            done: replicas that finished training: never handed out again (a finished replica
+                started anew would train from step 0 without its checkpoint).
         """
         if node in self.slots:
             raise ValueError(f"an agent for node {node!r} is already connected: give each agent its own --node")
         if slots < 1:
             raise ValueError(f"an agent needs at least one slot, got {slots}")
         self.slots[node] = slots
-        kept = [r for r in sorted(set(running)) if 0 <= r < self.total_replicas and r not in self.owner][:slots]
+        kept = [
+            r for r in sorted(set(running)) if 0 <= r < self.total_replicas and r not in self.owner and r not in done
+        ][:slots]
         for r in kept:
             self.owner[r] = node
-        return sorted(kept + self._fill(node, skip=busy))
+        return sorted(kept + self._fill(node, skip=set(busy) | set(done)))
 
     def leave(self, node: str, done: set[int] | frozenset[int] = frozenset()) -> tuple[list[int], dict[str, list[int]]]:
         """Drops ``node``'s agent; returns its replicas and where each moved (``{node: [ids]}``).

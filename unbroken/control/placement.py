@@ -96,7 +96,9 @@ class NodeLaunch:
 
     def join(self, hello: protocol.AgentHello, admit: Callable[[], None]) -> None:
         node = hello.node
-        replicas = self.assignment.join(node, hello.slots, running=list(hello.running or ()), busy=self.hooks.busy())
+        replicas = self.assignment.join(
+            node, hello.slots, running=list(hello.running or ()), busy=self.hooks.busy(), done=self.hooks.finished
+        )
         admit()
         self.hooks.events.emit(ev.AgentJoined(node=node, slots=self.assignment.slots[node], replicas=replicas))
         self.hooks.send(node, protocol.Assign(replicas=replicas, num_replicas=self.hooks.total_replicas).to_msg())

@@ -93,3 +93,13 @@ def test_a_group_without_a_spare_waits_with_a_hole_and_a_released_node_is_not_ma
     assert a.release("c", 0) == [0] and a.members[0] == ["a", "d"]
     a.leave("d")
     assert a.members[0] == ["a", None]  # c gave up on replica 0: never matched to it again
+
+
+def test_a_finished_replica_is_never_handed_out_again() -> None:
+    # Replica 0 finished and its agent left; an agent that joins (or rejoins saying it runs 0)
+    # must not be given it: started anew it would train from step 0 without its checkpoint.
+    a = Assignment(total_replicas=3)
+    assert a.join("h0", 1) == [0] and a.join("h1", 1) == [1]
+    a.leave("h0", done={0})
+    assert a.join("h2", 2, done={0}) == [2]
+    assert a.join("h0", 1, running=[0], done={0}) == []
