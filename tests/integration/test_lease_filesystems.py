@@ -57,3 +57,24 @@ def test_a_live_holder_on_whole_second_ext4_is_never_deposed(tmp_path: Path) -> 
     need("ext4-128", fuse=False)
     row = bench.live("ext4-128", tmp_path, renewals=60, delay_s=0.0)
     assert row["takeovers_of_a_live_holder"] == 0 and row["holder_renewals_seen"] >= 40, row
+
+
+def test_etcd_killed_ends_the_holder_and_the_standby_takes_over_once_it_is_back(tmp_path: Path) -> None:
+    need("etcd", fuse=False)
+    row = bench.store_fails("etcd", tmp_path, etcd_down_s=3.0)
+    assert row["exit_code"] == EXIT_LEASE_STORE, row
+    assert row["failure_to_exit_s"] < 2 * bench.DEFAULT_LEASE_S + 0.5, row
+    back = row["failure_to_standby_answer_s"]
+    assert back is not None and back - row["etcd_down_s"] < TARGET_S, row  # taken over once etcd answers
+
+
+@pytest.mark.scenario
+def test_etcd_holds_a_live_holder_survives_a_stalled_etcd_and_fails_a_stopped_holder_over(tmp_path: Path) -> None:
+    need("etcd", fuse=False)
+    (tmp_path / "live").mkdir()
+    row = bench.live("etcd", tmp_path / "live", renewals=40, delay_s=0.0)
+    assert row["takeovers_of_a_live_holder"] == 0 and row["holder_renewals_seen"] >= 30, row
+    assert row["sigstop_to_standby_answer_s"] is not None and row["sigstop_to_standby_answer_s"] < TARGET_S, row
+    (tmp_path / "stall").mkdir()
+    row = bench.stall("etcd", tmp_path / "stall", stall_s=0.5)
+    assert row["connections_dropped"] == 0 and row["replicas_evicted"] == 0 and not row["took_over"], row

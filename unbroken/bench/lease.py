@@ -48,16 +48,27 @@ from unbroken.bench.output import publish
 from unbroken.control.lease import EXIT_LEASE_STORE, LeaseFiles
 from unbroken.launch.workers import free_port
 
-FILESYSTEMS = ("ext4-128", "vfat", "tmp")
+FILESYSTEMS = ("ext4-128", "vfat", "tmp", "etcd")  # etcd: the lease in a real etcd, the state on tmp
 TAKEOVER_TARGET_S = 2.0
 DEFAULT_LEASE_S, DEFAULT_RENEW_S = 1.0, 0.25
 
 
 def missing_tools(fs: str, fuse: bool) -> str | None:
     """Why this machine cannot run ``fs`` (None: it can)."""
-    if os.geteuid() != 0 and (fs != "tmp" or fuse):
+    if fs == "etcd":
+        fuse = False
+        try:
+            import etcd3gw  # noqa: F401
+        except ImportError:
+            return "missing etcd3gw (pip install 'unbroken[etcd]')"
+    if os.geteuid() != 0 and (fs not in ("tmp", "etcd") or fuse):
         return "needs root (loop mounts and FUSE)"
-    need = {"ext4-128": ["mkfs.ext4", "losetup"], "vfat": ["mkfs.vfat", "fusefat", "fusermount3"], "tmp": []}[fs]
+    need = {
+        "ext4-128": ["mkfs.ext4", "losetup"],
+        "vfat": ["mkfs.vfat", "fusefat", "fusermount3"],
+        "tmp": [],
+        "etcd": ["etcd"],
+    }[fs]
     if fuse:
         need.append("fusermount3")
     path = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
@@ -75,6 +86,79 @@ def missing_tools(fs: str, fuse: bool) -> str | None:
 def _run(*cmd: str) -> None:
     env = {**os.environ, "PATH": os.environ.get("PATH", "") + ":/usr/sbin:/sbin"}
     subprocess.run(cmd, check=True, capture_output=True, env=env, timeout=60)
+
+
+class EtcdServer:
+    """A real single-member etcd (Debian's etcd-server) on loopback, in ``work``: started,
+    killed (SIGKILL), stopped (SIGSTOP) and restarted on the same data by the scenarios."""
+
+    def __init__(self, work: Path) -> None:
+        self.work, self.port, self.peer = work, free_port(), free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"etcd://127.0.0.1:{self.port}/bench"
+
+    def start(self) -> None:
+        c, p = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.peer}"
+        argv = ["etcd", "--name", "bench", "--data-dir", str(self.work / "etcd-data"), "--listen-client-urls", c]
+        argv += ["--advertise-client-urls", c, "--listen-peer-urls", p, "--initial-advertise-peer-urls", p]
+        argv += ["--initial-cluster", f"bench={p}", "--log-level", "warn"]
+        with open(self.work / "etcd.log", "ab") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        from unbroken.control.lease_etcd import LeaseEtcd
+
+        store = LeaseEtcd(self.url)
+        wait_for(lambda: _answers(store), 30, "etcd to serve")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+
+def _answers(store: Any) -> bool:
+    try:
+        store.terms()
+    except OSError:
+        return False
+    return True
+
+
+@dataclasses.dataclass
+class Where:
+    """Where a scenario's coordinators keep their state and lease."""
+
+    state: Path
+    control: Path | None = None  # the faultfs control file (a FUSE layer)
+    etcd: EtcdServer | None = None
+
+    @property
+    def args(self) -> list[str]:
+        return ["--lease-store", self.etcd.url] if self.etcd is not None else []
+
+
+@contextlib.contextmanager
+def placed(fs: str, work: Path, fuse: bool) -> Iterator[Where]:
+    """The state directory (and the lease's etcd) of a scenario on ``fs``; cleaned up after."""
+    if fs != "etcd":
+        with mounted(fs, work, fuse) as (state, control):
+            yield Where(state, control)
+        return
+    etcd = EtcdServer(work)
+    etcd.start()
+    try:
+        state = work / "state"
+        state.mkdir()
+        yield Where(state, None, etcd)
+    finally:
+        etcd.signal(signal.SIGCONT)
+        etcd.kill()
 
 
 @contextlib.contextmanager
@@ -160,11 +244,11 @@ class Pair:
                 p.wait()
 
 
-def start_pair(state: Path, work: Path, lease_s: float = DEFAULT_LEASE_S, renew_s: float = DEFAULT_RENEW_S) -> Pair:
+def start_pair(where: Where, work: Path, lease_s: float = DEFAULT_LEASE_S, renew_s: float = DEFAULT_RENEW_S) -> Pair:
     """Starts the active coordinator, waits for its lease, then starts the standby."""
     ports = (free_port(), free_port())
-    common = ["--replicas", "2", "--min-replicas", "1", "--state-dir", str(state), "--lease", str(lease_s)]
-    common += ["--lease-renew", str(renew_s), "--host", "127.0.0.1"]
+    common = ["--replicas", "2", "--min-replicas", "1", "--state-dir", str(where.state), "--lease", str(lease_s)]
+    common += ["--lease-renew", str(renew_s), "--host", "127.0.0.1", *where.args]
     logs = (work / "active.log", work / "standby.log")
     procs = []
     for i, extra in enumerate(([], ["--standby"])):
@@ -219,16 +303,25 @@ def answers_status(port: int, state: Path, timeout: float) -> float | None:
     return asyncio.run(ask())
 
 
+def _store(where: Where) -> Any:
+    if where.etcd is not None:
+        from unbroken.control.lease_etcd import LeaseEtcd
+
+        return LeaseEtcd(where.etcd.url)
+    return LeaseFiles(where.state)
+
+
 def live(fs: str, work: Path, *, renewals: int, delay_s: float) -> dict[str, Any]:
     """A live holder for ``renewals`` renewal periods (takeovers must be 0), then SIGSTOP."""
-    with mounted(fs, work, fuse=delay_s > 0) as (state, control):
-        if control is not None:
-            write_faults(control, Faults(delay_s=delay_s))
-        pair = start_pair(state, work)
+    with placed(fs, work, fuse=delay_s > 0 and fs != "etcd") as where:
+        state = where.state
+        if where.control is not None:
+            write_faults(where.control, Faults(delay_s=delay_s))
+        pair = start_pair(where, work)
         try:
             time.sleep(renewals * DEFAULT_RENEW_S)
             takeovers = int(pair.said("standby", "taking over")) + int(pair.active.poll() is not None)
-            newest = LeaseFiles(state).newest()
+            newest = _store(where).newest()
             seq = newest.seq if newest is not None else None
             stopped = time.monotonic()
             os.kill(pair.active.pid, signal.SIGSTOP)
@@ -248,21 +341,29 @@ def live(fs: str, work: Path, *, renewals: int, delay_s: float) -> dict[str, Any
         }
 
 
-def store_fails(fs: str, work: Path) -> dict[str, Any]:
-    """The active's lease calls fail with EIO from an instant on."""
-    with mounted(fs, work, fuse=True) as (state, control):
-        assert control is not None
-        pair = start_pair(state, work)
+def store_fails(fs: str, work: Path, etcd_down_s: float = 3.0) -> dict[str, Any]:
+    """The active's lease calls fail with EIO from an instant on (on etcd: the server is killed,
+    and started again ``etcd_down_s`` later, when the standby may take over)."""
+    with placed(fs, work, fuse=True) as where:
+        state = where.state
+        pair = start_pair(where, work)
         try:
             time.sleep(2.0)
             failed = time.monotonic()
-            # Every call of the active's on the store (its lease and its state), not its standby's.
-            write_faults(control, Faults(errno="EIO", pids=(pair.active.pid,)))
+            if where.etcd is not None:
+                where.etcd.kill()
+            else:
+                assert where.control is not None
+                # Every call of the active's on the store (its lease and its state), not its standby's.
+                write_faults(where.control, Faults(errno="EIO", pids=(pair.active.pid,)))
             try:
                 code = pair.active.wait(15)
             except subprocess.TimeoutExpired:
                 code = None
             exited = time.monotonic()
+            if where.etcd is not None:
+                time.sleep(max(0.0, etcd_down_s - (exited - failed)))
+                where.etcd.start()
             answered = answers_status(pair.ports[1], state, 15.0)
         finally:
             pair.stop()
@@ -272,6 +373,7 @@ def store_fails(fs: str, work: Path) -> dict[str, Any]:
             "exit_code_expected": EXIT_LEASE_STORE,
             "failure_to_exit_s": round(exited - failed, 3),
             "failure_to_standby_answer_s": None if answered is None else round(answered - failed, 3),
+            **({"etcd_down_s": etcd_down_s} if where.etcd is not None else {}),
         }
 
 
@@ -280,9 +382,9 @@ def stall(fs: str, work: Path, stall_s: float = 0.5) -> dict[str, Any]:
     from unbroken.control import protocol
     from unbroken.control import secret_file as secrets
 
-    with mounted(fs, work, fuse=True) as (state, control):
-        assert control is not None
-        pair = start_pair(state, work)
+    with placed(fs, work, fuse=True) as where:
+        state, control, etcd = where.state, where.control, where.etcd
+        pair = start_pair(where, work)
         secret, _ = secrets.kept(state)
 
         async def members() -> dict[str, Any]:
@@ -309,7 +411,13 @@ def stall(fs: str, work: Path, stall_s: float = 0.5) -> dict[str, Any]:
 
             tasks = [asyncio.ensure_future(f(link)) for link in links for f in (beat, read)]
             await asyncio.sleep(2.0)
-            write_faults(control, Faults(stall_until=time.time() + stall_s))
+            if etcd is not None:  # the lease's store stops answering: etcd stopped, not killed
+                etcd.signal(signal.SIGSTOP)
+                await asyncio.sleep(stall_s)
+                etcd.signal(signal.SIGCONT)
+            else:
+                assert control is not None
+                write_faults(control, Faults(stall_until=time.time() + stall_s))
             await asyncio.sleep(stall_s + 3.0)
             for t in tasks:
                 t.cancel()
@@ -357,6 +465,8 @@ def lease(
             ]
             for name, fuse, run in scenarios:
                 why = missing_tools(fs, fuse)
+                if fs == "etcd" and name == "live_slow":
+                    why = "no latency layer for etcd's network here (its stall is in `stall`)"
                 if why is not None:
                     rows.append({"scenario": name, "filesystem": fs, "skipped": why})
                     continue

@@ -73,14 +73,15 @@ async def _serve(
     standby: bool = False,
     lease_s: float = lease.DEFAULT_LEASE_S,
     renew_s: float = lease.DEFAULT_RENEW_S,
+    files: lease.LeaseStore | None = None,
 ) -> int:
     """Serves until SIGINT/SIGTERM (0), or until the lease went to another coordinator
-    (:data:`STEPPED_DOWN`)."""
+    (:data:`STEPPED_DOWN`), or its store failed (:data:`~unbroken.control.lease.EXIT_LEASE_STORE`)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    files = lease.LeaseFiles(settings.state_dir)
+    files = lease.LeaseFiles(settings.state_dir) if files is None else files
     listening = presaid = None
     if standby:
         presaid = PreSaid(settings.host)
@@ -88,9 +89,7 @@ async def _serve(
         click.echo(f"standby: waiting for the active coordinator on {settings.state_dir} to stop", err=True)
         given_up = threading.Event()
         waiting = asyncio.ensure_future(
-            asyncio.to_thread(
-                lease.wait_for_takeover, settings.state_dir, given_up, lease_s, files=files, renew_s=renew_s
-            )
+            asyncio.to_thread(lease.wait_for_takeover, settings.state_dir, given_up, lease_s, files=files)
         )
         stopping = asyncio.ensure_future(stop.wait())
         await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -217,13 +216,25 @@ async def _watch_store(keeper: lease.LeaseKeeper, every_s: float, stop: asyncio.
     stop.set()
 
 
-def _fit_lease(state_dir: Path, lease_s: float, renew_s: float) -> tuple[float, float]:
-    """Refuses a state directory whose mount cannot hold a lease; widens the lease on a slow one,
-    saying why (a standby's periods must be the same: it widens too, on the same store)."""
-    mount = lease.mount_of(state_dir)
-    if mount is not None and (problem := lease.mount_problem(*mount)) is not None:
-        raise ValueError(problem)
-    probe = lease.LeaseFiles(state_dir).probe()
+def lease_store(url: str, state_dir: Path) -> lease.LeaseStore:
+    """The store ``--lease-store`` names: ``file`` (the state directory) or ``etcd://HOST:PORT/NAME``."""
+    if url == "file":
+        return lease.LeaseFiles(state_dir)
+    if url.startswith("etcd://"):
+        from unbroken.control.lease_etcd import LeaseEtcd
+
+        return LeaseEtcd(url)
+    raise ValueError(f"--lease-store {url!r}: write file, or etcd://HOST:PORT/NAME")
+
+
+def _fit_lease(store: lease.LeaseStore, state_dir: Path, lease_s: float, renew_s: float) -> tuple[float, float]:
+    """Refuses a state directory whose mount cannot hold a lease; widens the lease on a slow store,
+    saying why (a standby widens too, on the same store; its record tells others its periods)."""
+    if isinstance(store, lease.LeaseFiles):
+        mount = lease.mount_of(state_dir)
+        if mount is not None and (problem := lease.mount_problem(*mount)) is not None:
+            raise ValueError(problem)
+    probe = store.probe()
     lease_s, renew_s, why = lease.fit_to_store(lease_s, renew_s, probe.latency_s)
     if why is not None:
         click.echo(f"lease: {why}", err=True)
@@ -343,6 +354,15 @@ def job_health_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     show_default=True,
     help="Seconds between renewals of the lease (at most half of --lease).",
 )
+@click.option(
+    "--lease-store",
+    "lease_store_url",
+    default="file",
+    show_default=True,
+    metavar="file|etcd://HOST:PORT/NAME",
+    help="Where the lease lives: the state directory (file), or an etcd cluster under the job's NAME "
+    "(needs the [etcd] extra; the state directory stays on the shared filesystem).",
+)
 def coordinator(
     fatal_epochs: int,
     no_progress_timeout: float,
@@ -361,6 +381,7 @@ def coordinator(
     standby: bool,
     lease_s: float,
     renew_s: float,
+    lease_store_url: str,
 ) -> None:
     """Serve membership and quorum epochs for a job; state persists in --state-dir."""
     try:
@@ -387,8 +408,9 @@ def coordinator(
         secret, path = found if found is not None else secrets.kept(state_dir)
         event_loop.pace_gc_for_a_server()
         lease.check_periods(lease_s, renew_s)
-        lease_s, renew_s = _fit_lease(state_dir, lease_s, renew_s)
-        code = event_loop.run(_serve(settings, secret, path, http_port, standby, lease_s, renew_s))
+        store = lease_store(lease_store_url, state_dir)
+        lease_s, renew_s = _fit_lease(store, state_dir, lease_s, renew_s)
+        code = event_loop.run(_serve(settings, secret, path, http_port, standby, lease_s, renew_s, store))
     except (ValueError, OSError) as e:
         raise click.UsageError(str(e)) from e
     if code:

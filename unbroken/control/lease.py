@@ -130,6 +130,12 @@ def store_gives_up_after(lease_s: float, renew_s: float) -> float:
     return lease_s + renew_s
 
 
+def standby_gives_up_after(lease_s: float) -> float:
+    """How long a standby's store may fail before it exits: longer than a holder's (it answers
+    nothing meanwhile, and once the store is back it may be the one to take over), still bounded."""
+    return max(30.0, 10 * lease_s)
+
+
 class LeaseStoreFailed(RuntimeError):
     """The lease store failed for longer than :func:`store_gives_up_after`: exit, be restarted."""
 
@@ -259,6 +265,8 @@ class LeaseStore(Protocol):
     def claim(self, lease: Lease) -> bool: ...
 
     def renew(self, lease: Lease) -> None: ...
+
+    def probe(self, rounds: int = 5) -> StoreProbe: ...
 
 
 class LeaseFiles:
@@ -532,13 +540,15 @@ def wait_for_takeover(
     poll_s: float = 0.02,
     clock: Callable[[], float] = time.monotonic,
     files: LeaseStore | None = None,
-    renew_s: float = DEFAULT_RENEW_S,
+    gives_up_s: float | None = None,
 ) -> Takeover | None:
     """A standby's wait: returns once the active coordinator's process is gone (its lock is
     free) or its lease lapsed (it hangs); None once ``stop`` is set.
 
     A store that fails restarts the count (not knowing is no reason to take over) and is
-    retried; failing for longer than :func:`store_gives_up_after` raises LeaseStoreFailed."""
+    retried; failing for longer than ``gives_up_s`` (:func:`standby_gives_up_after`) raises
+    LeaseStoreFailed."""
+    gives_up_s = standby_gives_up_after(lease_s) if gives_up_s is None else gives_up_s
     store: LeaseStore = LeaseFiles(state_dir) if files is None else files
     Path(state_dir).mkdir(parents=True, exist_ok=True)
     watch = Watch()
@@ -575,7 +585,7 @@ def wait_for_takeover(
             watch = Watch()
             if failures & (failures - 1) == 0:
                 log.warning("standby: cannot read the lease in %s: %s (%d failure(s))", store.where, e, failures)
-            if now - failing_since >= store_gives_up_after(lease_s, renew_s):
+            if now - failing_since >= gives_up_s:
                 raise LeaseStoreFailed(
                     f"the lease store {store.where} failed for {now - failing_since:.1f}s ({failures} errors, "
                     f"the last: {e})"

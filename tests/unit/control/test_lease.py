@@ -247,7 +247,7 @@ def test_a_standby_never_takes_over_on_a_failing_store_and_gives_up_past_the_bou
         assert store.claim(lease(1, holder="active"))
         store.failing = True
         with pytest.raises(LeaseStoreFailed, match="failed for"):
-            wait_for_takeover(tmp_path, threading.Event(), lease_s=0.2, poll_s=0.01, files=store, renew_s=0.05)
+            wait_for_takeover(tmp_path, threading.Event(), lease_s=0.2, poll_s=0.01, files=store, gives_up_s=0.3)
         assert store.inner.terms() == [1]  # no claim: not knowing is no reason to take over
     finally:
         os.close(lock)
