@@ -78,3 +78,18 @@ def test_etcd_holds_a_live_holder_survives_a_stalled_etcd_and_fails_a_stopped_ho
     (tmp_path / "stall").mkdir()
     row = bench.stall("etcd", tmp_path / "stall", stall_s=0.5)
     assert row["connections_dropped"] == 0 and row["replicas_evicted"] == 0 and not row["took_over"], row
+
+
+@pytest.mark.scenario
+@pytest.mark.parametrize("store", ["tmp", "etcd"])
+def test_forced_takeovers_never_let_two_coordinators_answer(tmp_path: Path, store: str) -> None:
+    need(store, fuse=False)
+    row = bench.forced_takeovers(store, tmp_path, takeovers=5)
+    assert row["answers_of_an_older_term"] == 0 and row["clients_terms_in_order"], row
+    assert row["stepped_down"] == 5 and row["missed_takeovers"] == 0 and not row["client_errors"], row
+    assert len(row["terms_answered_in"]) >= 5, row  # answered in each term: the clients followed
+
+
+def test_answers_out_of_term_order_are_counted() -> None:
+    assert bench.terms_out_of_order([(0.0, 1), (1.0, 2), (2.0, 2), (3.0, 3)]) == 0
+    assert bench.terms_out_of_order([(0.0, 1), (2.0, 1), (1.0, 2), (3.0, 3)]) == 1  # term 1 answered after 2

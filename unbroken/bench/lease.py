@@ -442,15 +442,127 @@ def stall(fs: str, work: Path, stall_s: float = 0.5) -> dict[str, Any]:
         }
 
 
+def terms_out_of_order(answers: list[tuple[float, int | None]]) -> int:
+    """How many answers came from an older term than one answered before them (all clients'
+    answers in the order they arrived): each is an instant two coordinators answered."""
+    newest, bad = -1, 0
+    for _, term in sorted(answers, key=lambda a: a[0]):
+        t = -1 if term is None else term
+        if t < newest:
+            bad += 1
+        newest = max(newest, t)
+    return bad
+
+
+def forced_takeovers(fs: str, work: Path, takeovers: int, replicas: int = 2) -> dict[str, Any]:
+    """``takeovers`` times: the active is stopped (SIGSTOP) until its standby takes over, then
+    woken (it must step down) and restarted as the new standby. Meanwhile ``replicas`` real
+    clients ask a quorum per step through both addresses; every answer's term is recorded."""
+    import threading
+
+    from unbroken.control import secret_file as secrets
+    from unbroken.control.client import CoordinatorClient
+
+    with placed(fs, work, fuse=False) as where:
+        pair = start_pair(where, work)
+        secret, _ = secrets.kept(where.state)
+        addresses = ",".join(f"127.0.0.1:{p}" for p in pair.ports)
+        answers: list[tuple[float, int | None]] = []
+        per_client: list[list[int | None]] = [[] for _ in range(replicas)]
+        done = threading.Event()
+        errors: list[str] = []
+
+        def ask(replica: int) -> None:
+            hello = {"replica": replica, "rank": 0, "world_size": 1, "transfer_addr": ""}
+            client = CoordinatorClient(addresses, secret, hello, heartbeat_s=0.1, reconnect_timeout_s=60)
+            step = 0
+            try:
+                while not done.is_set():
+                    got = client.request_quorum(step).result(timeout=60)
+                    answers.append((time.monotonic(), got.get("term")))
+                    per_client[replica].append(got.get("term"))
+                    step = int(got["decision"]["step"]) + 1
+                    time.sleep(0.02)
+            except Exception as e:  # a client that stops answering is the scenario's failure
+                errors.append(f"replica {replica}: {type(e).__name__}: {e}")
+            finally:
+                client.close(finished=False)
+
+        threads = [threading.Thread(target=ask, args=(r,), daemon=True) for r in range(replicas)]
+        for t in threads:
+            t.start()
+        takeover_s, stepped_down, procs = [], 0, []
+        active, standby = pair.active, pair.standby
+        ports = list(pair.ports)
+        try:
+            for i in range(takeovers):
+                time.sleep(1.0)
+                t0 = time.monotonic()
+                os.kill(active.pid, signal.SIGSTOP)
+                answered = answers_status(ports[1], where.state, 15.0)
+                takeover_s.append(None if answered is None else answered - t0)
+                os.kill(active.pid, signal.SIGCONT)
+                stepped_down += int(active.wait(15) == 75)
+                log = work / f"standby-{i}.log"
+                common = ["--replicas", str(replicas), "--min-replicas", "1", "--state-dir", str(where.state)]
+                common += ["--host", "127.0.0.1", *where.args, "--port", str(ports[0]), "--standby"]
+                with open(log, "wb") as f:
+                    fresh = subprocess.Popen(
+                        [sys.executable, "-m", "unbroken", "coordinator", *common], stdout=f, stderr=subprocess.STDOUT
+                    )
+                procs.append(fresh)
+                wait_for(lambda log=log: "standby: waiting" in log.read_text(errors="replace"), 30, "a new standby")
+                active, standby = standby, fresh
+                ports.reverse()
+            time.sleep(1.0)
+        finally:
+            done.set()
+            for t in threads:
+                t.join(70)
+            for p in (active, standby, *procs):
+                if p.poll() is None:
+                    os.kill(p.pid, signal.SIGCONT)
+                    p.terminate()
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        p.wait(15)
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            pair.stop()
+        ok = sorted(s for s in takeover_s if s is not None)
+        return {
+            "filesystem": fs,
+            "takeovers": takeovers,
+            "answers": len(answers),
+            "answers_of_an_older_term": terms_out_of_order(answers),
+            "clients_terms_in_order": all(
+                [t or 0 for t in terms] == sorted(t or 0 for t in terms) for terms in per_client
+            ),
+            "stepped_down": stepped_down,
+            "takeover_s_p50": round(ok[len(ok) // 2], 3) if ok else None,
+            "takeover_s_max": round(ok[-1], 3) if ok else None,
+            "missed_takeovers": len(takeover_s) - len(ok),
+            "terms_answered_in": sorted({t for _, t in answers if t is not None}),
+            "client_errors": errors[:5],
+        }
+
+
 @click.command("lease")
 @click.option("--filesystem", "filesystems", multiple=True, type=click.Choice(FILESYSTEMS), default=FILESYSTEMS)
 @click.option("--renewals", default=200, show_default=True, help="How long the live holder runs, in renewals.")
 @click.option("--delay-ms", default=5.0, show_default=True, help="Latency added to every call (FUSE).")
+@click.option("--takeovers", default=100, show_default=True, help="Forced takeovers per store (0: none).")
 @click.option("--work-dir", type=click.Path(path_type=Path), default=None, help="Default: a temporary directory.")
 @click.option("--out", default="runs/bench/lease.json", show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def lease(
-    filesystems: tuple[str, ...], renewals: int, delay_ms: float, work_dir: Path | None, out: str, as_json: bool
+    filesystems: tuple[str, ...],
+    renewals: int,
+    delay_ms: float,
+    takeovers: int,
+    work_dir: Path | None,
+    out: str,
+    as_json: bool,
 ) -> None:
     """The lease on real filesystems: no takeover of a live holder, exits on store failures, stalls."""
     rows: list[dict[str, Any]] = []
@@ -463,6 +575,10 @@ def lease(
                 ("store_fails", True, functools.partial(store_fails, fs)),
                 ("stall", True, functools.partial(stall, fs)),
             ]
+            if takeovers:
+                scenarios.append(
+                    ("forced_takeovers", False, functools.partial(forced_takeovers, fs, takeovers=takeovers))
+                )
             for name, fuse, run in scenarios:
                 why = missing_tools(fs, fuse)
                 if fs == "etcd" and name == "live_slow":

@@ -56,6 +56,11 @@ class OutOfStep(ConnectionError):
     """A short quorum answer this connection cannot complete: it is dropped, and re-asks in full."""
 
 
+class StaleTerm(OutOfStep):
+    """A welcome from a coordinator whose lease term is older than one this client was answered
+    in already (a replaced coordinator that still listens): its connection is dropped unheard."""
+
+
 class QuorumClient(Protocol):
     """What a replica's training loop (:class:`~unbroken.train.manager.Manager`) uses of its
     coordinator connection: :class:`CoordinatorClient` is the one implementation, and every
@@ -142,6 +147,8 @@ class CoordinatorClient:
         # a standby's address to try, the coordinator is taken as hung and the next one tried.
         self._quiet_since = 0.0
         self._hop = False
+        self.term: int | None = None  # the newest lease term a coordinator welcomed this client in
+        self._conn_term: int | None = None  # the term of the connection served now (its welcome's)
         self.coordinator_silent_s = COORDINATOR_SILENT_S
         self.silence = SilenceWatch()  # gaps long enough for the coordinator to have evicted us
         self._reading = threading.Lock()  # held from a read until its lines are handled (drain)
@@ -299,6 +306,7 @@ class CoordinatorClient:
                 return
             sock, session = connected
             self._last_answer = None  # a short answer completes only one from the same connection
+            self._conn_term = None  # until its welcome says
             with self._lock:
                 self._pushed = None  # the next request goes to this connection's coordinator
                 self._sock, self._session = sock, session
@@ -394,6 +402,15 @@ class CoordinatorClient:
         op = msg["op"]
         if op == protocol.Welcome.OP:
             welcome = protocol.Welcome.from_msg(msg)
+            if welcome.term is not None:
+                if self.term is not None and welcome.term < self.term:
+                    self._hop = True  # the next address first: this one was replaced
+                    raise StaleTerm(
+                        f"the coordinator at {self.host}:{self.port} holds term {welcome.term}, older than "
+                        f"term {self.term} this client was answered in"
+                    )
+                self.term = welcome.term
+            self._conn_term = welcome.term
             self.store_address = welcome.store
             if welcome.heartbeat_s is not None:  # the coordinator's pace for a job of its size
                 self.heartbeat_s = min(max(welcome.heartbeat_s, MIN_HEARTBEAT_S), MAX_HEARTBEAT_S)
@@ -423,7 +440,7 @@ class CoordinatorClient:
             msg = protocol.expand_answer(msg, self._last_answer)
         except ValueError as e:
             raise OutOfStep(str(e)) from e
-        msg = {**msg, "decision": listed_decision(msg.get("decision"))}
+        msg = {**msg, "decision": listed_decision(msg.get("decision")), "term": self._conn_term}
         self._last_answer = msg
         self.epoch = protocol.count(msg["decision"], "epoch")
         store = msg.get("store", self.store_address)
@@ -445,6 +462,7 @@ class CoordinatorClient:
             "decision": decision,
             "transfer_addrs": push.transfer_addrs,
             "store": push.store,
+            "term": self._conn_term,
         }
         self._last_answer = answer  # the short answers of this epoch complete from it
         self.epoch = protocol.count(decision, "epoch")

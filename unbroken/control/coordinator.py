@@ -114,6 +114,8 @@ class Coordinator:
             (:meth:`ConnectionServer.hold`): served from :meth:`start` on, instead of a new listener.
         presaid: the node hellos said to that standby beforehand: registered in :meth:`start`,
             before any line is read.
+        term: the lease term held (said in every welcome: clients drop older terms); None
+            without a lease.
     """
 
     TICK_S = 0.05
@@ -128,6 +130,7 @@ class Coordinator:
         held_by_lease: bool = False,
         listening: tuple[ConnectionServer[Any, Any], asyncio.base_events.Server] | None = None,
         presaid: PreSaid | None = None,
+        term: int | None = None,
     ) -> None:
         if not isinstance(secret, JobSecret):
             raise TypeError("the coordinator needs the job's JobSecret (there is no unauthenticated mode)")
@@ -135,6 +138,7 @@ class Coordinator:
         self.secret = secret
         policy = parse_policy(settings.anomaly_policy or anomaly_policy())
         self.fence = fence or (lambda: True)
+        self.term = term  # the lease's term, said in every welcome (the clients' fencing token)
         self.fenced_off = 0  # messages and ticks left unanswered because the lease was not valid
         self.store = StateStore(
             settings.state_dir, settings.journal_mode, settings.keep_events, lock_fd=lock_fd, fenced=held_by_lease
@@ -295,7 +299,9 @@ class Coordinator:
             adopted = self._presaid.adopt(self.nodes, self.connections.speaking, self._claim_stands, died)
         self.connections.open_to(self._dispatch, self._closed, adopted)
 
-    async def stop(self) -> None:
+    async def stop(self, abort: bool = False) -> None:
+        """Stops serving; ``abort``: it stepped down (its lease lost or its store failed), and
+        what is queued to its connections is dropped, not sent."""
         for task in list(self._closing_fenced):
             task.cancel()
         if self._tick_task:
@@ -304,7 +310,7 @@ class Coordinator:
                 await self._tick_task
         if self._server:
             self._server.close()
-            self.connections.close_all()
+            self.connections.close_all(abort=abort)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
         if self._persisting is not None:
@@ -555,7 +561,7 @@ class Coordinator:
         and the heartbeat plan stand (a standby taking over welcomes every rank of the job at once)."""
         key = (store, self.quorum.epoch, self.beat.period_s, self.beat.timeout_s)
         if self._welcomes[0] != key:
-            welcome = protocol.Welcome(store=store, epoch=key[1], heartbeat_s=key[2], timeout_s=key[3])
+            welcome = protocol.Welcome(store=store, epoch=key[1], heartbeat_s=key[2], timeout_s=key[3], term=self.term)
             self._welcomes = (key, protocol.welcome_payload(welcome))
         return self._welcomes[1]
 

@@ -142,6 +142,7 @@ async def _serve(
         held_by_lease=lock_fd is None,
         listening=listening,
         presaid=presaid,
+        term=claimed.term,
     )
     keeper.start()
     settling = None
@@ -184,7 +185,7 @@ async def _serve(
     if server is not None:
         server.close()
     try:
-        await coordinator.stop()
+        await coordinator.stop(abort=lost.is_set() or keeper.gave_up())
     except OSError as e:  # its state lives on the store that failed: what it could not write is lost anyway
         if not keeper.gave_up():
             raise

@@ -353,6 +353,10 @@ class Welcome:
     epoch: int
     heartbeat_s: float | None  # the period the rank must heartbeat at (it grows with the job's size)
     timeout_s: float | None  # silence after which the coordinator evicts a replica
+    # The coordinator's lease term (its fencing token; None: a coordinator without a lease, inside
+    # `unbroken run`). Every line on the connection is that term's: a client that saw a higher
+    # term drops the connection, so no answer of a replaced coordinator is taken after a newer one.
+    term: int | None = None
 
     @classmethod
     def from_msg(cls, msg: Message) -> Welcome:
@@ -363,16 +367,20 @@ class Welcome:
             epoch=count(msg, "epoch", 0),
             heartbeat_s=seconds(msg, "heartbeat_s", None),
             timeout_s=seconds(msg, "timeout_s", None),
+            term=None if msg.get("term") is None else count(msg, "term"),
         )
 
     def to_msg(self) -> Message:
-        return {
+        msg: Message = {
             "op": self.OP,
             "store": self.store,
             "epoch": self.epoch,
             "heartbeat_s": self.heartbeat_s,
             "timeout_s": self.timeout_s,
         }
+        if self.term is not None:
+            msg["term"] = self.term
+        return msg
 
 
 @dataclasses.dataclass(frozen=True)

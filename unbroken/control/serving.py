@@ -127,9 +127,14 @@ class ConnectionServer(Generic[C, A]):
             if not waiting.done():
                 waiting.set_result(True)
 
-    def close_all(self) -> None:
+    def close_all(self, abort: bool = False) -> None:
+        """Closes every connection; ``abort``: drops what is queued to them unsent (a coordinator
+        that lost its lease: nothing it said before stepping down may leave after)."""
         for writer in list(self.open):
-            writer.close()
+            if abort:
+                writer.transport.abort()
+            else:
+                writer.close()
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # Until its ticket shows a key holder, a connection counts only against the budget of

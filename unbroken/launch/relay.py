@@ -65,6 +65,7 @@ from typing import Any
 
 from unbroken import config as env
 from unbroken.control import protocol
+from unbroken.control.client import StaleTerm
 from unbroken.control.grants import Grant
 from unbroken.control.messages import MAX_NODE_RANKS
 from unbroken.control.quorum import QuorumDecision, push_answers
@@ -145,6 +146,7 @@ class RelayBook:
         self.store = store  # the rendezvous store the agent hosts, said in every node_hello
         self.ranks: dict[Slot, RankLine] = {}
         self.heartbeat_s = DEFAULT_HEARTBEAT_S
+        self.term: int | None = None  # the newest lease term a coordinator welcomed this node's ranks in
         self.urgent = False  # something queued must go this turn (more than telemetry)
         self.answered = 0  # requests answered here, within a grant (unbroken.control.grants)
         # What the standby was told of this node (standby_hello): each slot and the epoch it said.
@@ -300,6 +302,12 @@ class RelayBook:
             op = msg["op"]
             if op == protocol.Welcome.OP:
                 welcome = protocol.Welcome.from_msg(msg)
+                if welcome.term is not None:
+                    if self.term is not None and welcome.term < self.term:
+                        raise StaleTerm(
+                            f"a welcome of term {welcome.term}, older than term {self.term} this node was answered in"
+                        )
+                    self.term = welcome.term
                 if welcome.heartbeat_s:  # the coordinator's pace: the node beats at it too
                     self.heartbeat_s = min(max(welcome.heartbeat_s, 0.05), 5.0)
             if op == protocol.QuorumSame.OP and "decision" not in msg:
@@ -704,6 +712,12 @@ class Relay:
             if msg["op"] != protocol.NodeAnswers.OP:
                 raise ValueError(f"a node connection is answered with node_answers, not {msg['op']!r}")
             out, dropped = self.book.fan_out(protocol.NodeAnswers.from_msg(msg))
+        except StaleTerm as e:  # a replaced coordinator: nothing it says is passed on
+            log.warning("%s: leaving it", e)
+            up, self._up = self._up, None
+            if up is not None:
+                up.close()
+            return
         except (ValueError, TypeError, KeyError) as e:
             log.warning("malformed line from the coordinator skipped (%s): %.80r", e, msg)
             return

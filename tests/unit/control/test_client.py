@@ -31,14 +31,14 @@ class FakeCoordinator:
         self.conn: socket.socket | None = None
         self.session: Session | None = None
 
-    def accept(self) -> dict[str, Any]:
-        """Takes the next connection, authenticates it and answers its hello."""
+    def accept(self, term: int | None = None) -> dict[str, Any]:
+        """Takes the next connection, authenticates it and answers its hello (in lease ``term``)."""
         self.conn, _ = self.server.accept()
         self.conn.settimeout(20)
         self.session = server_handshake(self.conn, self.secret, protocol.PURPOSE)
         self.lines = self.conn.makefile("rb")
         hello = self.next("hello")
-        self.send({"op": "welcome", "store": "127.0.0.1:1", "epoch": 0})
+        self.send({"op": "welcome", "store": "127.0.0.1:1", "epoch": 0, **({"term": term} if term else {})})
         return hello
 
     def next(self, op: str) -> dict[str, Any]:
@@ -271,3 +271,29 @@ def test_a_pushed_epoch_says_which_step_follows_the_one_it_aborts() -> None:
     finally:
         client.close(finished=False)
         fake.close()
+
+
+def test_a_coordinator_of_an_older_term_is_dropped_unheard() -> None:
+    # The fencing token: once answered in term 2, nothing a term-1 coordinator says is taken (a
+    # replaced one that still listens, with an answer queued before it stepped down).
+    new, old, newer = FakeCoordinator(), FakeCoordinator(), FakeCoordinator()
+    client = CoordinatorClient(
+        f"{new.address},{old.address},{newer.address}", SECRET, HELLO, heartbeat_s=0.5, reconnect_timeout_s=20
+    )
+    try:
+        new.accept(term=2)
+        first = client.request_quorum(5)
+        new.answer(new.next("quorum"))
+        assert first.result(timeout=20)["term"] == 2 and client.term == 2
+        pending = client.request_quorum(6)
+        new.close()  # the term-2 coordinator is gone; the client tries the next address
+        old.accept(term=1)
+        old.answer({"id": 2, "step": 6})  # queued before it stepped down: must not be taken
+        newer.accept(term=3)  # the client left the old one for the next address
+        newer.answer(newer.next("quorum"))
+        got = pending.result(timeout=20)
+        assert got["term"] == 3 and got["decision"]["step"] == 6 and client.term == 3
+    finally:
+        client.close(finished=False)
+        for fake in (new, old, newer):
+            fake.close()

@@ -150,3 +150,17 @@ def test_a_goodbye_said_before_the_failover_goes_before_its_rank_s_leave() -> No
     lines = book.lines()
     assert [m["op"] for m in lines] == ["node_hello", "node_say", "node_leave"]  # finished, then gone: no eviction
     assert protocol.NodeSay.from_msg(lines[1]).says == ((0, 1, {"op": "bye"}),)
+
+
+def test_a_welcome_of_an_older_term_is_refused_and_passed_on_to_no_rank() -> None:
+    import pytest
+
+    from unbroken.control.client import StaleTerm
+
+    book, _ = announced((0, 0))
+    welcome = protocol.Welcome(store="s:1", epoch=3, heartbeat_s=None, timeout_s=None, term=4).to_msg()
+    out, _ = book.fan_out(protocol.NodeAnswers(to=((0, 0),), msgs=(welcome,)))
+    assert [m["term"] for _, m in out] == [4] and book.term == 4
+    stale = protocol.Welcome(store="s:1", epoch=3, heartbeat_s=None, timeout_s=None, term=3).to_msg()
+    with pytest.raises(StaleTerm, match="older than term 4"):
+        book.fan_out(protocol.NodeAnswers(to=((0, 0),), msgs=(stale,)))
