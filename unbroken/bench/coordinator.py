@@ -34,6 +34,7 @@ The machine is shared: timings are meaningful only when it is otherwise idle (``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -79,7 +80,12 @@ def _proc_rss_mib(pid: int) -> float:
 
 
 def _start_coordinator(
-    size: int, state_dir: Path, port: int, standby: bool, max_asks_per_s: float | None = None
+    size: int,
+    state_dir: Path,
+    port: int,
+    standby: bool,
+    max_asks_per_s: float | None = None,
+    lease_store: str = "file",
 ) -> subprocess.Popen[bytes]:
     args = [
         sys.executable,
@@ -103,6 +109,8 @@ def _start_coordinator(
     ]
     if standby:
         args.append("--standby")
+    if lease_store != "file":
+        args += ["--lease-store", lease_store]
     if max_asks_per_s is not None:
         args += ["--max-asks-per-s", str(max_asks_per_s)]
     path = [str(Path(__file__).parents[2]), config.python_path() or ""]
@@ -145,6 +153,7 @@ def run_size(
     max_asks_per_s: float | None = None,
     admit: int = 0,
     warm: bool = True,
+    lease_store: str = "file",
 ) -> dict[str, Any]:
     """One coordinator (and its standby) against ``size`` simulated groups; the figures.
 
@@ -153,7 +162,7 @@ def run_size(
     state_dir = work / f"state-{size}"
     secret, _ = secret_file.kept(state_dir)
     port = free_port()
-    active = _start_coordinator(size, state_dir, port, False, max_asks_per_s)
+    active = _start_coordinator(size, state_dir, port, False, max_asks_per_s, lease_store)
     procs: list[Any] = []
     coordinators = [active]
     try:
@@ -161,7 +170,7 @@ def run_size(
         addresses = [("127.0.0.1", port)]
         if standby:
             standby_port = free_port()
-            coordinators.append(_start_coordinator(size, state_dir, standby_port, True, max_asks_per_s))
+            coordinators.append(_start_coordinator(size, state_dir, standby_port, True, max_asks_per_s, lease_store))
             _wait_listening(coordinators[-1], work / f"coordinator-{standby_port}.log", needle="standby: waiting")
             addresses.append(("127.0.0.1", standby_port))
         ctx = multiprocessing.get_context("spawn")
@@ -417,6 +426,14 @@ def _fast_bytes(records: list[dict[str, Any]], warmup: int = 0) -> float:
     default=None,
     help="The coordinator's --max-asks-per-s (a huge value: no step grants) [default: the coordinator's].",
 )
+@click.option(
+    "--lease-store",
+    type=click.Choice(["file", "etcd"]),
+    default="file",
+    show_default=True,
+    help="Where the coordinators keep their lease: the state directory, or a real etcd the bench starts "
+    "(Debian's etcd-server, the [etcd] extra).",
+)
 @click.option("--plot", is_flag=True, help="Also draw the curves (runs/bench/coordinator.png; needs matplotlib).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on stdout.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/bench/coordinator.json"), show_default=True)
@@ -433,6 +450,7 @@ def coordinator(
     admit_steps: int | None,
     warm_standby: bool,
     max_asks_per_s: float | None,
+    lease_store: str,
     plot: bool,
     as_json: bool,
     out: Path,
@@ -455,8 +473,18 @@ def coordinator(
     if any(s < 2 for s in chosen) or client_procs < 1 or step_time <= 0 or not 0 <= jitter <= 1:
         raise click.UsageError("sizes must be >= 2, --client-procs >= 1, --step-time > 0 and --jitter within 0..1")
     rows = []
-    with tempfile.TemporaryDirectory(prefix="unbroken-bench-coord-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="unbroken-bench-coord-") as tmp, contextlib.ExitStack() as stack:
+        etcd = None
+        if lease_store == "etcd":
+            from unbroken.bench.lease import EtcdServer, missing_tools
+
+            if (why := missing_tools("etcd", fuse=False)) is not None:
+                raise click.UsageError(f"--lease-store etcd: {why}")
+            etcd = EtcdServer(Path(tmp))
+            etcd.start()
+            stack.callback(etcd.kill)
         for size in chosen:
+            store = "file" if etcd is None else etcd.url.replace("/bench", f"/bench-{size}")
             try:
                 row = run_size(
                     size,
@@ -471,6 +499,7 @@ def coordinator(
                     max_asks_per_s,
                     admit,
                     warm_standby,
+                    store,
                 )
             except RuntimeError as e:  # this size overwhelmed the machine: said, and the next one runs
                 row = {"replica_groups": size, "error": str(e)}
@@ -484,6 +513,7 @@ def coordinator(
         "admit_steps": admit,
         "warm_standby": warm_standby and nodes is not None,
         "max_asks_per_s": max_asks_per_s,
+        "lease_store": lease_store,
         "load_avg": os.getloadavg()[0],
         "sizes": rows,
     }
