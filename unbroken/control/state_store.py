@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import sqlite3
+import stat
 import threading
 import time
 from pathlib import Path
@@ -82,7 +83,7 @@ class StateStore:
             raise ValueError(f"keep_events must be >= 1 and epoch_block >= 2, got {keep_events}, {epoch_block}")
         path = Path(state_dir)
         try:
-            path.mkdir(parents=True, exist_ok=True)
+            private_dir(path)
         except OSError as e:
             raise ValueError(f"cannot create the coordinator state directory {path}: {e}") from e
         self.keep_events = keep_events
@@ -99,6 +100,7 @@ class StateStore:
         self._since_prune = keep_events  # prune at the first flush: an older run may have left many
         self.path = path / "coordinator.sqlite"
         try:
+            private_file(self.path)  # sqlite gives its -wal, -shm and -journal the database's mode
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             mode = self._db.execute(f"PRAGMA journal_mode={journal_mode.upper()}").fetchone()[0]
             if str(mode).lower() != journal_mode.lower():
@@ -298,7 +300,7 @@ def wait_for_state_dir(path: str | Path, stop: threading.Event, poll_s: float = 
     :class:`StateStore`), or None once ``stop`` is set.
     """
     directory = Path(path)
-    directory.mkdir(parents=True, exist_ok=True)
+    private_dir(directory)
     while not stop.is_set():
         try:
             return lock_state_dir(directory)
@@ -307,10 +309,37 @@ def wait_for_state_dir(path: str | Path, stop: threading.Event, poll_s: float = 
     return None
 
 
+def private_dir(path: Path) -> None:
+    """Makes ``path`` (and its parents) and leaves it 0700, whatever the umask and its mode was.
+
+    The state directory holds the job's secret, its epochs and its leases: another user on the
+    machine must not read them (nor, in a directory others may write, swap them)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        try:
+            os.chmod(path, 0o700)
+        except PermissionError:
+            raise PermissionError(
+                f"the coordinator state directory {path} is mode {stat.S_IMODE(st.st_mode):o} and belongs to "
+                f"uid {st.st_uid}, not to this user: give the coordinator a --state-dir of its own"
+            ) from None
+
+
+def private_file(path: Path) -> None:
+    """Creates ``path`` 0600 if it is missing, and leaves it 0600 if it was not."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        if stat.S_IMODE(os.fstat(fd).st_mode) != 0o600:
+            os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+
+
 def lock_state_dir(path: Path) -> int:
     """Takes ``path/coordinator.lock`` exclusively, or says who holds it."""
     lock = path / "coordinator.lock"
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
