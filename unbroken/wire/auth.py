@@ -80,15 +80,28 @@ class JobSecret:
     def generate(cls) -> JobSecret:
         return cls(secrets.token_bytes(SECRET_BYTES))
 
-    def write(self, path: str | os.PathLike[str]) -> Path:
-        """Writes the key as hex to a new file that only its owner can read (never overwrites)."""
+    def write(self, path: str | os.PathLike[str], replace: bool = False) -> Path:
+        """Writes the key as hex to a file that only its owner can read, atomically: to a temporary
+        file beside it, synced, then moved into place, so a crash or a full disk leaves the path
+        as it was (never empty or half written). Never overwrites (FileExistsError) unless
+        ``replace``."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(self._key.hex() + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(self._key.hex() + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            if replace:
+                os.replace(tmp, path)
+            else:
+                _link_new(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+        _sync_dir(path.parent)
         return path
 
     @classmethod
@@ -134,6 +147,28 @@ class JobSecret:
                 "a secret per job), or point it at the job's secret file (`--secret-file`)"
             )
         return secret
+
+
+def _link_new(tmp: Path, path: Path) -> None:
+    """``tmp`` at ``path`` too, atomically; FileExistsError if ``path`` exists."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError:  # a filesystem without hard links: not atomic against a racing writer
+        if path.exists():
+            raise FileExistsError(f"{path} exists already") from None
+        os.replace(tmp, path)
+
+
+def _sync_dir(directory: Path) -> None:
+    """Makes a rename in ``directory`` durable (best effort: some filesystems refuse)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 class Session:
