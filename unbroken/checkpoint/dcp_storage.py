@@ -54,7 +54,7 @@ from unbroken.checkpoint.dcp_layout import (
     write_checksums,
 )
 from unbroken.checkpoint.manifest import parse_step_dir, step_dir_name
-from unbroken.wire.objects import UnsafeObjectError
+from unbroken.wire.objects import UnsafeObjectError, check_shape
 
 
 @dataclass(frozen=True)
@@ -259,6 +259,10 @@ _METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
 )
 
 
+# A ``.metadata`` holds a few hundred bytes per tensor shard: a million shards fit.
+MAX_METADATA_BYTES = 1 << 30
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _METADATA_GLOBALS:
@@ -278,9 +282,14 @@ def load_metadata(blob: bytes, file: str = METADATA_FILE) -> Metadata:
     """DCP's ``.metadata`` (a pickle, as plain DCP writes it) through an allow-list unpickler:
     whoever can write the checkpoint directory must not get to run code in the job.
 
+    Nor to spend the job's time: its shape is bounded first, as a skeleton's is
+    (:func:`~unbroken.wire.objects.check_shape`: depth, items through shared references, size).
+
     Raises:
-        UnsafeObjectError: a global outside the allow-list, or not a valid pickle of a Metadata.
+        UnsafeObjectError: a global outside the allow-list, a shape past the bounds, or not a
+            valid pickle of a Metadata.
     """
+    check_shape(blob, f"the checkpoint's {file}", MAX_METADATA_BYTES)
     try:
         metadata = _MetadataUnpickler(io.BytesIO(blob)).load()
     except UnsafeObjectError:
