@@ -77,3 +77,22 @@ def test_a_metadata_built_to_take_exponential_time_is_refused_fast(tmp_path: Pat
             dcp.load({"w": torch.zeros(4)}, storage_reader=DCPReader(ckpt))
         assert time.thread_time() - began < 1.0
         assert "the checkpoint's" in str(e.value) and ".metadata" in str(e.value)
+
+
+def test_a_non_tensor_item_built_to_take_exponential_time_is_refused_fast(tmp_path: Path) -> None:
+    """A value of 2**40 items in a few hundred bytes (each level names the one below twice): a
+    walk, a comparison or a hash of it after loading would never end."""
+    deep: tuple[object, ...] = ()
+    for _ in range(40):
+        deep = (deep, deep)
+    ckpt = tmp_path / "plain"
+    dcp.save({"w": torch.ones(4), "extra": {"k": deep}}, storage_writer=FileSystemWriter(ckpt))
+    began = time.thread_time()
+    with pytest.raises(CheckpointException, match="'extra.k' at offset .* shared references"):
+        dcp.load({"w": torch.zeros(4), "extra": {"k": None}}, storage_reader=DCPReader(ckpt))
+    assert time.thread_time() - began < 1.0
+    ckpt2 = tmp_path / "fine"
+    dcp.save({"w": torch.ones(4), "extra": {"k": ("a", 1, [2.5, None])}}, storage_writer=FileSystemWriter(ckpt2))
+    loaded: dict[str, Any] = {"w": torch.zeros(4), "extra": {"k": None}}
+    dcp.load(loaded, storage_reader=DCPReader(ckpt2))
+    assert loaded["extra"]["k"] == ("a", 1, [2.5, None])

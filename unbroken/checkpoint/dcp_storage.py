@@ -21,6 +21,7 @@ import io
 import os
 import pickle
 import uuid
+import zipfile
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -301,6 +302,28 @@ def load_metadata(blob: bytes, file: str = METADATA_FILE) -> Metadata:
     return metadata
 
 
+def check_saved(blob: bytes, what: str) -> None:
+    """Bounds the shape of ``torch.save`` bytes' pickle (its ``data.pkl``) as a ``.metadata``'s
+    (:func:`~unbroken.wire.objects.check_shape`) before anything loads them: a few hundred bytes
+    of shared references could otherwise make loading them (a dict key hashed) take minutes.
+
+    Raises:
+        UnsafeObjectError: not ``torch.save``'s zip format (DCP writes nothing else), or a shape
+            past the bounds.
+    """
+    try:
+        with zipfile.ZipFile(io.BytesIO(blob)) as z:
+            pickles = [i for i in z.infolist() if i.filename.count("/") == 1 and i.filename.endswith("/data.pkl")]
+            if len(pickles) != 1:
+                raise UnsafeObjectError(f"{what} holds {len(pickles)} data.pkl, not one as torch.save writes")
+            if pickles[0].file_size > MAX_METADATA_BYTES:
+                raise UnsafeObjectError(f"{what} holds a {pickles[0].file_size}-byte pickle: too large for an object")
+            data = z.read(pickles[0])
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError) as e:
+        raise UnsafeObjectError(f"{what} is not torch.save's format, as DCP writes objects: {e}") from None
+    check_shape(data, what, MAX_METADATA_BYTES)
+
+
 def apply_retention(root: str, keep_last: int, verified: set[str] | None = None) -> list[int]:
     """Delete old DCP step directories of ``root`` by :func:`unbroken.checkpoint.retention.apply`,
     keeping ``keep_last`` whose checksums all read back; ``verified`` caches directories already
@@ -402,8 +425,9 @@ class DCPReader(StorageReader):
             elif len(blob) != length:
                 raise disk.CorruptCheckpoint(f"{file}: truncated at offset {offset}")
             if reqs[0].type == LoadItemType.BYTE_IO:
-                # DCP's planner loads these with torch.load(weights_only=False): only bytes that
-                # torch's allow-list loads first get that far.
+                # DCP's planner loads these with torch.load(weights_only=False): only bytes whose
+                # shape is bounded and that torch's allow-list loads first get that far.
+                check_saved(blob, f"{file}: the object {reqs[0].storage_index.fqn!r} at offset {offset}")
                 try:
                     torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
                 except Exception as e:  # noqa: BLE001 - whatever the restricted load refused
