@@ -73,9 +73,12 @@ ENV_ROLE_RANK = "ROLE_RANK"
 ENV_ROLE_WORLD_SIZE = "ROLE_WORLD_SIZE"
 ENV_TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 ENV_TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
-# Read, never set: Gloo's own choice of interface (a set one wins over unbroken's loopback
-# default) and the intra-op thread count a worker inherits.
+# Gloo's own choice of interface (a set one wins over unbroken's loopback default; a
+# one-machine job's workers get loopback) and the intra-op thread count a worker inherits.
 ENV_GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
+# NCCL's choice of interface for its bootstrap and socket transport: set to loopback for the
+# workers of a one-machine job (``unbroken run``) unless the user chose one.
+ENV_NCCL_SOCKET_IFNAME = "NCCL_SOCKET_IFNAME"
 ENV_OMP_NUM_THREADS = "OMP_NUM_THREADS"
 # Extended (never replaced) for the helper processes that must import this very package.
 ENV_PYTHONPATH = "PYTHONPATH"

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.checkpoint.peer import PeerClient
-from unbroken.wire.auth import JobSecret, client_handshake
+from unbroken.wire.auth import TICKET_BYTES, TICKET_MAGIC, JobSecret, client_handshake
 
 ROUND_S = 0.1
 MAX_ERRORS = 5
@@ -122,9 +122,13 @@ class Flood:
                 t.opened += 1
                 self._sel.register(s, selectors.EVENT_READ, t)
         # A few strangers a round that send garbage or a wrong ticket, then hang up (fuzz).
-        for payload in (secrets.token_bytes(38), b"UNBK\x00\x02" + secrets.token_bytes(32), b"GET /" + b"A" * 20000):
+        wrong = (
+            secrets.token_bytes(TICKET_BYTES),
+            TICKET_MAGIC + secrets.token_bytes(TICKET_BYTES - len(TICKET_MAGIC)),
+        )
+        for payload in (*wrong, b"GET /" + b"A" * 20000):
             with contextlib.suppress(OSError), socket.create_connection((t.host, t.port), timeout=0.2) as s:
-                s.sendall(payload[:38] if t.kind != "http" else payload)
+                s.sendall(payload[:TICKET_BYTES] if t.kind != "http" else payload)
                 t.fuzzed += 1
 
     def _send(self, t: Target, s: socket.socket, data: bytes) -> None:

@@ -21,6 +21,7 @@ import io
 import os
 import pickle
 import uuid
+import zipfile
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -54,7 +55,7 @@ from unbroken.checkpoint.dcp_layout import (
     write_checksums,
 )
 from unbroken.checkpoint.manifest import parse_step_dir, step_dir_name
-from unbroken.wire.objects import UnsafeObjectError
+from unbroken.wire.objects import UnsafeObjectError, check_shape
 
 
 @dataclass(frozen=True)
@@ -259,6 +260,10 @@ _METADATA_GLOBALS: frozenset[tuple[str, str]] = frozenset(
 )
 
 
+# A ``.metadata`` holds a few hundred bytes per tensor shard: a million shards fit.
+MAX_METADATA_BYTES = 1 << 30
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _METADATA_GLOBALS:
@@ -278,9 +283,14 @@ def load_metadata(blob: bytes, file: str = METADATA_FILE) -> Metadata:
     """DCP's ``.metadata`` (a pickle, as plain DCP writes it) through an allow-list unpickler:
     whoever can write the checkpoint directory must not get to run code in the job.
 
+    Nor to spend the job's time: its shape is bounded first, as a skeleton's is
+    (:func:`~unbroken.wire.objects.check_shape`: depth, items through shared references, size).
+
     Raises:
-        UnsafeObjectError: a global outside the allow-list, or not a valid pickle of a Metadata.
+        UnsafeObjectError: a global outside the allow-list, a shape past the bounds, or not a
+            valid pickle of a Metadata.
     """
+    check_shape(blob, f"the checkpoint's {file}", MAX_METADATA_BYTES)
     try:
         metadata = _MetadataUnpickler(io.BytesIO(blob)).load()
     except UnsafeObjectError:
@@ -290,6 +300,28 @@ def load_metadata(blob: bytes, file: str = METADATA_FILE) -> Metadata:
     if not isinstance(metadata, Metadata):
         raise UnsafeObjectError(f"{file} holds a {type(metadata).__name__}, not DCP's Metadata")
     return metadata
+
+
+def check_saved(blob: bytes, what: str) -> None:
+    """Bounds the shape of ``torch.save`` bytes' pickle (its ``data.pkl``) as a ``.metadata``'s
+    (:func:`~unbroken.wire.objects.check_shape`) before anything loads them: a few hundred bytes
+    of shared references could otherwise make loading them (a dict key hashed) take minutes.
+
+    Raises:
+        UnsafeObjectError: not ``torch.save``'s zip format (DCP writes nothing else), or a shape
+            past the bounds.
+    """
+    try:
+        with zipfile.ZipFile(io.BytesIO(blob)) as z:
+            pickles = [i for i in z.infolist() if i.filename.count("/") == 1 and i.filename.endswith("/data.pkl")]
+            if len(pickles) != 1:
+                raise UnsafeObjectError(f"{what} holds {len(pickles)} data.pkl, not one as torch.save writes")
+            if pickles[0].file_size > MAX_METADATA_BYTES:
+                raise UnsafeObjectError(f"{what} holds a {pickles[0].file_size}-byte pickle: too large for an object")
+            data = z.read(pickles[0])
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError) as e:
+        raise UnsafeObjectError(f"{what} is not torch.save's format, as DCP writes objects: {e}") from None
+    check_shape(data, what, MAX_METADATA_BYTES)
 
 
 def apply_retention(root: str, keep_last: int, verified: set[str] | None = None) -> list[int]:
@@ -393,8 +425,9 @@ class DCPReader(StorageReader):
             elif len(blob) != length:
                 raise disk.CorruptCheckpoint(f"{file}: truncated at offset {offset}")
             if reqs[0].type == LoadItemType.BYTE_IO:
-                # DCP's planner loads these with torch.load(weights_only=False): only bytes that
-                # torch's allow-list loads first get that far.
+                # DCP's planner loads these with torch.load(weights_only=False): only bytes whose
+                # shape is bounded and that torch's allow-list loads first get that far.
+                check_saved(blob, f"{file}: the object {reqs[0].storage_index.fqn!r} at offset {offset}")
                 try:
                     torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
                 except Exception as e:  # noqa: BLE001 - whatever the restricted load refused

@@ -100,6 +100,19 @@ class NodeAgents:
             return None
         return agent
 
+    def elsewhere(self, replica: int, node: str) -> str | None:
+        """Why a connection speaking for ``node`` may not speak for ``replica``'s ranks: the
+        agents' placement puts that replica on other nodes. None when it may: placed on ``node``,
+        or placed nowhere yet (a restarted coordinator hears from relays before their agents,
+        and a job without agents places nothing)."""
+        nodes = self.placement.nodes_of(replica)
+        if not nodes or node in nodes:
+            return None
+        return (
+            f"replica {replica} is placed on node {', '.join(nodes)}, not on {node}: "
+            "a node speaks only for the ranks placed on it"
+        )
+
     def heartbeat(self, agent: AgentConn) -> None:
         agent.last_heartbeat = time.monotonic()
         steps = self.steps(self.placement.replicas_of(agent.node))

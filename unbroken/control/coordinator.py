@@ -235,6 +235,7 @@ class Coordinator:
             self._node_said,
             coordinator_host=settings.host,
             claim=self._claim,
+            elsewhere=self.agents.elsewhere,
         )
         if first_epoch:
             self.events.emit(ev.CoordinatorRestarted(continue_after_epoch=first_epoch))

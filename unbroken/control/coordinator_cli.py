@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import threading
 import time
@@ -36,7 +37,7 @@ from unbroken.control.coordinator import Coordinator, CoordinatorSettings, liste
 from unbroken.control.job_health import DEFAULT_FATAL_EPOCHS, DEFAULT_NO_PROGRESS_S
 from unbroken.control.node_relay import PreSaid
 from unbroken.control.serving import ConnectionServer
-from unbroken.control.state_store import JOURNAL_MODES, lock_state_dir
+from unbroken.control.state_store import JOURNAL_MODES, lock_state_dir, private_dir
 from unbroken.wire.auth import JobSecret
 
 # A standalone coordinator's port: a fixed one that agents and workers can be told in advance
@@ -118,7 +119,7 @@ async def _serve(
         )
     else:
         # The lock first: a coordinator refused for a held directory must not claim a term.
-        Path(settings.state_dir).mkdir(parents=True, exist_ok=True)
+        private_dir(Path(settings.state_dir))
         lock_fd = lock_state_dir(Path(settings.state_dir))
         try:
             claimed, started = lease.claim_next(files, lease_s)
@@ -385,7 +386,9 @@ def coordinator(
     lease_store_url: str,
 ) -> None:
     """Serve membership and quorum epochs for a job; state persists in --state-dir."""
+    os.umask(0o077)  # the state directory, its database, leases, secret and events: 0700/0600
     try:
+        private_dir(state_dir)
         settings = CoordinatorSettings(
             total_replicas=replicas,
             min_replicas=min_replicas if min_replicas is not None else replicas // 2 + 1,

@@ -124,6 +124,9 @@ class GroupLaunch:
     def runs(self, replica: int, node: str) -> bool:
         return self.assignment.group_rank(replica, node) is not None
 
+    def nodes_of(self, replica: int) -> list[str]:
+        return [n for n in self.assignment.members.get(replica, []) if n is not None]
+
     def replicas_of(self, node: str) -> list[int]:
         return self.assignment.replicas_of(node)
 

@@ -9,6 +9,10 @@ what else they say: their flight-recorder batches, their goodbyes), and hears ba
 operations are :data:`unbroken.control.messages.MESSAGES`' node directions; the agent's side is
 :mod:`unbroken.launch.relay`.
 
+A node is bound to its own ranks: one live connection speaks for a node name (another is refused
+until it is gone), and a rank whose replica the agents' placement puts on other nodes is refused
+(alone), so one node's connection cannot take over ranks placed elsewhere.
+
 Each rank spoken for still has its own :class:`~unbroken.control.quorum_service.RankConn`, whose
 link is a :class:`NodeLink`: what the coordinator sends a rank (its welcome, its quorum answer,
 an abort) is queued on the node's connection, and everything queued in one turn of the event
@@ -30,6 +34,7 @@ from unbroken.config import is_loopback
 from unbroken.control import protocol
 from unbroken.control.messages import MAX_NODE_RANKS
 from unbroken.control.quorum_service import RankConn
+from unbroken.control.serving import Refused
 from unbroken.wire import jsontext
 
 log = logging.getLogger("unbroken.control.coordinator")  # the coordinator's log
@@ -246,6 +251,8 @@ class NodeRelay:
             beforehand and read once the standby serves.
         coordinator_host: the host the coordinator listens on: a node's store on loopback is used
             only when it is on loopback too (:func:`usable_store`).
+        elsewhere: why a node may not speak for a replica's ranks (placed on other nodes), None
+            when it may (:meth:`~unbroken.control.agents.NodeAgents.elsewhere`).
     """
 
     def __init__(
@@ -256,12 +263,14 @@ class NodeRelay:
         said: Callable[[RankConn, protocol.Message], None] | None = None,
         coordinator_host: str = "127.0.0.1",
         claim: Callable[[Sequence[RankConn], int | None], None] | None = None,
+        elsewhere: Callable[[int, str], str | None] | None = None,
     ) -> None:
         self.admit, self.quorum, self.closed = admit, quorum, closed
-        self.said, self.claim = said, claim
+        self.said, self.claim, self.elsewhere = said, claim, elsewhere
         self.coordinator_host = coordinator_host
         self._warned = False  # of a store other nodes cannot dial: once
         self.connected: set[NodeConn] = set()  # the node connections served now (``unbroken status``)
+        self.by_node: dict[str, NodeConn] = {}  # the one live connection speaking for each node name
         self.handlers: dict[str, Callable[[NodeConn, protocol.Message], None]] = {
             protocol.NodeHello.OP: lambda node, msg: self.hello(node, protocol.NodeHello.from_msg(msg)),
             protocol.NodeHeartbeat.OP: lambda node, msg: self._beats(node, protocol.NodeHeartbeat.from_msg(msg)),
@@ -271,9 +280,20 @@ class NodeRelay:
         }
 
     def open(self, hello: protocol.NodeHello, link: protocol.Link) -> NodeConn:
-        """A connection's first ``node_hello``: the node connection, with the ranks it speaks for."""
+        """A connection's first ``node_hello``: the node connection, with the ranks it speaks for.
+
+        Raises:
+            Refused: another live connection speaks for that node (its agent reconnected before
+                the old connection was seen to end: it is served once that one is gone).
+        """
+        if hello.node in self.by_node:
+            raise Refused(
+                f"node {hello.node!r} is spoken for by another live connection: refused until it is gone "
+                "(give each agent its own --node)"
+            )
         node = NodeConn(hello.node, link)
         self.connected.add(node)
+        self.by_node[node.node] = node
         node.hold()  # its ranks' welcomes leave at the end of the hello, as answers do (handle)
         try:
             self.hello(node, hello)
@@ -297,6 +317,7 @@ class NodeRelay:
         ``stands``: whether a run's epoch is claimed as told (else it is when the node says it
         again, :meth:`hello`)."""
         self.connected.add(node)
+        self.by_node[node.node] = node
         node.hold()
         node.deferred = speaking
         try:
@@ -351,6 +372,13 @@ class NodeRelay:
 
     def _register(self, node: NodeConn, runs: list[Built], stands: Callable[[Built], bool] | None = None) -> None:
         for conns, said in runs:
+            why = self.elsewhere(conns[0].replica, node.node) if self.elsewhere is not None else None
+            if why is not None:  # another node's ranks: each refused alone, as a rank held already
+                for conn in conns:
+                    conn.link.send(protocol.Error(why).to_msg())
+                    if (conn.replica, conn.rank) not in node.ranks:
+                        node.drop((conn.replica, conn.rank))
+                continue
             claims = stands is None or stands((conns, said))
             for conn, got in zip(conns, self.admit(conns, said, claims), strict=True):
                 slot = (conn.replica, conn.rank)
@@ -422,6 +450,8 @@ class NodeRelay:
     def gone(self, node: NodeConn) -> None:
         """The node's connection ended: every rank it spoke for is gone with it."""
         self.connected.discard(node)
+        if self.by_node.get(node.node) is node:
+            del self.by_node[node.node]
         ranks, node.ranks = node.ranks, {}
         for conn in ranks.values():
             self.closed(conn)

@@ -78,6 +78,9 @@ class Placement(Protocol):
 
     def runs(self, replica: int, node: str) -> bool: ...
 
+    def nodes_of(self, replica: int) -> list[str]:
+        """The nodes ``replica`` is placed on (empty while it is placed nowhere)."""
+
     def assigned(self) -> Iterable[int]:
         """The replicas some agent runs (whose finish the job waits for)."""
 
@@ -131,6 +134,10 @@ class NodeLaunch:
 
     def runs(self, replica: int, node: str) -> bool:
         return self.assignment.owner.get(replica) == node
+
+    def nodes_of(self, replica: int) -> list[str]:
+        node = self.assignment.owner.get(replica)
+        return [] if node is None else [node]
 
     def assigned(self) -> Iterable[int]:
         return self.assignment.owner

@@ -11,7 +11,6 @@ finds it from ``--secret-file``, then that variable, then the run/state director
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import click
@@ -24,12 +23,10 @@ SECRET_NAME = "secret"
 
 
 def fresh(directory: Path) -> tuple[JobSecret, Path]:
-    """A new secret in ``directory/secret``, replacing an earlier job's."""
+    """A new secret in ``directory/secret``, replacing an earlier job's in one atomic rename."""
     path = Path(directory) / SECRET_NAME
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
     secret = JobSecret.generate()
-    return secret, secret.write(path).resolve()
+    return secret, secret.write(path, replace=True).resolve()
 
 
 def kept(directory: Path) -> tuple[JobSecret, Path]:

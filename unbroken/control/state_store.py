@@ -22,7 +22,8 @@ Why these settings:
 - Events and the epochs' history rows are queued and written by a writer thread
   (:meth:`StateStore.persist`), in one transaction per round: a synced commit can take tens of
   milliseconds, which the coordinator's event loop must not wait for. Only the newest
-  ``keep_events`` events stay (``events.jsonl`` next to it holds the full history).
+  ``keep_events`` events stay (``events.jsonl`` next to it holds the full history), and only
+  the newest ``keep_epochs`` epochs: nothing reads older ones.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import json
 import logging
 import os
 import sqlite3
+import stat
 import threading
 import time
 from pathlib import Path
@@ -43,6 +45,9 @@ log = logging.getLogger(__name__)
 JOURNAL_MODES = ("delete", "truncate", "wal")
 EPOCH_BLOCK = 1000
 KEEP_EVENTS = 10_000
+# The newest epochs the history keeps: a restart continues the last (:meth:`StateStore.last_epoch`)
+# and issues above the highest; older rows only grew the file (28 KB each at 5,000 replicas).
+KEEP_EPOCHS = 100
 
 
 class StateDirInUse(ValueError):
@@ -56,6 +61,8 @@ class StateStore:
         state_dir: the directory (created if missing).
         journal_mode: ``delete`` (default), ``truncate`` or ``wal`` (only on a local disk).
         keep_events: how many of the newest events the database keeps.
+        keep_epochs: how many of the newest epochs the database keeps (at least 1: the last is
+            what a restarted coordinator continues, the highest what it issues above).
         epoch_block: how many epochs one reservation covers.
         lock_fd: the directory's lock, already taken (:func:`wait_for_state_dir`, a standby's
             takeover); None takes it here, unless ``fenced``.
@@ -75,17 +82,22 @@ class StateStore:
         epoch_block: int = EPOCH_BLOCK,
         lock_fd: int | None = None,
         fenced: bool = False,
+        keep_epochs: int = KEEP_EPOCHS,
     ) -> None:
         if journal_mode.lower() not in JOURNAL_MODES:
             raise ValueError(f"journal mode must be one of {', '.join(JOURNAL_MODES)}, got {journal_mode!r}")
-        if keep_events < 1 or epoch_block < 2:
-            raise ValueError(f"keep_events must be >= 1 and epoch_block >= 2, got {keep_events}, {epoch_block}")
+        if keep_events < 1 or epoch_block < 2 or keep_epochs < 1:
+            raise ValueError(
+                "keep_events and keep_epochs must be >= 1 and epoch_block >= 2, "
+                f"got {keep_events}, {keep_epochs}, {epoch_block}"
+            )
         path = Path(state_dir)
         try:
-            path.mkdir(parents=True, exist_ok=True)
+            private_dir(path)
         except OSError as e:
             raise ValueError(f"cannot create the coordinator state directory {path}: {e}") from e
         self.keep_events = keep_events
+        self.keep_epochs = keep_epochs
         self.epoch_block = epoch_block
         self.write_failures = 0  # history rows (epochs, events) that could not be written
         self._lock_fd: int | None = lock_fd if lock_fd is not None or fenced else lock_state_dir(path)
@@ -99,6 +111,7 @@ class StateStore:
         self._since_prune = keep_events  # prune at the first flush: an older run may have left many
         self.path = path / "coordinator.sqlite"
         try:
+            private_file(self.path)  # sqlite gives its -wal, -shm and -journal the database's mode
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             mode = self._db.execute(f"PRAGMA journal_mode={journal_mode.upper()}").fetchone()[0]
             if str(mode).lower() != journal_mode.lower():
@@ -208,7 +221,7 @@ class StateStore:
             return self._ceiling
 
     def flush(self) -> bool:
-        """Writes the queued rows in one transaction and prunes the oldest events; False if it
+        """Writes the queued rows in one transaction and prunes the oldest events and epochs; False if it
         failed (the rows stay queued, the oldest dropped past ``keep_events``, for the next try)."""
         with self._db_lock:
             with self._queue_lock:
@@ -226,6 +239,12 @@ class StateStore:
                         self._db.execute(
                             "DELETE FROM events WHERE rowid <= (SELECT MAX(rowid) FROM events) - ?",
                             (self.keep_events,),
+                        )
+                    if epochs or prune:  # by the primary key: a lookup and a range, not a scan
+                        self._db.execute(
+                            "DELETE FROM epochs WHERE epoch < "
+                            "(SELECT epoch FROM epochs ORDER BY epoch DESC LIMIT 1 OFFSET ?)",
+                            (self.keep_epochs - 1,),
                         )
                     self._db.execute("COMMIT")
                 except BaseException:
@@ -298,7 +317,7 @@ def wait_for_state_dir(path: str | Path, stop: threading.Event, poll_s: float = 
     :class:`StateStore`), or None once ``stop`` is set.
     """
     directory = Path(path)
-    directory.mkdir(parents=True, exist_ok=True)
+    private_dir(directory)
     while not stop.is_set():
         try:
             return lock_state_dir(directory)
@@ -307,10 +326,37 @@ def wait_for_state_dir(path: str | Path, stop: threading.Event, poll_s: float = 
     return None
 
 
+def private_dir(path: Path) -> None:
+    """Makes ``path`` (and its parents) and leaves it 0700, whatever the umask and its mode was.
+
+    The state directory holds the job's secret, its epochs and its leases: another user on the
+    machine must not read them (nor, in a directory others may write, swap them)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        try:
+            os.chmod(path, 0o700)
+        except PermissionError:
+            raise PermissionError(
+                f"the coordinator state directory {path} is mode {stat.S_IMODE(st.st_mode):o} and belongs to "
+                f"uid {st.st_uid}, not to this user: give the coordinator a --state-dir of its own"
+            ) from None
+
+
+def private_file(path: Path) -> None:
+    """Creates ``path`` 0600 if it is missing, and leaves it 0600 if it was not."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        if stat.S_IMODE(os.fstat(fd).st_mode) != 0o600:
+            os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+
+
 def lock_state_dir(path: Path) -> int:
     """Takes ``path/coordinator.lock`` exclusively, or says who holds it."""
     lock = path / "coordinator.lock"
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:

@@ -232,6 +232,7 @@ class Launcher:
             secret_file=self.secret_file,
             extra=extra,
             cross_replica_backend=self.s.cross_replica_backend,
+            one_machine=True,
         )
 
     async def _spawn(self, r: SupervisedReplica) -> None:

@@ -18,7 +18,7 @@ import shutil
 import signal
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from unbroken import config as env
@@ -156,6 +156,7 @@ def worker_env(
     extra: dict[str, str] | None = None,
     group: GroupPlace | None = None,
     cross_replica_backend: str | None = None,
+    one_machine: bool = False,
 ) -> dict[str, str]:
     """What a worker sees: PyTorch's variables inside its replica group, plus unbroken's own.
 
@@ -172,6 +173,10 @@ def worker_env(
     environment's. NCCL is told to clean up a failed collective rather than tear the process
     down (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``, unless the user set it): a peer's fault must
     fail this rank's exchange, which the next epoch heals, not kill the rank.
+
+    ``one_machine``: the whole job runs on this machine (``unbroken run``), so NCCL's and Gloo's
+    own sockets, which unbroken cannot authenticate, are bound to loopback
+    (:func:`loopback_env`) unless the user chose their interfaces.
     """
     chosen = {env.ENV_CROSS_REPLICA_BACKEND: cross_replica_backend} if cross_replica_backend else {}
     local_world = world_size
@@ -216,8 +221,21 @@ def worker_env(
         env.ENV_NCCL_ASYNC_ERROR_HANDLING: env.nccl_async_error_handling(),
         **chosen,
         **place,
+        **(loopback_env(os.environ) if one_machine else {}),
         **(extra or {}),
     }
+
+
+def loopback_env(environ: Mapping[str, str], ifname: str | None = None) -> dict[str, str]:
+    """``NCCL_SOCKET_IFNAME`` and ``GLOO_SOCKET_IFNAME`` set to the loopback interface, each
+    unless ``environ`` sets it already (the user's choice wins).
+
+    Without them NCCL binds its bootstrap and socket transport, and a group a script builds
+    itself binds Gloo's pairs, to the interface the host name resolves to: a one-machine job
+    would then listen, unauthenticated, where other machines reach it.
+    """
+    lo = ifname or interface_of("127.0.0.1") or "lo"
+    return {name: lo for name in (env.ENV_NCCL_SOCKET_IFNAME, env.ENV_GLOO_SOCKET_IFNAME) if not environ.get(name)}
 
 
 async def start_worker(

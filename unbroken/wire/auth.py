@@ -6,10 +6,12 @@ checkpoints. Every listener runs :func:`server_handshake` before it reads anythi
 every client runs :func:`client_handshake`: each side proves it holds the job's secret with
 HMAC-SHA256 over fresh nonces from both sides (nothing can be replayed from an earlier
 connection), and both derive one key per direction for this connection. The client speaks
-first, with a ticket (a MAC of its nonce, :func:`make_ticket`): a listener then tells a key
-holder from a stranger in the bytes that arrive with the connection, before it answers or
-spends a thread, and keeps its slots for key holders while strangers flood it
-(:mod:`unbroken.wire.admission`). Control messages then
+first, with a ticket (a MAC of its nonce and the time, :func:`make_ticket`): a listener then
+tells a key holder from a stranger in the bytes that arrive with the connection, before it
+answers or spends a thread, and keeps its slots for key holders while strangers flood it
+(:mod:`unbroken.wire.admission`). A ticket is good once, within :data:`TICKET_WINDOW_S` of its
+time (:class:`TicketLedger`): one seen on the wire cannot be replayed to take a listener's
+key-holder slots. Control messages then
 carry a MAC over an implicit sequence number (:class:`Session`), so none can be forged,
 replayed, reordered or reflected back to its sender.
 
@@ -28,12 +30,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import heapq
 import hmac
 import os
 import secrets
 import socket
 import stat
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from unbroken import config
@@ -42,9 +47,15 @@ from unbroken.config import ENV_SECRET_FILE, ConfigError
 SECRET_BYTES = 32
 NONCE_BYTES = 16
 TAG_BYTES = 16
-_MAGIC = b"UNBK\x00\x02"  # protocol name and version: a mismatched peer fails at once, clearly
+_MAGIC = b"UNBK\x00\x03"  # protocol name and version: a mismatched peer fails at once, clearly
+TICKET_MAGIC = _MAGIC  # how every ticket starts (what a flood's wrong tickets imitate)
 _PROOF_BYTES = 32
-TICKET_BYTES = len(_MAGIC) + NONCE_BYTES + TAG_BYTES
+_ISSUED_BYTES = 8  # a ticket's time: milliseconds since the epoch, big-endian
+TICKET_BYTES = len(_MAGIC) + NONCE_BYTES + _ISSUED_BYTES + TAG_BYTES
+# A ticket is taken once, within this many seconds either side of the listener's clock: the
+# clocks of a job's machines must agree within it (NTP keeps them within milliseconds).
+TICKET_WINDOW_S = 300.0
+TICKET_MEMORY = 1 << 16  # tickets a process remembers at most (about 10 MiB when full); see TicketLedger
 ACCEPT, REFUSE = b"Y", b"N"  # a listener's first byte: what it made of the ticket
 _ANSWER_BYTES = 1 + NONCE_BYTES + _PROOF_BYTES
 HANDSHAKE_TIMEOUT_S = 10.0
@@ -80,15 +91,28 @@ class JobSecret:
     def generate(cls) -> JobSecret:
         return cls(secrets.token_bytes(SECRET_BYTES))
 
-    def write(self, path: str | os.PathLike[str]) -> Path:
-        """Writes the key as hex to a new file that only its owner can read (never overwrites)."""
+    def write(self, path: str | os.PathLike[str], replace: bool = False) -> Path:
+        """Writes the key as hex to a file that only its owner can read, atomically: to a temporary
+        file beside it, synced, then moved into place, so a crash or a full disk leaves the path
+        as it was (never empty or half written). Never overwrites (FileExistsError) unless
+        ``replace``."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(self._key.hex() + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(self._key.hex() + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            if replace:
+                os.replace(tmp, path)
+            else:
+                _link_new(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+        _sync_dir(path.parent)
         return path
 
     @classmethod
@@ -134,6 +158,28 @@ class JobSecret:
                 "a secret per job), or point it at the job's secret file (`--secret-file`)"
             )
         return secret
+
+
+def _link_new(tmp: Path, path: Path) -> None:
+    """``tmp`` at ``path`` too, atomically; FileExistsError if ``path`` exists."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError:  # a filesystem without hard links: not atomic against a racing writer
+        if path.exists():
+            raise FileExistsError(f"{path} exists already") from None
+        os.replace(tmp, path)
+
+
+def _sync_dir(directory: Path) -> None:
+    """Makes a rename in ``directory`` durable (best effort: some filesystems refuse)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 class Session:
@@ -202,31 +248,106 @@ def _recv(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def make_ticket(secret: JobSecret, purpose: str) -> tuple[bytes, bytes]:
+class CheckedTicket(bytes):
+    """A ticket a :class:`~unbroken.wire.gate.Gate` took already (MAC, time, once): the
+    handshake it is handed to checks its MAC again, not whether it was seen."""
+
+
+class TicketLedger:
+    """The tickets this process's listeners took within :data:`TICKET_WINDOW_S`: each is taken
+    once, so one seen on the wire cannot be replayed (a ticket only admits a connection to the
+    handshake, whose proofs over the listener's nonce a replay fails; but a replayed ticket
+    would take a key holder's slot and thread for the handshake's timeout, as often as sent).
+
+    Bounded: at most ``capacity`` tickets are remembered. Past that, the oldest is forgotten
+    and every ticket issued no later than it is refused from then on (the floor), so a
+    forgotten ticket cannot come back. Thread-safe: gates, threads and an event loop share it.
+    """
+
+    def __init__(
+        self,
+        window_s: float = TICKET_WINDOW_S,
+        capacity: int = TICKET_MEMORY,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.window_s, self.capacity, self._clock = window_s, capacity, clock
+        self._seen: dict[bytes, float] = {}
+        self._by_time: list[tuple[float, bytes]] = []  # a heap, oldest issue first
+        self._floor = float("-inf")
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def take(self, nonce: bytes, issued: float, purpose: str) -> None:
+        """Takes the ticket of ``nonce`` issued at ``issued`` (seconds since the epoch), or
+        raises AuthError: replayed, or outside the window (replayed later, or the clocks differ)."""
+        now = self._clock()
+        if abs(now - issued) > self.window_s:
+            raise AuthError(
+                f"a ticket for the {purpose} listener was issued {issued - now:+.0f} s from this machine's "
+                f"time: replayed, or the client's clock and this machine's differ by more than "
+                f"{self.window_s:.0f} s (keep the job's machines on NTP)"
+            )
+        with self._lock:
+            while self._by_time and self._by_time[0][0] < now - self.window_s:
+                _, old = heapq.heappop(self._by_time)
+                del self._seen[old]
+            if nonce in self._seen:
+                raise AuthError(f"a ticket for the {purpose} listener was replayed (it was taken before)")
+            while len(self._seen) >= self.capacity:
+                t, old = heapq.heappop(self._by_time)
+                del self._seen[old]
+                self._floor = max(self._floor, t)
+            if issued <= self._floor:
+                raise AuthError(
+                    f"a ticket for the {purpose} listener is older than the {self.capacity} it remembers "
+                    "(replayed, or its client's clock lags this machine's)"
+                )
+            self._seen[nonce] = issued
+            heapq.heappush(self._by_time, (issued, nonce))
+
+
+TICKETS = TicketLedger()  # one per process: every listener's tickets
+
+
+def make_ticket(secret: JobSecret, purpose: str, now: float | None = None) -> tuple[bytes, bytes]:
     """``(ticket, client nonce)``: the first bytes a client sends, before the listener says anything.
 
-    The ticket is a MAC of a fresh nonce under the job's key: a listener that reads it knows at
-    once, without a round trip or a thread, that this connection comes from a key holder, and
-    so admits it ahead of the strangers flooding it (:mod:`unbroken.wire.admission`). It proves
-    nothing fresh (an on-path attacker could replay one): the proofs over the listener's nonce
-    that follow do.
+    The ticket is a MAC of a fresh nonce and the time under the job's key: a listener that
+    reads it knows at once, without a round trip or a thread, that this connection comes from a
+    key holder, and so admits it ahead of the strangers flooding it
+    (:mod:`unbroken.wire.admission`). A listener takes each ticket once, within
+    :data:`TICKET_WINDOW_S` of its time (:class:`TicketLedger`), so one seen on the wire cannot
+    be replayed to take its slots; the proofs over the listener's nonce that follow are what
+    authenticate.
     """
     nonce_c = secrets.token_bytes(NONCE_BYTES)
-    return _MAGIC + nonce_c + _ticket_mac(secret.key, purpose, nonce_c), nonce_c
+    issued = int((time.time() if now is None else now) * 1000).to_bytes(_ISSUED_BYTES, "big")
+    return _MAGIC + nonce_c + issued + _ticket_mac(secret.key, purpose, nonce_c + issued), nonce_c
 
 
-def _ticket_mac(key: bytes, purpose: str, nonce_c: bytes) -> bytes:
-    return hmac.digest(key, b"ticket" + purpose.encode() + b"\x00" + nonce_c, "sha256")[:TAG_BYTES]
+def _ticket_mac(key: bytes, purpose: str, signed: bytes) -> bytes:
+    return hmac.digest(key, b"ticket" + purpose.encode() + b"\x00" + signed, "sha256")[:TAG_BYTES]
 
 
-def check_ticket(secret: JobSecret, purpose: str, ticket: bytes) -> bytes:
-    """The client nonce of a valid ticket (:func:`make_ticket`); AuthError otherwise."""
+def check_ticket(secret: JobSecret, purpose: str, ticket: bytes, ledger: TicketLedger | None = TICKETS) -> bytes:
+    """The client nonce of a valid ticket (:func:`make_ticket`), taken in ``ledger`` (None: its
+    MAC only, for a ticket taken already); AuthError otherwise."""
     if len(ticket) != TICKET_BYTES or ticket[: len(_MAGIC)] != _MAGIC:
         raise AuthError(f"a client of the {purpose} listener does not speak unbroken's authentication")
-    nonce_c = ticket[len(_MAGIC) : len(_MAGIC) + NONCE_BYTES]
-    if not hmac.compare_digest(ticket[len(_MAGIC) + NONCE_BYTES :], _ticket_mac(secret.key, purpose, nonce_c)):
+    signed = ticket[len(_MAGIC) : -TAG_BYTES]
+    if not hmac.compare_digest(ticket[-TAG_BYTES:], _ticket_mac(secret.key, purpose, signed)):
         raise AuthError(f"a client failed to authenticate to the {purpose} listener")
+    nonce_c = signed[:NONCE_BYTES]
+    if ledger is not None:
+        ledger.take(nonce_c, int.from_bytes(signed[NONCE_BYTES:], "big") / 1000, purpose)
     return nonce_c
+
+
+def _given(ticket: bytes) -> TicketLedger | None:
+    """The ledger a handshake takes a ticket handed to it in: none if a gate took it."""
+    return None if isinstance(ticket, CheckedTicket) else TICKETS
 
 
 def _server_hello(secret: JobSecret, purpose: str, nonce_c: bytes) -> tuple[bytes, bytes]:
@@ -244,8 +365,9 @@ def _check_server(secret: JobSecret, purpose: str, nonce_c: bytes, answer: bytes
     """``(server nonce, the client's proof to send)`` from the listener's answer to a ticket."""
     if answer[:1] != ACCEPT:
         raise AuthError(
-            f"the {purpose} listener refused this client: it does not hold this job's secret "
-            "(or speaks another version of unbroken)"
+            f"the {purpose} listener refused this client: it does not hold this job's secret, speaks "
+            f"another version of unbroken, or its clock and this machine's differ by more than "
+            f"{TICKET_WINDOW_S:.0f} s"
         )
     nonce_s, proof_s = answer[1 : 1 + NONCE_BYTES], answer[1 + NONCE_BYTES :]
     if not hmac.compare_digest(proof_s, _proof(secret.key, b"server", purpose, nonce_s, nonce_c)):
@@ -264,7 +386,8 @@ def server_handshake(
 
     ``purpose`` names the listener ("coordinator", "transfer", ...): a handshake made for one
     cannot be used against another. ``ticket``: the client's first bytes when a
-    :class:`~unbroken.wire.gate.Gate` has read them already.
+    :class:`~unbroken.wire.gate.Gate` has read them already (a :class:`CheckedTicket`: taken
+    there) or the listener has (taken here, once).
     """
     old = sock.gettimeout()
     sock.settimeout(timeout_s)
@@ -272,7 +395,7 @@ def server_handshake(
         if ticket is None:
             ticket = _recv(sock, TICKET_BYTES)
         try:
-            nonce_c = check_ticket(secret, purpose, ticket)
+            nonce_c = check_ticket(secret, purpose, ticket, _given(ticket))
         except AuthError:
             with contextlib.suppress(OSError):
                 sock.sendall(REFUSE)
@@ -326,7 +449,7 @@ async def server_handshake_async(
         try:
             data = ticket if ticket is not None else await reader.readexactly(TICKET_BYTES)
             try:
-                nonce_c = check_ticket(secret, purpose, data)
+                nonce_c = check_ticket(secret, purpose, data, _given(data))
             except AuthError:
                 writer.write(REFUSE)
                 raise

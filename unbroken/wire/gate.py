@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from unbroken.wire.admission import DEFAULT_POLICY, Admission, AdmissionPolicy, RefusalLog
-from unbroken.wire.auth import REFUSE, TICKET_BYTES, AuthError, JobSecret, check_ticket
+from unbroken.wire.auth import REFUSE, TICKET_BYTES, AuthError, CheckedTicket, JobSecret, check_ticket
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,8 @@ class FirstBytes:
 
 
 class Ticket(FirstBytes):
-    """A key holder's ticket for ``purpose`` (:func:`~unbroken.wire.auth.make_ticket`)."""
+    """A key holder's ticket for ``purpose`` (:func:`~unbroken.wire.auth.make_ticket`), taken
+    once (:data:`~unbroken.wire.auth.TICKETS`): a replayed one is refused here."""
 
     refusal = REFUSE
 
@@ -211,9 +212,10 @@ class Gate:
             self._close(conn)
             self.refusals.note(str(e), self._clock())
             return
+        first = bytes(buf)
         try:
             conn.setblocking(True)
-            self._admitted(conn, bytes(buf))
+            self._admitted(conn, CheckedTicket(first) if isinstance(self._first, Ticket) else first)
         except Exception:
             log.exception("the %s listener could not take a connection", self._purpose)
             self._close(conn)

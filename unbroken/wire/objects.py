@@ -16,9 +16,9 @@ reachable through the list only build values (``torch.Size((2, 3))``, ``OrderedD
 Allowed values can still cost time: pickle's memo lets 137 bytes describe a tuple of a tuple of
 ... thirty levels deep in which each level refers to the one below twice, and hashing it (as a
 set or a dict key must) walks 2**30 items; so does walking the loaded skeleton. Before the
-bytes are unpickled, :func:`expanded_size` counts the items of the value they describe with
-every shared reference counted again (linear in the bytes), and a value far larger than its
-bytes is refused.
+bytes are unpickled, :func:`check_shape` counts the items of the value they describe with
+every shared reference counted again, and the depth of its containers (linear in the bytes),
+and a value far larger than its bytes, or nested deeper than any state, is refused.
 """
 
 from __future__ import annotations
@@ -47,10 +47,15 @@ ALLOWED: frozenset[tuple[str, str]] = frozenset(
 )
 
 MAX_BYTES = 256 << 20  # a skeleton this large is no skeleton: refuse before unpickling
-# A skeleton's items counted with their shared references expanded may exceed its items by this
-# factor (a tuple of betas shared by every parameter group), or MIN_EXPANDED items in all.
+# A skeleton's items counted with their shared references expanded may exceed its distinct items
+# by this factor (a tuple of betas shared by every parameter group), plus MIN_EXPANDED. Every
+# distinct item costs at least a byte, so what the bytes make a load or a walk do is linear in
+# their length: 381 bytes once bought a million items (1.4 s to walk) under a flat allowance.
 EXPANSION = 16
-MIN_EXPANDED = 1_000_000
+MIN_EXPANDED = 16_384
+# Containers nested deeper than this are refused: a state nests a few levels (a module's
+# parameters in an optimizer's groups), and the walks of a skeleton recurse once a level.
+MAX_DEPTH = 100
 
 
 class UnsafeObjectError(pickle.UnpicklingError):
@@ -149,7 +154,15 @@ _CODES = _code_table()
 
 
 def expanded_size(data: bytes | bytearray | memoryview) -> tuple[int, int]:
-    """(items of the pickled value with every shared reference expanded, distinct items).
+    """(items of the pickled value with every shared reference expanded, distinct items);
+    see :func:`measure`."""
+    expanded, distinct, _ = measure(data)
+    return expanded, distinct
+
+
+def measure(data: bytes | bytearray | memoryview) -> tuple[int, int, int]:
+    """(items of the pickled value with every shared reference expanded, distinct items,
+    nesting depth of its containers).
 
     Replays the pickle's stack and memo on item numbers only (nothing is built, no global is
     looked up, arguments are skipped by their length), then sums each item's parts once per
@@ -232,8 +245,9 @@ def expanded_size(data: bytes | bytearray | memoryview) -> tuple[int, int]:
     if root is None:
         raise UnsafeObjectError("the state's objects are not a valid pickle: no value before STOP")
     if root == _LEAF:
-        return 1, 1
+        return 1, 1, 0
     size: dict[int, int] = {}
+    depth: dict[int, int] = {}
     open_: set[int] = set()
     work = [root]
     while work:
@@ -245,13 +259,41 @@ def expanded_size(data: bytes | bytearray | memoryview) -> tuple[int, int]:
         if not pending:
             open_.discard(node)
             size[node] = 1 + sum(size[c] if c >= 0 else 1 for c in children[node])
+            depth[node] = 1 + max((depth[c] for c in children[node] if c >= 0), default=0)
             work.pop()
         elif node in open_ or any(c in open_ for c in pending):
             raise UnsafeObjectError("the state's objects contain themselves")
         else:
             open_.add(node)
             work.extend(pending)
-    return size[root], len(children) + atoms
+    return size[root], len(children) + atoms, depth[root]
+
+
+def check_shape(
+    data: bytes | bytearray | memoryview, what: str = "the state's objects", max_bytes: int = MAX_BYTES
+) -> None:
+    """Refuses, in one linear pass and before anything is built, pickled bytes whose load or
+    walk would cost more than linear time: over ``max_bytes``, containers nested deeper than
+    :data:`MAX_DEPTH`, or more items through shared references than
+    ``MIN_EXPANDED + EXPANSION`` times their distinct items (see the module doc).
+
+    Raises:
+        UnsafeObjectError: one of the bounds is exceeded (the message names which), or the
+            bytes are not a valid pickle.
+    """
+    if len(data) > max_bytes:
+        raise UnsafeObjectError(f"{what} take {len(data)} bytes; at most {max_bytes} are accepted")
+    expanded, distinct, deepest = measure(data)
+    if deepest > MAX_DEPTH:
+        raise UnsafeObjectError(
+            f"{what} nest containers {deepest} deep; at most {MAX_DEPTH} are accepted (a state nests a few levels)"
+        )
+    if expanded > MIN_EXPANDED + EXPANSION * distinct:
+        raise UnsafeObjectError(
+            f"{what} describe {expanded} items through shared references ({distinct} distinct; at most "
+            f"{MIN_EXPANDED} + {EXPANSION} x distinct are accepted): a value built to take exponential time "
+            "to load or walk, not a state"
+        )
 
 
 def dumps(obj: Any) -> bytes:
@@ -268,17 +310,13 @@ def loads(data: bytes | bytearray | memoryview, max_bytes: int = MAX_BYTES, own:
 
     Raises:
         UnsafeObjectError: the bytes name a global outside the allow-list, exceed
-            ``max_bytes``, describe a value far larger than themselves (see the module doc), or
-            are not a valid pickle.
+            ``max_bytes``, nest deeper than :data:`MAX_DEPTH`, describe a value far larger than
+            themselves (see the module doc and :func:`check_shape`), or are not a valid pickle.
     """
     if len(data) > max_bytes:
         raise UnsafeObjectError(f"a state's objects take {len(data)} bytes; at most {max_bytes} are accepted")
-    expanded, distinct = (0, 0) if own else expanded_size(data)
-    if expanded > max(MIN_EXPANDED, EXPANSION * distinct):
-        raise UnsafeObjectError(
-            f"the state's objects describe {expanded} items through shared references ({distinct} distinct): "
-            "a value built to take exponential time to load or walk, not a state"
-        )
+    if not own:
+        check_shape(data, max_bytes=max_bytes)
     try:
         return _Unpickler(io.BytesIO(data)).load()
     except UnsafeObjectError:

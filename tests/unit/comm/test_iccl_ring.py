@@ -12,7 +12,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -25,8 +25,15 @@ HOSTS = ("127.0.0.1", "127.0.0.2")
 
 
 @contextlib.contextmanager
-def rings(n: int, faults: dict[int, object] | None = None, **kw: object) -> Iterator[list[IcclRing]]:
+def rings(
+    n: int,
+    faults: dict[int, object] | None = None,
+    before: Callable[[list[Listener]], None] | None = None,
+    **kw: object,
+) -> Iterator[list[IcclRing]]:
     listeners = [Listener(SECRET, HOSTS) for _ in range(n)]
+    if before is not None:
+        before(listeners)  # between the listeners and the ring (what a stranger may do)
     peers = [x.addrs for x in listeners]
     out: list[IcclRing | None] = [None] * n
     errors: list[BaseException] = []
@@ -230,3 +237,45 @@ def test_rings_built_and_closed_epoch_after_epoch_leave_no_thread_or_socket_behi
         time.sleep(0.05)
     assert threading.active_count() <= before, [t.name for t in threading.enumerate()]
     assert len(os.listdir("/proc/self/fd")) <= fds
+
+
+def test_strangers_sockets_on_every_listener_neither_stop_a_ring_forming_nor_failing_over() -> None:
+    """Before the gate, four idle connections took every handshake slot of a listener for the
+    handshake's 10 s: a ring could not form, nor a member redial its backup."""
+    strangers: list[socket.socket] = []
+
+    def flood(listeners: list[Listener]) -> None:
+        for listener in listeners:
+            for addr in (listener.addrs.primary, listener.addrs.backup):
+                host, port = addr.rsplit(":", 1)
+                for i in range(12):
+                    s = socket.create_connection((host, int(port)))
+                    if i % 3 == 1:
+                        s.sendall(b"GET / HTTP/1.1\r\n")  # garbage, short of a ticket: waits
+                    elif i % 3 == 2:
+                        s.sendall(os.urandom(48))  # a wrong ticket: refused
+                    strangers.append(s)
+
+    began = time.monotonic()
+    try:
+        with rings(3, before=flood, chunk_bytes=4096, window_chunks=4, probe_s=0.1) as rs:
+            formed = time.monotonic() - began
+            ts, expected = inputs(3, 400_000)
+            works = [r.start(t) for r, t in zip(rs, ts, strict=True)]
+            time.sleep(0.005)
+            sock = rs[0]._out[0]
+            assert sock is not None
+            sock.shutdown(socket.SHUT_RDWR)  # a failover while the strangers still hold on
+            for w in works:
+                w.wait(30)
+            for t in ts:
+                assert torch.equal(t.to(torch.float64), expected)
+            assert rs[0].paths.failovers == 1
+            took = time.monotonic() - began
+            listener = rs[1]._listener
+            assert listener.refused >= 8  # the wrong tickets, counted by its gates
+            assert sum(g.pending for g in listener.gates) <= 16  # the idle ones, held cheaply
+    finally:
+        for s in strangers:
+            s.close()
+    assert formed < 8.0 and took < 15.0, (formed, took)  # without the gate: no ring in 10 s

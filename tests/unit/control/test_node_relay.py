@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.live_coordinator import connect, live_coordinator, member, next_op
+from tests.live_coordinator import closed, connect, live_coordinator, member, next_op
 from unbroken.control import protocol
 from unbroken.control.coordinator import Coordinator
 from unbroken.control.messages import MAX_NODE_RANKS
@@ -398,5 +398,59 @@ def test_a_node_s_ranks_claim_the_resumed_epoch_together(tmp_path: Path) -> None
         assert [m["op"] for m in got.msgs] == ["welcome"] * RANKS
         assert [conn.trains for conn in c.replicas[0].values()] == [5] * RANKS  # every rank, not only the last
         assert c.resumed is not None and c.resumed.state.back == {0}  # replica 1 is not back yet
+
+    run(tmp_path, scenario, total_replicas=2, min_replicas=1)
+
+
+def test_one_live_connection_speaks_for_a_node_name(tmp_path: Path) -> None:
+    """A second connection under a live node's name is refused (it could have spoken for that
+    node's ranks as they reconnect); once the first is gone, the name is free again."""
+
+    async def scenario(c: Coordinator) -> None:
+        a = await node(c, "a", 0)
+        impostor = await connect(c, SECRET)
+        impostor.send(hello("a", 1).to_msg())
+        refusal = (await next_op(impostor, "error"))["message"]
+        assert "node 'a' is spoken for by another live connection" in refusal
+        assert await closed(impostor)
+        assert 1 not in c.replicas and set(c.nodes.by_node) == {"a"}
+        a.send(asks(0, 5, 1).to_msg())  # the node's own connection is served as before
+        assert (await answers(a)).to == tuple((0, k) for k in range(RANKS))
+        a.writer.close()
+        for _ in range(100):
+            if "a" not in c.nodes.by_node:
+                break
+            await asyncio.sleep(0.02)
+        again = await node(c, "a", 1)  # its agent reconnected: served
+        again.writer.close()
+
+    run(tmp_path, scenario, total_replicas=2, min_replicas=1)
+
+
+def test_a_node_may_claim_only_the_ranks_placed_on_it(tmp_path: Path) -> None:
+    """With node agents, a node connection saying hello for a replica placed on another node is
+    refused, rank by rank; the node it is placed on registers it."""
+
+    async def scenario(c: Coordinator) -> None:
+        agents = {}
+        for name in ("a", "b"):
+            agents[name] = await connect(c, SECRET)
+            agents[name].send(protocol.AgentHello(node=name, slots=1).to_msg())
+            agents[name] = (agents[name], (await next_op(agents[name], "assign"))["replicas"])
+        assert agents["a"][1] == [0] and agents["b"][1] == [1]
+        b = await connect(c, SECRET)
+        b.send(hello("b", 0).to_msg())  # replica 0 is a's
+        got = await answers(b)
+        assert set(got.dropped) == {(0, k) for k in range(RANKS)}
+        assert {m["op"] for m in got.msgs} == {"error"}
+        assert "replica 0 is placed on node a, not on b" in got.msgs[0]["message"]
+        assert 0 not in c.replicas
+        b.send(hello("b", 1).to_msg())  # its own replica: registered on the same connection
+        got = await answers(b)
+        assert [m["op"] for m in got.msgs] == ["welcome"] * RANKS and len(c.replicas[1]) == RANKS
+        a = await node(c, "a", 0)
+        assert len(c.replicas[0]) == RANKS
+        for link in (a, b, agents["a"][0], agents["b"][0]):
+            link.writer.close()
 
     run(tmp_path, scenario, total_replicas=2, min_replicas=1)

@@ -128,3 +128,40 @@ def test_a_coordinator_that_fails_to_start_frees_its_state_directory(tmp_path: P
         with pytest.raises(OSError, match="cannot listen"):
             asyncio.run(c.start())
     asyncio.run(coordinator(tmp_path).stop())  # a second try on the same directory may start
+
+
+def test_the_epoch_history_stays_bounded_over_many_epochs(tmp_path: Path) -> None:
+    members = list(range(5000))  # 28 KB a row: unpruned, the file grew by that every epoch
+    store = StateStore(tmp_path, keep_epochs=20)
+    try:
+        for epoch in range(1, 301):
+            store.record_epoch(epoch, epoch * 10, members, [7] if epoch % 2 else [])
+            assert store.flush()
+            if epoch == 100:
+                size_at_100 = store.path.stat().st_size
+        with sqlite3.connect(store.path) as db:
+            kept = [r[0] for r in db.execute("SELECT epoch FROM epochs ORDER BY epoch")]
+        assert kept == list(range(281, 301))  # the newest
+        assert store.last_epoch() == (300, 3000, tuple(members), ())
+        assert store.path.stat().st_size <= size_at_100 + (1 << 20)  # freed pages are reused
+    finally:
+        store.close()
+    again = StateStore(tmp_path, keep_epochs=20)  # a restart continues the last, issues above
+    try:
+        assert again.last_epoch() is not None and again.epoch_floor >= 300
+    finally:
+        again.close()
+
+
+def test_an_older_runs_long_epoch_history_is_pruned_at_the_first_write(tmp_path: Path) -> None:
+    with sqlite3.connect(tmp_path / "coordinator.sqlite") as db:
+        db.execute("CREATE TABLE epochs (epoch INTEGER PRIMARY KEY, step INTEGER, members TEXT, behind TEXT, t REAL)")
+        db.executemany("INSERT INTO epochs VALUES (?, 0, '[0]', '[]', 0)", [(e,) for e in range(1, 1001)])
+    store = StateStore(tmp_path)
+    try:
+        assert store.epoch_floor >= 1000
+        store.flush()
+        with sqlite3.connect(store.path) as db:
+            assert db.execute("SELECT COUNT(*), MIN(epoch) FROM epochs").fetchone() == (100, 901)
+    finally:
+        store.close()

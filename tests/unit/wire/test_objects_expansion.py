@@ -8,6 +8,7 @@ their length, and ordinary sharing (one tuple of betas in every parameter group)
 
 from __future__ import annotations
 
+import functools
 import pickle
 import time
 from collections import OrderedDict
@@ -15,7 +16,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from unbroken.checkpoint.snapshot import flatten
+from unbroken.checkpoint.snapshot import flatten, unflatten
 from unbroken.wire import objects
 
 
@@ -42,7 +43,7 @@ def test_a_deeply_shared_value_is_refused_fast(last: bytes) -> None:
     for levels in (30, 60, 2000):
         data = doubling(levels, last)
         began = time.perf_counter()
-        with pytest.raises(objects.UnsafeObjectError, match="shared references"):
+        with pytest.raises(objects.UnsafeObjectError, match="shared references|nest containers"):
             objects.loads(data)
         # Unbounded, level 30 alone would take minutes: each level doubles the work.
         assert time.perf_counter() - began < 1.0, (levels, len(data))
@@ -88,3 +89,40 @@ def test_a_large_real_skeleton_loads_and_its_check_is_linear() -> None:
     loaded = objects.loads(data)
     print(f"\n{len(data)} bytes, {distinct} items: checked and loaded in {time.perf_counter() - began:.3f} s")
     assert loaded["step"] == 3 and len(loaded["optim"]["state"]) == 2000
+
+
+def padded(levels: int, pad: int) -> bytes:
+    """:func:`doubling` (bare), in a list after ``pad`` distinct items (NONE, a byte each) that
+    raise what the bytes may describe."""
+    top = b"j" + levels.to_bytes(4, "little")
+    body = doubling(levels, b"")[:-1]
+    return body + b"](" + b"N" * pad + top + b"e."  # EMPTY_LIST, MARK, NONE..., top, APPENDS
+
+
+def test_a_small_skeleton_cannot_buy_a_long_walk() -> None:
+    """381 bytes once described a million items (the flat allowance), 1.4 s to walk on
+    rebuilding the state: what bytes may describe is now linear in their length. (CPU time of
+    this thread: other tests' daemon threads may still be running.)"""
+    for levels in range(8, 30):
+        data = padded(levels, 381 - len(padded(levels, 0)))
+        began = time.thread_time()
+        try:
+            skeleton = objects.loads(data)
+        except objects.UnsafeObjectError as e:
+            assert "shared references" in str(e) and "distinct" in str(e)
+        else:
+            unflatten(skeleton, {})  # what a restore does with it
+        assert time.thread_time() - began < 0.25, (levels, len(data))
+    assert len(data) == 381
+
+
+def test_containers_nested_past_the_bound_are_refused_fast() -> None:
+    for depth in (objects.MAX_DEPTH + 1, 5_000, 200_000):
+        data = b"\x80\x04" + b"]" * depth + b"a" * (depth - 1) + b"."  # [[[...]]] by EMPTY_LIST, APPEND
+        began = time.thread_time()
+        with pytest.raises(objects.UnsafeObjectError, match=f"nest containers {depth} deep; at most"):
+            objects.loads(data)
+        assert time.thread_time() - began < 1.0
+    ok = pickle.dumps(functools.reduce(lambda inner, _: [inner], range(objects.MAX_DEPTH - 1), [1]))
+    assert objects.measure(ok)[2] == objects.MAX_DEPTH
+    unflatten(objects.loads(ok), {})

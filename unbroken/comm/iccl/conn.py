@@ -2,7 +2,11 @@
 
 Every connection proves the job's secret both ways (:func:`~unbroken.wire.auth.server_handshake`,
 purpose ``"iccl"``) and then names itself in one MACed hello (ring, sending rank, path); only the
-ring's predecessor is accepted, on the path of the listener it reached. Chunks then flow
+ring's predecessor is accepted, on the path of the listener it reached. Each listening socket
+sits behind a :class:`~unbroken.wire.gate.Gate`: a connection gets a thread only once its first
+bytes are a key holder's ticket, so a stranger's idle or garbage sockets (the listener once let 4
+of them take every handshake slot, and a ring could not form or fail over) are held within the
+strangers' budget and shed, never in the ring's way. Chunks then flow
 unMACed but CRC-checked, as catch-up's bulk bytes do (:mod:`unbroken.comm.catchup`): an on-path
 attacker injecting packets into an established TCP connection is out of scope, as for Gloo.
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import select
@@ -27,6 +32,7 @@ from unbroken.comm.iccl.protocol import ProtocolError
 from unbroken.config import parse_host_port
 from unbroken.wire.auth import AuthError, JobSecret, client_handshake, server_handshake
 from unbroken.wire.framing import FrameError, recv_sealed, send_sealed
+from unbroken.wire.gate import Gate
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +40,6 @@ PURPOSE = "iccl"
 MAX_HELLO = 1024
 SOCKET_BUFFER = 4 << 20
 POLL_S = 0.05  # an inbound read wakes this often to see whether the sender moved paths
-MAX_HANDSHAKES = 4  # accepted connections authenticating at once; more wait in the backlog
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +115,8 @@ class Listener:
     """One listening socket per path; authenticates what arrives and hands it to ``on_conn``.
 
     Made before the rendezvous (its addresses are what a member publishes); connections that
-    arrive before the ring attaches wait, the latest per path.
+    arrive before the ring attaches wait, the latest per path. Each socket is accepted by a
+    :class:`~unbroken.wire.gate.Gate` (see the module doc).
     """
 
     def __init__(
@@ -135,10 +141,28 @@ class Listener:
         self._lock = threading.Lock()
         self._on_conn: OnConnection | None = None
         self._early: dict[int, tuple[int, str, socket.socket]] = {}
-        self._slots = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self._closed = False
-        self.refused = 0
-        threading.Thread(target=self._accept, name="unbroken-iccl-accept", daemon=True).start()
+        self._bad_hellos = 0
+        self.gates: list[Gate] = []
+        try:
+            for path, s in enumerate(self._socks):
+                self.gates.append(
+                    Gate(
+                        s,
+                        secret,
+                        PURPOSE,
+                        functools.partial(self._start_admit, path=path),
+                        name=f"unbroken-iccl-gate-{path}",
+                    )
+                )
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def refused(self) -> int:
+        """Connections refused: a wrong ticket at a gate, or a failed handshake or hello."""
+        return self._bad_hellos + sum(g.refused for g in self.gates)
 
     def attach(self, on_conn: OnConnection) -> None:
         with self._lock:
@@ -149,58 +173,46 @@ class Listener:
 
     def close(self) -> None:
         self._closed = True
-        for s in self._socks:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
+        for g in self.gates:
+            g.close()  # closes its socket and the connections that showed no ticket
+        for s in self._socks[len(self.gates) :]:
             s.close()
         with self._lock:
             for _, _, sock in self._early.values():
                 sock.close()
             self._early.clear()
 
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                ready, _, _ = select.select(self._socks, [], [], 0.2)
-                for s in ready:
-                    conn, _ = s.accept()
-                    if not self._slots.acquire(timeout=1.0):
-                        conn.close()
-                        continue
-                    path = self._socks.index(s)
-                    threading.Thread(
-                        target=self._admit, args=(conn, path), name="unbroken-iccl-admit", daemon=True
-                    ).start()
-            except (OSError, ValueError):
-                if self._closed:
-                    return
+    def _start_admit(self, conn: socket.socket, ticket: bytes, *, path: int) -> None:
+        """A key holder's connection (its ticket checked by the gate): its handshake and hello
+        on a thread of their own, off the gate's thread."""
+        if self._closed:
+            conn.close()
+            return
+        threading.Thread(target=self._admit, args=(conn, path, ticket), name="unbroken-iccl-admit", daemon=True).start()
 
-    def _admit(self, conn: socket.socket, path: int) -> None:
+    def _admit(self, conn: socket.socket, path: int, ticket: bytes) -> None:
         try:
-            try:
-                session = server_handshake(conn, self._secret, PURPOSE)
-                conn.settimeout(10.0)
-                hello = json.loads(recv_sealed(conn, session, MAX_HELLO))
-                rank, ring, claimed = hello["rank"], hello["ring"], hello["path"]
-                if type(rank) is not int or not isinstance(ring, str) or claimed != path:
-                    raise ValueError(f"bad hello {hello!r}")
-            except (AuthError, FrameError, OSError, ValueError, KeyError, TypeError) as e:
-                self.refused += 1
-                log.warning("refused an ICCL connection on the %s path: %s", ("primary", "backup")[path], e)
-                conn.close()
-                return
-            with self._lock:
-                on_conn = self._on_conn
-                if on_conn is None:
-                    old = self._early.pop(path, None)
-                    self._early[path] = (rank, ring, conn)
+            session = server_handshake(conn, self._secret, PURPOSE, ticket=ticket)
+            conn.settimeout(10.0)
+            hello = json.loads(recv_sealed(conn, session, MAX_HELLO))
+            rank, ring, claimed = hello["rank"], hello["ring"], hello["path"]
+            if type(rank) is not int or not isinstance(ring, str) or claimed != path:
+                raise ValueError(f"bad hello {hello!r}")
+        except (AuthError, FrameError, OSError, ValueError, KeyError, TypeError) as e:
+            self._bad_hellos += 1
+            log.warning("refused an ICCL connection on the %s path: %s", ("primary", "backup")[path], e)
+            conn.close()
+            return
+        with self._lock:
+            on_conn = self._on_conn
             if on_conn is None:
-                if old is not None:
-                    old[2].close()
-            else:
-                on_conn(path, rank, ring, conn)
-        finally:
-            self._slots.release()
+                old = self._early.pop(path, None)
+                self._early[path] = (rank, ring, conn)
+        if on_conn is None:
+            if old is not None:
+                old[2].close()
+        else:
+            on_conn(path, rank, ring, conn)
 
 
 def set_recv_timeout(sock: socket.socket, seconds: float) -> None:
