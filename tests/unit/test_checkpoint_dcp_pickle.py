@@ -75,7 +75,7 @@ def test_a_metadata_built_to_take_exponential_time_is_refused_fast(tmp_path: Pat
         began = time.thread_time()
         with pytest.raises((CheckpointException, UnsafeObjectError), match=refusal) as e:
             dcp.load({"w": torch.zeros(4)}, storage_reader=DCPReader(ckpt))
-        assert time.thread_time() - began < 1.0
+        assert time.thread_time() - began < 3.0  # the unbounded walk takes minutes; a loaded machine, seconds
         assert "the checkpoint's" in str(e.value) and ".metadata" in str(e.value)
 
 

@@ -45,6 +45,7 @@ import click
 
 from unbroken.bench.faultfs import Faults, write_faults
 from unbroken.bench.output import publish
+from unbroken.config import executable_path
 from unbroken.control.lease import EXIT_LEASE_STORE, LeaseFiles
 from unbroken.launch.workers import free_port
 
@@ -71,7 +72,7 @@ def missing_tools(fs: str, fuse: bool) -> str | None:
     }[fs]
     if fuse:
         need.append("fusermount3")
-    path = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
+    path = _admin_path()
     gone = [t for t in need if shutil.which(t, path=path) is None]
     if fuse:
         try:
@@ -83,8 +84,13 @@ def missing_tools(fs: str, fuse: bool) -> str | None:
     return f"missing {', '.join(gone)} (make lease-fs)" if gone else None
 
 
+def _admin_path() -> str:
+    """PATH with the administrators' folders, where mkfs and losetup live (a non-login PATH may lack them)."""
+    return os.pathsep.join([executable_path(), "/usr/sbin", "/sbin"])
+
+
 def _run(*cmd: str) -> None:
-    env = {**os.environ, "PATH": os.environ.get("PATH", "") + ":/usr/sbin:/sbin"}
+    env = {**os.environ, "PATH": _admin_path()}
     subprocess.run(cmd, check=True, capture_output=True, env=env, timeout=60)
 
 
