@@ -22,9 +22,9 @@ COMMANDS: dict[str, str] = {
     "simulate": "unbroken.sim.cli:simulate",
     "plan": "unbroken.network.cli:plan",
     "checkpoint": "unbroken.checkpoint.cli:checkpoint",
-    "status": "unbroken.observe.status:status",
+    "status": "unbroken.control.status:status",
     "agent": "unbroken.launch.agent_cli:agent",
-    "secret": "unbroken.control.secret_file:secret",
+    "secret": "unbroken.control.state.secret_file:secret",
 }
 
 # name -> "module:attribute" of the `unbroken bench NAME` scenarios: the one list of them

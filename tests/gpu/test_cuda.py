@@ -23,7 +23,7 @@ from tests.integration.harness import ROOT, Job, metrics
 from unbroken.bench.epochs import churn
 from unbroken.checkpoint import Checkpointer
 from unbroken.comm.catchup import CatchupServer, fetch_state, take_snapshot
-from unbroken.control.job_health import EXIT_CONFIG
+from unbroken.control.quorum.job_health import EXIT_CONFIG
 from unbroken.train.vote import vote_device
 from unbroken.wire.auth import JobSecret
 

@@ -19,7 +19,7 @@ import pytest
 from tests.integration.harness import Processes, assert_identical, load_finals, wait_for_step
 from tests.integration.test_agents import Cluster, wait_until
 from unbroken.control.coordinator_cli import STEPPED_DOWN
-from unbroken.control.lease import LeaseFiles
+from unbroken.control.state.lease import LeaseFiles
 
 pytestmark = pytest.mark.integration
 STEPS = 90

@@ -15,7 +15,7 @@ import pytest
 
 from unbroken.bench import lease as bench
 from unbroken.control.coordinator_cli import STEPPED_DOWN
-from unbroken.control.lease import EXIT_LEASE_STORE
+from unbroken.control.state.lease import EXIT_LEASE_STORE
 
 pytestmark = pytest.mark.integration
 TARGET_S = bench.TAKEOVER_TARGET_S + 1.0  # a loaded 2-core machine

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.harness import ROOT, Job, python_env
-from unbroken.control.job_health import EXIT_CONFIG, EXIT_NO_PROGRESS
+from unbroken.control.quorum.job_health import EXIT_CONFIG, EXIT_NO_PROGRESS
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 

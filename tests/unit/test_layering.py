@@ -23,7 +23,15 @@ FORBIDDEN = {
     "faults": ("launch", "train", "bench"),
     "checkpoint": ("train", "launch", "faults", "comm"),
     "wire": ("train", "launch", "faults", "comm", "checkpoint", "control"),
+    # The coordinator's layer sits above diagnosis and observe: `unbroken status` lives in control/.
+    "diagnosis": ("control", "train", "comm", "launch", "faults", "bench", "cluster", "checkpoint"),
+    "observe": ("control", "diagnosis", "train", "comm", "launch", "faults", "bench", "cluster", "checkpoint"),
 }
+
+# control/'s rooms, lowest first: each may import the ones before it, never one after it nor the
+# modules at control/'s top (the coordinator, its client, its command line, `unbroken status`).
+CONTROL_ROOMS = ("state", "protocol", "quorum", "nodes")
+CONTROL_TOP = ("coordinator", "coordinator_cli", "client", "status")
 
 
 def _imports(path: Path) -> set[str]:
@@ -45,6 +53,28 @@ def test_no_package_imports_a_layer_above_it(package: str) -> None:
                 if module == f"unbroken.{above}" or module.startswith(f"unbroken.{above}."):
                     wrong.append(f"{path.relative_to(PACKAGE)} imports {module}")
     assert not wrong, wrong
+
+
+@pytest.mark.parametrize("room", CONTROL_ROOMS)
+def test_controls_rooms_import_only_the_rooms_below_them(room: str) -> None:
+    above = CONTROL_ROOMS[CONTROL_ROOMS.index(room) + 1 :] + CONTROL_TOP
+    wrong = []
+    for path in sorted((PACKAGE / "control" / room).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.module and node.level == 0):
+                continue
+            names = [a.name for a in node.names] if node.module == "unbroken.control" else []
+            reached = {node.module.split(".")[2]} if node.module.startswith("unbroken.control.") else set(names)
+            wrong += [f"{path.relative_to(PACKAGE)} imports unbroken.control.{r}" for r in sorted(reached & set(above))]
+    assert not wrong, wrong
+
+
+def test_no_room_of_control_holds_more_than_a_dozen_modules_or_one_over_600_lines() -> None:
+    for room in CONTROL_ROOMS:
+        modules = sorted((PACKAGE / "control" / room).glob("*.py"))
+        assert len(modules) <= 12, (room, len(modules))
+        long = [f"{m.relative_to(PACKAGE)}: {n}" for m in modules if (n := len(m.read_text().splitlines())) > 600]
+        assert not long, long
 
 
 def test_the_environment_is_read_only_in_config() -> None:

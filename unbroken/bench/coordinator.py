@@ -15,7 +15,7 @@ processes, speaking the real, authenticated protocol at a fixed step time. Per s
 * ``bytes_per_client_step``: what one group receives per fast-path step;
 * ``takeover_ms`` (with the standby): from ``kill -9`` of the active coordinator to the last
   group reconnected to the standby; ``takeover_quorum_ms``: to the last group answered by the
-  standby (which continues the epoch: :mod:`unbroken.control.resume`; the kill comes just before
+  standby (which continues the epoch: :mod:`unbroken.control.quorum.resume`; the kill comes just before
   a step: this includes the step's spread of asks, up to ``jitter`` of a step);
   ``takeover_held_ms``: what the takeover cost the job, how far every group's schedule moved
   after the kill (a group starts no step before every group was answered for the one before:
@@ -52,7 +52,7 @@ import click
 from unbroken import config
 from unbroken.bench.coordinator_sim import Plan, client_process
 from unbroken.bench.output import publish
-from unbroken.control import secret_file
+from unbroken.control.state import secret_file
 from unbroken.launch.workers import free_port
 
 QUICK_SIZES = (10, 100)

@@ -36,9 +36,10 @@ import time
 from typing import Any
 
 from unbroken.bench.lockstep import Lockstep
-from unbroken.control import event_loop, protocol
-from unbroken.control.heartbeat import heartbeat_due
-from unbroken.control.quorum import members_of_runs
+from unbroken.control import protocol
+from unbroken.control.protocol import event_loop
+from unbroken.control.quorum.heartbeat import heartbeat_due
+from unbroken.control.quorum.rules import members_of_runs
 from unbroken.launch.relay import first_warm_wait
 from unbroken.wire.auth import AuthError, JobSecret, Session
 

@@ -1,14 +1,14 @@
 """Simulated nodes for ``unbroken bench coordinator --nodes``: a node agent speaking for its ranks.
 
 A :class:`SimNode` is a :class:`~unbroken.bench.coordinator_sim.SimReplica` whose connection is
-a node agent's (:mod:`unbroken.control.node_relay`): it says ``node_hello`` for the
+a node agent's (:mod:`unbroken.control.nodes.relay`): it says ``node_hello`` for the
 ``ranks_per_node`` ranks of its replica group (one group per node, as HSDP shards within a node
 and replicates across nodes), asks for the quorum of all of them in one ``node_quorum`` line,
 heartbeats them in one ``node_heartbeat``, and reads one ``node_answers`` line per answer burst.
 The ranks share one schedule (a node's ranks finish their step together): what the
 coordinator's load then scales with is the node count. Rank 0's messages stand for the node's
 (every rank of it is answered in the same line). A short answer that carries a grant
-(:mod:`unbroken.control.grants`) is kept as the agent's relay keeps it, and the steps it covers
+(:mod:`unbroken.control.quorum.grants`) is kept as the agent's relay keeps it, and the steps it covers
 are answered here without a line, as the relay answers them (their latency is then this check
 alone; the relay hop itself is measured in docs/benchmarks/2026-11-27-agent-relay.md).
 
@@ -29,8 +29,8 @@ from typing import Any
 
 from unbroken.bench.coordinator_sim import Answer, SimReplica
 from unbroken.control import protocol
-from unbroken.control.grants import Grant
-from unbroken.control.heartbeat import heartbeat_due
+from unbroken.control.quorum.grants import Grant
+from unbroken.control.quorum.heartbeat import heartbeat_due
 from unbroken.launch.relay import RESAY_S, first_warm_wait
 
 

@@ -14,7 +14,7 @@ stalls them all, or fails them with ``EIO`` for one process. Scenarios:
 - ``live``: both run for a number of renewals; a takeover of the live holder is a failure.
   Then the active is stopped (SIGSTOP): the standby must take over within the target.
 - ``store_fails``: the active's lease calls fail with ``EIO`` from an instant on: it must exit
-  with :data:`~unbroken.control.lease.EXIT_LEASE_STORE` within two lease periods, and the
+  with :data:`~unbroken.control.state.lease.EXIT_LEASE_STORE` within two lease periods, and the
   standby answer (a status request) within the takeover target.
 - ``stall``: members connected to the active send a heartbeat every 0.1 s while every call of
   the filesystem stalls for 0.5 s: no connection may drop, no replica be evicted.
@@ -46,7 +46,7 @@ import click
 from unbroken.bench.faultfs import Faults, write_faults
 from unbroken.bench.output import publish
 from unbroken.config import executable_path
-from unbroken.control.lease import EXIT_LEASE_STORE, LeaseFiles
+from unbroken.control.state.lease import EXIT_LEASE_STORE, LeaseFiles
 from unbroken.launch.workers import free_port
 
 FILESYSTEMS = ("ext4-128", "vfat", "tmp", "etcd")  # etcd: the lease in a real etcd, the state on tmp
@@ -113,7 +113,7 @@ class EtcdServer:
         argv += ["--initial-cluster", f"bench={p}", "--log-level", "warn"]
         with open(self.work / "etcd.log", "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        from unbroken.control.lease_etcd import LeaseEtcd
+        from unbroken.control.state.lease_etcd import LeaseEtcd
 
         store = LeaseEtcd(self.url)
         wait_for(lambda: _answers(store), 30, "etcd to serve")
@@ -286,7 +286,7 @@ def wait_for(cond: Any, timeout: float, what: str) -> float:
 def answers_status(port: int, state: Path, timeout: float) -> float | None:
     """When (monotonic) the coordinator on ``port`` answered a status request; None by ``timeout``."""
     from unbroken.control import protocol
-    from unbroken.control import secret_file as secrets
+    from unbroken.control.state import secret_file as secrets
 
     secret, _ = secrets.kept(state)
 
@@ -311,7 +311,7 @@ def answers_status(port: int, state: Path, timeout: float) -> float | None:
 
 def _store(where: Where) -> Any:
     if where.etcd is not None:
-        from unbroken.control.lease_etcd import LeaseEtcd
+        from unbroken.control.state.lease_etcd import LeaseEtcd
 
         return LeaseEtcd(where.etcd.url)
     return LeaseFiles(where.state)
@@ -386,7 +386,7 @@ def store_fails(fs: str, work: Path, etcd_down_s: float = 3.0) -> dict[str, Any]
 def stall(fs: str, work: Path, stall_s: float = 0.5) -> dict[str, Any]:
     """Members heartbeat through a stall of every call of the store: none may be dropped or evicted."""
     from unbroken.control import protocol
-    from unbroken.control import secret_file as secrets
+    from unbroken.control.state import secret_file as secrets
 
     with placed(fs, work, fuse=True) as where:
         state, control, etcd = where.state, where.control, where.etcd
@@ -466,8 +466,8 @@ def forced_takeovers(fs: str, work: Path, takeovers: int, replicas: int = 2) -> 
     clients ask a quorum per step through both addresses; every answer's term is recorded."""
     import threading
 
-    from unbroken.control import secret_file as secrets
     from unbroken.control.client import CoordinatorClient
+    from unbroken.control.state import secret_file as secrets
 
     with placed(fs, work, fuse=False) as where:
         pair = start_pair(where, work)

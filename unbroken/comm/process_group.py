@@ -44,7 +44,7 @@ from unbroken.comm.retire import GroupReaper
 from unbroken.comm.ring import ring_allreduce_sum
 from unbroken.comm.store import AuthenticatedStore
 from unbroken.config import exchange_mode, gloo_socket_ifname, is_loopback, local_address_towards, parse_host_port
-from unbroken.control.failure import MAX_FAILURE_CHARS
+from unbroken.control.quorum.failure import MAX_FAILURE_CHARS
 from unbroken.wire.auth import JobSecret
 
 # Retired NCCL communicators that may wait for their abort while a new one is built: each holds

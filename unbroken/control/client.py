@@ -31,9 +31,9 @@ from typing import Any, Protocol
 
 from unbroken.config import parse_host_ports
 from unbroken.control import protocol
-from unbroken.control.heartbeat import COORDINATOR_SILENT_S, heartbeat_due, silent_after
-from unbroken.control.quorum import QuorumDecision, push_answers
-from unbroken.control.silence import SilenceWatch
+from unbroken.control.quorum.heartbeat import COORDINATOR_SILENT_S, heartbeat_due, silent_after
+from unbroken.control.quorum.rules import QuorumDecision, push_answers
+from unbroken.control.quorum.silence import SilenceWatch
 from unbroken.diagnosis.telemetry import TelemetryBatch
 from unbroken.wire.auth import AuthError, JobSecret, Session
 

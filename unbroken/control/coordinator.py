@@ -1,15 +1,15 @@
 """The coordinator service: membership, quorum epochs, pushed aborts, persisted history.
 
-A thin asyncio shell around :mod:`unbroken.control.quorum`. Each rank of each replica keeps one
+A thin asyncio shell around :mod:`unbroken.control.quorum.rules`. Each rank of each replica keeps one
 TCP connection open (see :mod:`unbroken.control.protocol`); a closed connection or a process
 exit reported by the supervisor evicts the replica at once, a silent one is evicted when its
 heartbeats stop. The coordinator also hosts the ``torch.distributed`` TCPStore on which the
 cross-replica groups of every epoch rendezvous.
 
 Its parts, each given what it needs through its constructor: the connections are served by
-:mod:`unbroken.control.serving`, ranks' quorum requests answered by
-:mod:`unbroken.control.quorum_service`, node agents kept by :mod:`unbroken.control.agents`
-(which replica runs where: :mod:`unbroken.control.placement`). What stays here is the identity
+:mod:`unbroken.control.protocol.serving`, ranks' quorum requests answered by
+:mod:`unbroken.control.quorum.service`, node agents kept by :mod:`unbroken.control.nodes.agents`
+(which replica runs where: :mod:`unbroken.control.nodes.placement`). What stays here is the identity
 of each rank connection, eviction, the tick and the persisted history.
 
 Threat model: anyone who can reach the port. Nothing is read from a connection before it proves
@@ -37,19 +37,19 @@ from typing import Any
 
 from unbroken.config import anomaly_policy
 from unbroken.control import protocol
-from unbroken.control.agents import NodeAgents
-from unbroken.control.event_loop import listen_backlog
-from unbroken.control.groups import MAX_NODES_PER_REPLICA
-from unbroken.control.heartbeat import ALIVE_S, HeartbeatPlan, alive_every, plan_heartbeats
-from unbroken.control.job_health import JobHealth, JobStop
-from unbroken.control.node_relay import NodeConn, NodeRelay, PreSaid
-from unbroken.control.placement import AgentConn, PlacementHooks
-from unbroken.control.quorum import QuorumRules, QuorumState, decision
-from unbroken.control.quorum_service import QuorumService, RankConn
-from unbroken.control.resume import EpochResume
-from unbroken.control.serving import ConnectionServer, Refused
+from unbroken.control.nodes.agents import NodeAgents
+from unbroken.control.nodes.groups import MAX_NODES_PER_REPLICA
+from unbroken.control.nodes.placement import AgentConn, PlacementHooks
+from unbroken.control.nodes.relay import NodeConn, NodeRelay, PreSaid
+from unbroken.control.protocol.event_loop import listen_backlog
+from unbroken.control.protocol.serving import ConnectionServer, Refused
+from unbroken.control.quorum.heartbeat import ALIVE_S, HeartbeatPlan, alive_every, plan_heartbeats
+from unbroken.control.quorum.job_health import JobHealth, JobStop
+from unbroken.control.quorum.resume import EpochResume
+from unbroken.control.quorum.rules import QuorumRules, QuorumState, decision
+from unbroken.control.quorum.service import QuorumService, RankConn
 from unbroken.control.settings import CoordinatorSettings
-from unbroken.control.state_store import StateStore
+from unbroken.control.state.store import StateStore
 from unbroken.diagnosis.master import DiagnosisMaster
 from unbroken.diagnosis.metrics import parse_policy
 from unbroken.diagnosis.service import DiagnosisService, StackSource
@@ -103,7 +103,7 @@ class Coordinator:
         stacks: how to get a hung rank's stack from its owner (``unbroken run`` passes its
             own); None asks the node agent that runs the replica.
         lock_fd: the state directory's lock, taken already (a standby taking over).
-        fence: whether this coordinator may answer now (its lease, :mod:`unbroken.control.lease`),
+        fence: whether this coordinator may answer now (its lease, :mod:`unbroken.control.state.lease`),
             asked before every answer: while it says no, a message waits unanswered on its
             connection (kept), a closed connection's eviction waits, and the tick does nothing;
             once it says yes again, the silence it could not hear is not held against anyone.
@@ -227,7 +227,7 @@ class Coordinator:
             protocol.Bye.OP: lambda conn, _: self._bye(conn),
             protocol.Exited.OP: self._rank_exited,
         }
-        # A node agent's connection speaking for its node's ranks (:mod:`unbroken.control.node_relay`).
+        # A node agent's connection speaking for its node's ranks (:mod:`unbroken.control.nodes.relay`).
         self.nodes = NodeRelay(
             self._admit,
             self.requests.ask_ranks,
@@ -466,7 +466,7 @@ class Coordinator:
 
     def _admit(self, conns: Sequence[RankConn], said: int | None, claims: bool = True) -> list[RankConn | Refused]:
         """Registers ranks of one replica said together through one connection (a node agent's
-        hello lists its ranks; :func:`unbroken.control.node_relay.hello_runs`), each with the same
+        hello lists its ranks; :func:`unbroken.control.nodes.relay.hello_runs`), each with the same
         world size and saying it trains in epoch ``said`` (``claims``: a claim on the resumed epoch,
         :meth:`_claim_stands`): each rank registered, or refused with why.
 
@@ -741,8 +741,8 @@ class Coordinator:
     def _say_alive(self, now: float) -> None:
         """Tells the ranks whose requests wait that this coordinator is alive and still holds its
         lease (the tick does not run without it): a rank that hears nothing for
-        :func:`~unbroken.control.heartbeat.silent_after` its welcome's timeout tries the standby,
-        so it hears one six times within that (:func:`~unbroken.control.heartbeat.alive_every`).
+        :func:`~unbroken.control.quorum.heartbeat.silent_after` its welcome's timeout tries the standby,
+        so it hears one six times within that (:func:`~unbroken.control.quorum.heartbeat.alive_every`).
         Only waiting ranks: an answered step costs no line."""
         if now < self._next_alive:
             return

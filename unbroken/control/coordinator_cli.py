@@ -8,13 +8,13 @@ agents and workers that still run with it). Agents on other nodes get it with th
 ``--standby`` runs a second coordinator on the same ``--state-dir`` (a shared filesystem with
 working ``flock`` when it runs on another node) at its own address. It waits, without
 listening, until the active coordinator's process is gone (the kernel drops its lock on the
-state directory) or its lease lapsed (it hangs: :mod:`unbroken.control.lease`), then takes the
+state directory) or its lease lapsed (it hangs: :mod:`unbroken.control.state.lease`), then takes the
 directory over: its epochs start above every epoch the active one reserved, so none is ever
 reused. Workers and agents given both addresses (``--coordinator A,B``) reconnect to whichever
 listens. A coordinator that wakes up after its lease lapsed answers nothing (its fence is
 checked before every answer), finds the next term at its next renewal, and exits with
 :data:`STEPPED_DOWN`. One whose lease store keeps failing exits with
-:data:`~unbroken.control.lease.EXIT_LEASE_STORE` (74), so that its supervisor restarts it.
+:data:`~unbroken.control.state.lease.EXIT_LEASE_STORE` (74), so that its supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -31,13 +31,14 @@ from typing import Any
 
 import click
 
-from unbroken.control import event_loop, lease
-from unbroken.control import secret_file as secrets
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings, listen
-from unbroken.control.job_health import DEFAULT_FATAL_EPOCHS, DEFAULT_NO_PROGRESS_S
-from unbroken.control.node_relay import PreSaid
-from unbroken.control.serving import ConnectionServer
-from unbroken.control.state_store import JOURNAL_MODES, lock_state_dir, private_dir
+from unbroken.control.nodes.relay import PreSaid
+from unbroken.control.protocol import event_loop
+from unbroken.control.protocol.serving import ConnectionServer
+from unbroken.control.quorum.job_health import DEFAULT_FATAL_EPOCHS, DEFAULT_NO_PROGRESS_S
+from unbroken.control.state import lease
+from unbroken.control.state import secret_file as secrets
+from unbroken.control.state.store import JOURNAL_MODES, lock_state_dir, private_dir
 from unbroken.wire.auth import JobSecret
 
 # A standalone coordinator's port: a fixed one that agents and workers can be told in advance
@@ -77,7 +78,7 @@ async def _serve(
     files: lease.LeaseStore | None = None,
 ) -> int:
     """Serves until SIGINT/SIGTERM (0), or until the lease went to another coordinator
-    (:data:`STEPPED_DOWN`), or its store failed (:data:`~unbroken.control.lease.EXIT_LEASE_STORE`)."""
+    (:data:`STEPPED_DOWN`), or its store failed (:data:`~unbroken.control.state.lease.EXIT_LEASE_STORE`)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -223,7 +224,7 @@ def lease_store(url: str, state_dir: Path) -> lease.LeaseStore:
     if url == "file":
         return lease.LeaseFiles(state_dir)
     if url.startswith("etcd://"):
-        from unbroken.control.lease_etcd import LeaseEtcd
+        from unbroken.control.state.lease_etcd import LeaseEtcd
 
         return LeaseEtcd(url)
     raise ValueError(f"--lease-store {url!r}: write file, or etcd://HOST:PORT/NAME")

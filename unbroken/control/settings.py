@@ -10,8 +10,8 @@ import dataclasses
 from pathlib import Path
 
 from unbroken.config import check_seconds
-from unbroken.control.job_health import DEFAULT_FATAL_EPOCHS, DEFAULT_NO_PROGRESS_S
-from unbroken.control.state_store import KEEP_EVENTS
+from unbroken.control.quorum.job_health import DEFAULT_FATAL_EPOCHS, DEFAULT_NO_PROGRESS_S
+from unbroken.control.state.store import KEEP_EVENTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +45,12 @@ class CoordinatorSettings:
         max_world_size: the most ranks a replica may announce.
         heartbeat_s: how often each rank heartbeats (told in the welcome), while the job is small.
         max_heartbeats_per_s: heartbeat lines a second the coordinator spends on at most: past
-            it the period and both silences above grow (:mod:`unbroken.control.heartbeat`).
+            it the period and both silences above grow (:mod:`unbroken.control.quorum.heartbeat`).
         max_asks_per_s: quorum requests a second the coordinator spends on at most: past it, fast
-            answers to relayed ranks stand for several steps (:mod:`unbroken.control.grants`).
+            answers to relayed ranks stand for several steps (:mod:`unbroken.control.quorum.grants`).
         max_grant_s: the longest such an answer stands, in seconds (a newcomer waits up to it).
         fatal_epochs: epochs in a row failed by a configuration error at every member that end
-            the job (:mod:`unbroken.control.job_health`).
+            the job (:mod:`unbroken.control.quorum.job_health`).
         no_progress_timeout_s: seconds without a committed step that end the job; 0 never.
     """
 

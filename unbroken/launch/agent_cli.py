@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from unbroken.control import secret_file as secrets
+from unbroken.control.state import secret_file as secrets
 from unbroken.launch.agent import AgentSettings
 from unbroken.launch.agent import run as run_agent
 from unbroken.launch.policy import RestartPolicy

@@ -33,9 +33,9 @@ def serve(
         coordinator: an external coordinator's address; None asks ``local_status`` instead, on
             the running loop (the in-process coordinator's status, or None while it is down).
     """
+    from unbroken.control.status import fetch_status
     from unbroken.observe import http
     from unbroken.observe.live import JobView
-    from unbroken.observe.status import fetch_status
 
     view = JobView(run_dir, replicas=replicas)
     status: http.Status

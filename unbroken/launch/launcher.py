@@ -15,7 +15,7 @@ on exit or Ctrl-C nothing this launcher started is left running. SIGTERM (preemp
 forwarded instead: the workers finish their step and flush a checkpoint within
 ``--term-grace-s`` (:mod:`unbroken.train.preemption`), and nothing is restarted.
 
-The job's secret (:mod:`unbroken.control.secret_file`) is made here, fresh for every launch,
+The job's secret (:mod:`unbroken.control.state.secret_file`) is made here, fresh for every launch,
 unless ``--secret-file`` names one; the workers get its path. Everything this process listens
 on is bound to loopback (the coordinator, and the TCPStore it hosts): a single-machine job is
 reachable from no other machine. A hung rank's stack is fetched here, from the process this
@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from unbroken import config as env
-from unbroken.control import secret_file
 from unbroken.control.coordinator import Coordinator
+from unbroken.control.state import secret_file
 from unbroken.diagnosis import stacks
 from unbroken.faults.worker import worker_env
 from unbroken.launch import dashboard, reaper, workers
@@ -386,7 +386,7 @@ class Launcher:
     # -- what the coordinator and diagnosis say ---------------------------------------------
 
     def _on_coordinator_event(self, e: ev.Event) -> None:
-        if isinstance(e, ev.JobFailed):  # the coordinator ended the job (unbroken.control.job_health)
+        if isinstance(e, ev.JobFailed):  # the coordinator ended the job (unbroken.control.quorum.job_health)
             if self.exit_code is None:
                 print(f"unbroken: the job is stopped: {e.reason}", file=sys.stderr, flush=True)
                 if e.error:

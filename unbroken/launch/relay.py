@@ -6,7 +6,7 @@ gives its ranks ``UNBROKEN_COORDINATOR=<this listener>,<the coordinator's addres
 client tries them in turn, so it needs no change: it speaks the same ``hello``, ``quorum``,
 ``heartbeat``, ``telemetry`` and ``bye`` lines to the relay and reads the same ``welcome``,
 ``quorum``, ``epoch``, ``abort`` lines back. The relay speaks for them upstream through one node
-connection (:mod:`unbroken.control.node_relay` is the coordinator's side):
+connection (:mod:`unbroken.control.nodes.relay` is the coordinator's side):
 
 - a rank's hello becomes its ``node_hello``; the quorum requests that arrive in one turn of the
   event loop share one ``node_quorum`` line (a request waits for no other rank: what arrives
@@ -21,10 +21,10 @@ connection (:mod:`unbroken.control.node_relay` is the coordinator's side):
   ``dropped`` rank's connection is closed, and its client reconnects and says hello again.
 
 Ranks are admitted and authenticated exactly as the coordinator admits them (the same
-:class:`~unbroken.control.serving.ConnectionServer`, the job's secret, the ``coordinator``
+:class:`~unbroken.control.protocol.serving.ConnectionServer`, the job's secret, the ``coordinator``
 purpose: to a rank, the relay *is* a coordinator address, and both sides' fresh nonces make a
 handshake with one listener worthless at another). Nothing a rank sends is trusted: each message
-is parsed into its typed form (:mod:`unbroken.control.messages`) before it is relayed, a rank
+is parsed into its typed form (:mod:`unbroken.control.protocol.messages`) before it is relayed, a rank
 connection speaks only for the (replica, rank) it said hello as, and every queue is bounded.
 
 Failure, by design: the ranks are the agent's children and die with it (``kill -9`` of the
@@ -34,10 +34,10 @@ address, the coordinator's, and is served on its own connection, as without the 
 
 Given a standby (a second address), the relay keeps an idle, authenticated connection to it,
 which the standby holds without answering until it takes over
-(:meth:`~unbroken.control.serving.ConnectionServer.hold`), and says the node's hello on it
+(:meth:`~unbroken.control.protocol.serving.ConnectionServer.hold`), and says the node's hello on it
 beforehand (``node_hello`` with ``beforehand``: every rank it speaks for, at its step and in the
 epoch it trains), and again a while after that changes (:data:`RESAY_S`). The standby registers
-those ranks the moment it takes over (:class:`~unbroken.control.node_relay.PreSaid`). So a takeover
+those ranks the moment it takes over (:class:`~unbroken.control.nodes.relay.PreSaid`). So a takeover
 costs no handshake and no hello: when the node connection is lost (the active coordinator died),
 or the standby's welcome comes on that connection (the active one hangs, its lease lapsed), the
 relay moves onto it with every rank connection kept, and their grants: it says only what the
@@ -66,10 +66,10 @@ from typing import Any
 from unbroken import config as env
 from unbroken.control import protocol
 from unbroken.control.client import StaleTerm
-from unbroken.control.grants import Grant
-from unbroken.control.messages import MAX_NODE_RANKS
-from unbroken.control.quorum import QuorumDecision, push_answers
-from unbroken.control.serving import ConnectionServer, Refused
+from unbroken.control.protocol.messages import MAX_NODE_RANKS
+from unbroken.control.protocol.serving import ConnectionServer, Refused
+from unbroken.control.quorum.grants import Grant
+from unbroken.control.quorum.rules import QuorumDecision, push_answers
 from unbroken.diagnosis.telemetry import TelemetryBatch
 from unbroken.wire.auth import JobSecret
 
@@ -148,7 +148,7 @@ class RelayBook:
         self.heartbeat_s = DEFAULT_HEARTBEAT_S
         self.term: int | None = None  # the newest lease term a coordinator welcomed this node's ranks in
         self.urgent = False  # something queued must go this turn (more than telemetry)
-        self.answered = 0  # requests answered here, within a grant (unbroken.control.grants)
+        self.answered = 0  # requests answered here, within a grant (unbroken.control.quorum.grants)
         # What the standby was told of this node (standby_hello): each slot and the epoch it said.
         self.presaid: dict[Slot, int | None] | None = None
         self.stale = False  # the node changed since: the standby is told again
@@ -368,7 +368,7 @@ class RelayBook:
         """The node connection moves to the standby this node's hello was said to (:attr:`presaid`):
         every rank stays connected, and keeps its grant (the standby resumes the epoch granted, and
         admits no newcomer until every grant of the coordinator it took over from has run out:
-        :meth:`~unbroken.control.quorum.QuorumState.resume`). What the standby was not told goes
+        :meth:`~unbroken.control.quorum.rules.QuorumState.resume`). What the standby was not told goes
         first: the node's whole hello if a rank came or its epoch changed since (the standby takes
         it as it takes over, in place of the one said). Then what the ranks said that was not
         sent (a goodbye before its rank's leave), a leave for each rank gone since it was told,

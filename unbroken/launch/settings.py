@@ -15,7 +15,7 @@ from pathlib import Path
 from unbroken import config as env
 from unbroken.checkpoint.disk import check_writable
 from unbroken.control.coordinator import CoordinatorSettings
-from unbroken.control.job_health import DEFAULT_FATAL_EPOCHS, DEFAULT_NO_PROGRESS_S, JobHealth
+from unbroken.control.quorum.job_health import DEFAULT_FATAL_EPOCHS, DEFAULT_NO_PROGRESS_S, JobHealth
 from unbroken.diagnosis.metrics import parse_policy
 from unbroken.faults.schedule import Schedule
 from unbroken.launch.policy import RestartPolicy, Slot
@@ -64,7 +64,7 @@ class LaunchSettings:
         cross_replica_backend: ``auto``, ``nccl`` or ``gloo`` for the workers; None leaves the
             environment's (:mod:`unbroken.comm.backend`).
         fatal_epochs, no_progress_timeout_s: when the coordinator ends the job instead of
-            looping (:mod:`unbroken.control.job_health`).
+            looping (:mod:`unbroken.control.quorum.job_health`).
     """
 
     command: tuple[str, ...]

@@ -150,7 +150,7 @@ class CoordinatorRestarted(Event):
 @_kind("epoch_resumed")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EpochResumed(Event):
-    """A coordinator that found history continues its last epoch (:mod:`unbroken.control.resume`):
+    """A coordinator that found history continues its last epoch (:mod:`unbroken.control.quorum.resume`):
     members saying it in their hello are answered in it; those not back within ``window_s`` are
     evicted."""
 
@@ -662,7 +662,7 @@ class GroupStarted(Event):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReplicaSetAside(Event):
     """A replica whose epochs keep failing (it reaches the coordinator, not its peers) is held out
-    of the quorum for ``hold_s`` so that the others train on (:mod:`unbroken.control.setaside`)."""
+    of the quorum for ``hold_s`` so that the others train on (:mod:`unbroken.control.quorum.setaside`)."""
 
     replica: int
     failed_epochs: list[int]

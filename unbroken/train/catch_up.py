@@ -24,7 +24,7 @@ import torch
 from unbroken.comm.catchup import CatchupServer, SnapshotCopy, fetch_state, snapshot_layout
 from unbroken.comm.process_group import CrossReplicaGroup
 from unbroken.comm.recorder import FlightRecorder
-from unbroken.control.quorum import QuorumDecision
+from unbroken.control.quorum.rules import QuorumDecision
 from unbroken.diagnosis.telemetry import CaughtUp
 from unbroken.train.overlap import METADATA
 from unbroken.wire.auth import JobSecret

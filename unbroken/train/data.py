@@ -43,7 +43,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from unbroken.control.quorum import QuorumDecision
+    from unbroken.control.quorum.rules import QuorumDecision
     from unbroken.train.manager import Manager
 
 SKIP = "skip"

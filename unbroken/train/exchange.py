@@ -17,7 +17,7 @@ import torch
 
 from unbroken.comm.deadline import LearnedDeadline
 from unbroken.comm.process_group import CrossReplicaGroup, ExchangeFailed
-from unbroken.control.quorum import QuorumDecision
+from unbroken.control.quorum.rules import QuorumDecision
 from unbroken.train.overlap import (
     METADATA,
     OverlappedExchange,

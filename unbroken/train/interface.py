@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from unbroken.config import ReplicaConfig
-from unbroken.control.quorum import QuorumDecision
+from unbroken.control.quorum.rules import QuorumDecision
 from unbroken.train.overlap import OverlappedExchange
 
 

@@ -33,7 +33,7 @@ from unbroken.comm.process_group import CrossReplicaGroup
 from unbroken.comm.recorder import FlightRecorder
 from unbroken.config import ReplicaConfig
 from unbroken.control.client import CoordinatorClient
-from unbroken.control.quorum import QuorumDecision
+from unbroken.control.quorum.rules import QuorumDecision
 from unbroken.diagnosis.metrics import parse_policy, wants_skip
 from unbroken.train.catch_up import CatchUp, DonateHint
 from unbroken.train.exchange import GradientExchange

@@ -3,7 +3,7 @@
 The ranks of one replica each exchange their own shards with the other replicas; a step is
 applied only if every one of them succeeded, so the replica's ranks never drift apart. A rank
 votes no, whatever its sum says, when it went silent during the step long enough to have been
-evicted (:mod:`unbroken.control.silence`), or when the coordinator has aborted the step's epoch:
+evicted (:mod:`unbroken.control.quorum.silence`), or when the coordinator has aborted the step's epoch:
 its peers gave up on the exchange and redo the step without it, yet its own late call could
 still pair with their abandoned operations and complete (the abort may be waiting unread in the
 socket when the process resumes from a stop, so the coordinator connection is drained first).
@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from unbroken.control.silence import SilenceWatch
+from unbroken.control.quorum.silence import SilenceWatch
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import pytest
 
 from unbroken.bench.coordinator_sim import Plan, SimReplica
 from unbroken.control import protocol
-from unbroken.control.serving import ConnectionServer
+from unbroken.control.protocol.serving import ConnectionServer
 from unbroken.wire.auth import JobSecret
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from unbroken.control import protocol
-from unbroken.control.agents import NodeAgents
-from unbroken.control.placement import PlacementHooks
+from unbroken.control.nodes.agents import NodeAgents
+from unbroken.control.nodes.placement import PlacementHooks
 from unbroken.observe import schema as ev
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from unbroken.control.assignment import Assignment
+from unbroken.control.nodes.assignment import Assignment
 
 
 def test_replicas_are_handed_out_lowest_first_and_leftover_slots_are_spares() -> None:
@@ -64,7 +64,7 @@ def test_after_a_coordinator_restart_agents_keep_what_they_run() -> None:
 
 
 def test_replica_groups_take_k_distinct_nodes_and_a_spare_replaces_a_lost_one() -> None:
-    from unbroken.control.assignment import GroupAssignment
+    from unbroken.control.nodes.assignment import GroupAssignment
 
     a = GroupAssignment(total_replicas=2, nodes_per_replica=2)
     assert a.join("a", 1) == []  # half a group: not started
@@ -81,7 +81,7 @@ def test_replica_groups_take_k_distinct_nodes_and_a_spare_replaces_a_lost_one() 
 
 
 def test_a_group_without_a_spare_waits_with_a_hole_and_a_released_node_is_not_matched_again() -> None:
-    from unbroken.control.assignment import GroupAssignment
+    from unbroken.control.nodes.assignment import GroupAssignment
 
     a = GroupAssignment(total_replicas=1, nodes_per_replica=2)
     a.join("a", 1)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.live_coordinator import live_coordinator, member, next_op
-from unbroken.control import event_loop
+from unbroken.control.protocol import event_loop
 from unbroken.wire.auth import JobSecret
 
 SECRET = JobSecret(b"k" * 32)

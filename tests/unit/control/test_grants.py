@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from unbroken.control.grants import MAX_GRANT_STEPS, Grant, StepClock, grant_steps, grant_through
+from unbroken.control.quorum.grants import MAX_GRANT_STEPS, Grant, StepClock, grant_steps, grant_through
 
 
 def test_no_grant_while_the_coordinator_keeps_up_or_the_step_time_is_unknown() -> None:

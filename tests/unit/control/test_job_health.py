@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from unbroken.control.failure import classify
-from unbroken.control.job_health import EXIT_CONFIG, EXIT_NO_PROGRESS, JobHealth
+from unbroken.control.quorum.failure import classify
+from unbroken.control.quorum.job_health import EXIT_CONFIG, EXIT_NO_PROGRESS, JobHealth
 
 NCCL_DUPLICATE = (
     "NCCL error in: ProcessGroupNCCL.cpp:1234, invalid usage (run with NCCL_DEBUG=WARN for details), "

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from unbroken.bench.lease import EtcdServer, missing_tools
-from unbroken.control.lease import Lease, LeaseKeeper, Watch, claim_next
-from unbroken.control.lease_etcd import LeaseEtcd, parse_url
+from unbroken.control.state.lease import Lease, LeaseKeeper, Watch, claim_next
+from unbroken.control.state.lease_etcd import LeaseEtcd, parse_url
 
 
 def test_the_url_names_host_port_and_the_jobs_own_name() -> None:

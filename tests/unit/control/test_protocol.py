@@ -9,7 +9,7 @@ import pytest
 
 from unbroken.control import protocol
 from unbroken.control.protocol import connected_to_itself, decode, encode
-from unbroken.control.quorum import QuorumDecision
+from unbroken.control.quorum.rules import QuorumDecision
 from unbroken.wire.auth import AuthError, Session
 
 

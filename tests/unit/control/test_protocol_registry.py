@@ -15,13 +15,22 @@ from pathlib import Path
 import pytest
 
 import unbroken
-from unbroken.control import messages, protocol
+from unbroken.control import protocol
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings
-from unbroken.control.messages import Direction, ops
+from unbroken.control.protocol import messages
+from unbroken.control.protocol.messages import Direction, ops
 from unbroken.wire.auth import JobSecret
 
 PACKAGE = Path(unbroken.__file__).parent
-COORDINATOR_SIDE = ("coordinator", "agents", "placement", "groups", "quorum_service", "serving", "node_relay")
+COORDINATOR_SIDE = (
+    "coordinator",
+    "nodes/agents",
+    "nodes/placement",
+    "nodes/groups",
+    "quorum/service",
+    "protocol/serving",
+    "nodes/relay",
+)
 
 
 def _uses(module: Path) -> tuple[set[str], set[str], list[int]]:

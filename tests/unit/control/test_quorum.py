@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unbroken.control.quorum import (
+from unbroken.control.quorum.rules import (
     MAX_MEMBERS,
     QuorumDecision,
     QuorumRequest,

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from unbroken.control.quorum import QuorumDecision, QuorumRequest, QuorumRules, QuorumState, decision, push_answers
+from unbroken.control.quorum.rules import (
+    QuorumDecision,
+    QuorumRequest,
+    QuorumRules,
+    QuorumState,
+    decision,
+    push_answers,
+)
 
 
 def training(n: int, step: int = 5, min_replicas: int = 1) -> QuorumState:

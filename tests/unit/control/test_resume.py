@@ -16,8 +16,8 @@ from typing import Any
 
 from tests.live_coordinator import live_coordinator, member, next_op
 from unbroken.control import protocol
-from unbroken.control.quorum import decision
-from unbroken.control.resume import Claim, ResumedEpoch
+from unbroken.control.quorum.resume import Claim, ResumedEpoch
+from unbroken.control.quorum.rules import decision
 from unbroken.wire.auth import JobSecret
 
 SETTINGS: dict[str, Any] = {"total_replicas": 3, "join_window_floor_s": 0.3}

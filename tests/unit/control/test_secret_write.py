@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from unbroken.control import secret_file
+from unbroken.control.state import secret_file
 from unbroken.wire.auth import JobSecret
 
 

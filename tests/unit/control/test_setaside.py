@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from unbroken.control.setaside import SetAside
+from unbroken.control.quorum.setaside import SetAside
 
 
 def test_a_replica_whose_epochs_keep_failing_is_set_aside_the_last_to_join_first() -> None:

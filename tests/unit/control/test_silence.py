@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from unbroken.control.silence import SilenceWatch
+from unbroken.control.quorum.silence import SilenceWatch
 
 
 def test_a_gap_between_heartbeats_over_the_limit_marks_the_steps_that_began_before_it() -> None:

@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 
 from tests.live_coordinator import live_coordinator
-from unbroken.control import protocol, serving
-from unbroken.control.serving import ConnectionServer
+from unbroken.control import protocol
+from unbroken.control.protocol import serving
+from unbroken.control.protocol.serving import ConnectionServer
 from unbroken.launch.relay import Relay
 from unbroken.wire.auth import JobSecret
 

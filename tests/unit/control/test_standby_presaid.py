@@ -19,10 +19,12 @@ from typing import Any
 import pytest
 
 from tests.live_coordinator import live_coordinator, member, next_op
-from unbroken.control import node_relay, protocol, serving
+from unbroken.control import protocol
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings
-from unbroken.control.node_relay import PreSaid
-from unbroken.control.serving import ConnectionServer
+from unbroken.control.nodes import relay as node_relay
+from unbroken.control.nodes.relay import PreSaid
+from unbroken.control.protocol import serving
+from unbroken.control.protocol.serving import ConnectionServer
 from unbroken.wire.auth import JobSecret
 
 SECRET = JobSecret.generate()

@@ -14,8 +14,8 @@ import pytest
 
 from tests.integration.harness import python_env
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings
-from unbroken.control.quorum import QuorumRequest
-from unbroken.control.state_store import StateStore
+from unbroken.control.quorum.rules import QuorumRequest
+from unbroken.control.state.store import StateStore
 from unbroken.wire.auth import JobSecret
 
 
@@ -67,7 +67,7 @@ def test_an_epoch_is_never_issued_twice_across_restarts(tmp_path: Path) -> None:
 CRASH_AFTER_ISSUING = """
 import os, sys, time
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings
-from unbroken.control.quorum import QuorumRequest
+from unbroken.control.quorum.rules import QuorumRequest
 from unbroken.wire.auth import JobSecret
 c = Coordinator(CoordinatorSettings(total_replicas=1, state_dir=sys.argv[1]), JobSecret.generate())
 _, formed = c.quorum.request(QuorumRequest(replica=0, step=0), time.monotonic())

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from unbroken.control import protocol
-from unbroken.control.messages import MAX_NODE_RANKS
+from unbroken.control.protocol.messages import MAX_NODE_RANKS
 from unbroken.diagnosis.telemetry import TelemetryBatch
 from unbroken.launch.relay import MAX_SAY_BYTES, Overloaded, RankLine, RelayBook
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from unbroken.control import protocol
-from unbroken.control.quorum import QuorumDecision
+from unbroken.control.quorum.rules import QuorumDecision
 from unbroken.launch.relay import RankLine, RelayBook
 
 

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from unbroken.control.status import status_rows
 from unbroken.observe.events import EventLog
 from unbroken.observe.goodput import account, detections
 from unbroken.observe.live import JobView
 from unbroken.observe.schema import ReplicaState
-from unbroken.observe.status import status_rows
 
 
 def _rows(replica: int, steps: range, t0: float, step_s: float, committed: bool = True) -> list[dict]:

@@ -15,8 +15,8 @@ import torch
 from unbroken.comm.process_group import ExchangeFailed
 from unbroken.config import ReplicaConfig
 from unbroken.control.client import DRAIN_S
-from unbroken.control.quorum import QuorumDecision
-from unbroken.control.silence import SilenceWatch
+from unbroken.control.quorum.rules import QuorumDecision
+from unbroken.control.quorum.silence import SilenceWatch
 from unbroken.train.manager import Manager
 from unbroken.wire.auth import JobSecret
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from unbroken.control.quorum import QuorumDecision
+from unbroken.control.quorum.rules import QuorumDecision
 from unbroken.train.data import (
     CONSTANT_GLOBAL_BATCH,
     SKIP,

@@ -1,9 +1,9 @@
 """Where node agents run replicas: one interface, two ways (one node per replica, or groups).
 
 A job's node agents run each replica on one node (:class:`NodeLaunch`, over the pure
-:class:`~unbroken.control.assignment.Assignment`), or each replica as a group of ranks spanning
-several nodes (:class:`~unbroken.control.groups.GroupLaunch`, ``--nodes-per-replica K``). The
-coordinator's agent bookkeeping (:mod:`unbroken.control.agents`) talks to either through
+:class:`~unbroken.control.nodes.assignment.Assignment`), or each replica as a group of ranks spanning
+several nodes (:class:`~unbroken.control.nodes.groups.GroupLaunch`, ``--nodes-per-replica K``). The
+coordinator's agent bookkeeping (:mod:`unbroken.control.nodes.agents`) talks to either through
 :class:`Placement` and never asks which it holds. What a placement needs of the coordinator (to
 message an agent, evict a replica, the finished replicas) it is given in :class:`PlacementHooks`,
 so neither imports the coordinator.
@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from unbroken.control import protocol
-from unbroken.control.assignment import Assignment
+from unbroken.control.nodes.assignment import Assignment
 from unbroken.observe import schema as ev
 from unbroken.observe.events import EventLog
 

@@ -3,7 +3,7 @@
 The state directory's ``flock`` fences a dead coordinator only: a hung one (SIGSTOP, a stalled
 host) keeps its lock, and a standby waiting on the lock waits forever. So the active coordinator
 also holds a lease: a record per term in a store (:class:`LeaseStore`), here one file per term
-in the state directory (``lease-<term>.json``; :mod:`unbroken.control.lease_etcd` keeps it in
+in the state directory (``lease-<term>.json``; :mod:`unbroken.control.state.lease_etcd` keeps it in
 etcd instead):
 
 - A coordinator that becomes active claims the next term by creating its record exclusively
@@ -48,7 +48,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from unbroken.control.state_store import StateDirInUse, lock_state_dir
+from unbroken.control.state.store import StateDirInUse, lock_state_dir
 
 log = logging.getLogger(__name__)
 

@@ -5,12 +5,12 @@ own: every replica waited for every other to ask again (the startup window), the
 cross-replica group for the new epoch, for a membership that nothing had changed (at 12,500
 nodes, 5 s from the kill to the standby's first epoch: docs/benchmarks/2026-11-27-takeover-answers.md).
 Instead it continues the last epoch in its history: a rank says in its hello the epoch it trains
-in (:class:`~unbroken.control.messages.Hello`), and a member saying that one is answered in it as
+in (:class:`~unbroken.control.protocol.messages.Hello`), and a member saying that one is answered in it as
 soon as its ranks ask, as the previous coordinator would have answered it. Nobody waits for the
 others and no group is rebuilt.
 
 The history may be behind: an epoch's number is reserved on disk before it is handed out, but
-its members are written after (:class:`~unbroken.control.state_store.StateStore`). So the epoch
+its members are written after (:class:`~unbroken.control.state.store.StateStore`). So the epoch
 continues only while every member that comes back says it. A member saying another epoch (a
 newer one that was handed out and not written; an older one or none: a process that restarted,
 which holds no group of it) gives it up: the ranks answered in it are told to abort its exchange,
@@ -28,8 +28,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from unbroken.control import protocol
-from unbroken.control.quorum import QuorumDecision, QuorumState
-from unbroken.control.quorum_service import RankConn
+from unbroken.control.quorum.rules import QuorumDecision, QuorumState
+from unbroken.control.quorum.service import RankConn
 from unbroken.observe import schema as ev
 from unbroken.observe.events import EventLog
 

@@ -2,8 +2,8 @@
 
 The coordinator's connections hand each rank's ``quorum`` request here (:meth:`QuorumService.ask`).
 A replica's request counts once all its ranks asked; it is then answered at once (the epoch
-stands), held (the replica is set aside: :mod:`unbroken.control.setaside`) or left pending
-until the pure :class:`~unbroken.control.quorum.QuorumState` forms the next epoch. Each epoch
+stands), held (the replica is set aside: :mod:`unbroken.control.quorum.setaside`) or left pending
+until the pure :class:`~unbroken.control.quorum.rules.QuorumState` forms the next epoch. Each epoch
 formed is recorded, answered to every member waiting for it, and its donors are told ahead;
 the members of a broken epoch are told to abort their exchange. When an eviction broke it, the
 next epoch is formed at once and pushed with the abort (:meth:`QuorumService.push_epoch`). What
@@ -20,12 +20,12 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from unbroken.control import protocol
-from unbroken.control.failure import classify
-from unbroken.control.grants import StepClock, grant_steps
-from unbroken.control.job_health import JobHealth, JobStop
-from unbroken.control.quorum import QuorumDecision, QuorumRequest, QuorumState, push_answers
-from unbroken.control.setaside import SetAside
-from unbroken.control.state_store import StateStore
+from unbroken.control.quorum.failure import classify
+from unbroken.control.quorum.grants import StepClock, grant_steps
+from unbroken.control.quorum.job_health import JobHealth, JobStop
+from unbroken.control.quorum.rules import QuorumDecision, QuorumRequest, QuorumState, push_answers
+from unbroken.control.quorum.setaside import SetAside
+from unbroken.control.state.store import StateStore
 from unbroken.observe import schema as ev
 from unbroken.observe.events import EventLog
 
@@ -84,12 +84,12 @@ class QuorumService:
         min_replicas: fewest replicas that may train (a set-aside never goes below it).
         store: where each epoch formed is recorded.
         events: the coordinator's event log.
-        health: counts failed epochs and progress (:mod:`unbroken.control.job_health`).
+        health: counts failed epochs and progress (:mod:`unbroken.control.quorum.job_health`).
         evict: evicts a replica (cause, reason).
         fail_job: ends the job.
         store_for: the rendezvous store's address as the connection given sees it.
         max_asks_per_s: requests a second past which fast answers to relayed replicas stand for
-            several steps (:mod:`unbroken.control.grants`).
+            several steps (:mod:`unbroken.control.quorum.grants`).
         max_grant_s: the longest a grant stands.
     """
 
@@ -294,7 +294,7 @@ class QuorumService:
             self._hint_soon()
 
     def _grant(self, replica: int, d: QuorumDecision, ranks: dict[int, Asked]) -> int:
-        """The last step the fast answer ``d`` to ``replica`` stands for (:mod:`unbroken.control.grants`):
+        """The last step the fast answer ``d`` to ``replica`` stands for (:mod:`unbroken.control.quorum.grants`):
         only a replica whose every rank its node's relay speaks for is granted more than ``d.step``."""
         if d.behind or not all(c.relayed and c.epoch == d.epoch for (c, _, _, _) in ranks.values()):
             return d.step  # only a short answer carries a grant
@@ -306,7 +306,7 @@ class QuorumService:
 
     def _judge_failure(self, epoch: int, members: Iterable[int], replica: int, errors: list[str | None]) -> None:
         """A replica's report that ``epoch`` failed: a configuration error at every member, epochs
-        in a row, ends the job (:mod:`unbroken.control.job_health`)."""
+        in a row, ends the job (:mod:`unbroken.control.quorum.job_health`)."""
         texts = [e for e in errors if e]
         fatal = [e for e in texts if classify(e).fatal]
         error = fatal[0] if fatal else texts[0] if texts else None

@@ -33,7 +33,7 @@ import functools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from unbroken.control.grants import grant_through
+from unbroken.control.quorum.grants import grant_through
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +99,7 @@ class QuorumDecision:
     @property
     def leader(self) -> int:
         """The member whose node hosts the rendezvous of this epoch's cross-replica groups
-        (:meth:`unbroken.control.quorum_service.QuorumService.rendezvous`): turned with the
+        (:meth:`unbroken.control.quorum.service.QuorumService.rendezvous`): turned with the
         epoch, so the epoch after one that failed (its leader's store unreachable) meets on
         another node, and no store serves every epoch of a long job."""
         return self.members[self.epoch % len(self.members)] if self.members else -1
@@ -285,7 +285,7 @@ class QuorumState:
 
     def grant(self, replica: int, step: int, steps: int) -> int:
         """The last step the fast answer to ``replica`` for ``step`` stands for (``step``: no
-        grant), given :func:`~unbroken.control.grants.grant_steps` ``steps``; recorded, so that
+        grant), given :func:`~unbroken.control.quorum.grants.grant_steps` ``steps``; recorded, so that
         no newcomer is admitted before it. No grant while a newcomer waits (it is admitted at the
         next step asked for past the ones granted) or the epoch is broken."""
         if self.waiting or self.broken or self.current is None or steps <= 1:
@@ -398,7 +398,7 @@ class QuorumState:
 
     def resume(self, d: QuorumDecision) -> None:
         """Continues ``d``, the epoch a previous coordinator issued last, as the current one
-        (:mod:`unbroken.control.resume`): its members are counted alive until they are back or
+        (:mod:`unbroken.control.quorum.resume`): its members are counted alive until they are back or
         given up on, and asking for their next step they are answered at once, in ``d``, instead
         of forming a first epoch that every replica rebuilds its group for. Epochs formed from
         here on are still numbered above :attr:`epoch` (what the previous one may have issued)."""

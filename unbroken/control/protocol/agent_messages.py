@@ -1,239 +1,17 @@
-"""Every message of the coordinator's protocol, typed, and the one list of its operations.
+"""The messages between a node agent and the coordinator: the agent's own (placement, exits,
+stacks, groups) and its node's ranks through one connection (``node_*``).
 
-What a peer sends is parsed once, at the receiving edge, into one of the frozen dataclasses
-below (``from_msg``): every field validated by :func:`count`, :func:`seconds` and :func:`text`
-(types, bounds, lengths), so the handlers past the edge work with named, typed fields and never
-with the raw dict. The job-relative checks (a replica id below the job's count, a rank below
-its world size) stay with the coordinator, which knows the job. What a side sends is built from
-the same dataclasses (``to_msg``), so both sides of a line are spelt in one place: the
-coordinator, the rank's :class:`~unbroken.control.client.CoordinatorClient` and the node agent.
-
-:data:`MESSAGES` is the list of operations, by direction: the module docstrings point here
-instead of listing them, and a unit test checks every op sent or dispatched on against it.
+See :mod:`unbroken.control.protocol.messages` for how a message is parsed and built, and the
+one list of operations.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
-import math
 from typing import Any, ClassVar
 
-from unbroken.config import parse_host_port
-from unbroken.control.failure import MAX_FAILURE_CHARS
-
-Message = dict[str, Any]
-
-MAX_SECONDS = 86400.0  # no duration the job reports (a step, a compute time) is longer than a day
-MAX_STACK = 8000  # characters of a stack kept in an event
-
-
-def count(msg: Message, key: str, default: int | None = None) -> int:
-    """``msg[key]`` as a non-negative integer (a step, an id, an epoch); ValueError otherwise."""
-    value = msg.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 62:
-        raise ValueError(f"{key} must be an integer >= 0, got {value!r:.40}")
-    return value
-
-
-def seconds(msg: Message, key: str, default: float | None) -> float | None:
-    """``msg[key]`` as a duration of 0 to :data:`MAX_SECONDS`, or None; ValueError otherwise.
-
-    Bounded, not merely finite: a step time of 1e308 would stretch the join window forever.
-    """
-    value = msg.get(key, default)
-    if value is None:
-        return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or not 0 <= value <= MAX_SECONDS
-    ):
-        raise ValueError(f"{key} must be a number of seconds from 0 to {MAX_SECONDS:g}, got {value!r:.40}")
-    return float(value)
-
-
-def text(msg: Message, key: str, max_len: int = 256) -> str:
-    """``msg[key]`` as a string of at most ``max_len`` characters ("" when absent); ValueError otherwise."""
-    value = msg.get(key, "")
-    if not isinstance(value, str) or len(value) > max_len:
-        raise ValueError(f"{key} must be a string of at most {max_len} characters, got {value!r:.40}")
-    return value
-
-
-def address(msg: Message, key: str) -> str:
-    """``msg[key]`` as ``HOST:PORT`` (:func:`unbroken.config.parse_host_port`), or "" when absent;
-    ValueError otherwise."""
-    value = text(msg, key)
-    if value:
-        parse_host_port(value, key)
-    return value
-
-
-def _exitcode(msg: Message) -> int | None:
-    code = msg.get("exitcode")
-    if code is not None and (type(code) is not int or not -256 <= code <= 255):
-        raise ValueError(f"exitcode must be an integer from -256 to 255, got {code!r:.40}")
-    return code
-
-
-# -- rank -> coordinator ---------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Hello:
-    """A rank says who it is (the first line of a replica's connection), and the epoch it
-    trains in (the last one it was answered or pushed; None: none yet), which a coordinator
-    that restarted or took over continues (:mod:`unbroken.control.resume`)."""
-
-    OP: ClassVar[str] = "hello"
-    replica: int
-    rank: int
-    world_size: int
-    transfer_addr: str = ""
-    node: str = ""
-    step: int = 0
-    epoch: int | None = None
-
-    @classmethod
-    def from_msg(cls, msg: Message, node: str | None = None) -> Hello:
-        """``node``: the node it runs on, as its agent said it (its own ``node`` is not read)."""
-        return cls(
-            replica=count(msg, "replica"),
-            rank=count(msg, "rank"),
-            world_size=count(msg, "world_size"),
-            transfer_addr=text(msg, "transfer_addr"),
-            node=text(msg, "node") if node is None else node,
-            step=count(msg, "step", 0),
-            epoch=None if msg.get("epoch") is None else count(msg, "epoch"),
-        )
-
-    def to_msg(self) -> Message:
-        msg = self._fields()
-        msg["node"] = self.node
-        return {"op": self.OP, **msg}
-
-    def _fields(self) -> Message:
-        """Its fields but the node, as a node's hello lists them (no ``dataclasses.asdict``: its
-        deep copy made a node's hello 190 us, 12,500 of them in a takeover's burst)."""
-        msg: Message = {
-            "replica": self.replica,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "transfer_addr": self.transfer_addr,
-            "step": self.step,
-        }
-        if self.epoch is not None:  # left out when none, as before there was one: an older coordinator reads it
-            msg["epoch"] = self.epoch
-        return msg
-
-
-@dataclasses.dataclass(frozen=True)
-class Heartbeat:
-    """A rank is alive; its step and compute time, when it sends them."""
-
-    OP: ClassVar[str] = "heartbeat"
-    step: int | None
-    compute_s: float | None
-
-    @classmethod
-    def from_msg(cls, msg: Message) -> Heartbeat:
-        step = None if msg.get("step") is None else count(msg, "step")
-        return cls(step=step, compute_s=seconds(msg, "compute_s", None))
-
-    def to_msg(self) -> Message:
-        return {"op": self.OP, "step": self.step, "compute_s": self.compute_s}
-
-
-@dataclasses.dataclass(frozen=True)
-class Telemetry:
-    """A heartbeat carrying the rank's flight-recorder batch (parsed by the diagnosis master)."""
-
-    OP: ClassVar[str] = "telemetry"
-    beat: Heartbeat
-    batch: Message
-
-    def to_msg(self) -> Message:
-        return {"op": self.OP, "step": self.beat.step, "compute_s": self.beat.compute_s, **self.batch}
-
-
-@dataclasses.dataclass(frozen=True)
-class QuorumAsk:
-    """A rank's quorum request for ``step`` (``failed_epoch``: its exchange in that epoch failed,
-    ``failure``: with this error, which the coordinator classifies itself)."""
-
-    OP: ClassVar[str] = "quorum"
-    id: int
-    step: int
-    step_time: float | None
-    failed_epoch: int | None
-    failure: str | None = None
-
-    @classmethod
-    def from_msg(cls, msg: Message) -> QuorumAsk:
-        failed = None if msg.get("failed_epoch") is None else count(msg, "failed_epoch")
-        failure = msg.get("failure")
-        if failure is not None and (not isinstance(failure, str) or len(failure) > MAX_FAILURE_CHARS):
-            raise ValueError(f"failure must be a string of at most {MAX_FAILURE_CHARS} characters")
-        return cls(
-            id=count(msg, "id"),
-            step=count(msg, "step"),
-            step_time=seconds(msg, "step_time", None),
-            failed_epoch=failed,
-            failure=failure if failed is not None else None,
-        )
-
-    def to_msg(self) -> Message:
-        # A field that is None is left out, as from_msg reads it: no ``null`` in the text, which
-        # jsontext.dumps would have to search the message for a NaN written as null.
-        msg: Message = {"op": self.OP, "id": self.id, "step": self.step}
-        if self.failed_epoch is not None:
-            msg["failed_epoch"] = self.failed_epoch
-            if self.failure is not None:
-                msg["failure"] = self.failure[:MAX_FAILURE_CHARS]
-        if self.step_time is not None:
-            msg["step_time"] = self.step_time
-        return msg
-
-
-@dataclasses.dataclass(frozen=True)
-class Bye:
-    """A rank finished training (a finished replica is not a failed one)."""
-
-    OP: ClassVar[str] = "bye"
-
-    def to_msg(self) -> Message:
-        return {"op": self.OP}
-
-
-@dataclasses.dataclass(frozen=True)
-class Exited:
-    """A process of ``replica`` exited (reported by its supervisor, agent, or a sibling rank);
-    ``incarnation``: the start of a replica group it belonged to (:mod:`unbroken.control.groups`)."""
-
-    OP: ClassVar[str] = "exited"
-    replica: int
-    exitcode: int | None
-    incarnation: int = 0
-
-    @classmethod
-    def from_msg(cls, msg: Message) -> Exited:
-        return cls(replica=count(msg, "replica"), exitcode=_exitcode(msg), incarnation=count(msg, "incarnation", 0))
-
-    def to_msg(self) -> Message:
-        return {"op": self.OP, "replica": self.replica, "exitcode": self.exitcode, "incarnation": self.incarnation}
-
-
-@dataclasses.dataclass(frozen=True)
-class StatusRequest:
-    """``unbroken status``: the coordinator answers with :meth:`Coordinator.status`."""
-
-    OP: ClassVar[str] = "status"
-
-    def to_msg(self) -> Message:
-        return {"op": self.OP}
-
+from unbroken.control.protocol.fields import MAX_STACK, Message, address, count, seconds, text
+from unbroken.control.protocol.rank_messages import Hello, QuorumAsk
 
 # -- agent -> coordinator --------------------------------------------------------------------
 
@@ -341,175 +119,6 @@ class GroupRelease:
 
     def to_msg(self) -> Message:
         return {"op": self.OP, "replica": self.replica}
-
-
-# -- coordinator -> rank ---------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Welcome:
-    OP: ClassVar[str] = "welcome"
-    store: str
-    epoch: int
-    heartbeat_s: float | None  # the period the rank must heartbeat at (it grows with the job's size)
-    timeout_s: float | None  # silence after which the coordinator evicts a replica
-    # The coordinator's lease term (its fencing token; None: a coordinator without a lease, inside
-    # `unbroken run`). Every line on the connection is that term's: a client that saw a higher
-    # term drops the connection, so no answer of a replaced coordinator is taken after a newer one.
-    term: int | None = None
-
-    @classmethod
-    def from_msg(cls, msg: Message) -> Welcome:
-        if not isinstance(msg.get("store"), str):
-            raise ValueError("a welcome without a store address")
-        return cls(
-            store=msg["store"],
-            epoch=count(msg, "epoch", 0),
-            heartbeat_s=seconds(msg, "heartbeat_s", None),
-            timeout_s=seconds(msg, "timeout_s", None),
-            term=None if msg.get("term") is None else count(msg, "term"),
-        )
-
-    def to_msg(self) -> Message:
-        msg: Message = {
-            "op": self.OP,
-            "store": self.store,
-            "epoch": self.epoch,
-            "heartbeat_s": self.heartbeat_s,
-            "timeout_s": self.timeout_s,
-        }
-        if self.term is not None:
-            msg["term"] = self.term
-        return msg
-
-
-@dataclasses.dataclass(frozen=True)
-class QuorumAnswer:
-    """A full quorum answer's fields; the coordinator sends it pre-encoded
-    (:func:`~unbroken.control.protocol.answer_tail`), with ``transfer_addrs`` holding only a
-    behind replica's donor (nobody else fetches)."""
-
-    OP: ClassVar[str] = "quorum"
-    id: int
-    decision: dict[str, Any]
-    transfer_addrs: dict[str, str]
-    store: str
-
-    def to_msg(self) -> Message:
-        return {"op": self.OP, **dataclasses.asdict(self)}
-
-
-@dataclasses.dataclass(frozen=True)
-class QuorumSame:
-    """The fast path's answer: the epoch this connection holds, now at ``step``, nobody behind.
-
-    ``through``: the same answer stands for the steps up to this one (a grant,
-    :mod:`unbroken.control.grants`): the node's relay answers them itself. A rank's own client
-    reads no further than ``step``.
-    """
-
-    OP: ClassVar[str] = "quorum"
-    id: int
-    same_epoch: int
-    step: int
-    through: int | None = None
-
-    @classmethod
-    def from_msg(cls, msg: Message) -> QuorumSame:
-        """Raises ValueError unless it is a short answer (a full one has a ``decision``)."""
-        if "decision" in msg:
-            raise ValueError("a full quorum answer, not a short one")
-        step = count(msg, "step")
-        through = msg.get("through")
-        return cls(
-            id=count(msg, "id"),
-            same_epoch=count(msg, "same_epoch"),
-            step=step,
-            through=None if through is None else max(step, count(msg, "through")),
-        )
-
-    def to_msg(self) -> Message:
-        msg: Message = {"op": self.OP, "id": self.id, "same_epoch": self.same_epoch, "step": self.step}
-        if self.through is not None and self.through > self.step:
-            msg["through"] = self.through
-        return msg
-
-
-@dataclasses.dataclass(frozen=True)
-class Abort:
-    OP: ClassVar[str] = "abort"
-    epoch: int
-
-    @classmethod
-    def from_msg(cls, msg: Message) -> Abort:
-        return cls(epoch=count(msg, "epoch"))
-
-    def to_msg(self) -> Message:
-        return {"op": self.OP, "epoch": self.epoch}
-
-
-@dataclasses.dataclass(frozen=True)
-class EpochPush:
-    """The next epoch, formed at an eviction and pushed with the abort of the broken one
-    (``abort``): the full answer a member's re-ask would have got, without a request id. The
-    coordinator sends it pre-encoded (:func:`~unbroken.control.protocol.push_payload`)."""
-
-    OP: ClassVar[str] = "epoch"
-    abort: int
-    decision: dict[str, Any]
-    transfer_addrs: dict[str, str]
-    store: str
-
-    @classmethod
-    def from_msg(cls, msg: Message) -> EpochPush:
-        decision, addrs = msg.get("decision"), msg.get("transfer_addrs", {})
-        if not isinstance(decision, dict) or not isinstance(addrs, dict):
-            raise ValueError("an epoch push needs a decision and transfer_addrs objects")
-        return cls(abort=count(msg, "abort"), decision=decision, transfer_addrs=addrs, store=text(msg, "store"))
-
-    def to_msg(self) -> Message:
-        return {"op": self.OP, **dataclasses.asdict(self)}
-
-
-@dataclasses.dataclass(frozen=True)
-class Donate:
-    OP: ClassVar[str] = "donate"
-    to: int
-
-    @classmethod
-    def from_msg(cls, msg: Message) -> Donate:
-        return cls(to=count(msg, "to"))
-
-    def to_msg(self) -> Message:
-        return {"op": self.OP, "to": self.to}
-
-
-@dataclasses.dataclass(frozen=True)
-class Alive:
-    """To a rank whose request waits: the coordinator is alive and holds its lease (a rank
-    that hears nothing for long tries the standby)."""
-
-    OP: ClassVar[str] = "alive"
-
-    @classmethod
-    def from_msg(cls, msg: Message) -> Alive:
-        return cls()
-
-    def to_msg(self) -> Message:
-        return {"op": self.OP}
-
-
-@dataclasses.dataclass(frozen=True)
-class Error:
-    OP: ClassVar[str] = "error"
-    message: str
-
-    @classmethod
-    def from_msg(cls, msg: Message) -> Error:
-        return cls(message=str(msg.get("message"))[:500])
-
-    def to_msg(self) -> Message:
-        return {"op": self.OP, "message": self.message[:500]}
 
 
 # -- coordinator -> agent --------------------------------------------------------------------
@@ -622,7 +231,7 @@ class JobFinished:
 
 @dataclasses.dataclass(frozen=True)
 class JobFailedNotice:
-    """Coordinator -> agent: the job is ended (:mod:`unbroken.control.job_health`); stop every
+    """Coordinator -> agent: the job is ended (:mod:`unbroken.control.quorum.job_health`); stop every
     worker and exit with ``exit_code``."""
 
     OP: ClassVar[str] = "job_failed"
@@ -669,11 +278,11 @@ class NodeHello:
 
     ``store``: the ``HOST:PORT`` of the rendezvous store the agent hosts ("" for none): the
     cross-replica groups whose leader rank is on this node meet there, not on the
-    coordinator's (:meth:`unbroken.control.quorum_service.QuorumService.rendezvous`).
+    coordinator's (:meth:`unbroken.control.quorum.service.QuorumService.rendezvous`).
 
     ``beforehand``: said to a standby before it takes over, on the agent's warm connection to
     it, which the standby keeps and registers when it takes over
-    (:class:`unbroken.control.node_relay.PreSaid`); once it serves, a hello as any other."""
+    (:class:`unbroken.control.nodes.relay.PreSaid`); once it serves, a hello as any other."""
 
     OP: ClassVar[str] = "node_hello"
     node: str
@@ -808,7 +417,7 @@ class NodeAnswers:
     """What the coordinator tells a node's ranks, in one line: ``msgs[i]`` is for rank ``to[i]``
     (the agent fans them out); ``dropped``: ranks the coordinator no longer hears through this
     node (evicted, refused: as their own connections closing; a restarted rank says hello again).
-    The coordinator sends it pre-encoded (:mod:`unbroken.control.node_relay`); on the wire a
+    The coordinator sends it pre-encoded (:mod:`unbroken.control.nodes.relay`); on the wire a
     message for several ranks in a row may be sent once, ``runs[i]`` saying for how many (the
     parsed form lists it for each, the same object)."""
 
@@ -847,43 +456,3 @@ class NodeAnswers:
             "msgs": list(self.msgs),
             "dropped": [list(d) for d in self.dropped],
         }
-
-
-# -- the list of operations ------------------------------------------------------------------
-
-
-class Direction(enum.Enum):
-    RANK_TO_COORDINATOR = "rank -> coordinator"
-    COORDINATOR_TO_RANK = "coordinator -> rank"
-    AGENT_TO_COORDINATOR = "agent -> coordinator"
-    COORDINATOR_TO_AGENT = "coordinator -> agent"
-    STATUS = "status client -> coordinator"
-    NODE_TO_COORDINATOR = "node agent (for its ranks) -> coordinator"
-    COORDINATOR_TO_NODE = "coordinator -> node agent (for its ranks)"
-
-
-MESSAGES: dict[Direction, tuple[type[Any], ...]] = {
-    Direction.RANK_TO_COORDINATOR: (Hello, Heartbeat, Telemetry, QuorumAsk, Bye, Exited),
-    # ``quorum``: a full answer (sent pre-encoded) or the fast path's short one.
-    Direction.COORDINATOR_TO_RANK: (Welcome, QuorumAnswer, QuorumSame, Abort, EpochPush, Donate, Alive, Error),
-    Direction.AGENT_TO_COORDINATOR: (AgentHello, AgentHeartbeat, Exited, StackReport, GroupPort, GroupRelease),
-    Direction.COORDINATOR_TO_AGENT: (
-        Assign,
-        GroupAssign,
-        GroupStop,
-        AgentStatus,
-        DumpStack,
-        JobFinished,
-        JobFailedNotice,
-        Error,
-    ),
-    Direction.STATUS: (StatusRequest,),
-    # A node's ranks through one connection: what each rank would say and hear, aggregated.
-    Direction.NODE_TO_COORDINATOR: (NodeHello, NodeHeartbeat, NodeQuorum, NodeSay, NodeLeave),
-    Direction.COORDINATOR_TO_NODE: (NodeAnswers,),  # answered with a ``status`` line of the coordinator's state
-}
-
-
-def ops(direction: Direction) -> frozenset[str]:
-    """The operation names that travel in ``direction``."""
-    return frozenset(cls.OP for cls in MESSAGES[direction])

@@ -12,7 +12,7 @@ anyone who can reach the port; on-path injection into an established TCP connect
 scope, as for Gloo and NCCL.
 
 The operations, and the typed message of each, are listed once, in
-:data:`unbroken.control.messages.MESSAGES` (re-exported here, with every message class, so that
+:data:`unbroken.control.protocol.messages.MESSAGES` (re-exported here, with every message class, so that
 ``protocol.Hello`` and the rest read as before). A quorum answer in the epoch this connection
 was last answered with, with nobody behind (the fast path: same members, next step), is short:
 ``same_epoch`` and ``step`` only, and the client fills in the rest from that last full answer
@@ -29,7 +29,7 @@ import functools
 import socket
 from typing import Any
 
-from unbroken.control.messages import (
+from unbroken.control.protocol.messages import (
     MAX_SECONDS,
     MAX_STACK,
     MESSAGES,

@@ -29,6 +29,7 @@ Why these settings:
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -66,7 +67,7 @@ class StateStore:
         epoch_block: how many epochs one reservation covers.
         lock_fd: the directory's lock, already taken (:func:`wait_for_state_dir`, a standby's
             takeover); None takes it here, unless ``fenced``.
-        fenced: the directory is held through the lease (:mod:`unbroken.control.lease`): a
+        fenced: the directory is held through the lease (:mod:`unbroken.control.state.lease`): a
             standby took over from a hung coordinator that still holds the lock, so none is taken.
 
     Raises:
@@ -326,6 +327,9 @@ def wait_for_state_dir(path: str | Path, stop: threading.Event, poll_s: float = 
     return None
 
 
+_NO_MODES = (errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP)  # chmod on a filesystem without modes
+
+
 def private_dir(path: Path) -> None:
     """Makes ``path`` (and its parents) and leaves it 0700, whatever the umask and its mode was.
 
@@ -336,7 +340,12 @@ def private_dir(path: Path) -> None:
     if stat.S_IMODE(st.st_mode) != 0o700:
         try:
             os.chmod(path, 0o700)
-        except PermissionError:
+        except OSError as e:
+            if e.errno in _NO_MODES:  # FAT and some FUSE filesystems keep no modes: the mount's own say
+                log.warning("%s keeps no file modes (%s): its mount options decide who may read it", path, e)
+                return
+            if not isinstance(e, PermissionError):
+                raise
             raise PermissionError(
                 f"the coordinator state directory {path} is mode {stat.S_IMODE(st.st_mode):o} and belongs to "
                 f"uid {st.st_uid}, not to this user: give the coordinator a --state-dir of its own"
@@ -348,7 +357,11 @@ def private_file(path: Path) -> None:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         if stat.S_IMODE(os.fstat(fd).st_mode) != 0o600:
-            os.fchmod(fd, 0o600)
+            try:
+                os.fchmod(fd, 0o600)
+            except OSError as e:
+                if e.errno not in _NO_MODES:
+                    raise
     finally:
         os.close(fd)
 

@@ -20,7 +20,6 @@ from collections.abc import Callable, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
 from unbroken.control import protocol
-from unbroken.control.quorum_service import RankConn
 from unbroken.wire.admission import Admission, RefusalLog
 from unbroken.wire.auth import TICKET_BYTES, AuthError, JobSecret, server_handshake_async
 
@@ -104,7 +103,7 @@ class ConnectionServer(Generic[C, A]):
         closes (the peer goes on to the active coordinator).
 
         ``presaid`` is offered every line a held connection says first: what it keeps (True) is
-        said beforehand, not held (a node's hello: :class:`~unbroken.control.node_relay.PreSaid`),
+        said beforehand, not held (a node's hello: :class:`~unbroken.control.nodes.relay.PreSaid`),
         and the connection is read on; it is told of a held connection that ended.
         """
         self._holding = {}
@@ -267,7 +266,8 @@ class ConnectionServer(Generic[C, A]):
                 try:
                     msg = link.decode(line)
                 except AuthError as e:
-                    who_ = f"replica {conn.replica} rank {conn.rank}" if isinstance(conn, RankConn) else "a client"
+                    rank = getattr(conn, "rank", None)  # a rank's connection (quorum.service.RankConn): named
+                    who_ = f"replica {getattr(conn, 'replica', '?')} rank {rank}" if rank is not None else "a client"
                     self.dropped(f"{e} (from {who_})")
                     return
                 except ValueError as e:

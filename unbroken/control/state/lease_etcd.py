@@ -1,6 +1,6 @@
 """The coordinator's lease kept in etcd, for sites that run it (``--lease-store etcd://HOST:PORT/NAME``).
 
-The same records and rules as the file store (:mod:`unbroken.control.lease`), one key per term
+The same records and rules as the file store (:mod:`unbroken.control.state.lease`), one key per term
 under ``/unbroken/<NAME>/lease/``: a claim is etcd's create-if-absent transaction (one claimant
 wins a term, linearizably), a renewal a compare-and-swap of the holder's own record against the
 one it wrote last (it fails once a later holder pruned the key), a read a linearizable get. etcd
@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from unbroken.control.lease import Lease, StoreProbe, to_prune
+from unbroken.control.state.lease import Lease, StoreProbe, to_prune
 
 T = TypeVar("T")
 _URL = re.compile(
@@ -43,7 +43,7 @@ def parse_url(url: str) -> tuple[str, int, str]:
 
 
 class LeaseEtcd:
-    """The terms' records in etcd (:class:`~unbroken.control.lease.LeaseStore`).
+    """The terms' records in etcd (:class:`~unbroken.control.state.lease.LeaseStore`).
 
     Args:
         url: ``etcd://HOST:PORT/NAME``.

@@ -6,7 +6,7 @@ on one GPU looped through 1,279 epochs in 175 s, saying nothing, until the GPU r
 memory. Pure logic with time passed in:
 
 * an epoch in which every member reported its exchange failed with a configuration error
-  (:func:`unbroken.control.failure.classify`) is a fatal epoch; ``fatal_epochs`` of them in a
+  (:func:`unbroken.control.quorum.failure.classify`) is a fatal epoch; ``fatal_epochs`` of them in a
   row (no committed step, no epoch failed by a fault between them) stop the job, with the
   error, the members and a hint;
 * a job that commits no step for ``no_progress_s`` (counted from its first quorum request or
@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-from unbroken.control.failure import FailureClass, classify
+from unbroken.control.quorum.failure import FailureClass, classify
 
 EXIT_CONFIG = 78  # EX_CONFIG: a configuration that can never work; fix it and run again
 EXIT_NO_PROGRESS = 95  # no step committed for --no-progress-timeout seconds

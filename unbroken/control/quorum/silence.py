@@ -38,7 +38,7 @@ class SilenceWatch:
 
     def beat(self, now: float) -> None:
         """The connection thread's heartbeat tick at ``now`` (a tick sends no line when another
-        went out within the period: :func:`unbroken.control.heartbeat.heartbeat_due`)."""
+        went out within the period: :func:`unbroken.control.quorum.heartbeat.heartbeat_due`)."""
         if self.limit_s is not None and self.last_beat is not None and now - self.last_beat > self.limit_s:
             self.silent_at = now
         self.last_beat = now

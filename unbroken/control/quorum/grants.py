@@ -9,7 +9,7 @@ carry ``through``: the same epoch stands for them up to that step, and the node'
 a line to the coordinator. The coordinator then hears a node's request once every few steps.
 
 Why it is safe: the coordinator fixes the membership of every step it granted (a newcomer is
-admitted only after the newest step granted, :attr:`~unbroken.control.quorum.QuorumState.granted_through`,
+admitted only after the newest step granted, :attr:`~unbroken.control.quorum.rules.QuorumState.granted_through`,
 and no grant goes further while one waits), exactly as the first fast answer of a step already
 fixed that step's membership. Anything else that happens still reaches the coordinator: an
 exchange that fails is reported with ``failed_epoch`` (never answered by a relay), and an abort

@@ -6,14 +6,14 @@ ranks through one authenticated connection (``node_hello``, then ``node_quorum``
 ``node_heartbeat`` lines carrying every rank's request or beat, ``node_say`` lines carrying
 what else they say: their flight-recorder batches, their goodbyes), and hears back one
 ``node_answers`` line per node per burst, whose messages it fans out to its ranks. The
-operations are :data:`unbroken.control.messages.MESSAGES`' node directions; the agent's side is
+operations are :data:`unbroken.control.protocol.messages.MESSAGES`' node directions; the agent's side is
 :mod:`unbroken.launch.relay`.
 
 A node is bound to its own ranks: one live connection speaks for a node name (another is refused
 until it is gone), and a rank whose replica the agents' placement puts on other nodes is refused
 (alone), so one node's connection cannot take over ranks placed elsewhere.
 
-Each rank spoken for still has its own :class:`~unbroken.control.quorum_service.RankConn`, whose
+Each rank spoken for still has its own :class:`~unbroken.control.quorum.service.RankConn`, whose
 link is a :class:`NodeLink`: what the coordinator sends a rank (its welcome, its quorum answer,
 an abort) is queued on the node's connection, and everything queued in one turn of the event
 loop leaves as one line. So the quorum service and the rest of the coordinator keep their
@@ -32,9 +32,9 @@ from collections.abc import Callable, Sequence
 
 from unbroken.config import is_loopback
 from unbroken.control import protocol
-from unbroken.control.messages import MAX_NODE_RANKS
-from unbroken.control.quorum_service import RankConn
-from unbroken.control.serving import Refused
+from unbroken.control.protocol.messages import MAX_NODE_RANKS
+from unbroken.control.protocol.serving import Refused
+from unbroken.control.quorum.service import RankConn
 from unbroken.wire import jsontext
 
 log = logging.getLogger("unbroken.control.coordinator")  # the coordinator's log
@@ -117,7 +117,7 @@ def usable_store(store: str, coordinator_host: str) -> str:
 
 
 def answers_payload(batch: list[tuple[bytes, bytes]], dropped: list[Slot]) -> bytes:
-    """The JSON text of a :class:`~unbroken.control.messages.NodeAnswers` whose ranks
+    """The JSON text of a :class:`~unbroken.control.protocol.messages.NodeAnswers` whose ranks
     (:func:`slot_json`) and messages are already encoded (a full quorum answer's text is shared
     by many ranks: it is not parsed again).
 
@@ -145,7 +145,7 @@ def kept_answer(conn: RankConn) -> None:
     """A rank spoken for through a connection its relay kept across a takeover holds the last full
     answer of the epoch it trains in (its client's connection to the relay never ended): when
     this coordinator continues that epoch, the rank is answered short in it, as the last one would
-    have (:class:`~unbroken.control.messages.QuorumSame`), and told to abort it if it is given up."""
+    have (:class:`~unbroken.control.protocol.messages.QuorumSame`), and told to abort it if it is given up."""
     if conn.trains is not None:
         conn.epoch = conn.trains
 
@@ -245,14 +245,14 @@ class NodeRelay:
             refused with.
         quorum: the same quorum request of ranks of one replica (:meth:`QuorumService.ask_ranks`).
         closed: one rank's connection ended (it is evicted unless it finished).
-        said: one rank's other message (one of :data:`~unbroken.control.messages.NODE_SAID`), as
+        said: one rank's other message (one of :data:`~unbroken.control.protocol.messages.NODE_SAID`), as
             its own connection would have said it.
         claim: ranks registered already say (again) the epoch they train in: a hello said
             beforehand and read once the standby serves.
         coordinator_host: the host the coordinator listens on: a node's store on loopback is used
             only when it is on loopback too (:func:`usable_store`).
         elsewhere: why a node may not speak for a replica's ranks (placed on other nodes), None
-            when it may (:meth:`~unbroken.control.agents.NodeAgents.elsewhere`).
+            when it may (:meth:`~unbroken.control.nodes.agents.NodeAgents.elsewhere`).
     """
 
     def __init__(
@@ -463,7 +463,7 @@ class PreSaid:
     A node agent's relay says its node's ``node_hello`` on its warm connection to the standby
     (:mod:`unbroken.launch.relay`) when that connection is made, and again when it changes (a
     rank that came or went, the epoch its ranks train in). The standby, holding the connection
-    (:meth:`~unbroken.control.serving.ConnectionServer.hold`), keeps the latest one, parsed and
+    (:meth:`~unbroken.control.protocol.serving.ConnectionServer.hold`), keeps the latest one, parsed and
     built into the node's rank connections (:func:`built_runs`), and registers them all when it
     takes over (:meth:`NodeRelay.adopt`), before it reads any line: in the takeover's burst, each
     node then sends only its pending requests. At 12,500 nodes the hellos were half of the

@@ -22,7 +22,7 @@ from rich.table import Table
 
 from unbroken.config import ConfigError, parse_host_port
 from unbroken.control import protocol
-from unbroken.control import secret_file as secrets
+from unbroken.control.state import secret_file as secrets
 from unbroken.observe import schema as ev
 from unbroken.observe.events import read_typed
 from unbroken.observe.live import JobView

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-MAX_FAILURE_CHARS = 2000  # what a rank reports of an error: enough for NCCL's "Last error" line
+from unbroken.control.protocol.messages import MAX_FAILURE_CHARS  # a wire bound: the messages own it
 
 
 @dataclasses.dataclass(frozen=True)

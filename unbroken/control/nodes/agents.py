@@ -3,11 +3,11 @@
 ``unbroken agent`` runs on each node of a multi-node job and keeps one connection to the
 coordinator (see :mod:`unbroken.launch.agent`). This module holds what the coordinator knows of
 them: who is connected, who went silent, which agent a hung rank's stack is asked of, and when
-they are all told the job is over (finished, or ended by :mod:`unbroken.control.job_health`).
-Which agent runs which replica is the :class:`~unbroken.control.placement.Placement`'s: the
+they are all told the job is over (finished, or ended by :mod:`unbroken.control.quorum.job_health`).
+Which agent runs which replica is the :class:`~unbroken.control.nodes.placement.Placement`'s: the
 first agent's ``--nodes-per-replica`` picks one node per replica
-(:class:`~unbroken.control.placement.NodeLaunch`) or groups across nodes
-(:class:`~unbroken.control.groups.GroupLaunch`), and nothing here asks which.
+(:class:`~unbroken.control.nodes.placement.NodeLaunch`) or groups across nodes
+(:class:`~unbroken.control.nodes.groups.GroupLaunch`), and nothing here asks which.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 from unbroken.control import protocol
-from unbroken.control.groups import GroupLaunch, advertised_address
-from unbroken.control.job_health import JobStop
-from unbroken.control.placement import AgentConn, NodeLaunch, Placement, PlacementHooks
+from unbroken.control.nodes.groups import GroupLaunch, advertised_address
+from unbroken.control.nodes.placement import AgentConn, NodeLaunch, Placement, PlacementHooks
+from unbroken.control.quorum.job_health import JobStop
 from unbroken.observe import schema as ev
 
 

@@ -3,8 +3,8 @@
 A replica sharded over K hosts is started, stopped and restarted as one: its ranks on every
 node share one rendezvous (``MASTER_ADDR:MASTER_PORT`` on the node of group rank 0), so a
 group cannot lose a member and go on. Who runs what is the pure
-:class:`~unbroken.control.assignment.GroupAssignment`; this shell (one of the two ways of
-:mod:`unbroken.control.placement`) turns its changes into messages to the node agents:
+:class:`~unbroken.control.nodes.assignment.GroupAssignment`; this shell (one of the two ways of
+:mod:`unbroken.control.nodes.placement`) turns its changes into messages to the node agents:
 
 * ``group_assign`` to the node of group rank 0 with no ``master``: it picks a free port on the
   address it advertised, starts its ranks, and answers ``group_port``; the coordinator then sends
@@ -25,8 +25,8 @@ import ipaddress
 from collections.abc import Callable, Iterable
 
 from unbroken.control import protocol
-from unbroken.control.assignment import GroupAssignment
-from unbroken.control.placement import PlacementHooks
+from unbroken.control.nodes.assignment import GroupAssignment
+from unbroken.control.nodes.placement import PlacementHooks
 from unbroken.observe import schema as ev
 from unbroken.observe.schema import EvictCause
 
