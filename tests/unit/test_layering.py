@@ -31,7 +31,7 @@ FORBIDDEN = {
 # control/'s rooms, lowest first: each may import the ones before it, never one after it nor the
 # modules at control/'s top (the coordinator, its client, its command line, `unbroken status`).
 CONTROL_ROOMS = ("state", "protocol", "quorum", "nodes")
-CONTROL_TOP = ("coordinator", "coordinator_cli", "client", "status")
+CONTROL_TOP = ("coordinator", "coordinator_cli", "client", "status", "standby")
 
 
 def _imports(path: Path) -> set[str]:

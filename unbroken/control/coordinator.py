@@ -40,14 +40,14 @@ from unbroken.control import protocol
 from unbroken.control.nodes.agents import NodeAgents
 from unbroken.control.nodes.groups import MAX_NODES_PER_REPLICA
 from unbroken.control.nodes.placement import AgentConn, PlacementHooks
-from unbroken.control.nodes.relay import NodeConn, NodeRelay, PreSaid
+from unbroken.control.nodes.relay import NodeConn, NodeRelay, PreSaid, RelayHooks
 from unbroken.control.protocol.event_loop import listen_backlog
 from unbroken.control.protocol.serving import ConnectionServer, Refused
 from unbroken.control.quorum.heartbeat import ALIVE_S, HeartbeatPlan, alive_every, plan_heartbeats
 from unbroken.control.quorum.job_health import JobHealth, JobStop
 from unbroken.control.quorum.resume import EpochResume
 from unbroken.control.quorum.rules import QuorumRules, QuorumState, decision
-from unbroken.control.quorum.service import QuorumService, RankConn
+from unbroken.control.quorum.service import QuorumHooks, QuorumService, RankConn
 from unbroken.control.settings import CoordinatorSettings
 from unbroken.control.state.store import StateStore
 from unbroken.diagnosis.master import DiagnosisMaster
@@ -189,9 +189,7 @@ class Coordinator:
             self.store,
             self.events,
             self.health,
-            evict=self._evict,
-            fail_job=self._fail_job,
-            store_for=self._store_for,
+            QuorumHooks(evict=self._evict, fail_job=self._fail_job, store_for=self._store_for),
             max_asks_per_s=settings.max_asks_per_s,
             max_grant_s=settings.max_grant_s,
         )
@@ -229,13 +227,15 @@ class Coordinator:
         }
         # A node agent's connection speaking for its node's ranks (:mod:`unbroken.control.nodes.relay`).
         self.nodes = NodeRelay(
-            self._admit,
-            self.requests.ask_ranks,
-            self._connection_closed,
-            self._node_said,
+            RelayHooks(
+                admit=self._admit,
+                quorum=self.requests.ask_ranks,
+                closed=self._connection_closed,
+                said=self._node_said,
+                claim=self._claim,
+                elsewhere=self.agents.elsewhere,
+            ),
             coordinator_host=settings.host,
-            claim=self._claim,
-            elsewhere=self.agents.elsewhere,
         )
         if first_epoch:
             self.events.emit(ev.CoordinatorRestarted(continue_after_epoch=first_epoch))

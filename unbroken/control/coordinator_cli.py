@@ -31,11 +31,10 @@ from typing import Any
 
 import click
 
-from unbroken.control.coordinator import Coordinator, CoordinatorSettings, listen
-from unbroken.control.nodes.relay import PreSaid
+from unbroken.control.coordinator import Coordinator, CoordinatorSettings
 from unbroken.control.protocol import event_loop
-from unbroken.control.protocol.serving import ConnectionServer
 from unbroken.control.quorum.job_health import DEFAULT_FATAL_EPOCHS, DEFAULT_NO_PROGRESS_S
+from unbroken.control.standby import Standby
 from unbroken.control.state import lease
 from unbroken.control.state import secret_file as secrets
 from unbroken.control.state.store import JOURNAL_MODES, lock_state_dir, private_dir
@@ -47,24 +46,6 @@ DEFAULT_PORT = 29510
 # The exit code of a coordinator that found its lease taken by another (it hung past it): it
 # answered nothing after the lease lapsed, and stopped.
 STEPPED_DOWN = 75
-
-
-async def _hold_connections(
-    settings: CoordinatorSettings, secret: JobSecret, presaid: PreSaid
-) -> tuple[ConnectionServer[Any, Any], asyncio.base_events.Server]:
-    """A standby's listener, bound now: node agents keep an authenticated connection to it, which
-    it serves once it takes over (:meth:`ConnectionServer.hold`), and say their node's hello on it
-    beforehand (``presaid``)."""
-    held: ConnectionServer[Any, Any] = ConnectionServer(
-        secret,
-        settings.max_connections,
-        settings.hello_timeout_s,
-        dispatch=lambda msg, link, conn, agent: ("stop", conn, agent),
-        closed=lambda conn, agent: None,
-        what="the standby",
-    )
-    held.hold(presaid)
-    return held, await listen(settings, held)
 
 
 async def _serve(
@@ -86,29 +67,19 @@ async def _serve(
     files = lease.LeaseFiles(settings.state_dir) if files is None else files
     listening = presaid = None
     if standby:
-        presaid = PreSaid(settings.host)
-        listening = await _hold_connections(settings, secret, presaid)
+        waiter = Standby(settings, secret, files, lease_s)
+        await waiter.listen()
         click.echo(f"standby: waiting for the active coordinator on {settings.state_dir} to stop", err=True)
-        given_up = threading.Event()
-        waiting = asyncio.ensure_future(
-            asyncio.to_thread(lease.wait_for_takeover, settings.state_dir, given_up, lease_s, files=files)
-        )
-        stopping = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        given_up.set()
-        stopping.cancel()
         try:
-            takeover = await waiting
+            takeover = await waiter.wait(stop)
         except lease.LeaseStoreFailed as e:
-            takeover = None
             click.echo(f"standby: giving up: {e}", err=True)
-            listening[1].close()
-            listening[0].close_all()
+            waiter.close()
             return lease.EXIT_LEASE_STORE
         if takeover is None:
-            listening[1].close()
-            listening[0].close_all()
+            waiter.close()
             return 0
+        listening, presaid = waiter.listening, waiter.presaid
         took_over = time.monotonic()
         how = "its process is gone" if takeover.lock_fd is not None else "its lease lapsed (it hangs)"
         click.echo(f"standby: taking over term {takeover.lease.term}: {how}", err=True)

@@ -18,7 +18,7 @@ from unbroken.control import protocol
 from unbroken.control.nodes.relay import NodeConn, NodeLink, replica_runs
 from unbroken.control.quorum.job_health import JobHealth
 from unbroken.control.quorum.rules import QuorumRules, QuorumState
-from unbroken.control.quorum.service import QuorumService, RankConn
+from unbroken.control.quorum.service import QuorumHooks, QuorumService, RankConn
 from unbroken.control.state.store import StateStore
 from unbroken.observe.events import EventLog
 
@@ -57,9 +57,11 @@ class Service:
             self.store,
             EventLog(tmp / "events.jsonl", "coordinator"),
             JobHealth(3, 0.0),
-            evict=lambda replica, cause, reason: self.evict(replica),
-            fail_job=lambda stop: None,
-            store_for=lambda link: "127.0.0.1:1",
+            QuorumHooks(
+                evict=lambda replica, cause, reason: self.evict(replica),
+                fail_job=lambda stop: None,
+                store_for=lambda link: "127.0.0.1:1",
+            ),
         )
         self.links: dict[tuple[int, int], Told] = {}
         for r in range(replicas):

@@ -235,10 +235,11 @@ class NodeLink(protocol.Link):
                 self.node.drop(self.slot)
 
 
-class NodeRelay:
-    """The coordinator's handling of node connections, given its per-rank operations.
+@dataclasses.dataclass(frozen=True)
+class RelayHooks:
+    """The coordinator's per-rank operations a node connection is served with: its doors, named.
 
-    Args:
+    Attributes:
         admit: registers rank connections of one replica said together (a run of
             :func:`built_runs`), saying the epoch given (claimed for the resumed epoch unless told
             not to), as their own hellos would: each rank's connection, or the exception it is
@@ -246,27 +247,32 @@ class NodeRelay:
         quorum: the same quorum request of ranks of one replica (:meth:`QuorumService.ask_ranks`).
         closed: one rank's connection ended (it is evicted unless it finished).
         said: one rank's other message (one of :data:`~unbroken.control.protocol.messages.NODE_SAID`), as
-            its own connection would have said it.
+            its own connection would have said it; None: ignored.
         claim: ranks registered already say (again) the epoch they train in: a hello said
-            beforehand and read once the standby serves.
-        coordinator_host: the host the coordinator listens on: a node's store on loopback is used
-            only when it is on loopback too (:func:`usable_store`).
+            beforehand and read once the standby serves; None: ignored.
         elsewhere: why a node may not speak for a replica's ranks (placed on other nodes), None
-            when it may (:meth:`~unbroken.control.nodes.agents.NodeAgents.elsewhere`).
+            when it may (:meth:`~unbroken.control.nodes.agents.NodeAgents.elsewhere`); None: any.
     """
 
-    def __init__(
-        self,
-        admit: Callable[[Sequence[RankConn], int | None, bool], Sequence[RankConn | Exception]],
-        quorum: Callable[[list[RankConn], protocol.QuorumAsk], None],
-        closed: Callable[[RankConn], None],
-        said: Callable[[RankConn, protocol.Message], None] | None = None,
-        coordinator_host: str = "127.0.0.1",
-        claim: Callable[[Sequence[RankConn], int | None], None] | None = None,
-        elsewhere: Callable[[int, str], str | None] | None = None,
-    ) -> None:
-        self.admit, self.quorum, self.closed = admit, quorum, closed
-        self.said, self.claim, self.elsewhere = said, claim, elsewhere
+    admit: Callable[[Sequence[RankConn], int | None, bool], Sequence[RankConn | Exception]]
+    quorum: Callable[[list[RankConn], protocol.QuorumAsk], None]
+    closed: Callable[[RankConn], None]
+    said: Callable[[RankConn, protocol.Message], None] | None = None
+    claim: Callable[[Sequence[RankConn], int | None], None] | None = None
+    elsewhere: Callable[[int, str], str | None] | None = None
+
+
+class NodeRelay:
+    """The coordinator's handling of node connections, given its per-rank operations.
+
+    Args:
+        hooks: the coordinator's per-rank operations (:class:`RelayHooks`).
+        coordinator_host: the host the coordinator listens on: a node's store on loopback is used
+            only when it is on loopback too (:func:`usable_store`).
+    """
+
+    def __init__(self, hooks: RelayHooks, coordinator_host: str = "127.0.0.1") -> None:
+        self.hooks = hooks
         self.coordinator_host = coordinator_host
         self._warned = False  # of a store other nodes cannot dial: once
         self.connected: set[NodeConn] = set()  # the node connections served now (``unbroken status``)
@@ -361,8 +367,8 @@ class NodeRelay:
                 conns = [node.ranks[(h.replica, h.rank)] for h in run]
                 for conn, h in zip(conns, run, strict=True):
                     conn.step = max(conn.step, h.step)
-                if self.claim is not None:
-                    self.claim(conns, run[0].epoch)
+                if self.hooks.claim is not None:
+                    self.hooks.claim(conns, run[0].epoch)
                     for conn in conns:
                         kept_answer(conn)
             hello = dataclasses.replace(hello, ranks=tuple(new))
@@ -372,7 +378,7 @@ class NodeRelay:
 
     def _register(self, node: NodeConn, runs: list[Built], stands: Callable[[Built], bool] | None = None) -> None:
         for conns, said in runs:
-            why = self.elsewhere(conns[0].replica, node.node) if self.elsewhere is not None else None
+            why = self.hooks.elsewhere(conns[0].replica, node.node) if self.hooks.elsewhere is not None else None
             if why is not None:  # another node's ranks: each refused alone, as a rank held already
                 for conn in conns:
                     conn.link.send(protocol.Error(why).to_msg())
@@ -380,7 +386,7 @@ class NodeRelay:
                         node.drop((conn.replica, conn.rank))
                 continue
             claims = stands is None or stands((conns, said))
-            for conn, got in zip(conns, self.admit(conns, said, claims), strict=True):
+            for conn, got in zip(conns, self.hooks.admit(conns, said, claims), strict=True):
                 slot = (conn.replica, conn.rank)
                 if isinstance(got, RankConn):
                     node.ranks[slot] = got
@@ -414,7 +420,7 @@ class NodeRelay:
                 conn.last_heartbeat = now  # a request is a sign of life, as a heartbeat
                 conns.append(conn)
             if conns:
-                self.quorum(conns, ask)
+                self.hooks.quorum(conns, ask)
 
     def _beats(self, node: NodeConn, beats: protocol.NodeHeartbeat) -> None:
         now = time.monotonic()
@@ -434,10 +440,10 @@ class NodeRelay:
             if conn is None:
                 node.drop((replica, rank))
                 continue
-            if self.said is None:
+            if self.hooks.said is None:
                 raise ValueError("this coordinator takes no node_say")
             try:
-                self.said(conn, msg)
+                self.hooks.said(conn, msg)
             except (ValueError, TypeError, KeyError, OverflowError) as e:
                 conn.link.send(protocol.Error(f"malformed message skipped: {e}").to_msg())
 
@@ -445,7 +451,7 @@ class NodeRelay:
         for slot in leave.ranks:
             conn = node.ranks.pop(slot, None)
             if conn is not None:
-                self.closed(conn)
+                self.hooks.closed(conn)
 
     def gone(self, node: NodeConn) -> None:
         """The node's connection ended: every rank it spoke for is gone with it."""
@@ -454,7 +460,7 @@ class NodeRelay:
             del self.by_node[node.node]
         ranks, node.ranks = node.ranks, {}
         for conn in ranks.values():
-            self.closed(conn)
+            self.hooks.closed(conn)
 
 
 class PreSaid:

@@ -75,6 +75,22 @@ Asked = tuple[RankConn, int, int, int | None]
 MAX_TAILS = 64  # wire texts kept per decision: its head, and a shared tail per store address it hands out
 
 
+@dataclasses.dataclass(frozen=True)
+class QuorumHooks:
+    """What the quorum service may do to the coordinator around it: its doors, named.
+
+    Attributes:
+        evict: evicts a replica (cause, reason): a member that failed its epoch, one set aside.
+        fail_job: ends the job (a configuration that can never work, no progress).
+        store_for: the rendezvous store's address as the given connection sees it (a node's
+            own store when every member can dial it, else the coordinator's).
+    """
+
+    evict: Callable[[int, ev.EvictCause, str], None]
+    fail_job: Callable[[JobStop], None]
+    store_for: Callable[[protocol.Link], str]
+
+
 class QuorumService:
     """Answers the quorum requests of one coordinator's replicas.
 
@@ -85,9 +101,7 @@ class QuorumService:
         store: where each epoch formed is recorded.
         events: the coordinator's event log.
         health: counts failed epochs and progress (:mod:`unbroken.control.quorum.job_health`).
-        evict: evicts a replica (cause, reason).
-        fail_job: ends the job.
-        store_for: the rendezvous store's address as the connection given sees it.
+        hooks: what it may do to the coordinator (:class:`QuorumHooks`).
         max_asks_per_s: requests a second past which fast answers to relayed replicas stand for
             several steps (:mod:`unbroken.control.quorum.grants`).
         max_grant_s: the longest a grant stands.
@@ -101,15 +115,13 @@ class QuorumService:
         store: StateStore,
         events: EventLog,
         health: JobHealth,
-        evict: Callable[[int, ev.EvictCause, str], None],
-        fail_job: Callable[[JobStop], None],
-        store_for: Callable[[protocol.Link], str],
+        hooks: QuorumHooks,
         max_asks_per_s: float = 2000.0,
         max_grant_s: float = 10.0,
     ) -> None:
         self.quorum, self.replicas, self.min_replicas = quorum, replicas, min_replicas
         self.store, self.events, self.health = store, events, health
-        self.evict, self.fail_job, self.store_for = evict, fail_job, store_for
+        self.hooks = hooks
         self.pending: dict[int, dict[int, Asked]] = {}
         self.held: dict[int, dict[int, Asked]] = {}  # the requests of replicas set aside
         self.setaside = SetAside()  # replicas whose epochs keep failing (cut off from their peers)
@@ -233,7 +245,7 @@ class QuorumService:
         if cur is not None and member and step < cur.step and pushed is not None and pushed.epoch == cur.epoch:
             failed = cur.epoch
         elif cur is not None and member and step < cur.step:
-            self.evict(
+            self.hooks.evict(
                 conn.replica,
                 ev.EvictCause.STEP_WENT_BACK,
                 f"rank {conn.rank} asked for step {step}, below step {cur.step} that its " f"epoch {cur.epoch} trains",
@@ -312,7 +324,7 @@ class QuorumService:
         error = fatal[0] if fatal else texts[0] if texts else None
         stop = self.health.failed(epoch, members, replica, error)
         if stop is not None:
-            self.fail_job(stop)
+            self.hooks.fail_job(stop)
 
     def _hint_soon(self) -> None:
         """Hints the donors once the requests of this turn of the loop are handled: a forecast is
@@ -441,7 +453,7 @@ class QuorumService:
         if chosen is None:
             peer = self.replicas.get(d.leader, {}).get(conn.rank)
             chosen = d.stores[conn.rank] = peer.store if peer is not None else ""
-        return chosen or self.store_for(conn.link)
+        return chosen or self.hooks.store_for(conn.link)
 
     def _reply(self, d: QuorumDecision, waiting: dict[int, dict[int, Asked]], through: int | None = None) -> None:
         """Answers the ranks in ``waiting`` with ``d`` (a fast answer standing ``through`` that step: its
