@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -260,3 +261,34 @@ def test_the_handshake_is_bound_to_the_coordinator(tmp_path: Path) -> None:
             await asyncio.to_thread(other_purpose)
 
     run(tmp_path, scenario)
+
+
+def test_a_connection_closed_before_a_byte_is_no_refusal_and_no_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # `make demo` printed "dropped connections to the coordinator: 0 bytes read on a total of 38
+    # expected bytes" when it killed its own replica while that replica connected.
+    async def scenario(c: Coordinator) -> None:
+        host, port = c.address.rsplit(":", 1)
+        for _ in range(3):
+            _, w = await asyncio.open_connection(host, int(port))
+            w.close()
+        for _ in range(100):
+            if c.connections.vanished >= 3:
+                break
+            await asyncio.sleep(0.02)
+        assert c.connections.vanished == 3 and c.auth_failures == 0
+        # a stranger that does say something is still refused, and counted
+        _, w = await asyncio.open_connection(host, int(port))
+        w.write(b"GET / HTTP/1.0\r\n\r\n" * 3)
+        await w.drain()
+        for _ in range(300):
+            if c.auth_failures >= 1:
+                break
+            await asyncio.sleep(0.02)
+        assert c.auth_failures == 1
+        w.close()
+
+    with caplog.at_level(logging.WARNING):
+        run(tmp_path, scenario)
+    assert [r.message for r in caplog.records if "0 bytes read" in r.message] == []

@@ -77,6 +77,7 @@ class ConnectionServer(Generic[C, A]):
         self.dispatch, self.closed = dispatch, closed
         self.open: set[asyncio.StreamWriter] = set()  # every connection served now
         self.auth_failures = 0  # connections dropped for failing the handshake or a MAC
+        self.vanished = 0  # connections that closed before saying a byte (not refused: gone)
         self._admission: Admission[asyncio.StreamWriter] = Admission()
         self._refusals = RefusalLog(log, f"dropped connections to {what}")
         self.lines_in = self.lines_out = 0  # over closed connections (what `unbroken bench auth` counts)
@@ -160,6 +161,12 @@ class ConnectionServer(Generic[C, A]):
             except (AuthError, OSError, asyncio.IncompleteReadError, RuntimeError) as e:  # TimeoutError is an OSError
                 # RuntimeError: uvloop's write to a transport closed mid-handshake (a stranger shed,
                 # a peer gone: thousands reconnect at once to a standby taking over).
+                if isinstance(e, asyncio.IncompleteReadError) and not e.partial:
+                    # Closed before a byte: a process that died while it connected (the job's own
+                    # replica killed), or a port probe. Nothing was refused: no warning to read.
+                    self.vanished += 1
+                    log.debug("a connection closed before it said anything")
+                    return
                 self.dropped(str(e) or "no ticket in time")
                 return
             link = protocol.Link(reader, writer, session)
