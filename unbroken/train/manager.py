@@ -186,6 +186,8 @@ class Manager:
             superseded=self._epoch_superseded,
         )
         self._on_shutdown = on_shutdown
+        self._error: BaseException | None = None  # see report_error
+        self._vetoed = False  # the last vote was vetoed: the step goes back to the loop, not redone
 
     # -- the step ------------------------------------------------------------------------
 
@@ -390,7 +392,7 @@ class Manager:
             if o.contributing == 0 and not o.failed:  # every replica sat this step out: nothing to apply
                 o.outcome = False
                 return False
-            if self.redo_failed_steps:
+            if self.redo_failed_steps or self._take_veto():
                 self._overlap_failed(o)
                 o.outcome = False
                 return False
@@ -428,7 +430,9 @@ class Manager:
                 return True
             failed = decision.epoch
             self.stats["exchange_failures"] += 1
-            if self.redo_failed_steps:  # the loop redoes the step with batches for the next quorum
+            # The loop redoes the step with batches for the next quorum; a vetoed step's
+            # gradients are not to be used again.
+            if self.redo_failed_steps or self._take_veto():
                 self._quorum = self._ask(failed)
                 return False
         log.error("step %d: no exchange succeeded in %d attempts; skipping it", self.step, self.max_attempts)
@@ -441,6 +445,21 @@ class Manager:
         the anomaly policy says ``skip_step``; the value also reaches the coordinator's detectors.
         """
         self._metrics = (loss, grad_norm)
+
+    def report_error(self, error: BaseException | None) -> None:
+        """Vetoes this step's commit: this replica's vote is no, whatever its exchange says.
+
+        For an error the Manager cannot see (say, a side computation failed and the gradients
+        may be corrupt; torchft's ``report_error``). Every rank of the replica then skips the
+        step, since the vote is a MIN over its ranks; the step is redone as any failed one.
+        The veto holds for one vote; None withdraws one that was not voted on yet.
+        """
+        self._error = error
+
+    @property
+    def errored(self) -> BaseException | None:
+        """The error reported for the step whose vote has not run yet, else None."""
+        return self._error
 
     def commit(self) -> None:
         """Marks the step applied; the next :meth:`start_step` asks for the next one."""
@@ -620,6 +639,18 @@ class Manager:
         after = self.client.next_step_after(self.group.epoch)
         return after is None or after <= step
 
+    def _take_veto(self) -> bool:
+        vetoed, self._vetoed = self._vetoed, False
+        return vetoed
+
     def _vote(self, ok: bool) -> bool:
-        """Whether every rank of this replica may commit the step (:mod:`unbroken.train.vote`)."""
+        """Whether every rank of this replica may commit the step (:mod:`unbroken.train.vote`);
+        a reported error (:meth:`report_error`) makes this rank's vote no, once."""
+        if self._error is not None:
+            log.warning(
+                "replica %d step %d: vetoed by a reported error: %s", self.config.replica_id, self.step, self._error
+            )
+            self._error = None
+            self._vetoed = True
+            ok = False
         return self._voter(ok, self.step, self._step_began)
