@@ -1,0 +1,82 @@
+"""torchft's API on unbroken, in real replica processes launched with ``--torchft-compat``.
+
+The worker (workers/torchft_train.py) imports only ``torchft``; each replica seeds its model
+differently, so equal replicas at the end also show ``init_sync`` at work. A replica is killed
+with ``kill -9`` in the middle of training; the survivor trains on, the supervisor restarts the
+dead one, it catches up from its peer, and both end bitwise identical.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration.harness import ROOT, Job, assert_identical
+
+pytestmark = pytest.mark.integration
+WORKER = ROOT / "tests" / "integration" / "workers" / "torchft_train.py"  # imports torchft: not here
+CALM = ["--on-verdict", "ignore"]
+
+
+def _kill_run(tmp_path: Path, mode: str, steps: int, at: int, pace_s: float) -> tuple[Job, dict[int, dict]]:
+    run_dir = tmp_path / "run"
+    with Job(
+        run_dir,
+        replicas=2,
+        steps=steps,
+        script=WORKER,
+        extra=["--torchft-compat", "--min-replicas", "1", *CALM],
+        train_args=["--mode", mode, "--pace-s", str(pace_s)],
+    ) as job:
+        job.wait_for_step(1, at, timeout=90)
+        os.kill(job.pid(1), signal.SIGKILL)
+        assert job.wait(150) == 0
+        states = job.final_states()
+    return job, states
+
+
+def test_torchft_ddp_loop_survives_kill_9_and_replicas_end_identical(tmp_path: Path) -> None:
+    job, states = _kill_run(tmp_path, "ddp", steps=40, at=6, pace_s=0.1)
+    assert set(states) == {0, 1}
+    assert_identical(states)
+    assert states[0]["step"] == 40
+    quorums = job.events("quorum")
+    assert any(q["members"] == [0] for q in quorums), "the survivor never trained alone"
+    assert any(q["behind"] == [1] for q in quorums), "the restarted replica never caught up"
+    rows = job.metrics(0)
+    assert rows[0]["torchft"] == "torchft" and rows[0]["participants"] == 2
+    assert any(r["participants"] == 1 for r in rows), "no step counted one participant"
+
+
+def test_torchft_manual_allreduce_loop_is_identical_without_a_shared_seed(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    with Job(
+        run_dir,
+        replicas=2,
+        steps=6,
+        script=WORKER,
+        extra=["--torchft-compat", *CALM],
+        train_args=["--mode", "allreduce", "--pace-s", "0"],
+    ) as job:
+        assert job.wait(90) == 0
+        states = job.final_states()
+    assert_identical(states)  # different seeds: init_sync made them equal at step 0
+    rows = [job.metrics(0), job.metrics(1)]
+    assert all(r["committed"] for r in rows[0] + rows[1])
+    for a, b in zip(*rows, strict=True):  # the collectives after each step, on both replicas
+        assert a["max"] == b["max"] == 1 + 10 * a["step"]
+        assert a["mean_loss"] == b["mean_loss"]
+        assert abs(a["mean_loss"] - (a["loss"] + b["loss"]) / 2) < 1e-5 * max(1.0, a["loss"])
+
+
+def test_torchft_diloco_survives_kill_9_and_replicas_end_identical(tmp_path: Path) -> None:
+    job, states = _kill_run(tmp_path, "diloco", steps=20, at=3, pace_s=0.1)
+    assert set(states) == {0, 1}
+    assert states[0]["step"] == states[1]["step"] == 20  # outer syncs
+    for k, v in states[0]["model"].items():  # the inner optimizers' state is each replica's own
+        assert torch.equal(v, states[1]["model"][k]), k
+    assert any(q["behind"] == [1] for q in job.events("quorum")), "the restarted replica never caught up"

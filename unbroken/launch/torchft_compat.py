@@ -1,0 +1,49 @@
+"""``unbroken run --torchft-compat``: ``import torchft`` in the workers is unbroken's facade.
+
+A torchft or torchtitan script imports ``torchft`` and its submodules (``torchft.manager``,
+``torchft.process_group``, ``torchft.local_sgd``...). The launcher writes a one-file ``torchft``
+package into the run directory and puts it first on the workers' ``PYTHONPATH``: its
+``__init__`` is :mod:`unbroken.torchft`, and each submodule is registered under its torchft
+name, so the scripts run with no edit, and a real torchft installed beside is not used. Writing
+it here, rather than shipping a top-level ``torchft`` package in the wheel, keeps the name free
+for the real one in every process not launched with the switch. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from unbroken import config as env
+
+# The submodules torchtitan 0.3.0 and torchft's examples import, each the facade's module.
+SUBMODULES = ("data", "ddp", "local_sgd", "manager", "optim", "process_group")
+
+SHIM = '''"""torchft, as unbroken's facade (written by `unbroken run --torchft-compat`)."""
+
+import sys as _sys
+
+import unbroken.torchft as _facade
+from unbroken.torchft import *  # noqa: F403
+
+for _name in {submodules!r}:
+    _sys.modules[__name__ + "." + _name] = getattr(_facade, _name)
+'''
+
+
+def shim_source() -> str:
+    """The text of the shim's ``torchft/__init__.py``."""
+    return SHIM.format(submodules=SUBMODULES)
+
+
+def write_shim(run_dir: Path) -> Path:
+    """Writes the ``torchft`` shim under ``run_dir``; returns the directory to put on the path."""
+    root = Path(run_dir).resolve() / "torchft-compat"
+    (root / "torchft").mkdir(parents=True, exist_ok=True)
+    (root / "torchft" / "__init__.py").write_text(shim_source())
+    return root
+
+
+def python_path_with(shim_dir: Path) -> str:
+    """The workers' ``PYTHONPATH``: the shim first, then what was set around us."""
+    return os.pathsep.join(filter(None, [str(shim_dir), env.python_path()]))
