@@ -47,7 +47,10 @@ class _SyncEvery:
         self._hooks: list[RemovableHandle] = []
         with torch.no_grad():
             self._backup = [p.detach().clone() for p in params]
-        manager.register_state_dict_fn(self.key, self._load_state, self._state)
+        self._register_state()
+
+    def _register_state(self) -> None:
+        self._manager.register_state_dict_fn(self.key, self._load_state, self._state)
 
     def _state(self) -> dict[str, Any]:
         return {"backup": self._backup}
@@ -113,8 +116,6 @@ class DiLoCo(_SyncEvery):
     replica with the backup.
     """
 
-    key = "diloco"
-
     def __init__(
         self,
         manager: Manager,
@@ -133,17 +134,37 @@ class DiLoCo(_SyncEvery):
         if fragment_sync_delay != 0 or fragment_update_alpha != 0.0:
             raise NotImplementedError("unbroken's DiLoCo syncs every fragment at once: no fragment_sync_delay/alpha")
         fragments = model_fragments if isinstance(model_fragments, list) else [model_fragments]
-        self._outer = outer_optimizer if isinstance(outer_optimizer, list) else [outer_optimizer]
-        params = [p for f in fragments for p in f.parameters() if p.requires_grad]
+        outer = outer_optimizer if isinstance(outer_optimizer, list) else [outer_optimizer] * len(fragments)
+        if len(outer) != len(fragments):
+            raise ValueError(f"one outer optimizer per fragment: {len(outer)} for {len(fragments)} fragments")
+        self._outer = list(dict.fromkeys(outer))  # each stepped once
+        # Per fragment: its outer optimizer and (name, index into the synced parameters).
+        self._fragments: list[tuple[optim.Optimizer, list[tuple[str, int]]]] = []
+        params: list[nn.Parameter] = []
+        for f, o in zip(fragments, outer, strict=True):
+            named = [(n, p) for n, p in f.named_parameters() if p.requires_grad]
+            self._fragments.append((o, [(n, len(params) + i) for i, (n, _) in enumerate(named)]))
+            params += [p for _, p in named]
         super().__init__(manager, params, inner_optimizer, sync_every)
 
-    def _state(self) -> dict[str, Any]:
-        return {"backup": self._backup, "outer": [o.state_dict() for o in self._outer]}
+    def _register_state(self) -> None:
+        """Each fragment's state under torchft's key and layout (``StreamingDiLoCoFragment_I``:
+        ``original_parameters`` by name, ``outer_optimizer``), which torchft's tests read."""
+        for i, (o, names) in enumerate(self._fragments):
 
-    def _load_state(self, state: dict[str, Any]) -> None:
-        super()._load_state(state)
-        for o, s in zip(self._outer, state["outer"], strict=True):
-            o.load_state_dict(s)
+            def save(o: optim.Optimizer = o, names: list[tuple[str, int]] = names) -> dict[str, Any]:
+                return {
+                    "outer_optimizer": o.state_dict(),
+                    "original_parameters": {n: self._backup[j] for n, j in names},
+                }
+
+            def load(state: dict[str, Any], o: optim.Optimizer = o, names: list[tuple[str, int]] = names) -> None:
+                with torch.no_grad():
+                    for n, j in names:
+                        self._backup[j].copy_(state["original_parameters"][n])
+                o.load_state_dict(state["outer_optimizer"])
+
+            self._manager.register_state_dict_fn(f"StreamingDiLoCoFragment_{i}", load, save)
 
     def _apply(self, moved: list[torch.Tensor]) -> None:
         saved = []
@@ -151,9 +172,8 @@ class DiLoCo(_SyncEvery):
             saved.append(p.grad)
             p.copy_(b)
             p.grad = (-d).to(p.dtype)  # the outer gradient: backup - params, averaged
-        with torch.enable_grad():
-            for o in self._outer:
-                o.step()
+        for o in self._outer:
+            o.step()
         for p, b, g in zip(self._params, self._backup, saved, strict=True):
             b.copy_(p)
             p.grad = g

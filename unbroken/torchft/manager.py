@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from unbroken.comm.process_group import ExchangeFailed
 from unbroken.control.quorum import QuorumDecision
-from unbroken.torchft.process_group import backend_of
+from unbroken.torchft.process_group import FakeProcessGroupWrapper, backend_of
 from unbroken.torchft.state import broadcast_by_sum, local_tensors, sync_source
 from unbroken.train.manager import Manager as UnbrokenManager
 from unbroken.train.process_group import ManagedProcessGroup as ExchangeGroup
@@ -116,7 +116,7 @@ class Manager:
         if min_replica_size < 1:
             raise ValueError(f"min_replica_size must be >= 1, got {min_replica_size}")
         if manager is None:
-            manager = _join(pg, quorum_timeout, connect_timeout)
+            manager = _join(pg, quorum_timeout, connect_timeout, lighthouse_addr, replica_id, rank, world_size)
         self._manager = manager
         # A failed step goes back to the loop, as in torchft: should_commit says False and the
         # next zero_grad() asks for a quorum without the failed epoch.
@@ -169,6 +169,10 @@ class Manager:
         self._manager.step = int(state_dict["step"])
         self._batches_committed = int(state_dict["batches_committed"])
 
+    def _manager_state_dict(self) -> dict[str, Any]:
+        """What a recovering replica receives, in torchft's layout (torchft's tests read it)."""
+        return {"user": {k: fn() for k, (_, fn) in self._user_fns.items()}, "torchft": self.state_dict()}
+
     def _counters(self) -> dict[str, int]:
         return {"batches_committed": self._batches_committed}
 
@@ -213,6 +217,8 @@ class Manager:
         """
         if reduce_op == dist.ReduceOp.AVG and not torch.is_floating_point(tensor):
             raise ValueError("average reduce op is only supported for floating point tensors")
+        if isinstance(self._pg, FakeProcessGroupWrapper) and (injected := self._pg.take_future_error()) is not None:
+            self.report_error(injected)  # torchft's tests fail an all-reduce this way
         if self._in_step and reduce_op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) and torch.is_floating_point(tensor):
             self._tensors.append(tensor)
             opts = dist.AllreduceOptions()
@@ -280,8 +286,12 @@ class Manager:
         for w in self._works:
             w.wait()
         veto: Exception | None = self._errored
-        if veto is None and self.num_participants() < self._min_replica_size:
-            veto = RuntimeError(f"fewer than min_replica_size={self._min_replica_size} replicas participate")
+        d = self._decision()
+        members = len(d.members) if d is not None else 1
+        # Members, not contributors: a replica catching up commits this step with the others
+        # (torchft's sync quorum counts it too), so it must not hold the step back.
+        if veto is None and members < self._min_replica_size:
+            veto = RuntimeError(f"fewer than min_replica_size={self._min_replica_size} replicas in the quorum")
         if veto is not None:
             m.report_error(veto)
         ok = m.sync_gradients(grads)
@@ -394,21 +404,60 @@ class _TensorWork(dist.Work):
         return fut
 
 
-def _join(pg: Any, quorum_timeout: datetime.timedelta, connect_timeout: datetime.timedelta) -> UnbrokenManager:
-    """Joins the job ``unbroken run`` launched this process into, on ``pg``'s backend."""
-    from unbroken.config import ConfigError
+def _join(
+    pg: Any,
+    quorum_timeout: datetime.timedelta,
+    connect_timeout: datetime.timedelta,
+    lighthouse_addr: str | None = None,
+    replica_id: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> UnbrokenManager:
+    """Joins the job: the one ``unbroken run`` launched this process into or, given the address
+    of a lighthouse this process started (:mod:`unbroken.torchft.lighthouse`), that one's, as
+    replica ``replica_id``'s trailing digits (torchft's tests run replicas as threads)."""
+    from unbroken.config import ConfigError, ReplicaConfig
     from unbroken.entry import init
+    from unbroken.torchft.lighthouse import DEFAULT_TOTAL_REPLICAS, coordinator_address, secret_of
+    from unbroken.train.factory import build_manager
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    try:
-        return init(
-            device=device,
-            quorum_timeout_s=quorum_timeout.total_seconds(),
-            connect_timeout_s=connect_timeout.total_seconds(),
-            cross_replica_backend=backend_of(pg),
+    timeouts = {
+        "quorum_timeout_s": quorum_timeout.total_seconds(),
+        "connect_timeout_s": connect_timeout.total_seconds(),
+        "cross_replica_backend": backend_of(pg),
+    }
+    secret = secret_of(lighthouse_addr) if lighthouse_addr else None
+    if secret is not None:
+        if (world_size or 1) > 1:
+            raise NotImplementedError(
+                "the ranks of one replica share its default process group: run a replica with several "
+                "ranks as processes (unbroken run --ranks-per-replica), not as threads"
+            )
+        config = ReplicaConfig(
+            coordinator=coordinator_address(lighthouse_addr or ""),
+            replica_id=replica_number(replica_id),
+            num_replicas=DEFAULT_TOTAL_REPLICAS,
+            rank=rank or 0,
+            world_size=1,
         )
+        return build_manager(config=config, device=device, secret=secret, stack_dump=False, **timeouts)  # type: ignore[arg-type]
+    try:
+        return init(device=device, **timeouts)  # type: ignore[arg-type]
     except ConfigError as e:
         raise RuntimeError(
             f"torchft's Manager runs on unbroken here: launch the script with "
             f"`unbroken run --torchft-compat --replicas N -- python train.py` ({e})"
         ) from e
+
+
+def replica_number(replica_id: str | None) -> int:
+    """The replica number in torchft's replica id (its trailing digits: ``"train_ddp_1"`` is 1)."""
+    digits = ""
+    for ch in reversed(replica_id or ""):
+        if not ch.isdigit():
+            break
+        digits = ch + digits
+    if not digits:
+        raise ValueError(f"a replica id must end in the replica's number, got {replica_id!r}")
+    return int(digits)

@@ -97,6 +97,28 @@ class ProcessGroupXCCL(ProcessGroup):
 ProcessGroupBabyXCCL = ProcessGroupXCCL
 
 
+class FakeProcessGroupWrapper(ProcessGroup):
+    """torchft's test wrapper: :meth:`report_future_error` fails the next all-reduce.
+
+    Given to the Manager as its ``pg``; the Manager's next :meth:`~Manager.allreduce` of the
+    step then reports the error (:meth:`take_future_error`), which vetoes the step, as the
+    failed future of torchft's does.
+    """
+
+    def __init__(self, pg: ProcessGroup) -> None:
+        super().__init__(pg.timeout if isinstance(pg, ProcessGroup) else DEFAULT_TIMEOUT)
+        self._pg = pg
+        self.backend = pg.getBackendName() if isinstance(pg, ProcessGroup) else "auto"
+        self._future_error: Exception | None = None
+
+    def report_future_error(self, e: Exception) -> None:
+        self._future_error = e
+
+    def take_future_error(self) -> Exception | None:
+        error, self._future_error = self._future_error, None
+        return error
+
+
 def backend_of(pg: Any) -> str | None:
     """What ``unbroken.init(cross_replica_backend=...)`` is given for the group a torchft
     script built; None keeps ``unbroken run``'s setting (any other group object)."""
