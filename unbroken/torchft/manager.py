@@ -198,14 +198,14 @@ class Manager:
         """Waits for this step's quorum; the group of its epoch is then being built."""
         if not self._started:
             raise RuntimeError("must call start_quorum before wait_quorum")
-        if self._in_step:
+        if self._in_step and self._manager.quorum_pending:
             self._manager.wait_quorum()
 
     def _decision(self) -> QuorumDecision | None:
         """The decision of the step in progress (waiting for it), else of the last one."""
-        if self._in_step:
+        if self._in_step and self._manager.quorum_pending:
             return self._manager.wait_quorum()
-        return self._manager.decision
+        return self._manager.decision  # the exchange took the step's answer (DDP: in backward)
 
     def allreduce(
         self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: Any = dist.ReduceOp.AVG

@@ -227,6 +227,15 @@ class Manager:
             return self.decision
         return self._prepare(self._quorum.result(timeout=self.quorum_timeout_s))
 
+    @property
+    def quorum_pending(self) -> bool:
+        """Whether this step's quorum answer is still to be taken by its exchange.
+
+        While it is, :meth:`wait_quorum` returns it; once the exchange took it, ``decision`` is
+        the step's, and :meth:`wait_quorum` would ask for the next step's quorum.
+        """
+        return self._quorum is not None
+
     def expect_gradients(self, numel: int) -> None:
         """Announces how many gradient elements (this rank's shards) :meth:`allreduce` averages.
 

@@ -104,7 +104,7 @@ def test_local_sgd_syncs_every_n_steps_and_a_failed_sync_goes_back_to_the_backup
         assert ft.current_step() == 1  # one sync: alone, the average is its own move
         moved = [p.detach().clone() for p in model.parameters()]
         assert not any(torch.equal(a, b) for a, b in zip(start, moved, strict=True))
-        assert all(torch.equal(b, p) for b, p in zip(sgd._backup, moved, strict=True))
+        assert all(torch.equal(b, p) for b, p in zip(sgd._fragments[0].backup, moved, strict=True))
 
 
 def test_a_sync_that_does_not_commit_puts_the_parameters_back() -> None:
@@ -135,8 +135,41 @@ def test_diloco_outer_step_from_the_backup() -> None:
     for p, s, lo in zip(model.parameters(), start, local, strict=True):
         torch.testing.assert_close(p.detach(), s + 0.5 * (lo - s))
     assert ft.current_step() == 1
-    with pytest.raises(NotImplementedError):
-        local_sgd.DiLoCo(ft, [model], inner, outer, sync_every=2, fragment_sync_delay=1)
+    with pytest.raises(ValueError, match="fragment_sync_delay"):
+        local_sgd.DiLoCo(ft, [model], inner, outer, sync_every=2, fragment_sync_delay=2)
+
+
+def test_streaming_diloco_syncs_one_fragment_at_a_time_and_keeps_alpha_of_local_progress() -> None:
+    ft, _ = facade(use_async_quorum=False)
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    model = torch.nn.Sequential(a, b)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    outers = [torch.optim.SGD(a.parameters(), lr=1.0), torch.optim.SGD(b.parameters(), lr=1.0)]
+    start_b = [p.detach().clone() for p in b.parameters()]
+    with local_sgd.DiLoCo(ft, [a, b], inner, outers, sync_every=4, fragment_sync_delay=1, fragment_update_alpha=0.5):
+        at_prepare: list[torch.Tensor] = []
+        for i in range(2):  # every 2 inner steps, one fragment: step 0 picks a; its exchange starts after 1
+            inner.zero_grad()
+            model(torch.ones(1, 2)).sum().backward()
+            local = [p.detach() - 0.1 * p.grad for p in a.parameters()]
+            if i == 0:
+                at_prepare = local
+            inner.step()
+        assert ft.current_step() == 1
+        # alpha 0.5: halfway between the new backup and where the inner steps went since
+        for p, g, lo in zip(a.parameters(), at_prepare, local, strict=True):
+            torch.testing.assert_close(p.detach(), torch.lerp(g, lo, 0.5))
+        moved_a = at_prepare
+        # b was not synced: it kept its local progress and its backup is where it started
+        assert not any(torch.equal(p.detach(), s) for p, s in zip(b.parameters(), start_b, strict=True))
+        state = ft._manager_state_dict()["user"]
+        assert all(
+            torch.equal(v, s)
+            for v, s in zip(state["StreamingDiLoCoFragment_1"]["original_parameters"].values(), start_b, strict=True)
+        )
+        # outer SGD with lr 1 from the backup lands on the (one-replica) average: where a went
+        for v, p in zip(state["StreamingDiLoCoFragment_0"]["original_parameters"].values(), moved_a, strict=True):
+            torch.testing.assert_close(v, p)
 
 
 def test_the_backends_a_script_names() -> None:
