@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 # then already satisfied, so pip never pulls a CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install demo test test-unit test-gpu lint commits scenarios clean browser slurm
+.PHONY: install demo test test-unit test-gpu lint commits scenarios clean browser slurm torchft-upstream
 
 install: $(STAMP)
 
@@ -64,8 +64,19 @@ commits:
 			echo "$$bad"; exit 1; fi; \
 	else echo "no git history back to $(SUBJECTS_SINCE): the commit-subject check is skipped"; fi
 
+# torchft's own integration tests, run on unbroken's facade (tests/integration/test_torchft_upstream.py):
+# the torchft-nightly wheel is downloaded and unpacked, never installed (torchft is no dependency
+# of unbroken); the [torchft] extra brings what those tests import.
+TORCHFT_WHEEL := torchft-nightly==2026.10.26
+UPSTREAM := .cache/upstream
+torchft-upstream: install
+	$(PY) -m pip install -q -e '.[torchft]'
+	test -f $(UPSTREAM)/torchft/manager_integ_test.py || { rm -rf $(UPSTREAM) && mkdir -p $(UPSTREAM) && \
+		$(PY) -m pip download -q --no-deps -d $(UPSTREAM) '$(TORCHFT_WHEEL)' && \
+		$(PY) -m zipfile -e $(UPSTREAM)/torchft_nightly-*.whl $(UPSTREAM); }
+
 # The long end-to-end scenarios the suite leaves out (about 5 minutes on 2 cores).
-scenarios: install slurm
+scenarios: install slurm torchft-upstream
 	$(PY) -m pytest -q -p no:cacheprovider -m scenario
 
 clean:

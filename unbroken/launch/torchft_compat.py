@@ -28,19 +28,34 @@ from unbroken.torchft import *  # noqa: F403
 
 for _name in {submodules!r}:
     _sys.modules[__name__ + "." + _name] = getattr(_facade, _name)
+__path__.extend({upstream!r})  # torchft's own files (its tests) behind the facade's modules
+'''
+
+# torchft's Rust extension, as far as its integration tests use it: the lighthouse.
+EXTENSION = '''"""torchft._torchft as unbroken's stand-in (written by unbroken's torchft shim)."""
+
+from unbroken.torchft.lighthouse import LighthouseServer  # noqa: F401
 '''
 
 
-def shim_source() -> str:
-    """The text of the shim's ``torchft/__init__.py``."""
-    return SHIM.format(submodules=SUBMODULES)
+def shim_source(upstream: Path | None = None) -> str:
+    """The text of the shim's ``torchft/__init__.py``; ``upstream``: see :func:`write_shim`."""
+    return SHIM.format(submodules=SUBMODULES, upstream=[str(upstream)] if upstream is not None else [])
 
 
-def write_shim(run_dir: Path) -> Path:
-    """Writes the ``torchft`` shim under ``run_dir``; returns the directory to put on the path."""
+def write_shim(run_dir: Path, upstream: Path | None = None) -> Path:
+    """Writes the ``torchft`` shim under ``run_dir``; returns the directory to put on the path.
+
+    ``upstream``: the ``torchft`` directory of an unpacked torchft wheel, whose other modules
+    (its tests, ``torchft._test``) then import from there, with the facade's modules and a
+    lighthouse stand-in for its Rust extension in front: how torchft's own integration tests
+    run on unbroken with only the import redirected (``make torchft-upstream``).
+    """
     root = Path(run_dir).resolve() / "torchft-compat"
     (root / "torchft").mkdir(parents=True, exist_ok=True)
-    (root / "torchft" / "__init__.py").write_text(shim_source())
+    (root / "torchft" / "__init__.py").write_text(shim_source(upstream))
+    if upstream is not None:
+        (root / "torchft" / "_torchft.py").write_text(EXTENSION)
     return root
 
 
