@@ -17,7 +17,13 @@ from pathlib import Path
 from unbroken import config as env
 
 # The submodules torchtitan 0.3.0 and torchft's examples import, each the facade's module.
-SUBMODULES = ("data", "ddp", "local_sgd", "manager", "optim", "process_group")
+SUBMODULES = ("checkpointing", "data", "ddp", "local_sgd", "manager", "optim", "process_group")
+# torchft's modules inside those, each the facade's module that holds what they define.
+ALIASES = {
+    "checkpointing.http_transport": "checkpointing",
+    "checkpointing.pg_transport": "checkpointing",
+    "checkpointing.transport": "checkpointing",
+}
 
 SHIM = '''"""torchft, as unbroken's facade (written by `unbroken run --torchft-compat`)."""
 
@@ -28,6 +34,8 @@ from unbroken.torchft import *  # noqa: F403
 
 for _name in {submodules!r}:
     _sys.modules[__name__ + "." + _name] = getattr(_facade, _name)
+for _name, _module in {aliases!r}.items():
+    _sys.modules[__name__ + "." + _name] = getattr(_facade, _module)
 __path__.extend({upstream!r})  # torchft's own files (its tests) behind the facade's modules
 '''
 
@@ -40,7 +48,7 @@ from unbroken.torchft.lighthouse import LighthouseServer  # noqa: F401
 
 def shim_source(upstream: Path | None = None) -> str:
     """The text of the shim's ``torchft/__init__.py``; ``upstream``: see :func:`write_shim`."""
-    return SHIM.format(submodules=SUBMODULES, upstream=[str(upstream)] if upstream is not None else [])
+    return SHIM.format(submodules=SUBMODULES, aliases=ALIASES, upstream=[str(upstream)] if upstream is not None else [])
 
 
 def write_shim(run_dir: Path, upstream: Path | None = None) -> Path:

@@ -9,7 +9,7 @@ What maps onto what, and what differs, is in docs/torchtitan.md and
 
 from __future__ import annotations
 
-from unbroken.torchft import data, ddp, lighthouse, local_sgd, manager, optim, process_group
+from unbroken.torchft import checkpointing, data, ddp, lighthouse, local_sgd, manager, optim, process_group
 from unbroken.torchft.data import DistributedSampler
 from unbroken.torchft.ddp import DistributedDataParallel
 from unbroken.torchft.manager import Manager, WorldSizeMode
@@ -39,6 +39,7 @@ __all__ = [
     "ProcessGroupNCCL",
     "ProcessGroupXCCL",
     "WorldSizeMode",
+    "checkpointing",
     "data",
     "ddp",
     "lighthouse",

@@ -21,12 +21,17 @@ class DistributedSampler(data.distributed.DistributedSampler):
     def __init__(
         self,
         dataset: data.Dataset,
-        replica_rank: int,
-        num_replica_groups: int,
+        replica_rank: int | None = None,
+        num_replica_groups: int = 1,
         group_rank: int | None = None,
         num_replicas: int | None = None,
+        replica_group_id: int | None = None,
         **kwargs: Any,
     ) -> None:
+        # torchft's examples name it replica_group_id, its sampler replica_rank
+        replica_rank = replica_rank if replica_rank is not None else replica_group_id
+        if replica_rank is None:
+            raise TypeError("DistributedSampler needs replica_rank (or replica_group_id)")
         if group_rank is None:
             group_rank = dist.get_rank() if dist.is_initialized() else 0
         if num_replicas is None:

@@ -23,10 +23,13 @@ from torchft import ProcessGroupBabyNCCL, ProcessGroupGloo, ProcessGroupNCCL
 from torchft.local_sgd import DiLoCo, LocalSGD
 from torchft.optim import OptimizerWrapper
 from torchft.process_group import ManagedProcessGroup
+from torchft.checkpointing.pg_transport import PGTransport
+from torchft.checkpointing import HTTPTransport
 import unbroken.torchft
 assert importlib.util.find_spec("torchft") is not None
 assert torchft.manager is unbroken.torchft.manager and Manager is unbroken.torchft.Manager
 assert torchft.local_sgd.DiLoCo is DiLoCo and Optimizer is OptimizerWrapper
+assert PGTransport is unbroken.torchft.checkpointing.PGTransport
 print("ok", torchft.__file__)
 """
 

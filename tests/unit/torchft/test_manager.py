@@ -198,3 +198,14 @@ def test_managed_process_group_serves_dist_and_functional_collectives(tmp_path: 
         assert ft.should_commit()
     finally:
         dist.destroy_process_group()
+
+
+def test_the_sampler_shards_over_replica_groups_then_ranks() -> None:
+    from unbroken.torchft.data import DistributedSampler
+
+    s = DistributedSampler(list(range(12)), replica_rank=1, num_replica_groups=2, group_rank=1, num_replicas=2)
+    assert (s.global_rank, s.global_world_size) == (3, 4)
+    t = DistributedSampler(
+        list(range(12)), replica_group_id=1, num_replica_groups=2, group_rank=0, num_replicas=1, shuffle=False
+    )
+    assert list(t) == [1, 3, 5, 7, 9, 11]  # train_ddp.py's keyword
