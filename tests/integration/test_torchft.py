@@ -52,6 +52,15 @@ def test_torchft_ddp_loop_survives_kill_9_and_replicas_end_identical(tmp_path: P
     assert any(r["participants"] == 1 for r in rows), "no step counted one participant"
 
 
+def _same_average_each_step(job: Job) -> set[int]:
+    """Every step both replicas committed saw the same averaged gradient; returns those steps."""
+    seen = [{r["committed_step"]: r["grad"] for r in job.metrics(i) if r["committed"]} for i in (0, 1)]
+    both = seen[0].keys() & seen[1].keys()
+    for s in both:
+        assert seen[0][s] == seen[1][s], (s, seen[0][s], seen[1][s])
+    return both
+
+
 def test_torchft_manual_allreduce_loop_is_identical_without_a_shared_seed(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     with Job(
@@ -67,10 +76,22 @@ def test_torchft_manual_allreduce_loop_is_identical_without_a_shared_seed(tmp_pa
     assert_identical(states)  # different seeds: init_sync made them equal at step 0
     rows = [job.metrics(0), job.metrics(1)]
     assert all(r["committed"] for r in rows[0] + rows[1])
+    assert _same_average_each_step(job) == set(range(6))
     for a, b in zip(*rows, strict=True):  # the collectives after each step, on both replicas
         assert a["max"] == b["max"] == 1 + 10 * a["step"]
         assert a["mean_loss"] == b["mean_loss"]
         assert abs(a["mean_loss"] - (a["loss"] + b["loss"]) / 2) < 1e-5 * max(1.0, a["loss"])
+
+
+def test_torchft_manual_allreduce_holds_the_average_in_a_catch_up_step(tmp_path: Path) -> None:
+    # torchft's contract: after allreduce(t).wait(), t holds the average, in every step; the
+    # restarted replica's first step is a catch-up step, where it contributes zeros.
+    job, states = _kill_run(tmp_path, "allreduce", steps=30, at=5, pace_s=0.1)
+    assert_identical(states)
+    catch_up = [q for q in job.events("quorum") if q["behind"] == [1]]
+    assert catch_up, "the restarted replica never caught up"
+    both = _same_average_each_step(job)
+    assert catch_up[0]["step"] in both and len(both) >= 20, (catch_up[0]["step"], sorted(both))
 
 
 def test_torchft_diloco_survives_kill_9_and_replicas_end_identical(tmp_path: Path) -> None:

@@ -10,8 +10,9 @@ Manager as ``start_quorum()`` at ``zero_grad``, ``allreduce(tensor)`` per gradie
 - ``allreduce(tensor)`` (SUM or AVG of a float tensor, between ``start_quorum`` and
   ``should_commit``) is one bucket of the step's fault-tolerant exchange (the path of
   ``manager.process_group()``); after ``work.wait()`` the tensor holds the sum or the average
-  over the participating replicas. In a step in which a replica catches up, unbroken exchanges
-  the whole step at once after the backward pass, so there the average is written by
+  over the participating replicas, in every step: in one where a replica catches up, the
+  newcomer sends zeros in each bucket (``catch_up_in_buckets``). Only where the exchange cannot
+  overlap (``UNBROKEN_EXCHANGE=ring``) is such a step exchanged at its end, by
   ``should_commit`` (into the tensors given to ``allreduce``, or, under the ``Optimizer``
   wrapper, into the parameters' gradients). Any other all-reduce (MAX, MIN, integers, or
   outside that window: torchtitan's loss and token counts) runs on the current quorum's group
@@ -121,6 +122,9 @@ class Manager:
         # A failed step goes back to the loop, as in torchft: should_commit says False and the
         # next zero_grad() asks for a quorum without the failed epoch.
         manager.redo_failed_steps = True
+        # torchft's allreduce(t).wait() leaves the average in t in every step: a step in which a
+        # replica catches up is exchanged bucket by bucket as well, the newcomer sending zeros.
+        manager.catch_up_in_buckets = True
         self._pg = pg
         self._replica_id = replica_id
         self._min_replica_size = min_replica_size
@@ -232,15 +236,16 @@ class Manager:
     def _side_allreduce(self, tensor: torch.Tensor, reduce_op: Any) -> bool:
         """A collective that is not the gradient exchange, on the current quorum's group.
 
-        Skipped (the tensor keeps its own value) where it could pair with another operation:
-        in a step in which a replica catches up, whose zero exchange may already be in flight.
-        Returns whether the tensor holds the reduction.
+        Every member runs the same collectives in the same order on the epoch's group (a
+        catching-up replica exchanges in buckets, never in a separate early exchange, see
+        ``catch_up_in_buckets``), so this pairs with the same call of every peer. Returns
+        whether the tensor holds the reduction.
         """
         d = self._decision()
         m = self._manager
         if d is None or len(d.members) < 2:
             return True
-        if d.behind or m.group.epoch != d.epoch:
+        if m.group.epoch != d.epoch:
             return False
         op = dist.ReduceOp.SUM if reduce_op == dist.ReduceOp.AVG else reduce_op
         buf = tensor.detach().clone()

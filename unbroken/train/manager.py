@@ -169,6 +169,10 @@ class Manager:
         # Whether a failed exchange goes back to the loop instead of being redone in place with
         # the same gradients (see wait_quorum): set when the batches depend on the quorum.
         self.redo_failed_steps = False
+        # Whether a step in which a replica catches up is exchanged bucket by bucket too (see
+        # begin_overlap): set by a loop that reads each all-reduce's result when it is waited
+        # for (torchft's API), instead of at the step's end.
+        self.catch_up_in_buckets = False
         self._last_commit: float | None = None
         self._step_time: float | None = None
         self._prepare_lock = threading.Lock()
@@ -340,18 +344,21 @@ class Manager:
         Waits for the quorum (asked for when the step started). When a replica catches up this
         step, every member exchanges after the backward pass instead (``decision`` None), in
         the single buffer the catching-up replica sends early; its donor's snapshot is then
-        taken there, not in the middle of a backward pass.
+        taken there, not in the middle of a backward pass. With :attr:`catch_up_in_buckets`,
+        such a step is exchanged bucket by bucket too: the catching-up replica sends zeros in
+        each bucket and loads its donor's state once the step's sums are checked.
         """
         if self._overlap is not None and self._overlap.step == self.step:
             return self._overlap  # the step's later buckets, or its next backward pass
         self.start_step()
         assert self._quorum is not None
         d = self._prepare(self._quorum.result(timeout=self.quorum_timeout_s))
-        if d.behind or not self.group.overlaps:
+        if (d.behind and not self.catch_up_in_buckets) or not self.group.overlaps:
             self._overlap = OverlappedExchange(None, step=self.step)
             return self._overlap
         d = self._await_quorum(None)
-        self._overlap = OverlappedExchange(d, step=self.step, skip=self._sits_out())
+        behind = self.config.replica_id in d.behind_set
+        self._overlap = OverlappedExchange(d, step=self.step, skip=False if behind else self._sits_out(), zero=behind)
         return self._overlap
 
     def start_bucket(self, buf: torch.Tensor) -> None:
@@ -413,8 +420,13 @@ class Manager:
 
     def _overlap_agreed(self, o: OverlappedExchange) -> bool:
         """Whether the step exchanged during backward may be applied: every bucket summed and
-        checked, some replica contributed, and every rank of this replica agrees."""
-        return self._vote(self.wait_buckets() and o.contributing > 0)
+        checked, some replica contributed, and every rank of this replica agrees. A replica
+        that caught up in the buckets (``o.zero``) then loads its donor's state."""
+        ok = self._vote(self.wait_buckets() and o.contributing > 0 and (not o.zero or self._catch_up.fetched()))
+        if ok and o.zero:
+            assert o.decision is not None
+            self.step = self._catch_up.finish(o.decision, self._states.load)
+        return ok
 
     def _overlap_failed(self, o: OverlappedExchange) -> None:
         """A step exchanged during backward failed: its redo asks for a quorum without that epoch."""
@@ -588,8 +600,10 @@ class Manager:
             # Once per decision: the training thread may have finished with them already when the
             # connection thread's callback gets here, and a second exchange would pair with the
             # peers' next collective.
-            if self._catch_up.plan(d, msg.get("transfer_addrs", {})) and self._grad_numel is not None:
-                self._catch_up.start_early_exchange(self.group, d, self._grad_numel, self.deadline.seconds, self.device)
+            # (Exchanging in buckets, a catching-up replica sends zeros in each bucket instead.)
+            numel = None if self.catch_up_in_buckets else self._grad_numel
+            if self._catch_up.plan(d, msg.get("transfer_addrs", {})) and numel is not None:
+                self._catch_up.start_early_exchange(self.group, d, numel, self.deadline.seconds, self.device)
         return d
 
     def _local_state(self) -> dict[str, Any]:

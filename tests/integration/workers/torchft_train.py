@@ -89,6 +89,9 @@ def main() -> None:
             if args.mode == "allreduce":
                 for p in model.parameters():
                     manager.allreduce(p.grad).wait()
+            # What the replicas average, as the optimizer will see it: the same on every replica
+            # of a step, a replica catching up in it too.
+            grad = sum(float(p.grad.double().sum()) for p in model.parameters())
             optimizer.step()
             committed = manager.current_step() > step
             # After the step, as torchtitan logs its loss: a MAX of int64 and an AVG of a float
@@ -102,6 +105,8 @@ def main() -> None:
                     {
                         "step": step,
                         "committed": committed,
+                        "committed_step": manager.current_step() - 1 if committed else None,
+                        "grad": grad,
                         "participants": manager.num_participants(),
                         "loss": loss.item(),
                         "max": top.item(),
