@@ -46,7 +46,7 @@ import torch.distributed as dist
 from unbroken.comm.process_group import ExchangeFailed
 from unbroken.control.quorum import QuorumDecision
 from unbroken.torchft.process_group import FakeProcessGroupWrapper, backend_of
-from unbroken.torchft.state import broadcast_by_sum, local_tensors, sync_source
+from unbroken.torchft.state import as_like, broadcast_by_sum, local_tensors, sync_source
 from unbroken.train.manager import Manager as UnbrokenManager
 from unbroken.train.process_group import ManagedProcessGroup as ExchangeGroup
 
@@ -150,8 +150,16 @@ class Manager:
     def register_state_dict_fn(
         self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
     ) -> None:
-        """Adds ``key`` to what a recovering replica fetches from a donor (before the first step)."""
-        self._manager.register_state_dict_fn(key, load_state_dict, state_dict)
+        """Adds ``key`` to what a recovering replica fetches from a donor (before the first step).
+
+        ``load_state_dict`` gets DTensors where ``state_dict`` returns them (unbroken sends their
+        local shards; :func:`~unbroken.torchft.state.as_like` makes them DTensors again).
+        """
+
+        def load(received: Any) -> None:
+            load_state_dict(as_like(received, state_dict()))
+
+        self._manager.register_state_dict_fn(key, load, state_dict)
         self._user_fns[key] = (load_state_dict, state_dict)
 
     def set_state_dict_fns(self, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]) -> None:

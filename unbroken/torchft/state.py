@@ -43,3 +43,26 @@ def broadcast_by_sum(tensor: torch.Tensor, is_source: bool) -> torch.Tensor:
     its own value on the source, zeros elsewhere. ``x + 0`` is exact in every float format,
     so the result is the source's bits (a ``-0.0`` becomes ``+0.0``, on every replica alike)."""
     return tensor.detach().clone() if is_source else torch.zeros_like(tensor)
+
+
+def as_like(received: Any, reference: Any) -> Any:
+    """``received`` with every plain tensor that stands where ``reference`` holds a DTensor made
+    that DTensor again (the received tensor as its local shard, on its mesh and placements).
+
+    unbroken sends a DTensor to a recovering replica as this rank's local shard; torchft's loaders
+    (``model.load_state_dict`` of an FSDP2 model) expect the DTensors back. ``reference`` is the
+    receiver's own state of the same layout, whose DTensors say where each shard goes.
+    """
+    if isinstance(received, torch.Tensor) and isinstance(reference, torch.Tensor):
+        if hasattr(reference, "device_mesh") and not hasattr(received, "device_mesh"):
+            from torch.distributed.tensor import DTensor
+
+            ref: Any = reference
+            local = received.to(ref.to_local().device)
+            return DTensor.from_local(local, ref.device_mesh, ref.placements, shape=ref.shape, stride=ref.stride())
+        return received
+    if isinstance(received, dict) and isinstance(reference, dict):
+        return {k: as_like(v, reference.get(k)) for k, v in received.items()}
+    if isinstance(received, list | tuple) and isinstance(reference, list | tuple) and len(received) == len(reference):
+        return type(received)(as_like(a, b) for a, b in zip(received, reference, strict=True))
+    return received

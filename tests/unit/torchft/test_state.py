@@ -28,3 +28,21 @@ def test_a_sum_of_the_source_and_zeros_is_the_source_bit_for_bit() -> None:
     assert torch.equal(total, src)
     ints = torch.tensor([3, -9], dtype=torch.int64)
     assert torch.equal(broadcast_by_sum(ints, True) + broadcast_by_sum(ints, False), ints)
+
+
+def test_as_like_makes_received_shards_dtensors_where_the_receiver_holds_dtensors(tmp_path: object) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from unbroken.torchft.state import as_like
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        own = {"w": DTensor.from_local(torch.zeros(2), mesh, [Replicate()]), "n": torch.zeros(1), "k": 3}
+        got = as_like({"w": torch.ones(2), "n": torch.full((1,), 5.0), "k": 4}, own)
+        assert isinstance(got["w"], DTensor) and torch.equal(got["w"].to_local(), torch.ones(2))
+        assert not isinstance(got["n"], DTensor) and got["k"] == 4
+    finally:
+        dist.destroy_process_group()
