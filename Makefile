@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 # then already satisfied, so pip never pulls a CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install demo test test-unit test-gpu lint commits scenarios clean browser slurm lease-fs
+.PHONY: install demo test test-unit test-gpu lint commits scenarios clean browser slurm lease-fs torchft-upstream
 
 install: $(STAMP)
 
@@ -76,8 +76,20 @@ commits:
 			echo "$$bad"; exit 1; fi; \
 	else echo "no git history back to $(SUBJECTS_SINCE): the commit-subject check is skipped"; fi
 
+# torchft's own integration tests and torchtitan's torchft glue, run on unbroken's facade
+# (tests/integration/test_torchft_upstream.py, test_torchtitan.py): the torchft-nightly and
+# torchtitan wheels are downloaded and unpacked, never installed (neither is a dependency of
+# unbroken); the [torchft] extra brings what their code imports.
+UPSTREAM_WHEELS := torchft-nightly==2026.10.26 torchtitan==0.3.0
+UPSTREAM := .cache/upstream
+torchft-upstream: install
+	$(PY) -m pip install -q -e '.[torchft]'
+	test -f $(UPSTREAM)/torchtitan/experiments/torchft/manager.py || { rm -rf $(UPSTREAM) && mkdir -p $(UPSTREAM) && \
+		$(PY) -m pip download -q --no-deps -d $(UPSTREAM) $(UPSTREAM_WHEELS) && \
+		for w in $(UPSTREAM)/*.whl; do $(PY) -m zipfile -e $$w $(UPSTREAM) || exit 1; done; }
+
 # The long end-to-end scenarios the suite leaves out (about 5 minutes on 2 cores).
-scenarios: install slurm lease-fs
+scenarios: install slurm lease-fs torchft-upstream
 	$(PY) -m pytest -q -p no:cacheprovider -m scenario
 
 clean:

@@ -248,8 +248,11 @@ class CrossReplicaGroup:
             aborted = self._aborted_epoch
             return self.epoch is not None and aborted is not None and aborted >= self.epoch
 
-    def allreduce_sum(self, tensor: torch.Tensor, deadline_s: float) -> float:
+    def allreduce_sum(self, tensor: torch.Tensor, deadline_s: float, op: Any = None) -> float:
         """Sums ``tensor`` in place across the group; returns the seconds it took.
+
+        ``op``: another ``dist.ReduceOp`` (MAX, MIN, PRODUCT) for a side collective that is
+        not a gradient (torchft's loss and token counts); the exchange itself always sums.
 
         Raises:
             ExchangeFailed: a peer failed, the deadline passed, or the coordinator aborted
@@ -278,7 +281,7 @@ class CrossReplicaGroup:
         token = rec.begin(f"{self.tag}/epoch{epoch}", "allreduce", nbytes, self.members) if rec else None
         ok: bool | None = False  # False: the deadline passed (a stall); None: explained failure
         try:
-            fut = self._start(tensor, wake)
+            fut = self._start(tensor, wake, op)
             woke = wake.wait(deadline_s)
             with self._lock:
                 self._wake = None
@@ -438,14 +441,16 @@ class CrossReplicaGroup:
         if batch is not None and batch[1] is not None and self.recorder is not None:
             self.recorder.end(batch[1], ok)
 
-    def _start(self, tensor: torch.Tensor, wake: threading.Event) -> Any:
-        """Starts the sum; returns a future that ``wake`` is set on when it is done."""
+    def _start(self, tensor: torch.Tensor, wake: threading.Event, op: Any = None) -> Any:
+        """Starts the sum (or ``op``); returns a future that ``wake`` is set on when it is done."""
+        if op is not None and op != dist.ReduceOp.SUM and self.mode == "ring":
+            raise ValueError("the ring exchange only sums")
         if self.mode == "ring":
             run = _RingRun(self._pg, tensor, self.rank, self.size, self.recorder, wake)
             self._track(run)
             return run
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # torch's stub: RedOpType converts to ReduceOp
+        opts.reduceOp = dist.ReduceOp.SUM if op is None else op  # type: ignore[assignment]  # torch's stub: RedOpType converts to ReduceOp
         work = self._pg.allreduce([tensor], opts)
         fut = work.get_future()
         self._track(_Held(work, fut))

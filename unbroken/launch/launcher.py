@@ -45,7 +45,7 @@ from unbroken.control.coordinator import Coordinator
 from unbroken.control.state import secret_file
 from unbroken.diagnosis import stacks
 from unbroken.faults.worker import worker_env
-from unbroken.launch import dashboard, reaper, workers
+from unbroken.launch import dashboard, reaper, torchft_compat, workers
 from unbroken.launch.fault_firing import FaultFiring
 from unbroken.launch.lifecycle import RUNNING, Lifecycle, State, Transition
 from unbroken.launch.policy import Placement, RestartBook, Slot
@@ -218,6 +218,8 @@ class Launcher:
             extra[env.ENV_RESUME_STEP] = str(r.resume_step)
         if self.s.anomaly_policy:
             extra[env.ENV_ANOMALY_POLICY] = self.s.anomaly_policy
+        if self.s.torchft_compat:  # `import torchft` is unbroken's facade
+            extra[env.ENV_PYTHONPATH] = torchft_compat.python_path_with(torchft_compat.write_shim(self.run_dir))
         return workers.worker_env(
             coordinator=self.address,
             replica=r.replica,

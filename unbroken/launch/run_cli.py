@@ -177,6 +177,13 @@ def supervisor_settings(kw: dict[str, Any]) -> dict[str, Any]:
     help="Serve /metrics (Prometheus) and a live dashboard on 127.0.0.1 at this port (0: a free one); "
     "the dashboard's URL, with the job's read-only token, is printed [default: none].",
 )
+@click.option(
+    "--torchft-compat",
+    is_flag=True,
+    default=False,
+    help="Run torchft and torchtitan scripts unchanged: `import torchft` in the workers is unbroken's "
+    "facade, unbroken.torchft (docs/torchtitan.md).",
+)
 @cross_replica_backend_option
 @job_health_options
 @supervisor_options

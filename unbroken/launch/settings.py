@@ -63,6 +63,8 @@ class LaunchSettings:
             free one); None serves nothing (:mod:`unbroken.observe.http`).
         cross_replica_backend: ``auto``, ``nccl`` or ``gloo`` for the workers; None leaves the
             environment's (:mod:`unbroken.comm.backend`).
+        torchft_compat: ``import torchft`` in the workers is :mod:`unbroken.torchft`
+            (:mod:`unbroken.launch.torchft_compat`).
         fatal_epochs, no_progress_timeout_s: when the coordinator ends the job instead of
             looping (:mod:`unbroken.control.quorum.job_health`).
     """
@@ -90,6 +92,7 @@ class LaunchSettings:
     secret_file: Path | None = None
     http_port: int | None = None
     cross_replica_backend: str | None = None
+    torchft_compat: bool = False
     fatal_epochs: int = DEFAULT_FATAL_EPOCHS
     no_progress_timeout_s: float = DEFAULT_NO_PROGRESS_S
 

@@ -14,6 +14,8 @@ import os
 import runpy
 import sys
 
+from unbroken.config import python_path
+
 
 def main() -> None:
     import torch  # noqa: F401  - the point: paid before the replica needs it
@@ -35,6 +37,11 @@ def main() -> None:
     os.close(fd)
     os.environ.clear()
     os.environ.update(order["env"])
+    # A fresh interpreter would have put the replica's PYTHONPATH on sys.path (the torchft
+    # shim of --torchft-compat is there): entries this process did not start with go first.
+    for entry in reversed((python_path(order["env"]) or "").split(os.pathsep)):
+        if entry and entry not in sys.path:
+            sys.path.insert(0, entry)
     argv = list(order["argv"])
     if argv[0] == "-m":  # python -m module args...
         sys.argv = [argv[1], *argv[2:]]

@@ -132,7 +132,7 @@ class GradientExchange:
     def start_bucket(self, o: OverlappedExchange, buf: torch.Tensor, step: int, total: int) -> None:
         """Starts summing one bucket of ``o`` (``total``: the bytes of the step's buckets)."""
         assert o.decision is not None
-        mark_bucket(buf, o.decision.step, o.skip)
+        mark_bucket(buf, o.decision.step, o.skip, o.zero)
         try:
             o.pending.append(self.group.start_allreduce_sum(buf, self.deadline.seconds, total))
             o.buffers.append(buf)

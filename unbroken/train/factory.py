@@ -84,6 +84,8 @@ def build_manager(
     fault_hook: FaultHook | None = None,
     link_fault: LinkDelay | None = None,
     cross_replica_backend: str | None = None,
+    secret: JobSecret | None = None,
+    stack_dump: bool = True,
 ) -> Manager:
     """Builds this rank's Manager and connects it to the coordinator (blocks until connected).
 
@@ -96,13 +98,17 @@ def build_manager(
             ``UNBROKEN_CROSS_REPLICA_BACKEND`` (``unbroken run --cross-replica-backend``).
         connect_timeout_s: how long to wait for the coordinator (the environment's setting wins).
         fault_hook, link_fault: injected faults (``unbroken.init()`` installs them).
+        secret: the job's key; None reads the launcher's (``UNBROKEN_SECRET_FILE``). Given by a
+            Manager that joins a coordinator of its own process (torchft's lighthouse stand-in).
+        stack_dump: install the stack dump on the diagnosis signal; False for a Manager built
+            off the main thread (a signal handler can only be installed on it).
 
     The rest is passed on to :class:`~unbroken.train.manager.Manager`.
     """
     check_state_pair(state_dict, load_state_dict)
     config = config or ReplicaConfig.from_env()
     device = device or torch.device("cpu")
-    secret = JobSecret.required()  # the job's key: the store, the donors and peers demand it
+    secret = secret or JobSecret.required()  # the job's key: the store, the donors and peers demand it
     backend = cross_replica_backend or env_cross_replica_backend()
     check_backend(backend, device)
     group = CrossReplicaGroup(secret, backend=backend)
@@ -111,10 +117,10 @@ def build_manager(
     recorder = FlightRecorder(config.replica_id, link_fault=link_fault) if recorder_enabled() else None
     group.recorder = recorder
     policy = parse_policy(anomaly_policy())
-    signum = stack_signal()
-    stack_file, stack_tmp = stack_dump_path(config)
-    stack_dump = install_stack_dump(stack_file, signum) if signum is not None else None
-    owned = RankResources(stack_dump, stack_tmp)
+    signum = stack_signal() if stack_dump else None
+    stack_file, stack_tmp = stack_dump_path(config) if signum is not None else ("", None)
+    dump = install_stack_dump(stack_file, signum) if signum is not None else None
+    owned = RankResources(dump, stack_tmp)
     if config.world_size > 1 and not dist.is_initialized():  # the script's own group wins
         owned.replica_store = init_replica_group(config, secret, "gloo" if device.type == "cpu" else "nccl")
     voting = vote_device(dist.get_backend()) if config.world_size > 1 else torch.device("cpu")

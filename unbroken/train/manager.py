@@ -169,6 +169,10 @@ class Manager:
         # Whether a failed exchange goes back to the loop instead of being redone in place with
         # the same gradients (see wait_quorum): set when the batches depend on the quorum.
         self.redo_failed_steps = False
+        # Whether a step in which a replica catches up is exchanged bucket by bucket too (see
+        # begin_overlap): set by a loop that reads each all-reduce's result when it is waited
+        # for (torchft's API), instead of at the step's end.
+        self.catch_up_in_buckets = False
         self._last_commit: float | None = None
         self._step_time: float | None = None
         self._prepare_lock = threading.Lock()
@@ -186,6 +190,8 @@ class Manager:
             superseded=self._epoch_superseded,
         )
         self._on_shutdown = on_shutdown
+        self._error: BaseException | None = None  # see report_error
+        self._vetoed = False  # the last vote was vetoed: the step goes back to the loop, not redone
 
     # -- the step ------------------------------------------------------------------------
 
@@ -224,6 +230,15 @@ class Manager:
             assert self.decision is not None
             return self.decision
         return self._prepare(self._quorum.result(timeout=self.quorum_timeout_s))
+
+    @property
+    def quorum_pending(self) -> bool:
+        """Whether this step's quorum answer is still to be taken by its exchange.
+
+        While it is, :meth:`wait_quorum` returns it; once the exchange took it, ``decision`` is
+        the step's, and :meth:`wait_quorum` would ask for the next step's quorum.
+        """
+        return self._quorum is not None
 
     def expect_gradients(self, numel: int) -> None:
         """Announces how many gradient elements (this rank's shards) :meth:`allreduce` averages.
@@ -329,18 +344,21 @@ class Manager:
         Waits for the quorum (asked for when the step started). When a replica catches up this
         step, every member exchanges after the backward pass instead (``decision`` None), in
         the single buffer the catching-up replica sends early; its donor's snapshot is then
-        taken there, not in the middle of a backward pass.
+        taken there, not in the middle of a backward pass. With :attr:`catch_up_in_buckets`,
+        such a step is exchanged bucket by bucket too: the catching-up replica sends zeros in
+        each bucket and loads its donor's state once the step's sums are checked.
         """
         if self._overlap is not None and self._overlap.step == self.step:
             return self._overlap  # the step's later buckets, or its next backward pass
         self.start_step()
         assert self._quorum is not None
         d = self._prepare(self._quorum.result(timeout=self.quorum_timeout_s))
-        if d.behind or not self.group.overlaps:
+        if (d.behind and not self.catch_up_in_buckets) or not self.group.overlaps:
             self._overlap = OverlappedExchange(None, step=self.step)
             return self._overlap
         d = self._await_quorum(None)
-        self._overlap = OverlappedExchange(d, step=self.step, skip=self._sits_out())
+        behind = self.config.replica_id in d.behind_set
+        self._overlap = OverlappedExchange(d, step=self.step, skip=False if behind else self._sits_out(), zero=behind)
         return self._overlap
 
     def start_bucket(self, buf: torch.Tensor) -> None:
@@ -390,7 +408,7 @@ class Manager:
             if o.contributing == 0 and not o.failed:  # every replica sat this step out: nothing to apply
                 o.outcome = False
                 return False
-            if self.redo_failed_steps:
+            if self.redo_failed_steps or self._take_veto():
                 self._overlap_failed(o)
                 o.outcome = False
                 return False
@@ -402,8 +420,13 @@ class Manager:
 
     def _overlap_agreed(self, o: OverlappedExchange) -> bool:
         """Whether the step exchanged during backward may be applied: every bucket summed and
-        checked, some replica contributed, and every rank of this replica agrees."""
-        return self._vote(self.wait_buckets() and o.contributing > 0)
+        checked, some replica contributed, and every rank of this replica agrees. A replica
+        that caught up in the buckets (``o.zero``) then loads its donor's state."""
+        ok = self._vote(self.wait_buckets() and o.contributing > 0 and (not o.zero or self._catch_up.fetched()))
+        if ok and o.zero:
+            assert o.decision is not None
+            self.step = self._catch_up.finish(o.decision, self._states.load)
+        return ok
 
     def _overlap_failed(self, o: OverlappedExchange) -> None:
         """A step exchanged during backward failed: its redo asks for a quorum without that epoch."""
@@ -428,7 +451,9 @@ class Manager:
                 return True
             failed = decision.epoch
             self.stats["exchange_failures"] += 1
-            if self.redo_failed_steps:  # the loop redoes the step with batches for the next quorum
+            # The loop redoes the step with batches for the next quorum; a vetoed step's
+            # gradients are not to be used again.
+            if self.redo_failed_steps or self._take_veto():
                 self._quorum = self._ask(failed)
                 return False
         log.error("step %d: no exchange succeeded in %d attempts; skipping it", self.step, self.max_attempts)
@@ -441,6 +466,21 @@ class Manager:
         the anomaly policy says ``skip_step``; the value also reaches the coordinator's detectors.
         """
         self._metrics = (loss, grad_norm)
+
+    def report_error(self, error: BaseException | None) -> None:
+        """Vetoes this step's commit: this replica's vote is no, whatever its exchange says.
+
+        For an error the Manager cannot see (say, a side computation failed and the gradients
+        may be corrupt; torchft's ``report_error``). Every rank of the replica then skips the
+        step, since the vote is a MIN over its ranks; the step is redone as any failed one.
+        The veto holds for one vote; None withdraws one that was not voted on yet.
+        """
+        self._error = error
+
+    @property
+    def errored(self) -> BaseException | None:
+        """The error reported for the step whose vote has not run yet, else None."""
+        return self._error
 
     def commit(self) -> None:
         """Marks the step applied; the next :meth:`start_step` asks for the next one."""
@@ -560,8 +600,10 @@ class Manager:
             # Once per decision: the training thread may have finished with them already when the
             # connection thread's callback gets here, and a second exchange would pair with the
             # peers' next collective.
-            if self._catch_up.plan(d, msg.get("transfer_addrs", {})) and self._grad_numel is not None:
-                self._catch_up.start_early_exchange(self.group, d, self._grad_numel, self.deadline.seconds, self.device)
+            # (Exchanging in buckets, a catching-up replica sends zeros in each bucket instead.)
+            numel = None if self.catch_up_in_buckets else self._grad_numel
+            if self._catch_up.plan(d, msg.get("transfer_addrs", {})) and numel is not None:
+                self._catch_up.start_early_exchange(self.group, d, numel, self.deadline.seconds, self.device)
         return d
 
     def _local_state(self) -> dict[str, Any]:
@@ -620,6 +662,18 @@ class Manager:
         after = self.client.next_step_after(self.group.epoch)
         return after is None or after <= step
 
+    def _take_veto(self) -> bool:
+        vetoed, self._vetoed = self._vetoed, False
+        return vetoed
+
     def _vote(self, ok: bool) -> bool:
-        """Whether every rank of this replica may commit the step (:mod:`unbroken.train.vote`)."""
+        """Whether every rank of this replica may commit the step (:mod:`unbroken.train.vote`);
+        a reported error (:meth:`report_error`) makes this rank's vote no, once."""
+        if self._error is not None:
+            log.warning(
+                "replica %d step %d: vetoed by a reported error: %s", self.config.replica_id, self.step, self._error
+            )
+            self._error = None
+            self._vetoed = True
+            ok = False
         return self._voter(ok, self.step, self._step_began)

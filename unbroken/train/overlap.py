@@ -43,14 +43,15 @@ def fill_buffer(buf: torch.Tensor, grads: list[torch.Tensor], step: int, zero: b
     buf[n + 1] = float(step)
 
 
-def mark_bucket(buf: torch.Tensor, step: int, skip: bool) -> None:
-    """Writes this member's metadata after a bucket's gradients (zeroing them when it sits out)."""
+def mark_bucket(buf: torch.Tensor, step: int, skip: bool, zero: bool = False) -> None:
+    """Writes this member's metadata after a bucket's gradients (zeroing them when it sits out,
+    or, ``zero``, when it catches up this step and counts as no contributor)."""
     n = buf.numel() - METADATA
-    if skip:
+    if skip or zero:
         buf.zero_()
-    buf[n] = 0.0 if skip else 1.0
+    buf[n] = 0.0 if skip or zero else 1.0
     buf[n + 1] = float(step)
-    buf[n + 2] = 1.0 if skip else 0.0
+    buf[n + 2] = 1.0 if skip and not zero else 0.0
 
 
 def contributors(buf: torch.Tensor, decision: QuorumDecision) -> int | None:
@@ -82,6 +83,8 @@ class OverlappedExchange:
         decision: the step's quorum; None when the step exchanges after the backward pass
             instead (a replica catches up this step, or the exchange cannot overlap).
         skip: this replica sits the step out (non-finite loss under ``skip_step``).
+        zero: this replica catches up this step: its buckets carry zeros, and it loads its
+            donor's state once they are summed (``Manager.catch_up_in_buckets``).
         buffers: the exchanged buffers, each ending with :data:`METADATA` slots.
         pending: their sums in flight.
         failed: a sum failed; the rest of the step's buckets are not started.
@@ -93,6 +96,7 @@ class OverlappedExchange:
     decision: QuorumDecision | None
     step: int = 0
     skip: bool = False
+    zero: bool = False
     buffers: list[torch.Tensor] = dataclasses.field(default_factory=list)
     pending: list[PendingSum] = dataclasses.field(default_factory=list)
     failed: bool = False

@@ -60,3 +60,18 @@ def test_the_groups_epoch_is_superseded_by_its_abort_or_a_later_one() -> None:
     assert not group.superseded()
     group.abort(6)
     assert group.superseded()
+
+
+def test_a_reported_error_vetoes_the_step_once_and_is_not_redone() -> None:
+    # torchft's report_error: the exchange succeeded, but this replica's gradients are not to
+    # be applied; the step goes back to the loop (no redo with the same gradients) and the
+    # next attempt asks for a quorum without the epoch.
+    m, client, _ = manager_with_fakes()
+    m.report_error(RuntimeError("a corrupt side computation"))
+    assert isinstance(m.errored, RuntimeError)
+    assert not m.sync_gradients([torch.zeros(2)])
+    assert m.errored is None  # the veto held for that one vote
+    assert client.asked == [(0, None), (0, 1)]
+    assert m.sync_gradients([torch.zeros(2)])
+    m.commit()
+    assert m.step == 1
