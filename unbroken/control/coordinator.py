@@ -178,6 +178,7 @@ class Coordinator:
                 job_over=lambda: self.agents.job_over,
                 world_size=self._world_size,
                 busy=lambda: {r for r, conns in self.replicas.items() if conns},
+                term=term,
             ),
             steps=self._steps,
             finish_grace_s=settings.finish_grace_s,

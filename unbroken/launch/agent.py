@@ -184,6 +184,7 @@ class Agent:
         self._coordinator_lost = False
         self._rejoining: list[int] | None = None  # replicas named in a re-hello not yet answered
         self._address = 0  # which of --coordinator's addresses answered last
+        self.term: int | None = None  # the newest lease term a coordinator assigned this agent in
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self._guardian: reaper.Guardian | None = None
@@ -377,6 +378,19 @@ class Agent:
         op = msg["op"]
         if op == protocol.Assign.OP:
             assign = protocol.Assign.from_msg(msg)
+            if assign.term is not None:
+                if self.term is not None and assign.term < self.term:
+                    log.warning(
+                        "the coordinator at %s holds term %d, older than term %d this agent was assigned by: "
+                        "leaving it",
+                        self.s.coordinator,
+                        assign.term,
+                        self.term,
+                    )
+                    self.events.emit("coordinator_stale", term=assign.term, newest=self.term)
+                    self._address += 1  # _connect starts from the next address
+                    raise ConnectionError("a coordinator of an older term")
+                self.term = assign.term
             if self._rejoining is not None:
                 self.events.emit("coordinator_reconnected", running=self._rejoining, assigned=assign.replicas)
                 self._rejoining = None

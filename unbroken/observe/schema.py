@@ -623,6 +623,16 @@ class CoordinatorSilent(Event):
     seconds: float
 
 
+@_kind("coordinator_stale")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CoordinatorStale(Event):
+    """A coordinator assigned this agent under lease ``term``, older than ``newest`` it was assigned
+    by before: a replaced coordinator still listening. The agent left it for the next address."""
+
+    term: int
+    newest: int
+
+
 @_kind("coordinator_reconnected")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CoordinatorReconnected(Event):

@@ -81,3 +81,65 @@ def test_a_coordinator_without_the_secret_cannot_end_the_job(tmp_path: Path) -> 
 def test_the_agent_needs_the_secret(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--secret-file"):
         AgentSettings(command=("true",), coordinator="127.0.0.1:1", node="n0", run_dir=tmp_path)
+
+
+def test_an_agent_leaves_a_coordinator_of_an_older_term_unheard(tmp_path: Path) -> None:
+    # The new coordinator (term 3) assigns, then goes away for a moment; the agent tries the next
+    # address: a replaced coordinator (term 2) that still listens, with an order to end the job
+    # queued. The agent must leave it unheard, and hear the end from term 3's when it is back.
+    secret = JobSecret.generate()
+    said: dict[int, list[str]] = {2: [], 3: []}
+
+    def fake(term: int, first: bool) -> object:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            session = await server_handshake_async(reader, writer, secret, protocol.PURPOSE)
+            link = protocol.Link(reader, writer, session)
+            line = await link.readline()
+            assert line is not None
+            link.send({"op": "assign", "replicas": [], "num_replicas": 1, "term": term})
+            said[term].append("assign")
+            if term == 2:  # queued before it stepped down: must not be acted on
+                link.send({"op": "job_failed", "reason": "from a stale coordinator", "exit_code": 95})
+            elif first:
+                await writer.drain()
+                writer.close()  # the new coordinator's connection drops (it restarts, below)
+                return
+            else:
+                link.send({"op": "job_finished"})
+            await writer.drain()
+            await reader.read()
+
+        return serve
+
+    async def main() -> int | None:
+        new = await asyncio.start_server(fake(3, True), "127.0.0.1", 0)
+        old = await asyncio.start_server(fake(2, False), "127.0.0.1", 0)
+        ports = [s.sockets[0].getsockname()[1] for s in (new, old)]
+        secret_file = tmp_path / "secret"
+        secret.write(secret_file)
+        agent = Agent(
+            AgentSettings(
+                command=("true",),
+                coordinator=f"127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}",
+                node="n0",
+                run_dir=tmp_path / "run",
+                finish_grace_s=0.1,
+                secret_file=secret_file,
+                connect_timeout_s=10.0,
+            )
+        )
+        running = asyncio.ensure_future(agent.run())
+        while not said[3]:
+            await asyncio.sleep(0.01)
+        new.close()  # gone: the agent's next connection goes to the old one
+        while not said[2]:
+            await asyncio.sleep(0.01)
+        back = await asyncio.start_server(fake(3, False), "127.0.0.1", ports[0])
+        try:
+            return await asyncio.wait_for(running, 30)
+        finally:
+            back.close()
+            old.close()
+
+    assert asyncio.run(main()) == 0  # not 95: the stale coordinator's word was not taken
+    assert len(said[2]) >= 1 and len(said[3]) >= 2

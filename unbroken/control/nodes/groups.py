@@ -61,7 +61,9 @@ class GroupLaunch:
         if node in self.assignment.slots:
             raise ValueError(f"an agent for node {node!r} is already connected")
         admit()
-        self.hooks.send(node, protocol.Assign(replicas=[], num_replicas=self.hooks.total_replicas).to_msg())
+        self.hooks.send(
+            node, protocol.Assign(replicas=[], num_replicas=self.hooks.total_replicas, term=self.hooks.term).to_msg()
+        )
         started = self.assignment.join(node, hello.slots)
         self.addrs[node] = addr
         for r in started:

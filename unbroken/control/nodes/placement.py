@@ -43,6 +43,8 @@ class PlacementHooks:
         job_over: whether the agents were told the job is finished.
         world_size: the ranks ``replica`` announced, None while none is connected.
         busy: the replicas whose ranks are connected now.
+        term: the coordinator's lease term, said in every ``assign`` (an agent leaves a
+            coordinator of an older term than one it was assigned by); None without a lease.
     """
 
     total_replicas: int
@@ -53,6 +55,7 @@ class PlacementHooks:
     job_over: Callable[[], bool]
     world_size: Callable[[int], int | None]
     busy: Callable[[], set[int]]
+    term: int | None = None
 
 
 class Placement(Protocol):
@@ -104,7 +107,10 @@ class NodeLaunch:
         )
         admit()
         self.hooks.events.emit(ev.AgentJoined(node=node, slots=self.assignment.slots[node], replicas=replicas))
-        self.hooks.send(node, protocol.Assign(replicas=replicas, num_replicas=self.hooks.total_replicas).to_msg())
+        self.hooks.send(
+            node,
+            protocol.Assign(replicas=replicas, num_replicas=self.hooks.total_replicas, term=self.hooks.term).to_msg(),
+        )
 
     def leave(self, node: str, cause: ev.AgentLostCause, reason: str) -> None:
         finished = self.hooks.finished
@@ -116,7 +122,12 @@ class NodeLaunch:
         for other, replicas in moves.items():
             for r in replicas:
                 self.hooks.events.emit(ev.ReplicaReassigned(replica=r, from_node=node, to_node=other))
-            self.hooks.send(other, protocol.Assign(replicas=replicas, num_replicas=self.hooks.total_replicas).to_msg())
+            self.hooks.send(
+                other,
+                protocol.Assign(
+                    replicas=replicas, num_replicas=self.hooks.total_replicas, term=self.hooks.term
+                ).to_msg(),
+            )
 
     def exited(self, node: str, exited: protocol.Exited) -> None:
         if self.assignment.owner.get(exited.replica) != node:

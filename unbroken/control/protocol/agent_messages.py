@@ -126,19 +126,27 @@ class GroupRelease:
 
 @dataclasses.dataclass(frozen=True)
 class Assign:
+    """The replicas an agent runs; the first line an agent hears, so it carries the coordinator's
+    lease term (its fencing token; None without a lease)."""
+
     OP: ClassVar[str] = "assign"
     replicas: list[int]
     num_replicas: int
+    term: int | None = None
 
     @classmethod
     def from_msg(cls, msg: Message) -> Assign:
         ids, num_replicas = msg.get("replicas"), count(msg, "num_replicas")
         if not isinstance(ids, list) or not all(type(r) is int and 0 <= r < num_replicas for r in ids):
             raise ValueError(f"replicas must be a list of replica ids below {num_replicas}")
-        return cls(replicas=list(ids), num_replicas=num_replicas)
+        term = None if msg.get("term") is None else count(msg, "term")
+        return cls(replicas=list(ids), num_replicas=num_replicas, term=term)
 
     def to_msg(self) -> Message:
-        return {"op": self.OP, "replicas": list(self.replicas), "num_replicas": self.num_replicas}
+        msg: Message = {"op": self.OP, "replicas": list(self.replicas), "num_replicas": self.num_replicas}
+        if self.term is not None:
+            msg["term"] = self.term
+        return msg
 
 
 @dataclasses.dataclass(frozen=True)
