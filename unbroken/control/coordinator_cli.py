@@ -33,6 +33,7 @@ import click
 
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings
 from unbroken.control.protocol import event_loop
+from unbroken.control.protocol.serving import FENCE_POLL_S
 from unbroken.control.quorum.job_health import DEFAULT_FATAL_EPOCHS, DEFAULT_NO_PROGRESS_S
 from unbroken.control.standby import Standby
 from unbroken.control.state import lease
@@ -61,9 +62,10 @@ async def _serve(
     """Serves until SIGINT/SIGTERM (0), or until the lease went to another coordinator
     (:data:`STEPPED_DOWN`), or its store failed (:data:`~unbroken.control.state.lease.EXIT_LEASE_STORE`)."""
     stop = asyncio.Event()
+    signalled = threading.Event()  # stopped by SIGINT/SIGTERM: exit 0, whatever the lease says
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, _on_signal, signalled, stop)
     files = lease.LeaseFiles(settings.state_dir) if files is None else files
     listening = presaid = None
     if standby:
@@ -146,7 +148,8 @@ async def _serve(
         click.echo(f"dashboard {server.url} (metrics: /metrics, same token)", err=True)
     click.echo(f"job secret: {secret_path} (agents and workers on other nodes need it: --secret-file)", err=True)
     adopting = asyncio.ensure_future(_adopt_lock(coordinator, renew_s)) if lock_fd is None else None
-    store_failed = asyncio.ensure_future(_watch_store(keeper, renew_s, stop))
+    gave_up = threading.Event()
+    store_failed = asyncio.ensure_future(_watch_store(keeper, renew_s, stop, gave_up))
     with contextlib.suppress(asyncio.CancelledError):
         await stop.wait()
     store_failed.cancel()
@@ -157,13 +160,19 @@ async def _serve(
     keeper.stop()
     if server is not None:
         server.close()
+    # Not stopped by a signal: its lease went (or its store failed). One more look at the store
+    # decides which, after the keeper's last renewal: a renewal that was in flight when the process
+    # was stopped may land after the watchdog gave up, and the term may have gone meanwhile.
+    failed = not signalled.is_set() and gave_up.is_set()
+    replaced = lost.is_set() or (not signalled.is_set() and keeper.replaced())
     try:
-        await coordinator.stop(abort=lost.is_set() or keeper.gave_up())
+        await coordinator.stop(abort=replaced or failed)
+        await asyncio.sleep(2 * FENCE_POLL_S)  # lines that waited for the lease see their connections closed
     except OSError as e:  # its state lives on the store that failed: what it could not write is lost anyway
-        if not keeper.gave_up():
+        if not failed:
             raise
         click.echo(f"closing the state on the failed store: {e}", err=True)
-    if lost.is_set() or (keeper.gave_up() and keeper.replaced()):
+    if replaced:
         to = keeper.lost_to
         click.echo(
             f"stepped down: the lease went to term {to.term if to else '?'} ({to.holder if to else 'unknown'}); "
@@ -171,7 +180,7 @@ async def _serve(
             err=True,
         )
         return STEPPED_DOWN
-    if keeper.gave_up():
+    if failed:
         bound = lease.store_gives_up_after(claimed.lease_s, renew_s)
         click.echo(
             f"exiting: the lease store {files.where} failed for {bound}s ({keeper.renew_failures} failed "
@@ -182,11 +191,19 @@ async def _serve(
     return 0
 
 
-async def _watch_store(keeper: lease.LeaseKeeper, every_s: float, stop: asyncio.Event) -> None:
+def _on_signal(signalled: threading.Event, stop: asyncio.Event) -> None:
+    signalled.set()
+    stop.set()
+
+
+async def _watch_store(
+    keeper: lease.LeaseKeeper, every_s: float, stop: asyncio.Event, gave_up: threading.Event
+) -> None:
     """Stops the coordinator once its lease store failed past the bound (errors, or a call that
     never returns in the keeper's thread): never a coordinator that is silently fenced forever."""
     while not keeper.gave_up():
         await asyncio.sleep(every_s)
+    gave_up.set()
     stop.set()
 
 
