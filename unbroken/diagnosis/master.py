@@ -300,7 +300,10 @@ class DiagnosisMaster:
             # on the receiver, and a busy receiver's slow wake-up is its own (measured on 2 shared
             # cores: these transfers' fastest quarter is 2x that of the ones a receiver awaited).
             return
-        seconds = max(0.0, recv_done - send_post - recv_queued)
+        # Signed: the two ends' clocks disagree by a fraction of a millisecond, one way on a
+        # link's one direction and the other way on the other; clipping at zero would keep the
+        # error on one side only, and the link's sum of both directions would no longer cancel it.
+        seconds = recv_done - send_post - recv_queued
         mb = max(nbytes, 1) / 1e6
         self.cells.setdefault((src, dst), deque(maxlen=self.s.link_window)).append(seconds / mb)
 
