@@ -319,6 +319,37 @@ def test_a_silent_rank_among_talking_ones_is_a_noncomm_hang() -> None:
     assert m.evaluate(130.0) == []  # everyone silent: the job ended, not a hang
 
 
+def test_a_silent_rank_evicted_before_the_learned_threshold_is_still_named() -> None:
+    """bench diagnosis, hang_noncomm on a loaded host (load 6): the learned silence threshold
+    (5x the slowest gap, here 0.4 s) was 2 s, the coordinator evicted the stopped replica at
+    its 2 s heartbeat timeout first, and forget() dropped it unnamed."""
+    m = DiagnosisMaster()
+    for i in range(40):
+        for r in range(3):
+            if r == 2 and i >= 20:
+                continue  # stopped at t=102
+            m.ingest(
+                (r, 0),
+                f"n{r}",
+                batch(100.0 + i * 0.1 + (0.3 if i == 5 else 0)),
+                100.0 + i * 0.1 + (0.3 if i == 5 else 0),
+            )
+    assert m.evaluate(103.4) == []  # 1.5 s quiet: below the learned 2 s
+    m.forget(2, 103.45)
+    assert [(v.kind, v.culprit.replica) for v in m.evaluate(103.5)] == [("noncomm_hang", 2)]
+
+
+def test_a_replica_leaving_while_it_talks_is_not_named() -> None:
+    """A finished replica, or one whose connection closed at its death (a crash is the
+    supervisor's to report), sent telemetry a moment ago."""
+    m = DiagnosisMaster()
+    for i in range(20):
+        for r in range(3):
+            m.ingest((r, 0), f"n{r}", batch(100.0 + i * 0.1), 100.0 + i * 0.1)
+    m.forget(2, 102.0)
+    assert m.evaluate(102.05) == []
+
+
 def test_a_starting_rank_that_pauses_before_its_rhythm_is_known_is_not_a_hang() -> None:
     """A fresh process can stall its telemetry thread for a second (imports, GC) while starting."""
     m = DiagnosisMaster()
