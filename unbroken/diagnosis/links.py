@@ -22,10 +22,11 @@ slows every transfer, the fastest included) is ``ratio`` times the *high* figure
 quarter) of the reference links, the fastest third (a slow node spoils two of the three links
 of a 3-member ring, so the reference comes from those it leaves alone). Comparing the slow
 link's floor with the healthy links' upper quartile puts the machine's own noise in the
-threshold. Measured on 2 shared cores, with and without a CPU hog (docs/benchmarks/2026-11-29-diagnosis-rates.md): a
-healthy link's score (low figure over the reference's high one) peaked at 0.94 over 720
-evaluations; a 60 MB/s link scored 17-20 once its window held the fault. ``ratio`` 2.5 sits
-2.7x above the worst healthy score and 7x below the fault.
+threshold. Measured on 2 shared cores, with and without a CPU hog
+(docs/benchmarks/2026-11-29-diagnosis-rates.md): a healthy link's score (low figure over the
+reference's high one) peaked at 1.23 over ~1100 evaluations; a 60 MB/s link scored 17-25 once
+its window held the fault. ``ratio`` 2.5 sits 2x above the worst healthy score and 7x below
+the fault.
 """
 
 from __future__ import annotations
