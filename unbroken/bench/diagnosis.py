@@ -35,6 +35,7 @@ from typing import Any
 
 import click
 
+from unbroken.bench.diagnosis_rates import CLEAN_CLASS, summarize, variant
 from unbroken.bench.output import publish
 from unbroken.comm.recorder import FlightRecorder
 from unbroken.config import ENV_EXCHANGE, ENV_LINK_FAULT, ENV_RECORDER
@@ -61,6 +62,7 @@ class Scenario:
         culprit: the guilty replica, or the guilty link's two replicas.
         onset_step: the step a link fault starts at (chaos faults carry their own onset event).
         hog: run a CPU hog through the middle of the job.
+        seed: the training script's seed (``--runs`` varies it).
     """
 
     name: str
@@ -73,6 +75,7 @@ class Scenario:
     onset_step: int | None = None
     pace_s: float = 0.0
     hog: bool = False
+    seed: int = 0
 
     @property
     def clean(self) -> bool:
@@ -205,6 +208,7 @@ def score(sc: Scenario, events: Sequence[Row], rows: Sequence[Row]) -> Row:
         "detect_steps": None,
         "false_positives": len(before),
         "steps": max((r["step"] for r in rows), default=-1) + 1,
+        "span_s": round(max(ts) - min(ts), 3) if (ts := [r["t"] for r in rows if r.get("committed")]) else 0.0,
     }
     if before:
         out["false_verdicts"] = [{"class": c, "culprit": p} for c, p in before[:5]]
@@ -282,7 +286,17 @@ async def _run(
     sc: Scenario, run_dir: Path, recorder: bool = True, limit_s: float = 240.0
 ) -> tuple[list[Row], list[Row]]:
     settings = LaunchSettings(
-        command=(sys.executable, "-m", TRAIN_MODULE, "--steps", str(sc.steps), "--pace-s", str(sc.pace_s)),
+        command=(
+            sys.executable,
+            "-m",
+            TRAIN_MODULE,
+            "--steps",
+            str(sc.steps),
+            "--pace-s",
+            str(sc.pace_s),
+            "--seed",
+            str(sc.seed),
+        ),
         replicas=REPLICAS,
         run_dir=run_dir,
         schedule=Schedule.build(flags=sc.faults),
@@ -303,15 +317,31 @@ async def _run(
     return list(read_events(run_dir / "events.jsonl")), _rows(run_dir)
 
 
-def run_scenario(sc: Scenario, root: Path) -> Row:
-    run_dir = root / sc.name
+def run_scenario(sc: Scenario, root: Path, run: int | None = None) -> Row:
+    """Runs and scores one job; ``run``: its index under ``--runs`` (its own directory)."""
+    run_dir = root / (sc.name if run is None else f"{sc.name}-{run}")
     shutil.rmtree(run_dir, ignore_errors=True)
     t0 = time.time()
-    with _environ({ENV_RECORDER: "1", **dict(sc.env)}):
+    load = os.getloadavg()[0]
+    env = {ENV_RECORDER: "1", **dict(sc.env)}
+    if ENV_EXCHANGE not in dict(sc.env):
+        env[ENV_EXCHANGE] = "backend"  # whatever this shell says
+    with _environ(env):
         events, rows = asyncio.run(_run(sc, run_dir))
     out = score(sc, events, rows)
-    out["wall_s"] = round(time.time() - t0, 1)
-    out["median_step_s"] = median_step_s(rows)
+    out.update(
+        {
+            "class": CLEAN_CLASS if sc.clean else sc.name,
+            "run": run,
+            "seed": sc.seed,
+            "exchange": dict(sc.env).get(ENV_EXCHANGE) or "backend",
+            "hog": sc.hog,
+            "pace_s": sc.pace_s,
+            "loadavg_1m_at_start": round(load, 2),
+            "wall_s": round(time.time() - t0, 1),
+            "median_step_s": median_step_s(rows),
+        }
+    )
     return out
 
 
@@ -393,6 +423,19 @@ def recorder_cost_us(n: int = 5000) -> dict[str, float]:
     }
 
 
+def plan(only: Sequence[str], runs: int) -> list[tuple[Scenario, int | None]]:
+    """The jobs to run: each chosen scenario once as written (``runs`` 0), or ``runs`` variants
+    of each chosen fault scenario and of ``clean`` (which covers the ring, the backend and the
+    CPU hog among its variants; the other clean scenarios are its fixed cases)."""
+    chosen = [s for s in SCENARIOS if not only or s.name in only]
+    if runs == 0:
+        return [(s, None) for s in chosen]
+    base = [s for s in chosen if not s.clean or s.name == "clean"]
+    if only and not base:  # only fixed clean cases asked for: vary the first one
+        base = chosen[:1]
+    return [(variant(s, i), i) for i in range(runs) for s in base]
+
+
 @click.command()
 @click.option(
     "--only",
@@ -400,6 +443,14 @@ def recorder_cost_us(n: int = 5000) -> dict[str, float]:
     multiple=True,
     metavar="NAME",
     help=f"Run only this scenario (repeatable): {', '.join(s.name for s in SCENARIOS)}.",
+)
+@click.option(
+    "--runs",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Run each fault kind and the clean run this many times (seeds, loads, step times, exchanges "
+    "varied) and report rates per class; 0: each scenario once as written.",
 )
 @click.option(
     "--overhead-rounds",
@@ -415,36 +466,53 @@ def recorder_cost_us(n: int = 5000) -> dict[str, float]:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on stdout.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/bench/diagnosis.json"), show_default=True)
 def diagnosis(
-    only: tuple[str, ...], overhead_rounds: int, overhead_steps: int, run_dir: Path, as_json: bool, out: Path
+    only: tuple[str, ...],
+    runs: int,
+    overhead_rounds: int,
+    overhead_steps: int,
+    run_dir: Path,
+    as_json: bool,
+    out: Path,
 ) -> None:
-    """Inject each fault into a real 3-replica job and score diagnosis's verdict."""
+    """Inject each fault into a real 3-replica job and score diagnosis's verdicts."""
     names = {s.name for s in SCENARIOS}
     unknown = [n for n in only if n not in names]
     if unknown:
         raise click.UsageError(f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(sorted(names))}")
-    if overhead_rounds < 0 or overhead_steps < 20:
-        raise click.UsageError("--overhead-rounds must be >= 0 and --overhead-steps >= 20")
-    chosen = [s for s in SCENARIOS if not only or s.name in only]
-    result: Row = {"record_overhead_ratio": None, "scenarios": []}
+    if overhead_rounds < 0 or overhead_steps < 20 or runs < 0:
+        raise click.UsageError("--overhead-rounds and --runs must be >= 0 and --overhead-steps >= 20")
+    result: Row = {"record_overhead_ratio": None, "runs": runs, "loadavg_at_start": list(os.getloadavg())}
     if overhead_rounds and not only:
         click.echo(f"recorder overhead: {overhead_rounds} on/off pairs of {overhead_steps} steps ...", err=True)
         result.update(record_overhead(run_dir, overhead_rounds, overhead_steps))
-    for sc in chosen:
-        click.echo(f"scenario {sc.name} ...", err=True)
-        row = run_scenario(sc, run_dir)
+    rows: list[Row] = []
+    for sc, i in plan(only, runs):
+        click.echo(f"scenario {sc.name}{'' if i is None else f' run {i}'} ...", err=True)
+        row = run_scenario(sc, run_dir, i)
         click.echo(f"  {json.dumps(row)}", err=True)
-        result["scenarios"].append(row)
-    rows = result["scenarios"]
+        rows.append(row)
+    result["scenarios"] = rows
+    result.update(summarize(rows))
+    result["loadavg_at_end"] = list(os.getloadavg())
     result["clean_steps"] = sum(r["steps"] for r in rows if r["clean"])
     result["false_positives"] = sum(r["false_positives"] for r in rows)
     faulty = [r for r in rows if not r["clean"]]
     result["all_correct"] = all(r["detected"] and r["culprit_correct"] and r["class_correct"] for r in faulty)
     publish(result, out, as_json)
     if not as_json:
-        for r in rows:
+        click.echo(
+            f"{'class':>16} {'runs':>4} {'detected':>8} {'right':>5} {'wrong':>5} {'false':>5} "
+            f"{'false/h':>7} {'verdict_s p50':>13} {'p90':>6}"
+        )
+        for c in result["classes"]:
             click.echo(
-                f"{r['name']:>16}: detected={r['detected']} culprit={r['culprit_correct']} "
-                f"class={r['class_correct']} detect_s={r['detect_s']} steps={r['detect_steps']} "
-                f"fp={r['false_positives']}"
+                f"{c['class']:>16} {c['runs']:>4} {c['detected']:>8} {c['named_right']:>5} "
+                f"{c['wrong_culprit'] + c['wrong_class']:>5} {c['false_verdicts']:>5} "
+                f"{c['false_verdicts_per_clean_hour'] if c['false_verdicts_per_clean_hour'] is not None else '-':>7} "
+                f"{c['verdict_s_p50'] if c['verdict_s_p50'] is not None else '-':>13} "
+                f"{c['verdict_s_p90'] if c['verdict_s_p90'] is not None else '-':>6}"
             )
-        click.echo(f"record_overhead_ratio={result['record_overhead_ratio']}")
+        click.echo(
+            f"precision={result['precision']} recall={result['recall']} "
+            f"record_overhead_ratio={result['record_overhead_ratio']} loadavg={result['loadavg_at_end']}"
+        )

@@ -1,18 +1,32 @@
-"""The connection matrix: which sender, receiver or link makes transfers slow (C4D).
+"""The connection matrix: which node or link makes transfers slow (C4D).
 
 Cells hold the time per megabyte of transfers from a sender to a receiver, each measured only
 when the receiver was already waiting for it (from the send's post to the receive's
 completion): the connection was then the only thing between the data and its reader. An idle
 connection, or one whose receiver is late because it is busy, gives no samples and is never
-called slow. A cell's figure is a low quantile of
-its recent samples (:data:`CELL_QUANTILE`): scheduling on a busy host only ever *adds* delay to
-some transfers (measured on 2 shared cores: medians spread 2-3x between healthy cells, fastest
-quarters 1.3x), while a slow wire raises every transfer, the fastest included. Against a
-reference (the median of the fastest third of the cells: a slow node spoils two thirds of a
-3-member matrix, so the reference must come from the cells it leaves alone), a cell is slow when it
-is ``ratio`` times the reference. The pattern of slow cells names the culprit: a whole row and
-column is a slow node; a row alone a slow sender; a column alone a slow receiver; the cells
-of one pair a slow link.
+called slow.
+
+A cell joins two clocks: the sender's post and the receiver's completion, each mapped to the
+coordinator's clock with an offset good to a fraction of a millisecond, the length of a whole
+transfer. Measured in clean ring runs on 2 shared cores: one direction of a link read 0.35 ms/MB
+slow and the other as much fast (clipped at zero), and the fastest cells, made the reference,
+put every other cell at 4-14x: false ``comm_slow`` verdicts naming a healthy node or link. The
+two directions of a link carry opposite errors, so the rules judge *links*: a link's figures
+are the sums over its two directions of a low and a high quantile of their samples, in which
+the clock error cancels. Sender and receiver cannot be told apart that way; a slow node (every
+link of one member slow) and a slow link can, and those are the two patterns named.
+
+The evidence a verdict needs: a link is slow when its low figure (the fastest quarter of its
+transfers: scheduling on a busy host only ever *adds* delay to some of them, while a slow wire
+slows every transfer, the fastest included) is ``ratio`` times the *high* figure (slowest
+quarter) of the reference links, the fastest third (a slow node spoils two of the three links
+of a 3-member ring, so the reference comes from those it leaves alone). Comparing the slow
+link's floor with the healthy links' upper quartile puts the machine's own noise in the
+threshold. Measured on 2 shared cores, with and without a CPU hog
+(docs/benchmarks/2026-11-29-diagnosis-rates.md): a healthy link's score (low figure over the
+reference's high one) peaked at 1.23 over ~1100 evaluations; a 60 MB/s link scored 17-25 once
+its window held the fault. ``ratio`` 2.5 sits 2x above the worst healthy score and 7x below
+the fault.
 """
 
 from __future__ import annotations
@@ -31,7 +45,7 @@ Cell = tuple[int, int]
 
 @dataclasses.dataclass(frozen=True)
 class LinkFinding:
-    pattern: str  # "node", "sender", "receiver" or "link"
+    pattern: str  # "node" or "link"
     replica: int
     link: Cell | None
     slow_cells: tuple[Cell, ...]
@@ -39,58 +53,65 @@ class LinkFinding:
 
 
 CELL_QUANTILE = 0.25
+HIGH_QUANTILE = 0.75
 
 
-def cell_floors(cells: Mapping[Cell, Sequence[float]], min_samples: int, q: float = CELL_QUANTILE) -> dict[Cell, float]:
-    """Each cell's low quantile, for cells with at least ``min_samples`` samples."""
-    return {c: quantile_of(xs, q) for c, xs in cells.items() if len(xs) >= min_samples}
+def link_figures(
+    cells: Mapping[Cell, Sequence[float]], min_samples: int, low: float = CELL_QUANTILE, high: float = HIGH_QUANTILE
+) -> dict[Cell, tuple[float, float]]:
+    """(low, high) figure per link ``(a, b)``, ``a < b``, whose two directions both have
+    ``min_samples`` samples: the sums of the directions' ``low`` and ``high`` quantiles."""
+    out = {}
+    for (a, b), xs in cells.items():
+        back = cells.get((b, a))
+        if a < b and back is not None and len(xs) >= min_samples and len(back) >= min_samples:
+            out[(a, b)] = (
+                quantile_of(xs, low) + quantile_of(back, low),
+                quantile_of(xs, high) + quantile_of(back, high),
+            )
+    return out
 
 
 def classify_slow(
-    cells: Mapping[Cell, Sequence[float]], ratio: float = 3.0, min_samples: int = 8, quantile: float = CELL_QUANTILE
+    cells: Mapping[Cell, Sequence[float]],
+    ratio: float = 2.5,
+    min_samples: int = 8,
+    quantile: float = CELL_QUANTILE,
+    high: float = HIGH_QUANTILE,
 ) -> LinkFinding | None:
-    """The slow node, sender, receiver or link in the matrix, or None when all cells agree."""
-    if ratio <= 1.0 or not 0.0 <= quantile <= 1.0 or min_samples < 1:
+    """The slow node or link in the matrix, or None when the links agree (or too few are known)."""
+    if ratio <= 1.0 or not 0.0 <= quantile <= high <= 1.0 or min_samples < 1:
         raise ValueError(
-            f"need ratio > 1, 0 <= quantile <= 1 and min_samples >= 1; got ratio={ratio}, "
-            f"quantile={quantile}, min_samples={min_samples}"
+            f"need ratio > 1, 0 <= quantile <= high <= 1 and min_samples >= 1; got ratio={ratio}, "
+            f"quantile={quantile}, high={high}, min_samples={min_samples}"
         )
-    meds = cell_floors(cells, min_samples, quantile)
-    if len(meds) < 2:
+    figs = link_figures(cells, min_samples, quantile, high)
+    if len(figs) < 2:
         return None
-    fastest = sorted(meds.values())[: max(1, math.ceil(len(meds) / 3))]
-    ref = float(np.median(fastest))
-    slow = {c for c, m in meds.items() if m >= ratio * ref}
-    if not slow or len(slow) == len(meds):
+    refs = sorted(figs, key=lambda k: figs[k][0])[: max(1, math.ceil(len(figs) / 3))]
+    ref = float(np.median([figs[k][1] for k in refs]))
+    if ref <= 0:
+        return None  # no healthy scale to judge by
+    slow = {k for k, (lo, _) in figs.items() if lo >= ratio * ref}
+    if not slow or len(slow) == len(figs):
         return None
-    nodes = sorted({n for c in meds for n in c})
     evidence = {
-        "matrix_s_per_mb": {f"{a}->{b}": round(m, 5) for (a, b), m in sorted(meds.items())},
-        "reference_s_per_mb": round(ref, 5),
-        "cell_quantile": quantile,
+        "links_s_per_mb": {f"{a}-{b}": [round(lo, 5), round(hi, 5)] for (a, b), (lo, hi) in sorted(figs.items())},
+        "reference_high_s_per_mb": round(ref, 5),
+        "scores": {f"{a}-{b}": round(figs[(a, b)][0] / ref, 2) for a, b in sorted(figs)},
+        "quantiles": [quantile, high],
         "ratio": ratio,
-        "slow_cells": [f"{a}->{b}" for a, b in sorted(slow)],
+        "slow_links": [f"{a}-{b}" for a, b in sorted(slow)],
     }
-
-    def row(n: int) -> set[Cell]:
-        return {c for c in meds if c[0] == n}
-
-    def col(n: int) -> set[Cell]:
-        return {c for c in meds if c[1] == n}
-
-    slow_t = tuple(sorted(slow))
-    for n in nodes:
-        if row(n) and col(n) and row(n) | col(n) == slow:
-            return LinkFinding("node", n, None, slow_t, evidence)
-    for n in nodes:
-        if len(row(n)) > 1 and row(n) == slow:
-            return LinkFinding("sender", n, None, slow_t, evidence)
-        if len(col(n)) > 1 and col(n) == slow:
-            return LinkFinding("receiver", n, None, slow_t, evidence)
-    pairs = {tuple(sorted(c)) for c in slow}
-    if len(pairs) == 1:
-        a, b = max(slow, key=lambda c: meds[c])  # the slower direction names the sender
-        return LinkFinding("link", a, (a, b), slow_t, evidence)
+    slow_cells = tuple(sorted(c for a, b in slow for c in ((a, b), (b, a))))
+    for n in sorted({n for k in figs for n in k}):
+        touching = {k for k in figs if n in k}
+        if len(touching) > 1 and touching == slow:
+            return LinkFinding("node", n, None, slow_cells, evidence)
+    if len(slow) == 1:
+        a, b = next(iter(slow))
+        # Which end sends the slower direction is not known (the clock errors); name both ends.
+        return LinkFinding("link", a, (a, b), slow_cells, evidence)
     return None
 
 

@@ -57,6 +57,7 @@ class DiagnosisMaster:
         self._halves: dict[tuple[Any, ...], tuple[float, float, int, float]] = {}
         self.detectors: dict[Ident, MetricDetector] = {}
         self._pending_metric: list[Verdict] = []
+        self._pending_silent: list[Verdict] = []  # evicted while silent (see forget)
         self._link_streak: tuple[Any, int, int] = (None, 0, -1)
         self._change_streak: dict[Ident, tuple[int, int, int]] = {}  # first, length, at collective
         self._straggler_streak: dict[int, tuple[Any, int, int]] = {}
@@ -300,7 +301,10 @@ class DiagnosisMaster:
             # on the receiver, and a busy receiver's slow wake-up is its own (measured on 2 shared
             # cores: these transfers' fastest quarter is 2x that of the ones a receiver awaited).
             return
-        seconds = max(0.0, recv_done - send_post - recv_queued)
+        # Signed: the two ends' clocks disagree by a fraction of a millisecond, one way on a
+        # link's one direction and the other way on the other; clipping at zero would keep the
+        # error on one side only, and the link's sum of both directions would no longer cancel it.
+        seconds = recv_done - send_post - recv_queued
         mb = max(nbytes, 1) / 1e6
         self.cells.setdefault((src, dst), deque(maxlen=self.s.link_window)).append(seconds / mb)
 
@@ -316,8 +320,20 @@ class DiagnosisMaster:
 
     # -- evaluate --------------------------------------------------------------------------
 
-    def forget(self, replica: int) -> None:
-        """A replica left the job (evicted or finished): its silence is no longer news."""
+    def forget(self, replica: int, now: float | None = None) -> None:
+        """A replica left the job (evicted or finished): its silence is no longer news.
+
+        With ``now``, a rank of it that had been silent longer than ever before (and at least
+        ``silent_floor_s``) while its peers talked is named first (``noncomm_hang``, reported
+        by the next :meth:`evaluate`): the coordinator evicts a silent replica at its heartbeat
+        timeout, which on a loaded host comes before the learned silence threshold (5x the
+        slowest gap of any rank), and the hang would then go unnamed. The eviction is the
+        coordinator's own evidence that the silence was real; the verdict only names its class,
+        and a wrong one costs little (the replica is already out). A finished replica, or one
+        whose connection closed at its death, has sent telemetry a moment ago: nothing is named.
+        """
+        if now is not None:
+            self._pending_silent += [v for v in self._silent(now, evicted=replica) if v.culprit.replica == replica]
         for ident in [i for i in self.ranks if i[0] == replica]:
             del self.ranks[ident]
         for key in [k for k in self.cells if replica in k]:
@@ -340,9 +356,15 @@ class DiagnosisMaster:
             self._judged = self._arrived
             self._periodic = self._stragglers(count=True) + self._slow_links() + self._step_time()
         found = (
-            self._hangs(now) + self._stalled(now) + self._silent(now) + self._periodic + self._pending_metric
+            self._hangs(now)
+            + self._stalled(now)
+            + self._silent(now)
+            + self._pending_silent
+            + self._periodic
+            + self._pending_metric
         ) + ports.port_verdicts(self.port_events, now)
         self._pending_metric = []
+        self._pending_silent = []
         fresh = []
         for v in found:
             if v.key not in self._reported:
@@ -433,7 +455,7 @@ class DiagnosisMaster:
             )
         return out
 
-    def _silent(self, now: float) -> list[Verdict]:
+    def _silent(self, now: float, evicted: int | None = None) -> list[Verdict]:
         """A rank whose telemetry stopped while its peers' goes on is not running (stopped, frozen).
 
         Telemetry comes from the connection's own thread, so a rank busy computing or waiting in
@@ -441,19 +463,22 @@ class DiagnosisMaster:
         hang even when the coordinator routes around it before anyone waited ``hang_s``.
         """
         silent_s = self.silent_s()
-        talking = [i for i, r in self.ranks.items() if now - r.last_seen < silent_s]
+        talking = [i for i, r in self.ranks.items() if now - r.last_seen < silent_s and i[0] != evicted]
         if not talking:
             return []  # nobody talks: the job ended or the coordinator itself stalled
         out = []
         for ident, r in self.ranks.items():
             quiet = now - r.last_seen
-            if quiet < silent_s or len(r.gaps) < self.s.silent_min_batches:
+            bar = silent_s
+            if ident[0] == evicted:  # the coordinator gave up on it: longer than ever before is enough
+                bar = max(self.s.silent_floor_s, max(r.gaps, default=silent_s))
+            if quiet < bar or len(r.gaps) < self.s.silent_min_batches:
                 continue
             evidence = {
                 "group": r.latest,
                 "seq": r.entered.get(r.latest, -1),
                 "silent_s": round(quiet, 3),
-                "silent_threshold_s": round(silent_s, 3),
+                "silent_threshold_s": round(bar, 3),
                 "peers_seq": {str(i[0]): self.ranks[i].entered.get(r.latest, -1) for i in talking},
                 "reason": f"replica {ident[0]} rank {ident[1]} has sent no telemetry for {quiet:.2f}s while "
                 f"its peers do: its process is stopped or frozen",

@@ -50,7 +50,8 @@ class DiagnosisService:
         self.master.ingest((replica, rank), node, batch, time.monotonic())
 
     def forget(self, replica: int) -> None:
-        self.master.forget(replica)
+        """The replica left (evicted or finished); a silent evictee is named by the next tick."""
+        self.master.forget(replica, time.monotonic())
 
     def tick(self) -> None:
         """Runs the rules; a bug in them must never stop the coordinator's own tick."""

@@ -92,27 +92,41 @@ def cells(slow: set[tuple[int, int]], factor: float = 4.0, n: int = 3) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("slow", "pattern", "culprit", "link"),
+    ("slow", "factor", "pattern", "culprit", "link"),
     [
-        ({(0, 1), (1, 0)}, "link", 0, (0, 1)),
-        ({(1, 2)}, "link", 1, (1, 2)),
-        ({(2, 0), (2, 1), (0, 2), (1, 2)}, "node", 2, None),
+        ({(0, 1), (1, 0)}, 4.0, "link", 0, (0, 1)),
+        ({(1, 2)}, 8.0, "link", 1, (1, 2)),  # one direction 8x: the link's sum is 4.5x
+        ({(2, 0), (2, 1), (0, 2), (1, 2)}, 4.0, "node", 2, None),
     ],
 )
-def test_connection_matrix_patterns(slow, pattern, culprit, link) -> None:
-    f = links.classify_slow(cells(slow))
+def test_connection_matrix_patterns(slow, factor, pattern, culprit, link) -> None:
+    f = links.classify_slow(cells(slow, factor))
     assert f is not None and f.pattern == pattern
-    if link is None:
-        assert (f.replica, f.link) == (culprit, None)
-    else:  # the slower direction names the sender
-        assert set(f.link) == set(link) and f.replica == f.link[0] and f.link in slow
+    assert (f.replica, f.link) == (culprit, link)
 
 
-def test_row_and_column_in_a_larger_matrix() -> None:
-    row = links.classify_slow(cells({(3, b) for b in range(4) if b != 3}, n=4))
-    col = links.classify_slow(cells({(a, 1) for a in range(4) if a != 1}, n=4))
-    assert row is not None and (row.pattern, row.replica) == ("sender", 3)
-    assert col is not None and (col.pattern, col.replica) == ("receiver", 1)
+def test_one_direction_slowed_a_little_is_not_enough() -> None:
+    """A link is judged by both directions: one 4x slower than the rest is a 2.5x link at most,
+    within what a busy host's noise and clock errors may do to it."""
+    assert links.classify_slow(cells({(1, 2)}, 4.0)) is None
+
+
+def test_slow_row_or_column_names_the_node() -> None:
+    """Sender and receiver cannot be told apart (each direction carries a clock error, only the
+    link's sum is exact): a slow row or column is that member's node."""
+    row = links.classify_slow(cells({(3, b) for b in range(4) if b != 3}, 8.0, n=4))
+    col = links.classify_slow(cells({(a, 1) for a in range(4) if a != 1}, 8.0, n=4))
+    assert row is not None and (row.pattern, row.replica) == ("node", 3)
+    assert col is not None and (col.pattern, col.replica) == ("node", 1)
+
+
+def test_opposite_clock_errors_on_a_link_cancel() -> None:
+    """Replica 2's clock mapped 0.5 ms/MB late: its incoming cells read slow, its outgoing fast."""
+    skewed = {
+        (a, b): [x + (0.005 if b == 2 else -0.005 if a == 2 else 0.0) for x in xs]
+        for (a, b), xs in cells(set()).items()
+    }
+    assert links.classify_slow(skewed) is None
 
 
 def test_uniform_matrix_has_no_culprit() -> None:
@@ -123,10 +137,12 @@ def test_cell_is_judged_by_its_floor_not_its_tail() -> None:
     """Half the transfers of a cell delayed 5x (scheduling) is not a slow wire; all of them is."""
     base = cells(set())
     tail = dict(base)
-    tail[(0, 1)] = [x * (5.0 if i % 2 else 1.0) for i, x in enumerate(base[(0, 1)])]
+    for c in ((0, 1), (1, 0)):
+        tail[c] = [x * (5.0 if i % 2 else 1.0) for i, x in enumerate(base[c])]
     assert links.classify_slow(tail) is None
     slow = dict(base)
     slow[(0, 1)] = [x * 5.0 for x in base[(0, 1)]]
+    slow[(1, 0)] = [x * 5.0 for x in base[(1, 0)]]
     f = links.classify_slow(slow)
     assert f is not None and f.link == (0, 1)
 
