@@ -43,12 +43,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unbroken.comm.process_group import ExchangeFailed
+from unbroken.comm.cross_replica import ExchangeFailed
 from unbroken.control.quorum.rules import QuorumDecision
 from unbroken.torchft.process_group import FakeProcessGroupWrapper, backend_of
 from unbroken.torchft.state import as_like, broadcast_by_sum, local_tensors, sync_source
+from unbroken.train.managed_group import ManagedProcessGroup as ExchangeGroup
 from unbroken.train.manager import Manager as UnbrokenManager
-from unbroken.train.process_group import ManagedProcessGroup as ExchangeGroup
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from unbroken.comm.backend import check_backend
 from unbroken.comm.catchup import CatchupServer
+from unbroken.comm.cross_replica import CrossReplicaGroup
 from unbroken.comm.deadline import LearnedDeadline
-from unbroken.comm.process_group import CrossReplicaGroup
 from unbroken.comm.recorder import FlightRecorder, LinkDelay
 from unbroken.comm.store import AuthenticatedStore
 from unbroken.config import (

@@ -41,7 +41,7 @@ from unbroken.comm.iccl import IcclRing
 from unbroken.comm.iccl.paths import ring_for_epoch
 from unbroken.comm.recorder import FlightRecorder
 from unbroken.comm.retire import GroupReaper
-from unbroken.comm.ring import ring_allreduce_sum
+from unbroken.comm.ring_allreduce import ring_allreduce_sum
 from unbroken.comm.store import AuthenticatedStore
 from unbroken.config import exchange_mode, gloo_socket_ifname, is_loopback, local_address_towards, parse_host_port
 from unbroken.control.quorum.failure import MAX_FAILURE_CHARS
