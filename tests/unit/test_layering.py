@@ -113,7 +113,6 @@ NOT_YET_RENAMED = {
     "report.py",
     "service.py",
     "settings.py",
-    "state.py",
     "store.py",
     "train.py",
     "worker.py",
