@@ -16,7 +16,7 @@ with its epoch (:attr:`CrossReplicaGroup.last_failure`) so that the rank reports
 the failed epoch, and the coordinator can tell a configuration that can never work from a fault
 (:mod:`unbroken.comm.failure`).
 
-The groups rendezvous on the job's authenticated store (:mod:`unbroken.comm.store`), so nobody
+The groups rendezvous on the job's authenticated store (:mod:`unbroken.comm.store_client`), so nobody
 without the job's secret can read or write their keys; what the backend's own connections
 bind, and why they are trusted, :mod:`unbroken.comm.transport.backend_transport` says.
 """
@@ -36,7 +36,7 @@ import torch.distributed as dist
 from unbroken.comm.backend import BACKENDS
 from unbroken.comm.recorder import FlightRecorder
 from unbroken.comm.retire import GroupReaper
-from unbroken.comm.store import AuthenticatedStore
+from unbroken.comm.store_client import AuthenticatedStore
 from unbroken.comm.transport import EpochLink, Transport, make_transport
 from unbroken.comm.transport.backend_transport import make_group
 from unbroken.config import exchange_mode

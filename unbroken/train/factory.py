@@ -23,7 +23,7 @@ from unbroken.comm.catchup import CatchupServer
 from unbroken.comm.cross_replica import CrossReplicaGroup
 from unbroken.comm.deadline import LearnedDeadline
 from unbroken.comm.recorder import FlightRecorder, LinkDelay
-from unbroken.comm.store import AuthenticatedStore
+from unbroken.comm.store_client import AuthenticatedStore
 from unbroken.comm.transport import make_transport
 from unbroken.config import (
     ReplicaConfig,

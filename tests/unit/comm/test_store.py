@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from unbroken.comm.store import AuthenticatedStore, StoreError
+from unbroken.comm.store_client import AuthenticatedStore, StoreError
 from unbroken.config import local_address_towards
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings
 from unbroken.wire import store as store_module
