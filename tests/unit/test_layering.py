@@ -107,7 +107,6 @@ NOT_YET_RENAMED = {
     "lease.py",
     "metrics.py",
     "model.py",
-    "paths.py",
     "planner.py",
     "relay.py",
     "report.py",

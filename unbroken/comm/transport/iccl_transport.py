@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from unbroken.comm.iccl import IcclRing
-from unbroken.comm.iccl.paths import ring_for_epoch
+from unbroken.comm.iccl.nic_paths import ring_for_epoch
 from unbroken.comm.retire import GroupReaper
 from unbroken.comm.transport.backend_transport import BackendTransport
 from unbroken.comm.transport.base import EpochLink
