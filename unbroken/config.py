@@ -31,7 +31,7 @@ ENV_CHAOS = "UNBROKEN_CHAOS"
 # A fault in the ring transport's links (see unbroken.faults.link), e.g. "0-2:mb_s=20:step=30".
 ENV_LINK_FAULT = "UNBROKEN_LINK_FAULT"
 # The cross-replica exchange: "backend" (the backend's all-reduce, the default) or "ring" (a
-# CPU-driven ring with per-connection timings for link diagnosis, unbroken.comm.ring).
+# CPU-driven ring with per-connection timings for link diagnosis, unbroken.comm.ring_allreduce).
 ENV_EXCHANGE = "UNBROKEN_EXCHANGE"
 EXCHANGES = ("backend", "ring", "iccl")
 # The backend of the cross-replica group (``unbroken run --cross-replica-backend``): "auto" (the

@@ -19,7 +19,8 @@ from unbroken.cli import BENCHMARKS, main
 
 ROOT = Path(unbroken.__file__).parent.parent
 USER_DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
-BENCHMARK_PAGES = sorted((ROOT / "docs" / "benchmarks").glob("*.md"))
+BENCHMARK_INDEX = ROOT / "docs" / "benchmarks" / "README.md"
+BENCHMARK_PAGES = sorted(p for p in (ROOT / "docs" / "benchmarks").glob("*.md") if p != BENCHMARK_INDEX)
 NAMED = re.compile(r"unbroken bench ([a-z][a-z-]*(?:\|[a-z][a-z-]*)*)")
 
 
@@ -106,7 +107,7 @@ def test_links_between_docs_resolve() -> None:
     """A relative link in a doc points to a file that exists, and to a heading of it when it names
     one (a moved section leaves no dead link)."""
     dead = []
-    for doc in USER_DOCS + BENCHMARK_PAGES:
+    for doc in [*USER_DOCS, *BENCHMARK_PAGES, BENCHMARK_INDEX]:
         for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", doc.read_text()):
             if "://" in target or target.startswith("mailto:"):
                 continue
@@ -116,3 +117,11 @@ def test_links_between_docs_resolve() -> None:
             elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
                 dead.append(f"{_rel(doc)} -> {target}#{anchor}")
     assert not dead, dead
+
+
+def test_the_benchmark_index_lists_every_page() -> None:
+    """docs/benchmarks/README.md gives each topic's current figure and page: a new page is listed
+    there, as the current figure of its topic or as one it superseded."""
+    linked = set(re.findall(r"\]\(([^)#\s]+)", BENCHMARK_INDEX.read_text()))
+    missing = [page.name for page in BENCHMARK_PAGES if page.name not in linked]
+    assert not missing, f"docs/benchmarks/README.md does not list {missing}"

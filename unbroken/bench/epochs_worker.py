@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from unbroken.comm import retire
-from unbroken.comm.process_group import CrossReplicaGroup, ExchangeFailed
+from unbroken.comm.cross_replica import CrossReplicaGroup, ExchangeFailed
 from unbroken.comm.retire import GroupReaper, keep_forever
 from unbroken.wire.auth import JobSecret
 

@@ -113,7 +113,7 @@ def group_rebuilds(members: int, epochs: int, period_s: float, timeout_s: float 
 
 def _client(address: str, key: bytes, threads: int, ranks: int, members: int, out: Any) -> None:
     """One client process: ``threads`` connections, each making the requests of its share of ranks."""
-    from unbroken.comm.store import AuthenticatedStore
+    from unbroken.comm.store_client import AuthenticatedStore
 
     secret = JobSecret(key)
     stores = [AuthenticatedStore(address, secret, timeout=datetime.timedelta(seconds=60)) for _ in range(threads)]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from unbroken.comm.process_group import CrossReplicaGroup
+from unbroken.comm.cross_replica import CrossReplicaGroup
 from unbroken.wire.auth import JobSecret
 
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from unbroken.comm.iccl.monitor import PATH_LOG
-from unbroken.comm.iccl.paths import ring_for_epoch
-from unbroken.comm.store import AuthenticatedStore, StoreError
+from unbroken.comm.iccl.nic_paths import ring_for_epoch
+from unbroken.comm.store_client import AuthenticatedStore, StoreError
 from unbroken.config import parse_host_port
 from unbroken.wire.auth import JobSecret
 from unbroken.wire.store import StoreServer

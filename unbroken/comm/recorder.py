@@ -11,7 +11,7 @@ Records are the typed rows of :mod:`unbroken.diagnosis.telemetry` (a :class:`Col
 :class:`Transfer`; monotonic ns), and a batch is a :class:`TelemetryBatch`. Each connection also
 feeds an ICCL window monitor.
 
-As the ring's :class:`~unbroken.comm.ring.LinkHook` the recorder also carries a link fault when
+As the ring's :class:`~unbroken.comm.ring_allreduce.LinkHook` the recorder also carries a link fault when
 one is injected (:class:`LinkDelay`, :mod:`unbroken.faults.link`): only the transport knows a
 link. The recorder is given it; it never reads the environment.
 """
@@ -125,7 +125,7 @@ class FlightRecorder:
         """A checkpoint's or a catch-up's cost, shipped with the next batch (any thread)."""
         self._costs.append(cost)
 
-    # -- ring hook (see unbroken.comm.ring.LinkHook) ------------------------------------------
+    # -- ring hook (see unbroken.comm.ring_allreduce.LinkHook) ------------------------------------------
 
     def posted(self, direction: str, peer: int, step: int, nbytes: int) -> int:
         rec = self.open

@@ -1,9 +1,9 @@
 """Link faults in the ring's transport: a slow or stalled connection between two replicas.
 
 Only the transport knows a link, so this fault acts there: the flight recorder, the ring's
-:class:`~unbroken.comm.ring.LinkHook`, asks :meth:`LinkFault.delay_s` before each send and holds
+:class:`~unbroken.comm.ring_allreduce.LinkHook`, asks :meth:`LinkFault.delay_s` before each send and holds
 the send after it is posted, as a slow wire would (see
-:func:`unbroken.comm.ring.ring_allreduce_sum`). It needs ``UNBROKEN_EXCHANGE=ring``.
+:func:`unbroken.comm.ring_allreduce.ring_allreduce_sum`). It needs ``UNBROKEN_EXCHANGE=ring``.
 ``UNBROKEN_LINK_FAULT="A-B:mb_s=20:step=30"`` slows both directions between replicas A and B
 to 20 MB/s from step 30; ``"A-B:stall:step=30"`` stops the transfer A -> B for good;
 ``"A:mb_s=20:step=30"`` slows every connection of replica A (a slow node).

@@ -43,12 +43,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unbroken.comm.process_group import ExchangeFailed
+from unbroken.comm.cross_replica import ExchangeFailed
 from unbroken.control.quorum.rules import QuorumDecision
+from unbroken.torchft.init_sync import as_like, broadcast_by_sum, local_tensors, sync_source
 from unbroken.torchft.process_group import FakeProcessGroupWrapper, backend_of
-from unbroken.torchft.state import as_like, broadcast_by_sum, local_tensors, sync_source
+from unbroken.train.managed_group import ManagedProcessGroup as ExchangeGroup
 from unbroken.train.manager import Manager as UnbrokenManager
-from unbroken.train.process_group import ManagedProcessGroup as ExchangeGroup
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ class Manager:
         """Adds ``key`` to what a recovering replica fetches from a donor (before the first step).
 
         ``load_state_dict`` gets DTensors where ``state_dict`` returns them (unbroken sends their
-        local shards; :func:`~unbroken.torchft.state.as_like` makes them DTensors again).
+        local shards; :func:`~unbroken.torchft.init_sync.as_like` makes them DTensors again).
         """
 
         def load(received: Any) -> None:

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import torch
 
 from unbroken.comm.catchup import CatchupServer, SnapshotCopy, fetch_state, snapshot_layout
-from unbroken.comm.process_group import CrossReplicaGroup
+from unbroken.comm.cross_replica import CrossReplicaGroup
 from unbroken.comm.recorder import FlightRecorder
 from unbroken.control.quorum.rules import QuorumDecision
 from unbroken.diagnosis.telemetry import CaughtUp

@@ -15,8 +15,8 @@ from concurrent.futures import Future
 
 import torch
 
+from unbroken.comm.cross_replica import CrossReplicaGroup, ExchangeFailed
 from unbroken.comm.deadline import LearnedDeadline
-from unbroken.comm.process_group import CrossReplicaGroup, ExchangeFailed
 from unbroken.control.quorum.rules import QuorumDecision
 from unbroken.train.overlap import (
     METADATA,

@@ -20,14 +20,16 @@ import torch.distributed as dist
 
 from unbroken.comm.backend import check_backend
 from unbroken.comm.catchup import CatchupServer
+from unbroken.comm.cross_replica import CrossReplicaGroup
 from unbroken.comm.deadline import LearnedDeadline
-from unbroken.comm.process_group import CrossReplicaGroup
 from unbroken.comm.recorder import FlightRecorder, LinkDelay
-from unbroken.comm.store import AuthenticatedStore
+from unbroken.comm.store_client import AuthenticatedStore
+from unbroken.comm.transport import make_transport
 from unbroken.config import (
     ReplicaConfig,
     anomaly_policy,
     coordinator_host,
+    exchange_mode,
     local_address_towards,
     prepare_early,
     recorder_enabled,
@@ -111,7 +113,8 @@ def build_manager(
     secret = secret or JobSecret.required()  # the job's key: the store, the donors and peers demand it
     backend = cross_replica_backend or env_cross_replica_backend()
     check_backend(backend, device)
-    group = CrossReplicaGroup(secret, backend=backend)
+    # How the sums travel (UNBROKEN_EXCHANGE): the backend's all-reduce, the ring, or ICCL.
+    group = CrossReplicaGroup(secret, backend=backend, transport=make_transport(exchange_mode()))
     # Peers on other nodes fetch from here: listen on the address that reaches the coordinator.
     catchup = CatchupServer(secret, host=local_address_towards(coordinator_host(config.coordinator)))
     recorder = FlightRecorder(config.replica_id, link_fault=link_fault) if recorder_enabled() else None

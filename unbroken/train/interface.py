@@ -2,7 +2,7 @@
 
 :class:`~unbroken.train.optimizer.Optimizer`,
 :class:`~unbroken.train.ddp.DistributedDataParallel` and the torch process group of
-:mod:`unbroken.train.process_group` each use a few of the Manager's methods; they are typed with
+:mod:`unbroken.train.managed_group` each use a few of the Manager's methods; they are typed with
 these protocols rather than the class, so that the process group (which the Manager hands out)
 does not import the Manager back, and so that the stand-ins the unit tests drive them with are
 checked against the same lists (tests/unit/train/test_fakes_match_manager.py).

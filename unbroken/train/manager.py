@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from unbroken.comm.catchup import CatchupServer
+from unbroken.comm.cross_replica import CrossReplicaGroup
 from unbroken.comm.deadline import LearnedDeadline
-from unbroken.comm.process_group import CrossReplicaGroup
 from unbroken.comm.recorder import FlightRecorder
 from unbroken.config import ReplicaConfig
 from unbroken.control.client import CoordinatorClient
@@ -38,8 +38,8 @@ from unbroken.diagnosis.metrics import parse_policy, wants_skip
 from unbroken.train.catch_up import CatchUp, DonateHint
 from unbroken.train.exchange import GradientExchange
 from unbroken.train.hooks import FaultHook
+from unbroken.train.managed_group import ManagedProcessGroup
 from unbroken.train.overlap import OverlappedExchange
-from unbroken.train.process_group import ManagedProcessGroup
 from unbroken.train.state import LoadStateDictFn, StateDictFn, StateRegistry, as_local, as_shards, check_state_pair
 from unbroken.train.vote import ReplicaVote
 from unbroken.wire.auth import JobSecret
@@ -334,7 +334,7 @@ class Manager:
         ``dist.all_reduce(t, group=pg)`` (``SUM`` or ``AVG`` over the contributing replicas)
         and FSDP2's ``set_all_reduce_hook`` exchange through this step's fault-tolerant
         group; :meth:`sync_gradients` then says whether the step may commit. See
-        :mod:`unbroken.train.process_group`.
+        :mod:`unbroken.train.managed_group`.
         """
         return ManagedProcessGroup(self)
 

@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from unbroken.comm.process_group import PendingSum
+from unbroken.comm.cross_replica import PendingSum
 from unbroken.control.quorum.rules import QuorumDecision
 
 METADATA = 3  # slots every exchanged buffer ends with: contributing, step, skipped

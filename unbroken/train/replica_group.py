@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 import torch.distributed as dist
 
-from unbroken.comm.store import AuthenticatedStore, StoreError
+from unbroken.comm.store_client import AuthenticatedStore, StoreError
 from unbroken.config import (
     ENV_MASTER_ADDR,
     ENV_MASTER_PORT,

@@ -10,7 +10,7 @@ keys of long-finished epochs are never read again) and connections: authenticate
 apart from them those still authenticating, which a :class:`~unbroken.wire.gate.Gate` holds
 without a thread (a stranger's flood cannot take a key holder's slot). The client side, a
 ``torch.distributed.Store`` that Gloo rendezvous through, is
-:class:`unbroken.comm.store.AuthenticatedStore`.
+:class:`unbroken.comm.store_client.AuthenticatedStore`.
 
 Protocol, after the handshake: each request is one sealed frame holding a JSON object
 (``op``, ``key``/``keys``, base64 ``value``...), answered by one sealed frame

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
+from unbroken.comm.cross_replica import CrossReplicaGroup
 from unbroken.comm.iccl import IcclRing
-from unbroken.comm.process_group import CrossReplicaGroup
 from unbroken.wire.auth import JobSecret
 from unbroken.wire.store import StoreServer
 

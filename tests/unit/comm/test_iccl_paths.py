@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from unbroken import config
-from unbroken.comm.iccl.paths import address_of
+from unbroken.comm.iccl.nic_paths import address_of
 
 
 def test_paths_setting_names_primary_and_backup() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from unbroken.comm.process_group import CrossReplicaGroup, ExchangeFailed
+from unbroken.comm.cross_replica import CrossReplicaGroup, ExchangeFailed
 from unbroken.wire.auth import JobSecret
 from unbroken.wire.store import StoreServer
 

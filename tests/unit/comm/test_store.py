@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from unbroken.comm.store import AuthenticatedStore, StoreError
+from unbroken.comm.store_client import AuthenticatedStore, StoreError
 from unbroken.config import local_address_towards
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings
 from unbroken.wire import store as store_module
@@ -88,7 +88,7 @@ def test_gloo_rendezvous_through_the_store_and_binds_loopback(server: StoreServe
 
     def member(rank: int) -> None:
         try:
-            from unbroken.comm.process_group import CrossReplicaGroup
+            from unbroken.comm.cross_replica import CrossReplicaGroup
 
             group = CrossReplicaGroup(SECRET, timeout_s=10.0)
             group.configure(server.address, 1, rank, 2, tag="t", device=torch.device("cpu"))
@@ -144,7 +144,7 @@ def test_a_member_keeps_connections_to_the_last_few_stores_it_met_on_only() -> N
     """Each epoch's groups may meet on another node's store (the leader turns with the epoch): a
     member of a long job keeps pooled connections to the MAX_STORES it used last, and closes the
     rest, on its side and so on the store's."""
-    from unbroken.comm.process_group import MAX_STORES, CrossReplicaGroup
+    from unbroken.comm.cross_replica import MAX_STORES, CrossReplicaGroup
 
     servers = [StoreServer("127.0.0.1", SECRET) for _ in range(MAX_STORES + 2)]
     group = CrossReplicaGroup(SECRET)

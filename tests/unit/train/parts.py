@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from unbroken.comm.process_group import ExchangeFailed
+from unbroken.comm.cross_replica import ExchangeFailed
 from unbroken.config import ReplicaConfig
 from unbroken.control.client import DRAIN_S
 from unbroken.control.quorum.rules import QuorumDecision

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from unbroken.comm.process_group import PendingSum
+from unbroken.comm.cross_replica import PendingSum
 from unbroken.train.ddp import DistributedDataParallel, _buckets
 from unbroken.train.overlap import busy_seconds
 

@@ -18,7 +18,7 @@ import torch
 
 from tests.unit.train import test_ddp_buckets, test_optimizer, test_resume
 from tests.unit.train.parts import FakeClient, FakeGroup, manager_with_fakes
-from unbroken.comm.process_group import CrossReplicaGroup
+from unbroken.comm.cross_replica import CrossReplicaGroup
 from unbroken.control.client import CoordinatorClient
 from unbroken.train.interface import BucketExchange, StepDriver
 from unbroken.train.manager import Manager

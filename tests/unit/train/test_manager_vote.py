@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from tests.unit.train.parts import SECRET, FakeGroup, manager_with_fakes
-from unbroken.comm.process_group import CrossReplicaGroup
+from unbroken.comm.cross_replica import CrossReplicaGroup
 
 
 class AbortedAsItSums(FakeGroup):

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from unbroken.comm.store import StoreError
+from unbroken.comm.store_client import StoreError
 from unbroken.config import ENV_MASTER_ADDR, ENV_MASTER_PORT, ReplicaConfig
 from unbroken.train.replica_group import replica_store
 from unbroken.wire.auth import JobSecret

@@ -9,18 +9,16 @@ epoch's) is handed to a :class:`~unbroken.comm.retire.GroupReaper`, which releas
 training thread once its operations are over (NCCL: once aborted), so that a long or flapping
 job does not keep every epoch's sockets, threads and GPU memory.
 
-The backend of each epoch's group is chosen by :mod:`unbroken.comm.backend` (``auto``: NCCL
-when every member holds a distinct GPU, else Gloo carrying the CUDA tensors). An error is kept
+How an epoch's sum is carried is its :class:`~unbroken.comm.transport.base.Transport`'s
+(:mod:`unbroken.comm.transport`): the backend's all-reduce (NCCL or Gloo, chosen per epoch by
+:mod:`unbroken.comm.backend`), unbroken's CPU-driven ring, or the ICCL ring. An error is kept
 with its epoch (:attr:`CrossReplicaGroup.last_failure`) so that the rank reports its text with
 the failed epoch, and the coordinator can tell a configuration that can never work from a fault
 (:mod:`unbroken.comm.failure`).
 
-The groups rendezvous on the job's authenticated store (:mod:`unbroken.comm.store`), so nobody
-without the job's secret can read or write their keys. Gloo's own pair connections, which
-carry the all-reduce, cannot be authenticated by us (nor are NCCL's): on a single-machine job
-(a loopback store) they bind loopback only; across machines the address on the route to the store
-(``GLOO_SOCKET_IFNAME`` picks an interface instead), and the network between the nodes must be trusted, as
-for any torch.distributed job.
+The groups rendezvous on the job's authenticated store (:mod:`unbroken.comm.store_client`), so nobody
+without the job's secret can read or write their keys; what the backend's own connections
+bind, and why they are trusted, :mod:`unbroken.comm.transport.backend_transport` says.
 """
 
 from __future__ import annotations
@@ -35,24 +33,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unbroken.comm import retire
-from unbroken.comm.backend import BACKENDS, choose_backend, gpu_identity
-from unbroken.comm.iccl import IcclRing
-from unbroken.comm.iccl.paths import ring_for_epoch
+from unbroken.comm.backend import BACKENDS
 from unbroken.comm.recorder import FlightRecorder
 from unbroken.comm.retire import GroupReaper
-from unbroken.comm.ring import ring_allreduce_sum
-from unbroken.comm.store import AuthenticatedStore
-from unbroken.config import exchange_mode, gloo_socket_ifname, is_loopback, local_address_towards, parse_host_port
+from unbroken.comm.store_client import AuthenticatedStore
+from unbroken.comm.transport import EpochLink, Transport, make_transport
+from unbroken.comm.transport.backend_transport import make_group
+from unbroken.config import exchange_mode
 from unbroken.control.quorum.failure import MAX_FAILURE_CHARS
 from unbroken.wire.auth import JobSecret
-
-# Retired NCCL communicators that may wait for their abort while a new one is built: each holds
-# GPU memory, and an abort takes about a second (H200, torch 2.11).
-NCCL_RETIRED_MOST = 1
-
-# "backend" (default): the backend's all-reduce; "ring": unbroken's CPU-driven ring, slower on
-# CPU but with per-connection timings (the diagnosis can then name a link).
 
 # Past the backend's timeout, by which a Gloo operation has ended (with an error): a retired
 # group whose operation runs longer is stuck.
@@ -89,6 +78,8 @@ class CrossReplicaGroup:
             crash or hang during it is normally cut short sooner by the coordinator's abort.
         backend: ``auto``, ``nccl`` or ``gloo`` (:mod:`unbroken.comm.backend`).
         reaper: releases the groups that epochs leave behind; None makes one.
+        transport: how each epoch's sum is carried (:mod:`unbroken.comm.transport`); None
+            picks the one ``UNBROKEN_EXCHANGE`` names.
     """
 
     def __init__(
@@ -98,6 +89,7 @@ class CrossReplicaGroup:
         rendezvous_s: float = 10.0,
         backend: str = "auto",
         reaper: GroupReaper | None = None,
+        transport: Transport | None = None,
     ) -> None:
         if not isinstance(secret, JobSecret):
             raise TypeError(f"CrossReplicaGroup needs the job's JobSecret, got {type(secret).__name__}")
@@ -126,7 +118,7 @@ class CrossReplicaGroup:
         self.members: list[int] = []
         self.last_join_wait_s = 0.0  # how long the last exchange waited for its epoch's rendezvous
         self.tag = ""
-        self.mode = exchange_mode()
+        self.transport = transport or make_transport(exchange_mode())
 
     def configure(
         self,
@@ -162,49 +154,30 @@ class CrossReplicaGroup:
         def build() -> None:
             try:
                 prefix = dist.PrefixStore(f"unbroken/{tag}/epoch{epoch}", store)
-                if self.mode == "iccl" and device.type == "cpu":  # unbroken.comm.iccl: its own connections
-                    host = parse_host_port(store_address, "store address")[0]
-                    tag_epoch = f"{tag}/epoch{epoch}"
-                    ring = ring_for_epoch(self._secret, rank, size, prefix, host, tag_epoch, self.rendezvous_s)
-                    pending.set_result(("iccl", ring))
-                    return
-                backend = self._choose(prefix, rank, size, device)
-                pending.set_result((backend, self.make_group(backend, prefix, rank, size, store_address, device)))
+                link = EpochLink(
+                    prefix,
+                    store_address,
+                    rank,
+                    size,
+                    device,
+                    f"{tag}/epoch{epoch}",
+                    self._secret,
+                    self.backend_setting,
+                    self.timeout,
+                    self.rendezvous_s,
+                    self.reaper,
+                )
+                pending.set_result(self.transport.build(link))
             except BaseException as e:  # noqa: BLE001 - handed to the waiting exchange
                 pending.set_exception(e)
 
         threading.Thread(target=build, name=f"unbroken-group-epoch{epoch}", daemon=True).start()
 
-    def _choose(self, store: Any, rank: int, size: int, device: torch.device) -> str:
-        """This epoch's backend; with ``auto`` on CUDA the members first tell each other their GPU."""
-        if self.backend_setting != "auto" or device.type != "cuda":
-            return choose_backend(self.backend_setting, device.type)
-        store.set(f"gpu/{rank}", gpu_identity(device))
-        identities = [store.get(f"gpu/{r}").decode() for r in range(size)]
-        return choose_backend("auto", "cuda", identities)
-
     def make_group(
         self, backend: str, store: Any, rank: int, size: int, store_address: str, device: torch.device
     ) -> Any:
-        """A torch process group of ``backend`` on ``store`` (what each epoch builds on its thread)."""
-        if backend == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = self.timeout
-            bound = self.reaper.abort_timeout_s
-            self.reaper.settle("nccl", NCCL_RETIRED_MOST, bound)  # GPU memory: a bounded backlog
-            with retire.NCCL_LIFECYCLE.hold(bound):  # never beside an abort
-                pg = dist.ProcessGroupNCCL(store, rank, size, options)
-                if device.type == "cuda" and hasattr(pg, "eager_connect_single_device"):
-                    # The communicator is made here, on the build thread, not lazily inside the
-                    # first all-reduce on the training thread; NCCL's refusals surface here.
-                    index = device.index if device.index is not None else torch.cuda.current_device()
-                    try:
-                        pg.eager_connect_single_device(torch.device("cuda", index))
-                    except BaseException:
-                        self.reaper.retire(pg, "nccl", None, ())  # aborted and released off this thread
-                        raise
-            return pg
-        return dist.ProcessGroupGloo(store, rank, size, self._gloo_options(store_address))
+        """A torch process group of ``backend`` on ``store``, with this group's timeout and reaper."""
+        return make_group(backend, store, rank, size, store_address, device, self.timeout, self.reaper)
 
     def abandon(self) -> None:
         """Stops using the current group (its operation or rendezvous may still be running); the
@@ -214,10 +187,8 @@ class CrossReplicaGroup:
             self._pending = None
         pg, self._pg = self._pg, None
         works, self._works = self._works, []
-        if isinstance(pg, IcclRing):
-            pg.close()  # its own threads and sockets: nothing of it lingers or needs keeping
-        elif pg is not None:
-            self.reaper.retire(pg, self.backend, self.epoch, works)
+        if pg is not None:
+            self.transport.release(self.reaper, pg, self.backend, self.epoch, works)
         del pg
         self.epoch = None
 
@@ -225,10 +196,7 @@ class CrossReplicaGroup:
         """A group whose rendezvous completed after its epoch was abandoned: nothing ran on it."""
         if pending.exception() is None:
             backend, pg = pending.result()
-            if isinstance(pg, IcclRing):
-                pg.close()
-            else:
-                self.reaper.retire(pg, backend, None, ())
+            self.transport.release(self.reaper, pg, backend, None, [])
 
     def abort(self, epoch: int) -> None:
         """Called from the coordinator connection's thread: ends a wait on ``epoch`` now."""
@@ -306,7 +274,7 @@ class CrossReplicaGroup:
     @property
     def overlaps(self) -> bool:
         """Whether several sums may be in flight at once (the backend's; the ring's may not)."""
-        return self.mode in ("backend", "iccl")
+        return self.transport.overlaps
 
     def start_allreduce_sum(self, tensor: torch.Tensor, deadline_s: float, nbytes_total: int = 0) -> PendingSum:
         """Starts summing ``tensor`` in place and returns at once; see :meth:`finish_allreduce_sums`.
@@ -359,15 +327,13 @@ class CrossReplicaGroup:
             self.last_join_wait_s = time.perf_counter() - start
             with self._lock:
                 self._wake = wake
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # torch's stub: RedOpType converts to ReduceOp
         try:
             pg = self._pg
             if pg is None:  # the coordinator's thread abandoned the group since the join
                 raise self._failed(epoch, f"the group of epoch {epoch} was abandoned")
-            work = pg.allreduce([tensor], opts)
-            fut = work.get_future()
-            self._track(_Held(work, fut))
+            held = self.transport.start_overlapped(pg, tensor)
+            fut = held.future
+            self._track(held)
         except Exception as e:  # a peer's connection closed before this started
             self.abandon()
             self._batch_over(None)
@@ -442,20 +408,10 @@ class CrossReplicaGroup:
             self.recorder.end(batch[1], ok)
 
     def _start(self, tensor: torch.Tensor, wake: threading.Event, op: Any = None) -> Any:
-        """Starts the sum (or ``op``); returns a future that ``wake`` is set on when it is done."""
-        if op is not None and op != dist.ReduceOp.SUM and self.mode == "ring":
-            raise ValueError("the ring exchange only sums")
-        if self.mode == "ring":
-            run = _RingRun(self._pg, tensor, self.rank, self.size, self.recorder, wake)
-            self._track(run)
-            return run
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM if op is None else op  # type: ignore[assignment]  # torch's stub: RedOpType converts to ReduceOp
-        work = self._pg.allreduce([tensor], opts)
-        fut = work.get_future()
-        self._track(_Held(work, fut))
-        fut.add_done_callback(lambda _: wake.set())
-        return fut
+        """Starts the sum (or ``op``); returns what ``wake`` is set on when it is done."""
+        run = self.transport.start(self._pg, tensor, self.rank, self.size, wake, op, self.recorder)
+        self._track(run)
+        return run
 
     def _join_group(self, wake: threading.Event, timeout_s: float) -> None:
         """Waits for this epoch's rendezvous, bounded like an exchange."""
@@ -511,23 +467,6 @@ class CrossReplicaGroup:
         if timeout_s > 0:
             self.reaper.drain(timeout_s)
 
-    def _gloo_options(self, store_address: str) -> Any:
-        """Gloo's options: its pairs listen on loopback when the job is on one machine (the store,
-        hosted by the coordinator, is on loopback), never on every interface of the host."""
-        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stub lacks _Options
-        options._timeout = self.timeout
-        host = parse_host_port(store_address, "store address")[0]
-        ifname = gloo_socket_ifname()
-        if ifname:
-            options._devices = [dist.ProcessGroupGloo.create_device(interface=ifname.split(",")[0])]
-        elif is_loopback(host):
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-        else:
-            # Not the default device: it binds what the host name resolves to, often loopback,
-            # which the other nodes cannot dial; the address on the route to the store they can.
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(host))]
-        return options
-
     def _store(self, address: str) -> AuthenticatedStore:
         """The store at ``address``, with its pooled connections. Each epoch's groups may meet on
         another node's store (the leader's, turned with the epoch): only the :data:`MAX_STORES`
@@ -541,58 +480,3 @@ class CrossReplicaGroup:
             while len(self._stores) > MAX_STORES:
                 self._stores.popitem(last=False)[1].close()
             return store
-
-
-class _Held:
-    """A backend operation and its future, kept together until it is over: the reaper holds both
-    until then, so that neither a running Gloo work nor its tensors are freed under it."""
-
-    __slots__ = ("future", "work")
-
-    def __init__(self, work: Any, future: Any) -> None:
-        self.work, self.future = work, future
-
-    def done(self) -> bool:
-        return bool(self.future.done())
-
-
-class _RingRun:
-    """The ring all-reduce on its own thread, behind the same done/wait surface as a future.
-
-    Point-to-point works have no future to wake a bounded wait, so the ring runs on a daemon
-    thread with the group's own timeout; a stuck ring is abandoned like a stuck backend op.
-    """
-
-    def __init__(
-        self,
-        pg: Any,
-        tensor: torch.Tensor,
-        rank: int,
-        size: int,
-        recorder: FlightRecorder | None,
-        wake: threading.Event,
-    ) -> None:
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-        seq = recorder.open.seq if recorder is not None and recorder.open else 0
-
-        def run() -> None:
-            try:
-                ring_allreduce_sum(pg, tensor, rank, size, seq, lambda w: w.wait(), recorder)
-            except BaseException as e:  # surfaces on the caller through wait()
-                self._error = e
-            finally:
-                self._done.set()
-                wake.set()
-
-        threading.Thread(target=run, name="unbroken-ring", daemon=True).start()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def exception(self) -> BaseException | None:
-        return self._error
-
-    def wait(self) -> None:
-        if self._error is not None:
-            raise self._error

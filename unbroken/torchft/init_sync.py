@@ -2,7 +2,7 @@
 replica's state the others take at the first step (torchft's ``init_sync``).
 
 No processes and no groups here, so they are tested on their own
-(``tests/unit/torchft/test_state.py``).
+(``tests/unit/torchft/test_init_sync.py``).
 """
 
 from __future__ import annotations

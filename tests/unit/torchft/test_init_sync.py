@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from unbroken.torchft.state import broadcast_by_sum, local_tensors, sync_source
+from unbroken.torchft.init_sync import broadcast_by_sum, local_tensors, sync_source
 
 
 def test_local_tensors_walks_nested_state_in_order_and_skips_the_rest() -> None:
@@ -35,7 +35,7 @@ def test_as_like_makes_received_shards_dtensors_where_the_receiver_holds_dtensor
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate
 
-    from unbroken.torchft.state import as_like
+    from unbroken.torchft.init_sync import as_like
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from unbroken.comm.ring import ring_allreduce_sum
+from unbroken.comm.ring_allreduce import ring_allreduce_sum
 
 
 class Mailboxes:
