@@ -122,7 +122,7 @@ def test_containers_nested_past_the_bound_are_refused_fast() -> None:
         began = time.thread_time()
         with pytest.raises(objects.UnsafeObjectError, match=f"nest containers {depth} deep; at most"):
             objects.loads(data)
-        assert time.thread_time() - began < 1.0
+        assert time.thread_time() - began < 3.0  # the unbounded walk takes minutes; a loaded machine, seconds
     ok = pickle.dumps(functools.reduce(lambda inner, _: [inner], range(objects.MAX_DEPTH - 1), [1]))
     assert objects.measure(ok)[2] == objects.MAX_DEPTH
     unflatten(objects.loads(ok), {})
