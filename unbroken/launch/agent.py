@@ -144,6 +144,8 @@ class AgentSettings:
             raise ValueError(f"--connect-timeout must be > 0, got {self.connect_timeout_s}")
         env.check_seconds({"heartbeat_s": self.heartbeat_s})
         env.check_seconds({"finish_grace_s": self.finish_grace_s}, zero_ok=True)
+        if self.cross_replica_backend is not None:
+            env.CrossReplicaBackend.parse(self.cross_replica_backend, "--cross-replica-backend")
         if self.secret_file is None:
             raise ValueError(
                 f"the agent needs the job's secret: --secret-file PATH (or {env.ENV_SECRET_FILE}), "
@@ -450,7 +452,7 @@ class Agent:
         else:
             host, port = self.addr, workers.free_port(self.addr)
             self._send(protocol.GroupPort(replica=replica, incarnation=incarnation, port=port).to_msg())
-        place = workers.GroupPlace(group_rank, nodes, host, port, self._ifname)
+        place = env.GroupPlace(group_rank, nodes, host, port, self._ifname)
         self.events.emit(
             "replicas_assigned",
             replicas=[replica],
@@ -511,15 +513,17 @@ class Agent:
     def _threads(self) -> int:
         return self.s.threads_per_rank or max(1, (os.cpu_count() or 1) // (self.s.slots * self.s.ranks_per_replica))
 
-    async def _spawn(self, r: _Replica, place: workers.GroupPlace | None = None) -> None:
+    async def _spawn(self, r: _Replica, place: env.GroupPlace | None = None) -> None:
         if r.procs:
             return
         r.done = False
         r.step_at_start = self.steps.get(r.replica, 0)
         master_port = workers.free_port()
         for rank in range(self.s.ranks_per_replica // self.s.nodes_per_replica):
-            environ = workers.worker_env(
+            backend = self.s.cross_replica_backend
+            settings = env.WorkerSettings(
                 coordinator=self._rank_coordinator(),
+                secret_file=self.secret_file,
                 replica=r.replica,
                 num_replicas=self.num_replicas,
                 run_dir=self.s.run_dir,
@@ -529,11 +533,11 @@ class Agent:
                 world_size=self.s.ranks_per_replica,
                 master_port=master_port,
                 threads=self._threads(),
-                secret_file=self.secret_file,
                 group=place,
-                cross_replica_backend=self.s.cross_replica_backend,
+                cross_replica_backend=env.CrossReplicaBackend(backend) if backend else None,
             )
-            global_rank = int(environ[env.ENV_RANK])  # the rank in the whole group, across its nodes
+            environ = workers.worker_environ(settings)
+            global_rank = settings.global_rank  # the rank in the whole group, across its nodes
             log = self.s.run_dir / "logs" / f"replica{r.replica}-rank{global_rank}.log"
             proc = await workers.start_worker(self.s.command, environ, log, self._guardian)
             r.procs.append(proc)

@@ -44,7 +44,7 @@ from unbroken import config as env
 from unbroken.control.coordinator import Coordinator
 from unbroken.control.state import secret_file
 from unbroken.diagnosis import stacks
-from unbroken.faults.worker import worker_env
+from unbroken.faults.worker import worker_env as chaos_env
 from unbroken.launch import dashboard, reaper, torchft_compat, workers
 from unbroken.launch.fault_firing import FaultFiring
 from unbroken.launch.lifecycle import RUNNING, Lifecycle, State, Transition
@@ -211,17 +211,10 @@ class Launcher:
         faults = self.s.schedule.worker_faults(r.replica, rank) if slot == self.placement.home[r.replica] else []
         if r.restarts:  # a one-step fault the job already went through does not strike again
             faults = [f for f in faults if not f.one_step or f.step is None or f.step > self.job_step]
-        extra = worker_env(faults, self.job_start)
-        if self.s.checkpoint_dir is not None:
-            extra[env.ENV_CHECKPOINT_DIR] = str(self.s.checkpoint_dir)
-        if r.resume_step is not None:
-            extra[env.ENV_RESUME_STEP] = str(r.resume_step)
-        if self.s.anomaly_policy:
-            extra[env.ENV_ANOMALY_POLICY] = self.s.anomaly_policy
-        if self.s.torchft_compat:  # `import torchft` is unbroken's facade
-            extra[env.ENV_PYTHONPATH] = torchft_compat.python_path_with(torchft_compat.write_shim(self.run_dir))
-        return workers.worker_env(
+        backend = self.s.cross_replica_backend
+        settings = env.WorkerSettings(
             coordinator=self.address,
+            secret_file=self.secret_file,
             replica=r.replica,
             num_replicas=self.s.replicas,
             run_dir=self.run_dir,
@@ -231,11 +224,19 @@ class Launcher:
             world_size=self.s.ranks_per_replica,
             master_port=master_port,
             threads=self.s.threads(),
-            secret_file=self.secret_file,
-            extra=extra,
-            cross_replica_backend=self.s.cross_replica_backend,
-            one_machine=True,
+            cross_replica_backend=env.CrossReplicaBackend(backend) if backend else None,
+            checkpoint_dir=self.s.checkpoint_dir,
+            resume_step=r.resume_step,
+            anomaly_policy=self.s.anomaly_policy,
+            # `import torchft` is unbroken's facade
+            python_path=(
+                torchft_compat.python_path_with(torchft_compat.write_shim(self.run_dir))
+                if self.s.torchft_compat
+                else None
+            ),
+            chaos=chaos_env(faults, self.job_start).get(env.ENV_CHAOS),
         )
+        return workers.worker_environ(settings, one_machine=True)
 
     async def _spawn(self, r: SupervisedReplica) -> None:
         slot = self.placement.place(r.replica)

@@ -1,11 +1,17 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from unbroken.config import GroupPlace, WorkerSettings
 from unbroken.launch.agent import AgentSettings
-from unbroken.launch.workers import GroupPlace, interface_of, worker_env
+from unbroken.launch.workers import interface_of, worker_environ
+
+
+def worker_env(*, one_machine: bool = False, **settings: Any) -> dict[str, str]:
+    return worker_environ(WorkerSettings(**settings), one_machine=one_machine)
 
 
 def test_a_rank_of_a_group_spanning_nodes_sees_torchruns_variables_for_the_whole_group() -> None:
