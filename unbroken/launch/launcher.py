@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from unbroken import config as env
 from unbroken.control.coordinator import Coordinator
 from unbroken.control.state import secret_file
-from unbroken.faults.worker import worker_env as chaos_env
+from unbroken.faults.worker import chaos_env
 from unbroken.launch import dashboard, torchft_compat, workers
 from unbroken.launch.fault_firing import FaultFiring
 from unbroken.launch.lifecycle import RUNNING, Lifecycle, State, Transition
@@ -182,7 +182,7 @@ class Launcher(Supervisor[SupervisedReplica]):
 
     # -- processes -------------------------------------------------------------------------
 
-    def _worker_env(self, r: SupervisedReplica, rank: int, master_port: int, slot: Slot) -> dict[str, str]:
+    def _worker_environ(self, r: SupervisedReplica, rank: int, master_port: int, slot: Slot) -> dict[str, str]:
         faults = self.s.schedule.worker_faults(r.replica, rank) if slot == self.placement.home[r.replica] else []
         if r.restarts:  # a one-step fault the job already went through does not strike again
             faults = [f for f in faults if not f.one_step or f.step is None or f.step > self.job_step]
@@ -225,7 +225,7 @@ class Launcher(Supervisor[SupervisedReplica]):
             await self.rollback.ready()  # no process of the rollback starts before its discard
         for rank in range(self.s.ranks_per_replica):
             path = self.run_dir / "logs" / f"replica{r.replica}-rank{rank}.log"
-            environ = self._worker_env(r, rank, master_port, slot)
+            environ = self._worker_environ(r, rank, master_port, slot)
             proc = await self.warm.take(environ, path) if r.restarts and self.warm.usable() else None
             if proc is not None:
                 self._run_task(self.warm.start())
