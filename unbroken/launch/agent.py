@@ -463,10 +463,8 @@ class Agent(Supervisor[_Replica]):
     def _progress(self, steps: dict[int, int]) -> None:
         if max(steps.values(), default=0) > max(self.steps.values(), default=0):
             self.book.progress()
-        for r, step in steps.items():
-            self.steps[r] = step
-            if r in self.replicas and step > self.replicas[r].step_at_start + 1:
-                self.book.progress(r)
+        self.steps.update(steps)
+        self._credit_progress(steps)
 
     def _threads(self) -> int:
         return self.s.threads_per_rank or max(1, (os.cpu_count() or 1) // (self.s.slots * self.s.ranks_per_replica))

@@ -448,9 +448,8 @@ class Launcher(Supervisor[SupervisedReplica]):
         if top > self.job_step:
             self.job_step = top
             self.book.progress()
+        self._credit_progress(steps)
         for r, step in steps.items():
-            if r in self.replicas and step > self.replicas[r].step_at_start + 1:
-                self.book.progress(r)
             if self.lifecycle.state.get(r) == State.CATCHING_UP and step > self._behind_at.get(r, step) + 1:
                 self._move(r, State.TRAINING, f"caught up: trains step {step} as a full member")
 

@@ -13,13 +13,14 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from unbroken import config as env
 from unbroken.diagnosis import stacks
 from unbroken.launch import reaper, workers
+from unbroken.launch.policy import RestartBook
 from unbroken.launch.workers import ReplicaProcs
 from unbroken.observe.events import EventLog
 
@@ -40,6 +41,7 @@ class Supervisor(Generic[R]):
 
     # How a rank that is not running is described in a stack request's answer.
     not_running_here = "here"
+    book: RestartBook  # the front end's restart policy's record
 
     def __init__(self, events: EventLog, run_dir: Path, term_grace_s: float) -> None:
         self.events = events
@@ -122,6 +124,13 @@ class Supervisor(Generic[R]):
         except env.ConfigError as e:
             return {"stack_note": str(e)}
         return await stacks.dump(r.procs[rank].pid, stacks.stack_path(self.stack_dir, replica, rank), signum)
+
+    def _credit_progress(self, steps: Mapping[int, int]) -> None:
+        """Each replica of ours whose step moved past the one after its processes' start made
+        progress: its crash-loop count starts again (:class:`~unbroken.launch.policy.RestartBook`)."""
+        for r, step in steps.items():
+            if r in self.replicas and step > self.replicas[r].step_at_start + 1:
+                self.book.progress(r)
 
     # -- SIGTERM -------------------------------------------------------------------------------
 
