@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import os
 import signal
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 ENV_COORDINATOR = "UNBROKEN_COORDINATOR"
 ENV_REPLICA_ID = "UNBROKEN_REPLICA_ID"
@@ -37,7 +39,6 @@ EXCHANGES = ("backend", "ring", "iccl")
 # The backend of the cross-replica group (``unbroken run --cross-replica-backend``): "auto" (the
 # default: NCCL when every member of an epoch holds a distinct GPU, else Gloo), "nccl" or "gloo".
 ENV_CROSS_REPLICA_BACKEND = "UNBROKEN_CROSS_REPLICA_BACKEND"
-CROSS_REPLICA_BACKENDS = ("auto", "nccl", "gloo")
 # Set by the launcher unless the user set it: NCCL's reaction to a failed or timed-out
 # collective. 2 (clean up only) aborts the communicator and raises on the next wait; torch's
 # default tears the process down, which would turn a peer's fault into this rank's crash.
@@ -86,6 +87,28 @@ ENV_PYTHONPATH = "PYTHONPATH"
 
 class ConfigError(ValueError):
     """A setting is missing or malformed; the message says what to set."""
+
+
+class CrossReplicaBackend(str, enum.Enum):
+    """The backend of the cross-replica group (``--cross-replica-backend``,
+    ``UNBROKEN_CROSS_REPLICA_BACKEND``): its words are declared here and nowhere else, and
+    :meth:`parse` is the one check of a user's choice, whichever door it came through."""
+
+    AUTO = "auto"  # NCCL when every member of an epoch holds a distinct GPU, else Gloo
+    NCCL = "nccl"
+    GLOO = "gloo"
+
+    @classmethod
+    def parse(cls, value: str, name: str) -> CrossReplicaBackend:
+        """``value`` as a backend; a :class:`ConfigError` naming ``name`` (the flag or variable
+        it came from) and the words it accepts otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigError(f"{name} must be one of {', '.join(CROSS_REPLICA_BACKENDS)}, got {value!r}") from None
+
+
+CROSS_REPLICA_BACKENDS = tuple(b.value for b in CrossReplicaBackend)
 
 
 def parse_host_port(value: str, what: str = "address") -> tuple[str, int]:
@@ -149,11 +172,7 @@ def exchange_mode(env: Mapping[str, str] | None = None) -> str:
 def cross_replica_backend(env: Mapping[str, str] | None = None) -> str:
     """``UNBROKEN_CROSS_REPLICA_BACKEND``: ``auto`` (default), ``nccl`` or ``gloo``."""
     value = _environ(env).get(ENV_CROSS_REPLICA_BACKEND, "auto") or "auto"
-    if value not in CROSS_REPLICA_BACKENDS:
-        raise ConfigError(
-            f"{ENV_CROSS_REPLICA_BACKEND} must be one of {', '.join(CROSS_REPLICA_BACKENDS)}, got {value!r}"
-        )
-    return value
+    return CrossReplicaBackend.parse(value, ENV_CROSS_REPLICA_BACKEND).value
 
 
 def nccl_async_error_handling(env: Mapping[str, str] | None = None) -> str:
@@ -412,6 +431,224 @@ class ReplicaConfig:
             restart_count=integer(ENV_RESTART_COUNT, 0),
             checkpoint_dir=env.get(ENV_CHECKPOINT_DIR) or None,
             resume_step=integer(ENV_RESUME_STEP) if env.get(ENV_RESUME_STEP) else None,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupPlace:
+    """Where this node's ranks sit in a replica group that spans ``nodes`` nodes.
+
+    Attributes:
+        group_rank: this node's index in the group (``GROUP_RANK``).
+        nodes: nodes in the group (``GROUP_WORLD_SIZE``).
+        master_addr: the address of group rank 0's node, where the group rendezvouses.
+        master_port: the port group rank 0 picked there.
+        ifname: the interface of this node's advertised address, for Gloo (None: Gloo's default).
+    """
+
+    group_rank: int
+    nodes: int
+    master_addr: str
+    master_port: int
+    ifname: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSettings:
+    """Everything a supervisor (``unbroken run``, ``unbroken agent``) hands one worker, as one type.
+
+    The supervisor writes it (:meth:`to_env`) and the worker reads it back (:meth:`from_env`):
+    one list of fields instead of a function's keywords plus an untyped dict of extras, so a
+    new setting is added in one place and a bad value is refused here, naming what to fix.
+
+    Attributes:
+        coordinator: what the worker dials (``UNBROKEN_COORDINATOR``): HOST:PORT, or a list.
+        secret_file: the job's secret file; its path travels, never the key (an environment
+            shows in ``/proc/PID/environ``, core dumps and scheduler logs).
+        replica: the replica group's id.
+        num_replicas: replicas the job is configured with.
+        run_dir: the job's run directory (its name is torchrun's ``TORCHELASTIC_RUN_ID``).
+        restarts: how often this replica was restarted.
+        node: the node's name.
+        rank: the rank's index on this node (``LOCAL_RANK``; ``RANK`` too unless ``group``).
+        world_size: ranks in the replica group, over all its nodes.
+        master_port: the group's rendezvous port on this node's loopback (``group`` None).
+        threads: ``OMP_NUM_THREADS`` unless the supervisor's environment sets one.
+        group: where this node sits in a replica group spanning nodes; None: all on this node.
+        cross_replica_backend: the backend chosen on the command line; None leaves the
+            environment's.
+        checkpoint_dir: the job's checkpoint directory, if it has one.
+        resume_step: the checkpoint step a rollback restarts this replica from.
+        anomaly_policy: actions for training-metric anomalies ("" the default policy).
+        python_path: ``PYTHONPATH`` for the worker (``--torchft-compat``); None leaves the
+            environment's.
+        chaos: this rank's worker-side faults (JSON, :mod:`unbroken.faults.worker`); None: none.
+    """
+
+    coordinator: str
+    secret_file: Path
+    replica: int
+    num_replicas: int
+    run_dir: Path
+    restarts: int
+    node: str
+    rank: int
+    world_size: int
+    master_port: int
+    threads: int
+    group: GroupPlace | None = None
+    cross_replica_backend: CrossReplicaBackend | None = None
+    checkpoint_dir: Path | None = None
+    resume_step: int | None = None
+    anomaly_policy: str = ""
+    python_path: str | None = None
+    chaos: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ConfigError(f"{ENV_NUM_REPLICAS} must be >= 1, got {self.num_replicas}")
+        if self.replica < 0:
+            raise ConfigError(f"{ENV_REPLICA_ID} must be >= 0, got {self.replica}")
+        if self.restarts < 0:
+            raise ConfigError(f"{ENV_RESTART_COUNT} must be >= 0, got {self.restarts}")
+        if self.world_size < 1:
+            raise ConfigError(f"{ENV_WORLD_SIZE} must be >= 1, got {self.world_size}")
+        if self.threads < 1:
+            raise ConfigError(f"{ENV_OMP_NUM_THREADS} must be >= 1, got {self.threads}")
+        if self.group is not None and (self.group.nodes < 1 or self.world_size % self.group.nodes):
+            raise ConfigError(
+                f"{ENV_WORLD_SIZE} {self.world_size} must be a multiple of {ENV_GROUP_WORLD_SIZE} "
+                f"{self.group.nodes}: every node of a replica group runs as many ranks"
+            )
+        if not 0 <= self.rank < self.local_world_size:
+            raise ConfigError(
+                f"{ENV_LOCAL_RANK} must be in [0, {ENV_LOCAL_WORLD_SIZE}={self.local_world_size}), got {self.rank}"
+            )
+        if self.resume_step is not None and self.resume_step < 0:
+            raise ConfigError(f"{ENV_RESUME_STEP} must be >= 0, got {self.resume_step}")
+
+    @property
+    def local_world_size(self) -> int:
+        """Ranks of the replica group on this node."""
+        return self.world_size // self.group.nodes if self.group is not None else self.world_size
+
+    @property
+    def global_rank(self) -> int:
+        """The rank in the whole replica group, across its nodes (``RANK``)."""
+        return self.group.group_rank * self.local_world_size + self.rank if self.group is not None else self.rank
+
+    def to_env(self, environ: Mapping[str, str]) -> dict[str, str]:
+        """What the worker sees: ``environ`` (the supervisor's), PyTorch's variables inside its
+        replica group as torchrun sets them, and unbroken's own.
+
+        A replica group on one node (``group`` None) rendezvouses on this node's loopback, and
+        torchrun's view of it is one node (``GROUP_RANK`` 0), whose restarts are this replica's.
+        A group spanning nodes rendezvouses at the address its group rank 0 node advertised,
+        and Gloo is pinned to the interface of this node's advertised address unless
+        ``environ`` chose one. NCCL is told to clean up a failed collective rather than tear the
+        process down (unless ``environ`` says otherwise): a peer's fault must fail this rank's
+        exchange, which the next epoch heals, not kill the rank.
+        """
+        restarts = str(self.restarts)
+        out = {
+            **environ,
+            ENV_COORDINATOR: self.coordinator,
+            ENV_SECRET_FILE: str(Path(self.secret_file).resolve()),
+            ENV_REPLICA_ID: str(self.replica),
+            ENV_NUM_REPLICAS: str(self.num_replicas),
+            ENV_RUN_DIR: str(self.run_dir),
+            ENV_RESTART_COUNT: restarts,
+            ENV_NODE: self.node,
+            ENV_RANK: str(self.rank),
+            ENV_LOCAL_RANK: str(self.rank),
+            ENV_WORLD_SIZE: str(self.world_size),
+            ENV_MASTER_ADDR: "127.0.0.1",
+            ENV_MASTER_PORT: str(self.master_port),
+            ENV_LOCAL_WORLD_SIZE: str(self.world_size),
+            ENV_GROUP_RANK: "0",
+            ENV_GROUP_WORLD_SIZE: "1",
+            ENV_ROLE_RANK: str(self.rank),
+            ENV_ROLE_WORLD_SIZE: str(self.world_size),
+            ENV_TORCHELASTIC_RESTART_COUNT: restarts,
+            ENV_TORCHELASTIC_RUN_ID: Path(self.run_dir).resolve().name,  # one id for the whole job
+            ENV_OMP_NUM_THREADS: omp_num_threads(self.threads, environ),
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONFAULTHANDLER": "1",  # a crashing worker leaves its stack in the log
+            ENV_NCCL_ASYNC_ERROR_HANDLING: nccl_async_error_handling(environ),
+        }
+        if self.cross_replica_backend is not None:
+            out[ENV_CROSS_REPLICA_BACKEND] = self.cross_replica_backend.value
+        g = self.group
+        if g is not None:
+            out.update(
+                {
+                    ENV_RANK: str(self.global_rank),
+                    ENV_GROUP_RANK: str(g.group_rank),
+                    ENV_GROUP_WORLD_SIZE: str(g.nodes),
+                    ENV_ROLE_RANK: str(self.global_rank),
+                    ENV_LOCAL_WORLD_SIZE: str(self.local_world_size),
+                    ENV_MASTER_ADDR: g.master_addr,
+                    ENV_MASTER_PORT: str(g.master_port),
+                }
+            )
+            if g.ifname and gloo_socket_ifname(environ) is None:
+                out[ENV_GLOO_SOCKET_IFNAME] = g.ifname
+        if self.chaos is not None:
+            out[ENV_CHAOS] = self.chaos
+        if self.checkpoint_dir is not None:
+            out[ENV_CHECKPOINT_DIR] = str(self.checkpoint_dir)
+        if self.resume_step is not None:
+            out[ENV_RESUME_STEP] = str(self.resume_step)
+        if self.anomaly_policy:
+            out[ENV_ANOMALY_POLICY] = self.anomaly_policy
+        if self.python_path is not None:
+            out[ENV_PYTHONPATH] = self.python_path
+        return out
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> WorkerSettings:
+        """The settings a supervisor wrote with :meth:`to_env`; a :class:`ConfigError` naming the
+        variable when one is missing or malformed. With a group spanning nodes, ``master_port``
+        is the group's (the one the worker dials). ``python_path`` is read back as ``PYTHONPATH``."""
+
+        def text(name: str) -> str:
+            if name not in env:
+                raise ConfigError(f"{name} is not set (the supervisor sets it: start the worker with `unbroken run`)")
+            return env[name]
+
+        def integer(name: str) -> int:
+            raw = text(name)
+            try:
+                return int(raw)
+            except ValueError:
+                raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
+
+        nodes = integer(ENV_GROUP_WORLD_SIZE)
+        group = None
+        if nodes > 1:
+            group = GroupPlace(
+                integer(ENV_GROUP_RANK), nodes, text(ENV_MASTER_ADDR), integer(ENV_MASTER_PORT), gloo_socket_ifname(env)
+            )
+        backend = env.get(ENV_CROSS_REPLICA_BACKEND)
+        return cls(
+            coordinator=text(ENV_COORDINATOR),
+            secret_file=Path(text(ENV_SECRET_FILE)),
+            replica=integer(ENV_REPLICA_ID),
+            num_replicas=integer(ENV_NUM_REPLICAS),
+            run_dir=Path(text(ENV_RUN_DIR)),
+            restarts=integer(ENV_RESTART_COUNT),
+            node=text(ENV_NODE),
+            rank=integer(ENV_LOCAL_RANK),
+            world_size=integer(ENV_WORLD_SIZE),
+            master_port=integer(ENV_MASTER_PORT),
+            threads=integer(ENV_OMP_NUM_THREADS),
+            group=group,
+            cross_replica_backend=CrossReplicaBackend.parse(backend, ENV_CROSS_REPLICA_BACKEND) if backend else None,
+            checkpoint_dir=Path(env[ENV_CHECKPOINT_DIR]) if env.get(ENV_CHECKPOINT_DIR) else None,
+            resume_step=integer(ENV_RESUME_STEP) if env.get(ENV_RESUME_STEP) else None,
+            anomaly_policy=env.get(ENV_ANOMALY_POLICY, ""),
+            python_path=env.get(ENV_PYTHONPATH) or None,
+            chaos=env.get(ENV_CHAOS) or None,
         )
 
 

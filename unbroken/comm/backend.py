@@ -17,13 +17,12 @@ from collections.abc import Sequence
 
 import torch
 
-BACKENDS = ("auto", "nccl", "gloo")
+from unbroken.config import CrossReplicaBackend
 
 
 def check_backend(setting: str, device: torch.device) -> None:
     """Raises ValueError for a setting that can never work on ``device``, before any epoch."""
-    if setting not in BACKENDS:
-        raise ValueError(f"the cross-replica backend must be one of {', '.join(BACKENDS)}, got {setting!r}")
+    CrossReplicaBackend.parse(setting, "the cross-replica backend")
     if setting == "nccl" and device.type != "cuda":
         raise ValueError(
             f"--cross-replica-backend nccl needs CUDA tensors, but the exchange's device is {device}: "
@@ -39,8 +38,7 @@ def choose_backend(setting: str, device_type: str, identities: Sequence[str] = (
         device_type: where the tensors live (``cuda`` or ``cpu``).
         identities: with ``auto`` on CUDA, each member's GPU (:func:`gpu_identity`), in rank order.
     """
-    if setting not in BACKENDS:
-        raise ValueError(f"unknown cross-replica backend {setting!r}")
+    CrossReplicaBackend.parse(setting, "the cross-replica backend")
     if device_type != "cuda" or setting == "gloo":
         return "gloo"
     if setting == "nccl":

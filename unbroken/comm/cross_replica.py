@@ -33,13 +33,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unbroken.comm.backend import BACKENDS
 from unbroken.comm.recorder import FlightRecorder
 from unbroken.comm.retire import GroupReaper
 from unbroken.comm.store_client import AuthenticatedStore
 from unbroken.comm.transport import EpochLink, Transport, make_transport
 from unbroken.comm.transport.backend_transport import make_group
-from unbroken.config import exchange_mode
+from unbroken.config import CrossReplicaBackend, exchange_mode
 from unbroken.control.quorum.failure import MAX_FAILURE_CHARS
 from unbroken.wire.auth import JobSecret
 
@@ -93,8 +92,7 @@ class CrossReplicaGroup:
     ) -> None:
         if not isinstance(secret, JobSecret):
             raise TypeError(f"CrossReplicaGroup needs the job's JobSecret, got {type(secret).__name__}")
-        if backend not in BACKENDS:
-            raise ValueError(f"the cross-replica backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        CrossReplicaBackend.parse(backend, "the cross-replica backend")
         self._secret = secret
         self.backend_setting = backend
         self.backend = ""  # the backend of the current epoch's group, once built

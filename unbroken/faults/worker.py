@@ -3,7 +3,7 @@
 :class:`WorkerChaos` is the :class:`~unbroken.train.hooks.FaultHook` that ``unbroken.init()``
 installs in the :class:`~unbroken.train.manager.Manager` when the launcher planned worker-side
 faults for this rank (:data:`~unbroken.faults.schedule.WORKER_KINDS`); they travel in the
-:data:`~unbroken.config.ENV_CHAOS` environment variable (:func:`worker_env`). With none planned
+:data:`~unbroken.config.ENV_CHAOS` environment variable (:func:`chaos_env`). With none planned
 no hook is installed and the Manager pays nothing.
 """
 
@@ -18,7 +18,7 @@ from unbroken import config as env
 from unbroken.faults.schedule import Fault, ScheduleError
 
 
-def worker_env(faults: Sequence[Fault], job_start: float) -> dict[str, str]:
+def chaos_env(faults: Sequence[Fault], job_start: float) -> dict[str, str]:
     """The environment that hands ``faults`` to a worker (empty when there are none)."""
     if not faults:
         return {}

@@ -40,7 +40,6 @@ import ipaddress
 import itertools
 import logging
 import os
-import signal
 import socket
 import sys
 import time
@@ -49,10 +48,10 @@ from typing import TYPE_CHECKING, Any
 
 from unbroken import config as env
 from unbroken.control import protocol
-from unbroken.diagnosis import stacks
-from unbroken.launch import reaper, workers
+from unbroken.launch import workers
 from unbroken.launch.policy import Decision, RestartBook, RestartPolicy
 from unbroken.launch.relay import Relay
+from unbroken.launch.supervisor_core import Supervisor
 from unbroken.observe.events import EventLog
 from unbroken.train.preemption import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
 from unbroken.wire.auth import AuthError, JobSecret
@@ -144,6 +143,8 @@ class AgentSettings:
             raise ValueError(f"--connect-timeout must be > 0, got {self.connect_timeout_s}")
         env.check_seconds({"heartbeat_s": self.heartbeat_s})
         env.check_seconds({"finish_grace_s": self.finish_grace_s}, zero_ok=True)
+        if self.cross_replica_backend is not None:
+            env.CrossReplicaBackend.parse(self.cross_replica_backend, "--cross-replica-backend")
         if self.secret_file is None:
             raise ValueError(
                 f"the agent needs the job's secret: --secret-file PATH (or {env.ENV_SECRET_FILE}), "
@@ -158,8 +159,10 @@ class _Replica(workers.ReplicaProcs):
     failed: Decision | None = None  # the restart policy's word on this node's last exit in that group
 
 
-class Agent:
+class Agent(Supervisor[_Replica]):
     """One node's agent. ``await run()`` returns the exit code: 0 when the job finished."""
+
+    not_running_here = "on this node"
 
     def __init__(self, settings: AgentSettings) -> None:
         self.s = settings
@@ -168,9 +171,9 @@ class Agent:
         self.secret = JobSecret.load(self.secret_file)
         settings.run_dir.mkdir(parents=True, exist_ok=True)
         (settings.run_dir / "logs").mkdir(exist_ok=True)
-        self.events = EventLog(settings.run_dir / f"events-{settings.node}.jsonl", f"agent:{settings.node}")
+        events = EventLog(settings.run_dir / f"events-{settings.node}.jsonl", f"agent:{settings.node}")
+        super().__init__(events, settings.run_dir, settings.term_grace_s)
         self.book = RestartBook(settings.policy)
-        self.replicas: dict[int, _Replica] = {}
         self.steps: dict[int, int] = {}
         self.num_replicas = 0
         self.error: str | None = None
@@ -179,15 +182,11 @@ class Agent:
         self.relay: Relay | None = None
         self.store: StoreServer | None = None  # the rendezvous store of the groups led from this node
         self.http: ObserveServer | None = None
-        self._terminated: float | None = None  # when SIGTERM came (monotonic)
         self._job_finished = False
         self._coordinator_lost = False
         self._rejoining: list[int] | None = None  # replicas named in a re-hello not yet answered
         self._address = 0  # which of --coordinator's addresses answered last
         self.term: int | None = None  # the newest lease term a coordinator assigned this agent in
-        self._stop = asyncio.Event()
-        self._tasks: list[asyncio.Task[Any]] = []
-        self._guardian: reaper.Guardian | None = None
         addresses = env.parse_host_ports(settings.coordinator, "--coordinator")
         self._has_standby = len(addresses) > 1
         self.addr = settings.advertise_addr or env.local_address_towards(addresses[0][0])
@@ -196,46 +195,38 @@ class Agent:
             raise ValueError(f"--advertise-addr {self.addr} is not an address of this node")
 
     async def run(self) -> int:
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGINT, self._interrupt)
-        loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
-        try:
-            with reaper.supervising() as self._guardian:
-                try:
-                    if self.s.http_port is not None:
-                        self._serve_http()
-                    self._link = await self._connect()
-                    if self.s.relay:
-                        self.store = self._host_store()
-                        self.relay = Relay(
-                            self.s.node,
-                            self.s.coordinator,
-                            self.secret,
-                            self._relay_failed,
-                            store=self.store.address if self.store is not None else "",
-                        )
-                        await self.relay.start()
-                    self._send(self._hello().to_msg())
-                    self.events.emit(
-                        "agent_started",
-                        node=self.s.node,
-                        slots=self.s.slots,
-                        coordinator=self.s.coordinator,
-                        relay=self.relay.address if self.relay is not None else None,
-                        store=self.store.address if self.store is not None else None,
-                    )
-                    self._tasks += [asyncio.create_task(self._listen()), asyncio.create_task(self._heartbeat())]
-                    await self._stop.wait()
-                    if self._terminated is not None:
-                        await self._drain()
-                finally:
-                    await self._cleanup()
-        finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
+        await self._supervised(self._run)
         if self.error is not None:
             raise ValueError(self.error)
         return self.exit_code
+
+    async def _run(self) -> None:
+        if self.s.http_port is not None:
+            self._serve_http()
+        self._link = await self._connect()
+        if self.s.relay:
+            self.store = self._host_store()
+            self.relay = Relay(
+                self.s.node,
+                self.s.coordinator,
+                self.secret,
+                self._relay_failed,
+                store=self.store.address if self.store is not None else "",
+            )
+            await self.relay.start()
+        self._send(self._hello().to_msg())
+        self.events.emit(
+            "agent_started",
+            node=self.s.node,
+            slots=self.s.slots,
+            coordinator=self.s.coordinator,
+            relay=self.relay.address if self.relay is not None else None,
+            store=self.store.address if self.store is not None else None,
+        )
+        self._tasks += [asyncio.create_task(self._listen()), asyncio.create_task(self._heartbeat())]
+        await self._stop.wait()
+        if self._terminated is not None:
+            await self._drain_workers("agent_terminated")
 
     def _host_store(self) -> StoreServer | None:
         """The rendezvous store of the groups led from this node, at its advertised address; None
@@ -257,37 +248,17 @@ class Agent:
             return self.s.coordinator
         return f"{self.relay.address},{self.s.coordinator}"
 
-    def _interrupt(self) -> None:
+    def _on_sigint(self) -> None:
         self.events.emit("agent_interrupted")
         self.exit_code = 130
         self._stop.set()
 
     def _on_sigterm(self) -> None:
-        """SIGTERM (preemption): forwarded at once to every worker, which finishes its step, flushes
-        a checkpoint and exits; :meth:`_drain` waits for them, and nothing is restarted."""
-        if self._terminated is None:
-            self._terminated = time.monotonic()
-            self.events.emit("sigterm_received", grace_s=self.s.term_grace_s)
-            workers.forward_sigterm([p for r in self.replicas.values() for p in r.procs])
+        """SIGTERM (preemption): forwarded at once to every worker (:meth:`_sigterm_once`), which
+        finishes its step, flushes a checkpoint and exits; nothing is restarted."""
+        self._sigterm_once()
         self.exit_code = 143
         self._stop.set()
-
-    async def _drain(self) -> None:
-        """Waits (up to the grace period from the signal) for the workers told to stop."""
-        assert self._terminated is not None
-        procs = [p for r in self.replicas.values() for p in r.procs if p.returncode is None]
-        workers.forward_sigterm(procs)  # to any process started since
-        left = self._terminated + self.s.term_grace_s - time.monotonic()
-        pending: set[Any] = set()
-        if procs:
-            _, pending = await asyncio.wait([asyncio.ensure_future(p.wait()) for p in procs], timeout=max(0.0, left))
-        self.events.emit(
-            "agent_terminated",
-            grace_s=self.s.term_grace_s,
-            killed=len(pending),
-            exit_codes={r.replica: [p.returncode for p in r.procs] for r in self.replicas.values() if r.procs},
-            drain_s=round(time.monotonic() - self._terminated, 3),
-        )
 
     async def _connect(self) -> protocol.Link:
         addresses = env.parse_host_ports(self.s.coordinator, "--coordinator")
@@ -404,8 +375,7 @@ class Agent:
             stopped = self.replicas.get(protocol.GroupStop.from_msg(msg).replica)
             if stopped is not None and stopped.procs:
                 self.events.emit("group_stopped", replica=stopped.replica, incarnation=stopped.incarnation)
-                procs, stopped.procs = stopped.procs, []
-                await workers.kill_groups(procs, self._guardian)
+                await self._end(stopped)
         elif op == protocol.AgentStatus.OP:
             self._progress({int(r): s for r, s in protocol.AgentStatus.from_msg(msg).steps.items()})
         elif op == protocol.DumpStack.OP:
@@ -441,8 +411,7 @@ class Agent:
         self.num_replicas = a.num_replicas
         r = self.replicas.setdefault(replica, _Replica(replica))
         if r.procs:  # an older start of the group: ended before the new one begins
-            procs, r.procs = r.procs, []
-            await workers.kill_groups(procs, self._guardian)
+            await self._end(r)
         r.incarnation = incarnation
         failed, r.failed = r.failed, None
         if failed is not None and a.blamed:
@@ -464,7 +433,7 @@ class Agent:
         else:
             host, port = self.addr, workers.free_port(self.addr)
             self._send(protocol.GroupPort(replica=replica, incarnation=incarnation, port=port).to_msg())
-        place = workers.GroupPlace(group_rank, nodes, host, port, self._ifname)
+        place = env.GroupPlace(group_rank, nodes, host, port, self._ifname)
         self.events.emit(
             "replicas_assigned",
             replicas=[replica],
@@ -476,16 +445,7 @@ class Agent:
 
     async def _dump_stack(self, replica: int, rank: int) -> None:
         """The coordinator's request for a hung rank's stack: dumped from our own child, if it is one."""
-        r = self.replicas.get(replica)
-        if r is None or rank >= len(r.procs):
-            extra: dict[str, Any] = {"stack_note": f"replica {replica} rank {rank} is not running on this node"}
-        else:
-            try:
-                extra = await stacks.dump(
-                    r.procs[rank].pid, stacks.stack_path(self.s.run_dir, replica, rank), env.stack_signal()
-                )
-            except env.ConfigError as e:
-                extra = {"stack_note": str(e)}
+        extra = await self._stack_of(replica, rank)
         self.events.emit("stack", replica=replica, rank=rank, **extra)
         report = protocol.StackReport(
             replica, rank, extra.get("process_state") or "", extra.get("stack"), extra.get("stack_note", "")
@@ -517,23 +477,23 @@ class Agent:
     def _progress(self, steps: dict[int, int]) -> None:
         if max(steps.values(), default=0) > max(self.steps.values(), default=0):
             self.book.progress()
-        for r, step in steps.items():
-            self.steps[r] = step
-            if r in self.replicas and step > self.replicas[r].step_at_start + 1:
-                self.book.progress(r)
+        self.steps.update(steps)
+        self._credit_progress(steps)
 
     def _threads(self) -> int:
         return self.s.threads_per_rank or max(1, (os.cpu_count() or 1) // (self.s.slots * self.s.ranks_per_replica))
 
-    async def _spawn(self, r: _Replica, place: workers.GroupPlace | None = None) -> None:
+    async def _spawn(self, r: _Replica, place: env.GroupPlace | None = None) -> None:
         if r.procs:
             return
         r.done = False
         r.step_at_start = self.steps.get(r.replica, 0)
         master_port = workers.free_port()
         for rank in range(self.s.ranks_per_replica // self.s.nodes_per_replica):
-            environ = workers.worker_env(
+            backend = self.s.cross_replica_backend
+            settings = env.WorkerSettings(
                 coordinator=self._rank_coordinator(),
+                secret_file=self.secret_file,
                 replica=r.replica,
                 num_replicas=self.num_replicas,
                 run_dir=self.s.run_dir,
@@ -543,11 +503,11 @@ class Agent:
                 world_size=self.s.ranks_per_replica,
                 master_port=master_port,
                 threads=self._threads(),
-                secret_file=self.secret_file,
                 group=place,
-                cross_replica_backend=self.s.cross_replica_backend,
+                cross_replica_backend=env.CrossReplicaBackend(backend) if backend else None,
             )
-            global_rank = int(environ[env.ENV_RANK])  # the rank in the whole group, across its nodes
+            environ = workers.worker_environ(settings)
+            global_rank = settings.global_rank  # the rank in the whole group, across its nodes
             log = self.s.run_dir / "logs" / f"replica{r.replica}-rank{global_rank}.log"
             proc = await workers.start_worker(self.s.command, environ, log, self._guardian)
             r.procs.append(proc)
@@ -564,18 +524,11 @@ class Agent:
 
     async def _watch(self, r: _Replica, rank: int, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
-        if code == 0 and self._guardian is not None:
-            # Done: whatever it left running (a persist process finishing its write) is its own.
-            self._guardian.remove(proc.pid)
+        self._exited(proc, code)
         if proc not in r.procs or self._terminated is not None:
             return  # a sibling we ended ourselves, or a worker stopping on SIGTERM (see _drain)
         if code in (EXIT_PREEMPTED, EXIT_FLUSH_FAILED):
-            # SIGTERM reached this worker before (or without) us, as Slurm signals every process:
-            # its siblings are flushing their shards of the same step; give them the grace period.
-            siblings = [p.wait() for p in r.procs if p is not proc and p.returncode is None]
-            if siblings:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(asyncio.gather(*siblings), self.s.term_grace_s)
+            await self._let_siblings_flush(r, proc)
             if proc not in r.procs or self._terminated is not None:
                 return
         if code == 0:
@@ -600,8 +553,7 @@ class Agent:
             action=decision.action,
             reason=decision.reason,
         )
-        procs, r.procs = r.procs, []
-        await workers.kill_groups(procs, self._guardian)
+        await self._end(r)
         if self.s.nodes_per_replica > 1:
             # The coordinator restarts the whole group; if it blames this node (its report came
             # first), the decision applies when the group starts again (see _group_assign).
@@ -637,8 +589,7 @@ class Agent:
         for r in self.replicas.values():
             if r.procs:
                 self.events.emit("replica_stopped", replica=r.replica, reason="the job finished without it")
-                procs, r.procs = r.procs, []
-                await workers.kill_groups(procs, self._guardian)
+                await self._end(r)
         self._maybe_done()
 
     def _serve_http(self) -> None:
@@ -657,9 +608,7 @@ class Agent:
             self.http.close()
         for t in self._tasks:
             t.cancel()
-        for r in self.replicas.values():
-            procs, r.procs = r.procs, []
-            await workers.kill_groups(procs, self._guardian)
+        await self._end_all()
         if self.relay is not None:
             self.relay.close()
         served = None

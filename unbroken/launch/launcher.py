@@ -33,25 +33,23 @@ import contextlib
 import dataclasses
 import logging
 import os
-import signal
 import sys
 import time
-from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from unbroken import config as env
 from unbroken.control.coordinator import Coordinator
 from unbroken.control.state import secret_file
-from unbroken.diagnosis import stacks
-from unbroken.faults.worker import worker_env
-from unbroken.launch import dashboard, reaper, torchft_compat, workers
+from unbroken.faults.worker import chaos_env
+from unbroken.launch import dashboard, torchft_compat, workers
 from unbroken.launch.fault_firing import FaultFiring
 from unbroken.launch.lifecycle import RUNNING, Lifecycle, State, Transition
 from unbroken.launch.policy import Placement, RestartBook, Slot
 from unbroken.launch.readmission import Readmission
 from unbroken.launch.rollback import Rollback
 from unbroken.launch.settings import LaunchSettings, local_slots
+from unbroken.launch.supervisor_core import Supervisor
 from unbroken.launch.verdicts import IGNORE, ISOLATE, ROLLBACK, culprit_replica, verdict_action
 from unbroken.launch.warm_spare import WarmSpare
 from unbroken.launch.workers import SupervisedReplica, free_port
@@ -67,7 +65,7 @@ EXIT_TERMINATED = 143  # 128 + SIGTERM: stopped by SIGTERM after the workers' fl
 log = logging.getLogger(__name__)
 
 
-class Launcher:
+class Launcher(Supervisor[SupervisedReplica]):
     """Runs one job on this machine. ``await run()`` returns the exit code."""
 
     def __init__(self, settings: LaunchSettings) -> None:
@@ -81,7 +79,7 @@ class Launcher:
             self.secret, self.secret_file = found
         else:
             self.secret, self.secret_file = secret_file.fresh(self.run_dir)
-        self.events = EventLog(self.run_dir / "events.jsonl", "launcher")
+        super().__init__(EventLog(self.run_dir / "events.jsonl", "launcher"), self.run_dir, settings.term_grace_s)
         self.coordinator: Coordinator | None = None
         self.address = ""
         self.http: ObserveServer | None = None
@@ -95,13 +93,9 @@ class Launcher:
         self.job_start = time.time()
         self.job_step = 0
         self.exit_code: int | None = None
-        self._terminated: float | None = None  # when SIGTERM came (monotonic)
-        self._stop = asyncio.Event()
         self._changed = asyncio.Event()
-        self._tasks: list[asyncio.Task[Any]] = []
         self._behind_at: dict[int, int] = {}  # replica -> the step it joined behind at
         self.monitor_errors = 0
-        self._guardian: reaper.Guardian | None = None
         self.warm = WarmSpare(
             settings.command, settings.warm_spare, settings.ranks_per_replica, self.s.threads(), lambda: self._guardian
         )
@@ -135,35 +129,30 @@ class Launcher:
     # -- running ---------------------------------------------------------------------------
 
     async def run(self) -> int:
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGINT, self._stop.set)
-        loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
-        try:
-            with reaper.supervising() as self._guardian:
-                try:
-                    self.address = await self._start_coordinator()
-                    if self.s.http_port is not None:
-                        self._serve_http(self.s.http_port)
-                    self.job_start = time.time()
-                    self.events.emit(
-                        ev.JobStarted(
-                            replicas=self.s.replicas,
-                            spares=self.s.spares,
-                            schedule=self.s.schedule.to_json(),
-                            coordinator=self.address,
-                        )
-                    )
-                    for r in self.replicas.values():
-                        await self._spawn(r)
-                    if self.warm.usable():
-                        await self.warm.start()
-                    self._tasks.append(asyncio.create_task(self._monitor()))
-                    return await self._supervise()
-                finally:
-                    await self._cleanup()
-        finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
+        return await self._supervised(self._run)
+
+    async def _run(self) -> int:
+        self.address = await self._start_coordinator()
+        if self.s.http_port is not None:
+            self._serve_http(self.s.http_port)
+        self.job_start = time.time()
+        self.events.emit(
+            ev.JobStarted(
+                replicas=self.s.replicas,
+                spares=self.s.spares,
+                schedule=self.s.schedule.to_json(),
+                coordinator=self.address,
+            )
+        )
+        for r in self.replicas.values():
+            await self._spawn(r)
+        if self.warm.usable():
+            await self.warm.start()
+        self._tasks.append(asyncio.create_task(self._monitor()))
+        return await self._supervise()
+
+    def _on_sigint(self) -> None:
+        self._stop.set()
 
     def stop(self) -> None:
         """Ends the job as Ctrl-C would (benchmarks stop a run once they have what they measure)."""
@@ -185,20 +174,6 @@ class Launcher:
     def _status(self) -> dict[str, Any] | None:
         return self.coordinator.status() if self.coordinator is not None else None
 
-    async def _stack_of(self, replica: int, rank: int) -> dict[str, Any]:
-        """A hung rank's stack, from the process this supervisor started for it."""
-        r = self.replicas.get(replica)
-        if r is None or rank >= len(r.procs):
-            return {"stack_note": f"replica {replica} rank {rank} is not running here"}
-        try:
-            signum = env.stack_signal()
-        except env.ConfigError as e:
-            return {"stack_note": str(e)}
-        return await stacks.dump(r.procs[rank].pid, stacks.stack_path(self.run_dir, replica, rank), signum)
-
-    def _run_task(self, coro: Coroutine[Any, Any, None]) -> None:
-        self._tasks.append(asyncio.create_task(coro))
-
     def _move(self, replica: int, state: State, reason: str) -> None:
         t = self.lifecycle.try_move(replica, state, reason, time.time())
         if t is not None:
@@ -207,21 +182,14 @@ class Launcher:
 
     # -- processes -------------------------------------------------------------------------
 
-    def _worker_env(self, r: SupervisedReplica, rank: int, master_port: int, slot: Slot) -> dict[str, str]:
+    def _worker_environ(self, r: SupervisedReplica, rank: int, master_port: int, slot: Slot) -> dict[str, str]:
         faults = self.s.schedule.worker_faults(r.replica, rank) if slot == self.placement.home[r.replica] else []
         if r.restarts:  # a one-step fault the job already went through does not strike again
             faults = [f for f in faults if not f.one_step or f.step is None or f.step > self.job_step]
-        extra = worker_env(faults, self.job_start)
-        if self.s.checkpoint_dir is not None:
-            extra[env.ENV_CHECKPOINT_DIR] = str(self.s.checkpoint_dir)
-        if r.resume_step is not None:
-            extra[env.ENV_RESUME_STEP] = str(r.resume_step)
-        if self.s.anomaly_policy:
-            extra[env.ENV_ANOMALY_POLICY] = self.s.anomaly_policy
-        if self.s.torchft_compat:  # `import torchft` is unbroken's facade
-            extra[env.ENV_PYTHONPATH] = torchft_compat.python_path_with(torchft_compat.write_shim(self.run_dir))
-        return workers.worker_env(
+        backend = self.s.cross_replica_backend
+        settings = env.WorkerSettings(
             coordinator=self.address,
+            secret_file=self.secret_file,
             replica=r.replica,
             num_replicas=self.s.replicas,
             run_dir=self.run_dir,
@@ -231,11 +199,19 @@ class Launcher:
             world_size=self.s.ranks_per_replica,
             master_port=master_port,
             threads=self.s.threads(),
-            secret_file=self.secret_file,
-            extra=extra,
-            cross_replica_backend=self.s.cross_replica_backend,
-            one_machine=True,
+            cross_replica_backend=env.CrossReplicaBackend(backend) if backend else None,
+            checkpoint_dir=self.s.checkpoint_dir,
+            resume_step=r.resume_step,
+            anomaly_policy=self.s.anomaly_policy,
+            # `import torchft` is unbroken's facade
+            python_path=(
+                torchft_compat.python_path_with(torchft_compat.write_shim(self.run_dir))
+                if self.s.torchft_compat
+                else None
+            ),
+            chaos=chaos_env(faults, self.job_start).get(env.ENV_CHAOS),
         )
+        return workers.worker_environ(settings, one_machine=True)
 
     async def _spawn(self, r: SupervisedReplica) -> None:
         slot = self.placement.place(r.replica)
@@ -249,7 +225,7 @@ class Launcher:
             await self.rollback.ready()  # no process of the rollback starts before its discard
         for rank in range(self.s.ranks_per_replica):
             path = self.run_dir / "logs" / f"replica{r.replica}-rank{rank}.log"
-            environ = self._worker_env(r, rank, master_port, slot)
+            environ = self._worker_environ(r, rank, master_port, slot)
             proc = await self.warm.take(environ, path) if r.restarts and self.warm.usable() else None
             if proc is not None:
                 self._run_task(self.warm.start())
@@ -274,9 +250,7 @@ class Launcher:
 
     async def _watch(self, r: SupervisedReplica, rank: int, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
-        if code == 0 and self._guardian is not None:
-            # Done: whatever it left running (a persist process finishing its write) is its own.
-            self._guardian.remove(proc.pid)
+        self._exited(proc, code)
         if proc not in r.procs:
             return  # a sibling we ended ourselves
         t_exit = time.monotonic()
@@ -288,13 +262,7 @@ class Launcher:
                 self._changed.set()
             return
         if code in (EXIT_PREEMPTED, EXIT_FLUSH_FAILED) and self._terminated is None:
-            # SIGTERM reached this worker before (or without) us, as Slurm signals every process
-            # of a job: its siblings got it too and are flushing their shards of the same step.
-            # Killing them now, as for a crash, would lose that step; give them the grace period.
-            siblings = [p.wait() for p in r.procs if p is not proc and p.returncode is None]
-            if siblings:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(asyncio.gather(*siblings), self.s.term_grace_s)
+            await self._let_siblings_flush(r, proc)
         if self.lifecycle.state[r.replica] not in RUNNING or self._terminated is not None or proc not in r.procs:
             return
         self._failed(
@@ -480,9 +448,8 @@ class Launcher:
         if top > self.job_step:
             self.job_step = top
             self.book.progress()
+        self._credit_progress(steps)
         for r, step in steps.items():
-            if r in self.replicas and step > self.replicas[r].step_at_start + 1:
-                self.book.progress(r)
             if self.lifecycle.state.get(r) == State.CATCHING_UP and step > self._behind_at.get(r, step) + 1:
                 self._move(r, State.TRAINING, f"caught up: trains step {step} as a full member")
 
@@ -541,52 +508,21 @@ class Launcher:
         return 0 if ok else 1
 
     def _on_sigterm(self) -> None:
-        """SIGTERM: forwarded at once to every worker, which finishes its step, flushes a checkpoint
-        and exits (:mod:`unbroken.train.preemption`); :meth:`_drain` waits for them. At once,
-        because the ranks of a replica must see it within a step of each other."""
-        if self._terminated is None:
-            self._terminated = time.monotonic()
-            self.events.emit("sigterm_received", grace_s=self.s.term_grace_s)
-            self._forward_sigterm()
+        """SIGTERM: forwarded at once to every worker (:meth:`_sigterm_once`); :meth:`_drain`
+        waits for them."""
+        self._sigterm_once()
         self._stop.set()
         self._changed.set()
 
-    def _forward_sigterm(self) -> None:
-        workers.forward_sigterm([p for r in self.replicas.values() for p in r.procs])
-
     async def _drain(self) -> int:
-        """Waits for the workers told to stop by :meth:`_on_sigterm`; what is still running when
-        the grace period (counted from the signal) ends is killed by the cleanup. No replica is
-        restarted."""
-        assert self._terminated is not None
-        self._forward_sigterm()  # to any process started since (a restart under way)
-        procs = [p for r in self.replicas.values() for p in r.procs if p.returncode is None]
-        left = self._terminated + self.s.term_grace_s - time.monotonic()
-        pending: set[Any] = set()
-        if procs:
-            _, pending = await asyncio.wait([asyncio.ensure_future(p.wait()) for p in procs], timeout=max(0.0, left))
-        codes = {r.replica: [p.returncode for p in r.procs] for r in self.replicas.values() if r.procs}
-        self.events.emit(
-            "job_terminated",
-            grace_s=self.s.term_grace_s,
-            exit_codes=codes,
-            killed=len(pending),
-            drain_s=round(time.monotonic() - self._terminated, 3),
-        )
+        """Waits for the workers told to stop by :meth:`_on_sigterm`; no replica is restarted."""
+        await self._drain_workers("job_terminated")
         return EXIT_TERMINATED
-
-    async def _kill(self, procs: list[asyncio.subprocess.Process]) -> None:
-        await workers.kill_groups(procs, self._guardian)
-
-    async def _end(self, r: SupervisedReplica) -> None:
-        procs, r.procs = r.procs, []
-        await self._kill(procs)
 
     async def _cleanup(self) -> None:
         for t in self._tasks + [r.pending for r in self.replicas.values() if r.pending]:
             t.cancel()
-        for r in self.replicas.values():
-            await self._end(r)
+        await self._end_all()
         await self.warm.close()
         if self.http is not None:
             self.http.close()

@@ -24,7 +24,7 @@ from typing import Any
 
 from unbroken import config as env
 from unbroken.faults.schedule import Fault
-from unbroken.faults.worker import worker_env
+from unbroken.faults.worker import chaos_env
 from unbroken.launch import reaper, workers
 from unbroken.launch.policy import Placement
 from unbroken.observe.events import EventLog
@@ -79,7 +79,7 @@ class Readmission:
         base = [sys.executable, "-m", "unbroken.launch.selfcheck", "--port", str(port)]
         extra = {**workers.package_path(), "OMP_NUM_THREADS": "1", env.ENV_SECRET_FILE: str(self.secret_file)}
         procs = []
-        for role, fenv in (("checked", worker_env(still, now)), ("reference", {})):
+        for role, fenv in (("checked", chaos_env(still, now)), ("reference", {})):
             procs.append(
                 await asyncio.create_subprocess_exec(
                     *base,

@@ -127,11 +127,8 @@ class LaunchSettings:
         env.check_seconds({"--heartbeat-timeout": self.heartbeat_timeout_s})  # NaN too, before any replica starts
         if self.on_hang not in HANG_ACTIONS:
             raise ValueError(f"--on-hang must be one of {', '.join(HANG_ACTIONS)}, got {self.on_hang!r}")
-        if self.cross_replica_backend is not None and self.cross_replica_backend not in env.CROSS_REPLICA_BACKENDS:
-            raise ValueError(
-                f"--cross-replica-backend must be one of {', '.join(env.CROSS_REPLICA_BACKENDS)}, "
-                f"got {self.cross_replica_backend!r}"
-            )
+        if self.cross_replica_backend is not None:
+            env.CrossReplicaBackend.parse(self.cross_replica_backend, "--cross-replica-backend")
         JobHealth(self.fatal_epochs, self.no_progress_timeout_s)  # the same checks as the coordinator's
         self.schedule.validate(self.replicas, self.ranks_per_replica, coordinator_in_process=self.coordinator is None)
         parse_policy(self.anomaly_policy)  # a typo fails here, with the kinds and actions it accepts

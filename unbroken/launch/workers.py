@@ -46,25 +46,6 @@ class SupervisedReplica(ReplicaProcs):
     resume_step: int | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class GroupPlace:
-    """Where this node's ranks sit in a replica group that spans ``nodes`` nodes.
-
-    Attributes:
-        group_rank: this node's index in the group (``GROUP_RANK``).
-        nodes: nodes in the group (``GROUP_WORLD_SIZE``).
-        master_addr: the address of group rank 0's node, where the group rendezvouses.
-        master_port: the port group rank 0 picked there.
-        ifname: the interface of this node's advertised address, for Gloo (None: Gloo's default).
-    """
-
-    group_rank: int
-    nodes: int
-    master_addr: str
-    master_port: int
-    ifname: str | None = None
-
-
 def _die_with_parent() -> None:
     """Runs in the child between fork and exec: SIGKILL this process when its parent dies."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -140,90 +121,18 @@ def interface_of(address: str) -> str | None:
     return None
 
 
-def worker_env(
-    *,
-    coordinator: str,
-    replica: int,
-    num_replicas: int,
-    run_dir: Path,
-    restarts: int,
-    node: str,
-    rank: int,
-    world_size: int,
-    master_port: int,
-    threads: int,
-    secret_file: Path,
-    extra: dict[str, str] | None = None,
-    group: GroupPlace | None = None,
-    cross_replica_backend: str | None = None,
-    one_machine: bool = False,
-) -> dict[str, str]:
-    """What a worker sees: PyTorch's variables inside its replica group, plus unbroken's own.
-
-    The job's secret travels as the path of its 0600 file (``UNBROKEN_SECRET_FILE``), never as
-    the key itself: an environment shows in ``/proc/PID/environ``, core dumps and scheduler logs.
-
-    A replica group on one node (``group`` None) rendezvouses on this node's loopback, and
-    torchrun's view of it is one node (``GROUP_RANK`` 0) of ``world_size`` local ranks, whose
-    restarts are this replica's restarts. A group spanning nodes (``group``) rendezvouses at the
-    address its group rank 0 node advertised, and ``rank`` is then the index on this node
-    (``LOCAL_RANK``); Gloo is pinned to the interface of this node's advertised address.
-
-    ``cross_replica_backend`` (``--cross-replica-backend``), when given, wins over the
-    environment's. NCCL is told to clean up a failed collective rather than tear the process
-    down (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``, unless the user set it): a peer's fault must
-    fail this rank's exchange, which the next epoch heals, not kill the rank.
+def worker_environ(settings: env.WorkerSettings, one_machine: bool = False) -> dict[str, str]:
+    """The environment a worker starts with: this process's, with ``settings`` written in
+    (:meth:`unbroken.config.WorkerSettings.to_env`).
 
     ``one_machine``: the whole job runs on this machine (``unbroken run``), so NCCL's and Gloo's
     own sockets, which unbroken cannot authenticate, are bound to loopback
     (:func:`loopback_env`) unless the user chose their interfaces.
     """
-    chosen = {env.ENV_CROSS_REPLICA_BACKEND: cross_replica_backend} if cross_replica_backend else {}
-    local_world = world_size
-    place: dict[str, str] = {}
-    if group is not None:
-        local_world = world_size // group.nodes
-        place = {
-            env.ENV_RANK: str(group.group_rank * local_world + rank),
-            env.ENV_GROUP_RANK: str(group.group_rank),
-            env.ENV_GROUP_WORLD_SIZE: str(group.nodes),
-            env.ENV_ROLE_RANK: str(group.group_rank * local_world + rank),
-            env.ENV_LOCAL_WORLD_SIZE: str(local_world),
-            env.ENV_MASTER_ADDR: group.master_addr,
-            env.ENV_MASTER_PORT: str(group.master_port),
-        }
-        if group.ifname and env.gloo_socket_ifname() is None:
-            place[env.ENV_GLOO_SOCKET_IFNAME] = group.ifname
-    return {
-        **os.environ,
-        env.ENV_COORDINATOR: coordinator,
-        env.ENV_SECRET_FILE: str(Path(secret_file).resolve()),
-        env.ENV_REPLICA_ID: str(replica),
-        env.ENV_NUM_REPLICAS: str(num_replicas),
-        env.ENV_RUN_DIR: str(run_dir),
-        env.ENV_RESTART_COUNT: str(restarts),
-        env.ENV_NODE: node,
-        env.ENV_RANK: str(rank),
-        env.ENV_LOCAL_RANK: str(rank),
-        env.ENV_WORLD_SIZE: str(world_size),
-        env.ENV_MASTER_ADDR: "127.0.0.1",
-        env.ENV_MASTER_PORT: str(master_port),
-        env.ENV_LOCAL_WORLD_SIZE: str(world_size),
-        env.ENV_GROUP_RANK: "0",
-        env.ENV_GROUP_WORLD_SIZE: "1",
-        env.ENV_ROLE_RANK: str(rank),
-        env.ENV_ROLE_WORLD_SIZE: str(world_size),
-        env.ENV_TORCHELASTIC_RESTART_COUNT: str(restarts),
-        env.ENV_TORCHELASTIC_RUN_ID: Path(run_dir).resolve().name,  # one id for the whole job
-        env.ENV_OMP_NUM_THREADS: env.omp_num_threads(threads),
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONFAULTHANDLER": "1",  # a crashing worker leaves its stack in the log
-        env.ENV_NCCL_ASYNC_ERROR_HANDLING: env.nccl_async_error_handling(),
-        **chosen,
-        **place,
-        **(loopback_env(os.environ) if one_machine else {}),
-        **(extra or {}),
-    }
+    environ = settings.to_env(os.environ)
+    if one_machine:
+        environ.update(loopback_env(os.environ))
+    return environ
 
 
 def loopback_env(environ: Mapping[str, str], ifname: str | None = None) -> dict[str, str]:

@@ -9,16 +9,16 @@ import pytest
 
 from unbroken import config as env
 from unbroken.faults.schedule import Fault, Schedule, ScheduleError, parse_flag
-from unbroken.faults.worker import WorkerChaos, worker_env
+from unbroken.faults.worker import WorkerChaos, chaos_env
 
 
 def test_worker_hook_reaches_the_worker_through_its_environment() -> None:
     faults = Schedule.build(flags=["slow_rank:replica=1,factor=3,step=2"]).worker_faults(1, 0)
-    environ = worker_env(faults, job_start=123.0)
+    environ = chaos_env(faults, job_start=123.0)
     hook = WorkerChaos.from_env(1, environ)
     assert hook is not None and hook.faults == faults and hook.job_start == 123.0
     assert WorkerChaos.from_env(1, {}) is None
-    assert worker_env([], 0.0) == {}
+    assert chaos_env([], 0.0) == {}
     with pytest.raises(ScheduleError, match=env.ENV_CHAOS):
         WorkerChaos.from_env(1, {env.ENV_CHAOS: "{not json"})
 

@@ -1,16 +1,22 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from unbroken.config import GroupPlace, WorkerSettings
 from unbroken.launch.agent import AgentSettings
-from unbroken.launch.workers import GroupPlace, interface_of, worker_env
+from unbroken.launch.workers import interface_of, worker_environ
+
+
+def environ_of(*, one_machine: bool = False, **settings: Any) -> dict[str, str]:
+    return worker_environ(WorkerSettings(**settings), one_machine=one_machine)
 
 
 def test_a_rank_of_a_group_spanning_nodes_sees_torchruns_variables_for_the_whole_group() -> None:
     place = GroupPlace(group_rank=1, nodes=2, master_addr="198.18.0.10", master_port=41000, ifname="eth0")
-    env = worker_env(
+    env = environ_of(
         coordinator="198.18.0.1:29400",
         replica=3,
         num_replicas=4,
@@ -48,7 +54,7 @@ def _one_machine_env(monkeypatch: pytest.MonkeyPatch, **user: str) -> dict[str, 
         monkeypatch.delenv(name, raising=False)
     for name, value in user.items():
         monkeypatch.setenv(name, value)
-    return worker_env(
+    return environ_of(
         coordinator="127.0.0.1:29400",
         replica=0,
         num_replicas=2,
@@ -79,7 +85,7 @@ def test_the_users_choice_of_interface_wins_on_one_machine(monkeypatch: pytest.M
 def test_a_node_of_a_job_spanning_machines_is_not_pinned_to_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
         monkeypatch.delenv(name, raising=False)
-    env = worker_env(
+    env = environ_of(
         coordinator="198.18.0.1:29400",
         replica=0,
         num_replicas=2,
@@ -104,7 +110,7 @@ def test_unbroken_runs_workers_bind_nccl_to_loopback(tmp_path: Path, monkeypatch
     )
     try:
         r = launcher.replicas[0]
-        env = launcher._worker_env(r, 0, 1, launcher.placement.home[0])
+        env = launcher._worker_environ(r, 0, 1, launcher.placement.home[0])
     finally:
         launcher.events.close()
     assert env["NCCL_SOCKET_IFNAME"] == (interface_of("127.0.0.1") or "lo")
