@@ -209,3 +209,15 @@ def test_the_sampler_shards_over_replica_groups_then_ranks() -> None:
         list(range(12)), replica_group_id=1, num_replica_groups=2, group_rank=0, num_replicas=1, shuffle=False
     )
     assert list(t) == [1, 3, 5, 7, 9, 11]  # train_ddp.py's keyword
+
+
+def test_leaving_at_exit_is_finished_unless_an_exception_ended_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torchtitan's trainer never calls shutdown(): the facade leaves the job at interpreter exit
+    ft, _ = facade()
+    calls: list[bool] = []
+    monkeypatch.setattr(ft._manager, "shutdown", lambda finished=True: calls.append(finished))
+    monkeypatch.delattr("sys.last_value", raising=False)
+    ft._leave_at_exit()
+    monkeypatch.setattr("sys.last_value", RuntimeError("uncaught"), raising=False)
+    ft._leave_at_exit()
+    assert calls == [True, False]
