@@ -19,14 +19,17 @@ from unbroken.torchft.lighthouse import LighthouseServer
 pytestmark = pytest.mark.integration
 
 
-def train(lighthouse: str, replica: int, steps: int, leave_at: int | None, seeds: threading.Lock) -> dict[str, Any]:
+def train(
+    lighthouse: str, replica: int, steps: int, leave_at: int | None, seeds: threading.Lock, copies: bool = False
+) -> dict[str, Any]:
     with seeds:
         torch.manual_seed(replica)  # different on each replica: init_sync makes them equal
         model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     inner = optim.Adam(model.parameters(), lr=0.01)
 
     def state_dict() -> dict[str, Any]:
-        return {"model": model.state_dict(), "optim": inner.state_dict()}
+        sd = model.state_dict()  # copies: as torchtitan's fused QKV splits its weight in state_dict()
+        return {"model": {k: v.clone() for k, v in sd.items()} if copies else sd, "optim": inner.state_dict()}
 
     def load_state_dict(sd: dict[str, Any]) -> None:
         model.load_state_dict(sd["model"])
@@ -59,7 +62,7 @@ def train(lighthouse: str, replica: int, steps: int, leave_at: int | None, seeds
         manager.shutdown(wait=False)
 
 
-def run(leave: bool) -> list[dict[str, Any]]:
+def run(leave: bool, copies: bool = False) -> list[dict[str, Any]]:
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
     seeds = threading.Lock()
     try:
@@ -71,16 +74,19 @@ def run(leave: bool) -> list[dict[str, Any]]:
                         train(lighthouse.address(), r, 6, 2, seeds)
                     except RuntimeError:
                         pass
-                return train(lighthouse.address(), r, 6, None, seeds)  # (re)joins and catches up
+                return train(lighthouse.address(), r, 6, None, seeds, copies)  # (re)joins and catches up
 
             return list(pool.map(replica, [0, 1]))
     finally:
         lighthouse.shutdown()
 
 
-@pytest.mark.parametrize("leave", [False, True], ids=["healthy", "rejoin"])
-def test_replicas_as_threads_end_identical(leave: bool) -> None:
-    a, b = run(leave)
+@pytest.mark.parametrize(
+    ("leave", "copies"), [(False, False), (True, False), (False, True)], ids=["healthy", "rejoin", "copies"]
+)
+def test_replicas_as_threads_end_identical(leave: bool, copies: bool) -> None:
+    # copies: a state_dict() of copies, not the parameters; init_sync loads what it received
+    a, b = run(leave, copies)
     assert a["step"] == b["step"] == 6
     for k, v in a["model"].items():
         assert torch.equal(v, b["model"][k]), k

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn, optim
+from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from unbroken.torchft.manager import Manager
@@ -109,7 +110,9 @@ class _SyncEvery:
         step = d.step if d is not None else m.current_step()
         fragment = self._fragments[step % len(self._fragments)]
         with torch.no_grad():
-            moved = [(p.detach() - b).float() for p, b in zip(fragment.params, fragment.backup, strict=True)]
+            moved = [
+                (_local(p.detach()) - _local(b)).float() for p, b in zip(fragment.params, fragment.backup, strict=True)
+            ]
         for t in moved:
             m.allreduce(t)
         self._pending = (fragment, moved)
@@ -133,8 +136,19 @@ class _SyncEvery:
 
     def _apply(self, fragment: _Fragment, moved: list[torch.Tensor]) -> None:
         for p, b, d in zip(fragment.params, fragment.backup, moved, strict=True):
-            b.add_(d.to(b.dtype))
+            _local(b).add_(d.to(b.dtype))
             p.copy_(b)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2's parameters under torchtitan), the part this rank
+    exchanges with the same rank of the other replicas; a plain tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t``, a local shard, as a DTensor laid out as ``p`` where ``p`` is one."""
+    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False) if isinstance(p, DTensor) else t
 
 
 def _fragment(module: nn.Module, outer: optim.Optimizer | None = None) -> _Fragment:
@@ -229,7 +243,7 @@ class DiLoCo(_SyncEvery):
         assert fragment.outer is not None
         saved = [p.grad for p in fragment.params]
         for p, d in zip(fragment.params, moved, strict=True):
-            p.grad = (-d).to(p.dtype)  # the outer gradient: backup - params, averaged
+            p.grad = _like(p, (-d).to(p.dtype))  # the outer gradient: backup - params, averaged
         fragment.outer.step()
         for p, b, g in zip(fragment.params, fragment.backup, saved, strict=True):
             b.copy_(p)

@@ -33,10 +33,12 @@ with stand-ins.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import enum
 import logging
 import socket
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -116,6 +118,7 @@ class Manager:
             raise NotImplementedError("unbroken trains with every live replica: only WorldSizeMode.DYNAMIC")
         if min_replica_size < 1:
             raise ValueError(f"min_replica_size must be >= 1, got {min_replica_size}")
+        joined = manager is None
         if manager is None:
             manager = _join(pg, quorum_timeout, connect_timeout, lighthouse_addr, replica_id, rank, world_size)
         self._manager = manager
@@ -144,6 +147,12 @@ class Manager:
         manager.register_state_dict_fn(STATE_KEY, self._load_counters, self._counters)
         if load_state_dict is not None and state_dict is not None:
             self.register_state_dict_fn("default", load_state_dict, state_dict)
+        # torchft's users often never call shutdown() (torchtitan's trainer does not): a torchft
+        # replica just stops heartbeating. Here the interpreter's teardown (seconds of garbage
+        # collection on a busy host, heartbeats stopped) would read as a hang, and the replica be
+        # restarted: leave the job at exit instead, as finished unless an exception ended it.
+        if joined:
+            atexit.register(self._leave_at_exit)
 
     # -- state -------------------------------------------------------------------------------
 
@@ -333,9 +342,10 @@ class Manager:
 
         After the exchange and before the optimizer steps, so the averaged gradient is applied
         to the same parameters everywhere. Every member of an epoch with no replica catching up
-        is at the same step, so all of them do this (or none). Registered states are updated in
-        place (the tensors of ``model.state_dict()`` are the parameters'). False when a sum
-        failed: the step is then not committed, and the next one tries again.
+        is at the same step, so all of them do this (or none). Each registered state is summed in
+        place and then given to its ``load_state_dict``: the tensors of a ``state_dict()`` may be
+        copies. False when a sum failed: the step is then not committed, and the next one tries
+        again.
         """
         m = self._manager
         d = m.decision
@@ -344,8 +354,10 @@ class Manager:
             self._init_sync = False
             return True
         me = m.config.replica_id
-        for _, state_dict in self._user_fns.values():
-            for t in local_tensors(state_dict()):
+        synced = []
+        for load_state_dict, state_dict in self._user_fns.values():
+            state = state_dict()
+            for t in local_tensors(state):
                 buf = broadcast_by_sum(t, me == source)
                 try:
                     m.group.allreduce_sum(buf, m.deadline.seconds)
@@ -353,6 +365,11 @@ class Manager:
                     log.warning("init_sync failed, trying again next step: %s", e)
                     return False
                 t.detach().copy_(buf)
+            synced.append((load_state_dict, state))
+        # A state_dict() may hand copies, not the parameters (torchtitan's fused QKV splits its
+        # weight into wq/wk/wv): load what was received, as a recovering replica would.
+        for load_state_dict, state in synced:
+            load_state_dict(state)
         self._init_sync = False
         return True
 
@@ -391,7 +408,12 @@ class Manager:
 
     def shutdown(self, wait: bool = True) -> None:
         """Leaves the job as a finished replica."""
+        atexit.unregister(self._leave_at_exit)
         self._manager.shutdown()
+
+    def _leave_at_exit(self) -> None:
+        """At interpreter exit: an uncaught exception (``sys.last_value``) leaves as failed."""
+        self._manager.shutdown(finished=getattr(sys, "last_value", None) is None)
 
 
 class _TensorWork(dist.Work):

@@ -209,3 +209,44 @@ def test_the_sampler_shards_over_replica_groups_then_ranks() -> None:
         list(range(12)), replica_group_id=1, num_replica_groups=2, group_rank=0, num_replicas=1, shuffle=False
     )
     assert list(t) == [1, 3, 5, 7, 9, 11]  # train_ddp.py's keyword
+
+
+def test_leaving_at_exit_is_finished_unless_an_exception_ended_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torchtitan's trainer never calls shutdown(): the facade leaves the job at interpreter exit
+    ft, _ = facade()
+    calls: list[bool] = []
+    monkeypatch.setattr(ft._manager, "shutdown", lambda finished=True: calls.append(finished))
+    monkeypatch.delattr("sys.last_value", raising=False)
+    ft._leave_at_exit()
+    monkeypatch.setattr("sys.last_value", RuntimeError("uncaught"), raising=False)
+    ft._leave_at_exit()
+    assert calls == [True, False]
+
+
+def test_diloco_over_fsdp2_dtensor_parameters(tmp_path: object) -> None:
+    # torchtitan's DiLoCo runs over FSDP2: parameters, backups and outer gradients are DTensors
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        ft, _ = facade(use_async_quorum=False)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(2, 1)
+        fully_shard(model)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        outer = torch.optim.SGD(model.parameters(), lr=0.5)
+        start = [p.detach().full_tensor().clone() for p in model.parameters()]
+        exchanged: list[type] = []
+        plain = ft.allreduce
+        ft.allreduce = lambda t, **kw: (exchanged.append(type(t)), plain(t, **kw))[1]  # type: ignore[method-assign]
+        with local_sgd.DiLoCo(ft, [model], inner, outer, sync_every=1):
+            inner.zero_grad()
+            model(torch.ones(1, 2)).sum().backward()
+            inner.step()
+        local = [s - 0.1 * g for s, g in zip(start, [torch.ones(1, 2), torch.ones(1)], strict=True)]
+        for p, s, lo in zip(model.parameters(), start, local, strict=True):
+            torch.testing.assert_close(p.detach().full_tensor(), s + 0.5 * (lo - s))
+        assert ft.current_step() == 1
+        assert exchanged == [torch.Tensor, torch.Tensor]  # local shards: the exchange copies them into buffers
+    finally:
+        dist.destroy_process_group()
