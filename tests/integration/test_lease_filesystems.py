@@ -27,6 +27,7 @@ def need(fs: str, fuse: bool) -> None:
         pytest.skip(f"{fs}: {why}")
 
 
+@pytest.mark.scenario  # 10 s: `make test` keeps the ext4 and etcd ones
 def test_a_live_holder_on_fat_with_slow_metadata_is_never_deposed_and_a_stopped_one_is(tmp_path: Path) -> None:
     need("vfat", fuse=True)
     row = bench.live("vfat", tmp_path, renewals=24, delay_s=0.005)
