@@ -368,10 +368,9 @@ class Coordinator:
         self, msg: protocol.Message, link: protocol.Link, conn: RankConn | NodeConn | None, agent: AgentConn | None
     ) -> tuple[str, RankConn | NodeConn | None, AgentConn | None]:
         """Acts on one message; raises ValueError (or TypeError, KeyError) on a malformed one,
-        Refused when the connection must end."""
-        if not self.fence():  # not ours to answer (a lapsed lease): closed without a word
-            self.fenced_off += 1
-            return "stop", conn, agent
+        Refused when the connection must end. Called only while the lease is valid: the
+        connection server holds each line until it is (:meth:`ConnectionServer._until_fenced_in`),
+        with no await between that check and this call."""
         op = msg["op"]
         if op == protocol.StatusRequest.OP:
             link.send({"op": "status", **self.status()})
