@@ -240,7 +240,10 @@ class Manager:
             raise ValueError("average reduce op is only supported for floating point tensors")
         if isinstance(self._pg, FakeProcessGroupWrapper) and (injected := self._pg.take_future_error()) is not None:
             self.report_error(injected)  # torchft's tests fail an all-reduce this way
-        if self._in_step and reduce_op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) and torch.is_floating_point(tensor):
+        # ``==`` with the op on the left: torch's ``ReduceOp`` (what ``dist.all_reduce`` passes in its
+        # options) equals a ``RedOpType`` only that way round, so ``op in (SUM, AVG)`` is False.
+        summed = reduce_op == dist.ReduceOp.SUM or reduce_op == dist.ReduceOp.AVG
+        if self._in_step and summed and torch.is_floating_point(tensor):
             self._tensors.append(tensor)
             opts = dist.AllreduceOptions()
             opts.reduceOp = reduce_op

@@ -200,6 +200,29 @@ def test_managed_process_group_serves_dist_and_functional_collectives(tmp_path: 
         dist.destroy_process_group()
 
 
+def test_sum_and_avg_through_dist_all_reduce_are_the_steps_exchange(tmp_path: object) -> None:
+    """torchtitan's FSDP hook calls ``dist.all_reduce(t, group=pg, op=AVG)``: torch hands the op in
+    its options as a ``ReduceOp``, which must still go to the fault-tolerant exchange (a newcomer
+    sends zeros there), never to a plain collective."""
+    ft, _ = facade()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        pg = ManagedProcessGroup(ft)
+
+        def side(*args: object) -> bool:
+            raise AssertionError("a gradient all-reduce went to a plain collective")
+
+        ft._side_allreduce = side  # type: ignore[method-assign]
+        ft.start_quorum()
+        for op in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
+            t = torch.tensor([3.0])
+            dist.all_reduce(t, group=pg, op=op)
+            assert t.item() == 3.0
+        assert len(ft._tensors) == 2 and ft.should_commit()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_the_sampler_shards_over_replica_groups_then_ranks() -> None:
     from unbroken.torchft.data import DistributedSampler
 
