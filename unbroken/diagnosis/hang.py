@@ -86,6 +86,11 @@ def classify_hang(group: str, views: list[RankView], hang_s: float, silent_s: fl
             evidence["reason"] += " and its telemetry is silent (process not running)"
         conf = 0.95 if len(laggers) == 1 else 0.6
         return HangFinding(NONCOMM_HANG, Culprit(v.replica, v.rank, v.node), conf, evidence)
+    latest = min((v.wait_s for v in views if v.wait_s is not None), default=None)
+    if latest is not None and latest < hang_s and all(v.wait_s is not None for v in views):
+        # Every rank is in the collective, the last one only just arrived: the others waited for
+        # it (a late start, a newcomer's first step), and the collective itself is young.
+        return None
     silent = sorted((v for v in views if v.silent_s >= silent_s), key=lambda v: -v.silent_s)
     if silent and len(silent) < len(views):
         v = silent[0]

@@ -134,11 +134,14 @@ class GradientExchange:
         assert o.decision is not None
         mark_bucket(buf, o.decision.step, o.skip, o.zero)
         try:
-            o.pending.append(self.group.start_allreduce_sum(buf, self.deadline.seconds, total))
+            o.pending.append(self.group.start_allreduce_sum(buf, self._deadline_of(o), total))
             o.buffers.append(buf)
         except ExchangeFailed as e:
             log.warning("replica %d step %d: %s", self.replica_id, step, e)
             o.failed = True
+
+    def _deadline_of(self, o: OverlappedExchange) -> float:
+        return self.deadline.seconds if o.deadline_s is None else max(o.deadline_s, self.deadline.seconds)
 
     def wait_buckets(self, o: OverlappedExchange, step: int, last: bool) -> bool:
         """Waits for the buckets of ``o`` started so far and checks every member's step and
@@ -148,11 +151,11 @@ class GradientExchange:
             return False
         pending, o.pending = o.pending, []
         if not pending:  # all waited for already (process_group()): this only closes the record
-            self.group.finish_allreduce_sums([], self.deadline.seconds, last=last)
+            self.group.finish_allreduce_sums([], self._deadline_of(o), last=last)
             return True
         waiting = time.perf_counter()
         try:
-            seconds = self.group.finish_allreduce_sums(pending, self.deadline.seconds, last=last)
+            seconds = self.group.finish_allreduce_sums(pending, self._deadline_of(o), last=last)
         except ExchangeFailed as e:
             log.warning("replica %d step %d: %s", self.replica_id, step, e)
             o.failed = True
@@ -165,7 +168,8 @@ class GradientExchange:
                 o.failed = True
                 return False
             o.contributing = contributing
-        self.deadline.observe(seconds)
+        if o.deadline_s is None:  # a newcomer's cold first step teaches nothing about the next ones
+            self.deadline.observe(seconds)
         self.stats["last_exchange_s"] = seconds
         self.stats["last_join_wait_s"] = self.group.last_join_wait_s
         self.stats["last_exchange_busy_s"] = busy_seconds(pending)

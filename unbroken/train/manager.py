@@ -358,7 +358,14 @@ class Manager:
             return self._overlap
         d = self._await_quorum(None)
         behind = self.config.replica_id in d.behind_set
-        self._overlap = OverlappedExchange(d, step=self.step, skip=False if behind else self._sits_out(), zero=behind)
+        self._overlap = OverlappedExchange(
+            d,
+            step=self.step,
+            skip=False if behind else self._sits_out(),
+            zero=behind,
+            # The newcomer's first buckets follow its cold first forward and backward.
+            deadline_s=self.deadline.initial_s if d.behind else None,
+        )
         return self._overlap
 
     def start_bucket(self, buf: torch.Tensor) -> None:

@@ -91,6 +91,9 @@ class OverlappedExchange:
         contributing: replicas whose gradients the sums hold, once checked.
         outcome: whether the optimizer may step, once decided.
         waited_s: seconds spent waiting for sums before the end of backward.
+        deadline_s: this step's deadline where the learned one does not hold (None: it does).
+            In a step where a replica catches up bucket by bucket, the newcomer's first forward
+            and backward come before its first bucket: a cold start, not a hang.
     """
 
     decision: QuorumDecision | None
@@ -103,6 +106,7 @@ class OverlappedExchange:
     contributing: int = 0
     outcome: bool | None = None
     waited_s: float = 0.0  # in waits during backward (process_group()): not this rank's compute
+    deadline_s: float | None = None
 
 
 def busy_seconds(pending: list[PendingSum]) -> float:

@@ -55,6 +55,15 @@ def test_comm_hang_without_connection_timings_names_no_replica() -> None:
     assert f is not None and f.kind == COMM_HANG and f.culprit.replica == -1 and f.confidence < 0.5
 
 
+def test_a_collective_the_last_rank_only_just_entered_is_not_hung() -> None:
+    # a newcomer's cold first step: the others waited for it, the collective itself is young
+    views = [view(0, 0, 2.6), view(1, 0, 0.1), view(2, 0, 2.7)]
+    assert hang.classify_hang("g", views, hang_s=0.5, silent_s=1.0) is None
+    later = [view(0, 0, 3.2), view(1, 0, 0.7), view(2, 0, 3.3)]
+    f = hang.classify_hang("g", later, hang_s=0.5, silent_s=1.0)
+    assert f is not None and f.kind == COMM_HANG
+
+
 def test_straggler_needs_slow_and_last() -> None:
     rng = random.Random(0)
     comp = {r: [0.1 * (1.5 if r == 2 else 1.0) * rng.uniform(0.95, 1.05) for _ in range(10)] for r in range(3)}
