@@ -128,6 +128,9 @@ class Manager:
         # torchft's allreduce(t).wait() leaves the average in t in every step: a step in which a
         # replica catches up is exchanged bucket by bucket as well, the newcomer sending zeros.
         manager.catch_up_in_buckets = True
+        # A torchft loop's state_dict() may hand cached buffers it rewrites on each call
+        # (torchtitan's model and optimizer wrappers): a catch-up fetches into fresh memory.
+        manager.fetch_in_place = False
         self._pg = pg
         self._replica_id = replica_id
         self._min_replica_size = min_replica_size

@@ -173,6 +173,10 @@ class Manager:
         # begin_overlap): set by a loop that reads each all-reduce's result when it is waited
         # for (torchft's API), instead of at the step's end.
         self.catch_up_in_buckets = False
+        # Whether a catch-up may write the donor's bytes straight into the tensors this
+        # process's state_dict() returned: not where state_dict() hands cached buffers that each
+        # call rewrites (torchtitan's, under the torchft facade), which the load would undo.
+        self.fetch_in_place = True
         self._last_commit: float | None = None
         self._step_time: float | None = None
         self._prepare_lock = threading.Lock()
@@ -199,7 +203,7 @@ class Manager:
         """Asks for this step's quorum; the answer travels while the forward pass runs."""
         if self._quorum is None:
             self.last_step_committed = False
-            if self._last_commit is None:  # not trained yet: most likely about to catch up
+            if self._last_commit is None and self.fetch_in_place:  # not trained yet: most likely about to catch up
                 self._catch_up.note_own_state(self._local_state)
             asked, self._next_quorum = self._next_quorum, None
             if asked is not None and asked[0] == self.step:
@@ -356,7 +360,10 @@ class Manager:
         if (d.behind and not self.catch_up_in_buckets) or not self.group.overlaps:
             self._overlap = OverlappedExchange(None, step=self.step)
             return self._overlap
-        d = self._await_quorum(None)
+        # A donor snapshots after the backward pass (_overlap_agreed), not here in its first
+        # bucket: mid-backward, FSDP2's modules hold their unsharded parameters, and a state_dict
+        # read then is not the state the newcomer must load (its fused QKV came out wrong).
+        d = self._await_quorum(None, donate=not d.behind)
         behind = self.config.replica_id in d.behind_set
         self._overlap = OverlappedExchange(
             d,
@@ -429,9 +436,11 @@ class Manager:
         """Whether the step exchanged during backward may be applied: every bucket summed and
         checked, some replica contributed, and every rank of this replica agrees. A replica
         that caught up in the buckets (``o.zero``) then loads its donor's state."""
+        assert o.decision is not None
+        if o.decision.behind and not o.zero:  # the backward pass is over: a donor snapshots now
+            self._catch_up.donate(o.decision, self.step, self._local_state)
         ok = self._vote(self.wait_buckets() and o.contributing > 0 and (not o.zero or self._catch_up.fetched()))
         if ok and o.zero:
-            assert o.decision is not None
             self.step = self._catch_up.finish(o.decision, self._states.load)
         return ok
 
@@ -566,13 +575,14 @@ class Manager:
             fut.add_done_callback(self._prepare_soon)
         return fut
 
-    def _await_quorum(self, failed_epoch: int | None) -> QuorumDecision:
+    def _await_quorum(self, failed_epoch: int | None, donate: bool = True) -> QuorumDecision:
         if failed_epoch is not None or self._quorum is None:
             self._quorum = self._request_quorum(failed_epoch)
         fut, self._quorum = self._quorum, None
         msg = fut.result(timeout=self.quorum_timeout_s)
         d = self._prepare(msg)
-        self._catch_up.donate(d, self.step, self._local_state)
+        if donate:
+            self._catch_up.donate(d, self.step, self._local_state)
         self.decision = d
         return d
 
