@@ -273,3 +273,25 @@ def test_diloco_over_fsdp2_dtensor_parameters(tmp_path: object) -> None:
         assert exchanged == [torch.Tensor, torch.Tensor]  # local shards: the exchange copies them into buffers
     finally:
         dist.destroy_process_group()
+
+
+def test_a_caught_up_replica_steps_with_its_donors_learning_rate() -> None:
+    """torchtitan's optimizer state carries the rate it cached at start: the donor's live rates
+    travel on their own and are set at the step, after every loader ran."""
+    from unbroken.torchft.optim import HYPERPARAMETERS, hyperparameters
+
+    ft, _ = facade()
+    w = torch.nn.Parameter(torch.ones(2))
+    donor = torch.optim.SGD([w], lr=0.5)
+    optim = OptimizerWrapper(ft, torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1))
+    sent = hyperparameters(donor)
+    assert sent == [[{"lr": 0.5, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0}]]
+    ft._manager._states.load(
+        {"user": {"torchft": {"batches_committed": 0}, HYPERPARAMETERS: sent}, "unbroken": {"step": 0}}
+    )  # type: ignore[attr-defined]
+    assert optim.param_groups[0]["lr"] == 0.1  # not yet: a later loader could still set its own
+    optim.zero_grad()
+    optim.optim.param_groups[0]["params"][0].grad = torch.ones(2)
+    optim.step()
+    assert optim.param_groups[0]["lr"] == 0.5
+    assert torch.equal(optim.optim.param_groups[0]["params"][0].detach(), torch.tensor([0.5, 0.5]))
