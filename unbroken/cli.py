@@ -43,6 +43,7 @@ BENCHMARKS: dict[str, str] = {
     "abuse": "unbroken.bench.abuse:abuse",
     "rendezvous": "unbroken.bench.rendezvous:rendezvous",
     "lease": "unbroken.bench.lease:lease",
+    "torchtitan": "unbroken.bench.titan_trainer:torchtitan",
 }
 
 

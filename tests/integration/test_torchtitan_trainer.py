@@ -3,7 +3,7 @@
 Each replica group runs torchtitan's own entry point (``torchtitan.train.main``) with the llama3
 debug model of ``--module torchft.llama3 --config llama3_torchft_debugmodel`` and per-step HSDP
 (``--fault_tolerance.semi_sync_method None --fault_tolerance.process_group gloo
---checkpoint.enable``), behind the CPU stand-ins of workers/titan_cpu_standins.py (one file, each
+--checkpoint.enable``), behind the CPU stand-ins of unbroken/bench/titan_standins.py (one file, each
 stand-in listed with why). The tokenizer and the ``c4_test`` data are made here. Needs ``make
 torchft-upstream`` (the torchtitan wheel unpacked into ``.cache/upstream``), and ``datasets``,
 ``tokenizers`` and ``tensorboard``, which torchtitan's modules import.
@@ -25,7 +25,7 @@ from tests.integration.harness import ROOT, Job
 pytestmark = [pytest.mark.integration, pytest.mark.scenario]
 
 UPSTREAM = ROOT / ".cache" / "upstream"
-WRAPPER = ROOT / "tests" / "integration" / "workers" / "titan_cpu_standins.py"
+WRAPPER = ROOT / "unbroken" / "bench" / "titan_standins.py"
 STEP = re.compile(r"step:\s+(\d+)")
 
 
@@ -48,18 +48,12 @@ def logged_steps(run_dir: Path, replica: int) -> list[int]:
     return [int(m) for m in STEP.findall(path.read_text(errors="replace"))] if path.exists() else []
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="passed 1 run of 2: the catch-up epoch can hang (the survivors wait at its first collective "
-    "while the newcomer's side all-reduces go on), and the hang verdicts then restart the survivors; "
-    "see docs/torchtitan.md",
-)
 def test_fault_tolerant_trainer_survives_kill_9(tmp_path: Path) -> None:
     if not (UPSTREAM / "torchtitan" / "experiments" / "torchft" / "trainer.py").exists():
         pytest.skip(f"torchtitan's wheel is not unpacked at {UPSTREAM}: run `make torchft-upstream`")
     for mod in ("tyro", "datasets", "tokenizers", "tensorboard"):
         pytest.importorskip(mod, reason=f"torchtitan's modules import {mod}: not installed")
-    from tests.integration.workers.titan_cpu_standins import make_assets
+    from unbroken.bench.titan_standins import make_assets
 
     make_assets(tmp_path / "assets")
     replicas, steps, at = 3, 40, 5

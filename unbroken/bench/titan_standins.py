@@ -7,9 +7,11 @@ command line it was given. A replica group started by ``unbroken run`` learns it
 ``UNBROKEN_REPLICA_ID``: the wrapper appends ``--fault_tolerance.replica_id=<it>`` unless the
 command line has one, as a user's per-group launch line would. After training it writes
 ``final-r<replica>.pt`` (the step and the model's full tensors) into ``UNBROKEN_RUN_DIR`` so
-the test can compare replicas; that is observation, not a stand-in.
+the test can compare replicas; that is observation, not a stand-in. Launched as a torchft user
+does (``REPLICA_GROUP_ID`` beside a lighthouse), it serves ``unbroken bench torchtitan``'s torchft
+side the same way.
 
-Usage: ``unbroken run --torchft-compat --replicas 3 -- python titan_cpu_standins.py
+Usage: ``unbroken run --torchft-compat --replicas 3 -- python titan_standins.py
 --module torchft.llama3 --config llama3_torchft_debugmodel --fault_tolerance.enable ...``.
 ``make_assets(dir)`` writes the tokenizer and the ``c4_test`` data the debug config names.
 """
@@ -117,7 +119,7 @@ def install() -> None:
         )
         return out.transpose(1, 2)
 
-    attention.FlexAttention.forward = causal_sdpa  # type: ignore[method-assign]
+    attention.FlexAttention.forward = causal_sdpa
 
     import torch.distributed as dist
 
@@ -126,7 +128,7 @@ def install() -> None:
     def barrier(*args: Any, device_ids: Any = None, **kw: Any) -> Any:  # STANDINS["barrier"]
         return plain_barrier(*args, **kw)
 
-    dist.barrier = barrier  # type: ignore[assignment]
+    dist.barrier = barrier
     if not hasattr(dist, "set_timeout"):  # STANDINS["set_timeout"]
         from torch.distributed.distributed_c10d import _set_pg_timeout
 
@@ -134,13 +136,18 @@ def install() -> None:
 
 
 def main() -> None:
+    # Run as a script, this file's folder (unbroken/bench) comes first on sys.path: its modules
+    # must not stand in for top-level ones of the same name.
+    here = str(Path(__file__).resolve().parent)
+    sys.path[:] = [p for p in sys.path if p and str(Path(p).resolve()) != here] if sys.path else sys.path
     if sys.argv[1:2] == ["--make-assets"]:
         make_assets(Path(sys.argv[2]))
         return
     install()
     if sys.argv[1:2] == ["--steps"]:  # the test harness's Job puts --steps N first
         sys.argv[1:3] = ["--training.steps", sys.argv[2]]
-    replica = os.environ.get("UNBROKEN_REPLICA_ID")
+    # unbroken run sets UNBROKEN_REPLICA_ID; a torchft launch line sets REPLICA_GROUP_ID
+    replica = os.environ.get("UNBROKEN_REPLICA_ID", os.environ.get("REPLICA_GROUP_ID"))
     if replica is not None and not any(a.startswith("--fault_tolerance.replica_id") for a in sys.argv):
         sys.argv.append(f"--fault_tolerance.replica_id={replica}")
     from torchtitan import train
@@ -160,7 +167,7 @@ def main() -> None:
             torch.save({"step": step, "model": sd}, Path(run_dir) / f"final-r{replica}.pt")
         return out
 
-    FaultTolerantTrainer.train = train_and_record  # type: ignore[method-assign]
+    FaultTolerantTrainer.train = train_and_record
     train.main()
 
 
