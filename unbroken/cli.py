@@ -15,13 +15,13 @@ from unbroken.extras import MissingExtra
 
 # name -> "module:attribute" of a click command or group.
 COMMANDS: dict[str, str] = {
-    "bench": "unbroken.bench.cli:bench",
+    "bench": "unbroken.bench.bench_cli:bench",
     "coordinator": "unbroken.control.coordinator_cli:coordinator",
     "run": "unbroken.launch.run_cli:run",
     "demo": "unbroken.launch.demo:demo",
-    "simulate": "unbroken.sim.cli:simulate",
-    "plan": "unbroken.network.cli:plan",
-    "checkpoint": "unbroken.checkpoint.cli:checkpoint",
+    "simulate": "unbroken.sim.simulate_cli:simulate",
+    "plan": "unbroken.network.plan_cli:plan",
+    "checkpoint": "unbroken.checkpoint.checkpoint_cli:checkpoint",
     "status": "unbroken.control.status:status",
     "agent": "unbroken.launch.agent_cli:agent",
     "secret": "unbroken.control.state.secret_file:secret",
@@ -30,19 +30,19 @@ COMMANDS: dict[str, str] = {
 # name -> "module:attribute" of the `unbroken bench NAME` scenarios: the one list of them
 # (`unbroken bench --help` shows it; tests/unit/test_docs.py holds the docs to it).
 BENCHMARKS: dict[str, str] = {
-    "planner": "unbroken.bench.planner:planner",
+    "planner": "unbroken.bench.planner_vs_ecmp:planner",
     "checkpoint": "unbroken.bench.checkpoint:checkpoint",
     "recovery": "unbroken.bench.recovery:recovery",
     "diagnosis": "unbroken.bench.diagnosis:diagnosis",
-    "auth": "unbroken.bench.auth:auth",
+    "auth": "unbroken.bench.auth_cost:auth",
     "cluster": "unbroken.bench.cluster:cluster",
-    "metrics": "unbroken.bench.metrics:metrics",
-    "coordinator": "unbroken.bench.coordinator:coordinator",
+    "metrics": "unbroken.bench.metrics_scrape:metrics",
+    "coordinator": "unbroken.bench.coordinator_load:coordinator",
     "epochs": "unbroken.bench.epochs:epochs",
     "iccl": "unbroken.bench.iccl:iccl",
     "abuse": "unbroken.bench.abuse:abuse",
     "rendezvous": "unbroken.bench.rendezvous:rendezvous",
-    "lease": "unbroken.bench.lease:lease",
+    "lease": "unbroken.bench.lease_filesystems:lease",
     "torchtitan": "unbroken.bench.titan_trainer:torchtitan",
 }
 

@@ -28,7 +28,7 @@ ENV_RESTART_COUNT = "UNBROKEN_RESTART_COUNT"
 ENV_CHECKPOINT_DIR = "UNBROKEN_CHECKPOINT_DIR"
 # Set by the supervisor when it rolls the job back: load exactly this checkpoint step.
 ENV_RESUME_STEP = "UNBROKEN_RESUME_STEP"
-# The worker-side faults of this rank (JSON, see unbroken.faults.worker); unset: no chaos.
+# The worker-side faults of this rank (JSON, see unbroken.faults.worker_chaos); unset: no chaos.
 ENV_CHAOS = "UNBROKEN_CHAOS"
 # A fault in the ring transport's links (see unbroken.faults.link), e.g. "0-2:mb_s=20:step=30".
 ENV_LINK_FAULT = "UNBROKEN_LINK_FAULT"
@@ -482,7 +482,7 @@ class WorkerSettings:
         anomaly_policy: actions for training-metric anomalies ("" the default policy).
         python_path: ``PYTHONPATH`` for the worker (``--torchft-compat``); None leaves the
             environment's.
-        chaos: this rank's worker-side faults (JSON, :mod:`unbroken.faults.worker`); None: none.
+        chaos: this rank's worker-side faults (JSON, :mod:`unbroken.faults.worker_chaos`); None: none.
     """
 
     coordinator: str

@@ -13,7 +13,7 @@ import torch
 from unbroken.comm.deadline import LearnedDeadline
 from unbroken.config import ReplicaConfig
 from unbroken.faults.link import LinkFault
-from unbroken.faults.worker import WorkerChaos
+from unbroken.faults.worker_chaos import WorkerChaos
 from unbroken.train.factory import build_manager
 from unbroken.train.manager import (
     DEFAULT_CONNECT_TIMEOUT_S,

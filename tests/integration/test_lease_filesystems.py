@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from unbroken.bench import lease as bench
+from unbroken.bench import lease_filesystems as bench
 from unbroken.control.coordinator_cli import STEPPED_DOWN
 from unbroken.control.state.lease import EXIT_LEASE_STORE
 

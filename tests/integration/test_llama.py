@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from tests.integration.harness import ROOT, Job, metrics, python_env
-from unbroken.examples.llama.model import LlamaSize
+from unbroken.examples.llama.llama_model import LlamaSize
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]

@@ -81,7 +81,7 @@ def test_wheel_metadata_names_the_license_and_keeps_extras_optional(
         names = z.namelist()
         (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
         text = z.read(metadata).decode()
-    assert "unbroken/examples/gpt/train.py" in names and "unbroken/examples/gpt/model.py" in names
+    assert "unbroken/examples/gpt/train.py" in names and "unbroken/examples/gpt/gpt_model.py" in names
     assert any(n.endswith("LICENSE") and ".dist-info/" in n for n in names)
     assert "License-Expression: BSD-3-Clause" in text
     requires = [line for line in text.splitlines() if line.startswith("Requires-Dist:")]

@@ -317,14 +317,14 @@ class GptTrainer:
     """The example's training (unbroken.examples.gpt): its GPT, AdamW and batches, one replica."""
 
     def __init__(self) -> None:
-        from unbroken.examples.gpt import data, model
+        from unbroken.examples.gpt import bigram_text, gpt_model
 
         torch.manual_seed(0)
-        cfg = model.GPTConfig()
-        self.model = model.GPT(cfg)
+        cfg = gpt_model.GPTConfig()
+        self.model = gpt_model.GPT(cfg)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-3)
-        corpus = data.make_corpus(cfg.vocab_size, seed=1234)
-        self.batches = [data.batch(corpus, s, 0, 1, 16, cfg.block_size) for s in range(8)]
+        corpus = bigram_text.make_corpus(cfg.vocab_size, seed=1234)
+        self.batches = [bigram_text.batch(corpus, s, 0, 1, 16, cfg.block_size) for s in range(8)]
         self.i = 0
         self.step(self.forward_backward())
 

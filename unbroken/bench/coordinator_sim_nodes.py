@@ -1,7 +1,7 @@
 """Simulated nodes for ``unbroken bench coordinator --nodes``: a node agent speaking for its ranks.
 
 A :class:`SimNode` is a :class:`~unbroken.bench.coordinator_sim.SimReplica` whose connection is
-a node agent's (:mod:`unbroken.control.nodes.relay`): it says ``node_hello`` for the
+a node agent's (:mod:`unbroken.control.nodes.node_relay`): it says ``node_hello`` for the
 ``ranks_per_node`` ranks of its replica group (one group per node, as HSDP shards within a node
 and replicates across nodes), asks for the quorum of all of them in one ``node_quorum`` line,
 heartbeats them in one ``node_heartbeat``, and reads one ``node_answers`` line per answer burst.

@@ -67,8 +67,8 @@ def build_model(name: str, params_m: float) -> tuple[torch.nn.Module, Any]:
             return torch.nn.functional.mse_loss(model(x), y)
 
         return mlp, mlp_loss
-    from unbroken.examples.gpt.data import batch, make_corpus
-    from unbroken.examples.gpt.model import GPT, GPTConfig
+    from unbroken.examples.gpt.bigram_text import batch, make_corpus
+    from unbroken.examples.gpt.gpt_model import GPT, GPTConfig
 
     cfg = GPTConfig()
     corpus = make_corpus(cfg.vocab_size, seed=1234)

@@ -37,10 +37,11 @@ from typing import Any
 
 from unbroken.config import anomaly_policy
 from unbroken.control import protocol
+from unbroken.control.coordinator_settings import CoordinatorSettings
 from unbroken.control.nodes.agents import NodeAgents
 from unbroken.control.nodes.groups import MAX_NODES_PER_REPLICA
+from unbroken.control.nodes.node_relay import NodeConn, NodeRelay, PreSaid, RelayHooks
 from unbroken.control.nodes.placement import AgentConn, PlacementHooks
-from unbroken.control.nodes.relay import NodeConn, NodeRelay, PreSaid, RelayHooks
 from unbroken.control.protocol.event_loop import listen_backlog
 from unbroken.control.protocol.serving import ConnectionServer, Refused
 from unbroken.control.quorum.heartbeat import ALIVE_S, HeartbeatPlan, alive_every, plan_heartbeats
@@ -48,11 +49,10 @@ from unbroken.control.quorum.job_health import JobHealth, JobStop
 from unbroken.control.quorum.resume import EpochResume
 from unbroken.control.quorum.rules import QuorumRules, QuorumState, decision
 from unbroken.control.quorum.service import QuorumHooks, QuorumService, RankConn
-from unbroken.control.settings import CoordinatorSettings
-from unbroken.control.state.store import StateStore
+from unbroken.control.state.state_store import StateStore
 from unbroken.diagnosis.master import DiagnosisMaster
+from unbroken.diagnosis.master_service import DiagnosisService, StackSource
 from unbroken.diagnosis.metrics import parse_policy
-from unbroken.diagnosis.service import DiagnosisService, StackSource
 from unbroken.diagnosis.telemetry import TelemetryBatch
 from unbroken.observe import schema as ev
 from unbroken.observe.events import EventLog
@@ -226,7 +226,7 @@ class Coordinator:
             protocol.Bye.OP: lambda conn, _: self._bye(conn),
             protocol.Exited.OP: self._rank_exited,
         }
-        # A node agent's connection speaking for its node's ranks (:mod:`unbroken.control.nodes.relay`).
+        # A node agent's connection speaking for its node's ranks (:mod:`unbroken.control.nodes.node_relay`).
         self.nodes = NodeRelay(
             RelayHooks(
                 admit=self._admit,
@@ -466,7 +466,7 @@ class Coordinator:
 
     def _admit(self, conns: Sequence[RankConn], said: int | None, claims: bool = True) -> list[RankConn | Refused]:
         """Registers ranks of one replica said together through one connection (a node agent's
-        hello lists its ranks; :func:`unbroken.control.nodes.relay.hello_runs`), each with the same
+        hello lists its ranks; :func:`unbroken.control.nodes.node_relay.hello_runs`), each with the same
         world size and saying it trains in epoch ``said`` (``claims``: a claim on the resumed epoch,
         :meth:`_claim_stands`): each rank registered, or refused with why.
 

@@ -38,7 +38,7 @@ from unbroken.control.quorum.job_health import DEFAULT_FATAL_EPOCHS, DEFAULT_NO_
 from unbroken.control.standby import Standby
 from unbroken.control.state import lease
 from unbroken.control.state import secret_file as secrets
-from unbroken.control.state.store import JOURNAL_MODES, lock_state_dir, private_dir
+from unbroken.control.state.state_store import JOURNAL_MODES, lock_state_dir, private_dir
 from unbroken.wire.auth import JobSecret
 
 # A standalone coordinator's port: a fixed one that agents and workers can be told in advance

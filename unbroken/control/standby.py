@@ -3,7 +3,7 @@
 ``unbroken coordinator --standby`` runs one on the active coordinator's state directory (a shared
 filesystem) at its own address. It listens from the start, without serving: each node agent keeps
 an authenticated connection to it and says its node's hello on it beforehand
-(:class:`~unbroken.control.nodes.relay.PreSaid`), so that a takeover costs no accept, handshake
+(:class:`~unbroken.control.nodes.node_relay.PreSaid`), so that a takeover costs no accept, handshake
 or parse per node. It waits, in a thread (:func:`~unbroken.control.state.lease.wait_for_takeover`),
 until the active coordinator's process is gone (its lock on the state directory is free) or its
 lease lapsed (it hangs); what it won (:class:`~unbroken.control.state.lease.Takeover`) and the
@@ -17,9 +17,9 @@ import threading
 from typing import Any
 
 from unbroken.control.coordinator import listen
-from unbroken.control.nodes.relay import PreSaid
+from unbroken.control.coordinator_settings import CoordinatorSettings
+from unbroken.control.nodes.node_relay import PreSaid
 from unbroken.control.protocol.serving import ConnectionServer
-from unbroken.control.settings import CoordinatorSettings
 from unbroken.control.state import lease
 from unbroken.wire.auth import JobSecret
 

@@ -4,7 +4,7 @@
   or link; parsed from ``--fault`` flags and schedule files (pure, tested alone).
 - :mod:`~unbroken.faults.supervisor`: the faults that act on processes, fired by the supervisor
   (``kill -9``, ``SIGSTOP``/``SIGCONT``, a file-size limit on a checkpoint writer).
-- :mod:`~unbroken.faults.worker`: the faults a rank applies to its own training (a slow rank, a
+- :mod:`~unbroken.faults.worker_chaos`: the faults a rank applies to its own training (a slow rank, a
   slow link, a NaN loss), as the Manager's :class:`~unbroken.train.hooks.FaultHook`.
 - :mod:`~unbroken.faults.link`: link faults in the ring's transport (``UNBROKEN_LINK_FAULT``).
 

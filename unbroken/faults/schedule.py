@@ -22,7 +22,7 @@ the training process and its logs are untouched; the limit is lifted after ``dur
 (:mod:`unbroken.faults.supervisor` holds the process-level means).
 
 The worker applies the ones that act on the training itself (:data:`WORKER_KINDS`), through
-:class:`~unbroken.faults.worker.WorkerChaos`, which the launcher hands over in the
+:class:`~unbroken.faults.worker_chaos.WorkerChaos`, which the launcher hands over in the
 :data:`~unbroken.config.ENV_CHAOS` environment variable and the
 :class:`~unbroken.train.manager.Manager` calls, as its fault hook, at the step start and before
 each exchange: ``slow_rank`` makes the rank sleep ``(factor - 1)`` times its own

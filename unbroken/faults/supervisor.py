@@ -1,7 +1,7 @@
 """The supervisor's side of fault injection: the means of the faults that act on processes.
 
 The schedule's (:mod:`unbroken.faults.schedule`) worker-side faults travel in the workers'
-environment (:mod:`unbroken.faults.worker`); the ones here need the supervisor, which holds the
+environment (:mod:`unbroken.faults.worker_chaos`); the ones here need the supervisor, which holds the
 process ids (``unbroken run`` fires them when they are due): ``kill -9``, ``SIGSTOP``/``SIGCONT``, stopping the
 coordinator, and a file-size limit on a replica's checkpoint writer (``prlimit``).
 """

@@ -110,8 +110,8 @@ def reference_losses(steps: int, batch_size: int = 16, lr: float = 3e-3) -> list
     """The fault-free run, computed in one process: 3 replicas' gradients averaged, as the job does."""
     import torch
 
-    from unbroken.examples.gpt.data import batch, make_corpus
-    from unbroken.examples.gpt.model import GPT, GPTConfig
+    from unbroken.examples.gpt.bigram_text import batch, make_corpus
+    from unbroken.examples.gpt.gpt_model import GPT, GPTConfig
 
     torch.set_num_threads(1)  # more threads than free cores makes small kernels crawl
     torch.manual_seed(0)

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from unbroken import config as env
 from unbroken.control.coordinator import Coordinator
 from unbroken.control.state import secret_file
-from unbroken.faults.worker import chaos_env
+from unbroken.faults.worker_chaos import chaos_env
 from unbroken.launch import dashboard, torchft_compat, workers
 from unbroken.launch.fault_firing import FaultFiring
 from unbroken.launch.lifecycle import RUNNING, Lifecycle, State, Transition

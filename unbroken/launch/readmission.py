@@ -24,7 +24,7 @@ from typing import Any
 
 from unbroken import config as env
 from unbroken.faults.schedule import Fault
-from unbroken.faults.worker import chaos_env
+from unbroken.faults.worker_chaos import chaos_env
 from unbroken.launch import reaper, workers
 from unbroken.launch.policy import Placement
 from unbroken.observe.events import EventLog

@@ -6,7 +6,7 @@ gives its ranks ``UNBROKEN_COORDINATOR=<this listener>,<the coordinator's addres
 client tries them in turn, so it needs no change: it speaks the same ``hello``, ``quorum``,
 ``heartbeat``, ``telemetry`` and ``bye`` lines to the relay and reads the same ``welcome``,
 ``quorum``, ``epoch``, ``abort`` lines back. The relay speaks for them upstream through one node
-connection (:mod:`unbroken.control.nodes.relay` is the coordinator's side):
+connection (:mod:`unbroken.control.nodes.node_relay` is the coordinator's side):
 
 - a rank's hello becomes its ``node_hello``; the quorum requests that arrive in one turn of the
   event loop share one ``node_quorum`` line (a request waits for no other rank: what arrives
@@ -37,7 +37,7 @@ which the standby holds without answering until it takes over
 (:meth:`~unbroken.control.protocol.serving.ConnectionServer.hold`), and says the node's hello on it
 beforehand (``node_hello`` with ``beforehand``: every rank it speaks for, at its step and in the
 epoch it trains), and again a while after that changes (:data:`RESAY_S`). The standby registers
-those ranks the moment it takes over (:class:`~unbroken.control.nodes.relay.PreSaid`). So a takeover
+those ranks the moment it takes over (:class:`~unbroken.control.nodes.node_relay.PreSaid`). So a takeover
 costs no handshake and no hello: when the node connection is lost (the active coordinator died),
 or the standby's welcome comes on that connection (the active one hangs, its lease lapsed), the
 relay moves onto it with every rank connection kept, and their grants: it says only what the

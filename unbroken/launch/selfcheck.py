@@ -30,7 +30,7 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
-    from unbroken.faults.worker import WorkerChaos
+    from unbroken.faults.worker_chaos import WorkerChaos
     from unbroken.train.replica_group import init_gloo_group, rendezvous_store
     from unbroken.wire.auth import JobSecret
 

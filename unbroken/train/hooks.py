@@ -2,7 +2,7 @@
 
 The Manager calls a :class:`FaultHook` at fixed points of the step when one is given: in a
 real job none is, and the step pays nothing. ``unbroken.init()`` installs the one the launcher
-planned (:class:`unbroken.faults.worker.WorkerChaos`); ``train`` itself never imports the
+planned (:class:`unbroken.faults.worker_chaos.WorkerChaos`); ``train`` itself never imports the
 fault-injection package, which sits above it.
 """
 

@@ -31,7 +31,7 @@ from unbroken.control.state.lease import (
     valid_until,
     wait_for_takeover,
 )
-from unbroken.control.state.store import lock_state_dir
+from unbroken.control.state.state_store import lock_state_dir
 
 L, R = 1.0, 0.25
 
@@ -155,7 +155,7 @@ def test_a_standby_takes_over_a_lapsed_lease_while_the_lock_is_held(tmp_path: Pa
 
 
 def test_a_store_held_through_the_lease_takes_the_lock_once_it_is_free(tmp_path: Path) -> None:
-    from unbroken.control.state.store import StateDirInUse, StateStore
+    from unbroken.control.state.state_store import StateDirInUse, StateStore
 
     hung = lock_state_dir(tmp_path)
     store = StateStore(tmp_path, fenced=True)

@@ -17,10 +17,10 @@ import pytest
 from tests.live_coordinator import closed, connect, live_coordinator, member, next_op
 from unbroken.control import protocol
 from unbroken.control.coordinator import Coordinator
-from unbroken.control.nodes.relay import NodeConn, answers_payload, hello_runs, slot_json, usable_store
+from unbroken.control.nodes.node_relay import NodeConn, answers_payload, hello_runs, slot_json, usable_store
 from unbroken.control.protocol.messages import MAX_NODE_RANKS
 from unbroken.control.quorum.rules import QuorumDecision
-from unbroken.control.state.store import StateStore
+from unbroken.control.state.state_store import StateStore
 from unbroken.wire.auth import JobSecret
 
 SECRET = JobSecret.generate()

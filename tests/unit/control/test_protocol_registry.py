@@ -29,7 +29,7 @@ COORDINATOR_SIDE = (
     "nodes/groups",
     "quorum/service",
     "protocol/serving",
-    "nodes/relay",
+    "nodes/node_relay",
 )
 
 

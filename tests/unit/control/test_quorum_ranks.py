@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.control import protocol
-from unbroken.control.nodes.relay import NodeConn, NodeLink, replica_runs
+from unbroken.control.nodes.node_relay import NodeConn, NodeLink, replica_runs
 from unbroken.control.quorum.job_health import JobHealth
 from unbroken.control.quorum.rules import QuorumRules, QuorumState
 from unbroken.control.quorum.service import QuorumHooks, QuorumService, RankConn
-from unbroken.control.state.store import StateStore
+from unbroken.control.state.state_store import StateStore
 from unbroken.observe.events import EventLog
 
 RANKS = 4

@@ -20,7 +20,7 @@ from unbroken.config import ConfigError, parse_host_ports
 from unbroken.control import protocol
 from unbroken.control.client import CoordinatorClient
 from unbroken.control.quorum.heartbeat import alive_every, heartbeat_due, plan_heartbeats, silent_after
-from unbroken.control.state.store import StateDirInUse, StateStore, wait_for_state_dir
+from unbroken.control.state.state_store import StateDirInUse, StateStore, wait_for_state_dir
 
 
 def test_the_heartbeat_period_grows_only_past_the_rate_and_the_silences_with_it() -> None:

@@ -9,10 +9,10 @@ import os
 from pathlib import Path
 
 from unbroken.control import protocol
-from unbroken.control.settings import CoordinatorSettings
+from unbroken.control.coordinator_settings import CoordinatorSettings
 from unbroken.control.standby import Standby
 from unbroken.control.state.lease import LeaseFiles, claim_next
-from unbroken.control.state.store import lock_state_dir
+from unbroken.control.state.state_store import lock_state_dir
 from unbroken.wire.auth import JobSecret
 
 SECRET = JobSecret.generate()

@@ -21,8 +21,8 @@ import pytest
 from tests.live_coordinator import live_coordinator, member, next_op
 from unbroken.control import protocol
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings
-from unbroken.control.nodes import relay as node_relay
-from unbroken.control.nodes.relay import PreSaid
+from unbroken.control.nodes import node_relay
+from unbroken.control.nodes.node_relay import PreSaid
 from unbroken.control.protocol import serving
 from unbroken.control.protocol.serving import ConnectionServer
 from unbroken.wire.auth import JobSecret

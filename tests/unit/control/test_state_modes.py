@@ -14,7 +14,7 @@ import pytest
 
 from tests.integration.harness import python_env
 from unbroken.config import ENV_SECRET_FILE
-from unbroken.control.state.store import StateStore
+from unbroken.control.state.state_store import StateStore
 
 
 @pytest.fixture

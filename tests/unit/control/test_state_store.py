@@ -15,7 +15,7 @@ import pytest
 from tests.integration.harness import python_env
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings
 from unbroken.control.quorum.rules import QuorumRequest
-from unbroken.control.state.store import StateStore
+from unbroken.control.state.state_store import StateStore
 from unbroken.wire.auth import JobSecret
 
 

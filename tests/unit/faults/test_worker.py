@@ -9,7 +9,7 @@ import pytest
 
 from unbroken import config as env
 from unbroken.faults.schedule import Fault, Schedule, ScheduleError, parse_flag
-from unbroken.faults.worker import WorkerChaos, chaos_env
+from unbroken.faults.worker_chaos import WorkerChaos, chaos_env
 
 
 def test_worker_hook_reaches_the_worker_through_its_environment() -> None:

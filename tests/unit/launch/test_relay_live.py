@@ -166,7 +166,7 @@ def test_a_standby_told_beforehand_takes_the_node_over_with_every_rank_connectio
     # the ranks as it takes over, its welcome on the warm connection moves the relay onto it, and
     # no rank reconnects or says hello again. Their next step is answered by the standby.
     from unbroken.control.coordinator import CoordinatorSettings
-    from unbroken.control.nodes.relay import PreSaid
+    from unbroken.control.nodes.node_relay import PreSaid
     from unbroken.control.protocol.serving import ConnectionServer
 
     async def main() -> None:

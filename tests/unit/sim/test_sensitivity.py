@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from unbroken.sim.evaluation import evaluate
 from unbroken.sim.presets import load_preset
-from unbroken.sim.report import evaluate
 from unbroken.sim.sensitivity import largest_meeting, replica_restart_for, swings
 
 

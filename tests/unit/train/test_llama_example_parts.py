@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from unbroken.examples.llama.data import MarkovTokens
+from unbroken.examples.llama.markov_tokens import MarkovTokens
 from unbroken.examples.llama.train import warmup_cosine
 
 

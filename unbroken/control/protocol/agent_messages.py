@@ -290,7 +290,7 @@ class NodeHello:
 
     ``beforehand``: said to a standby before it takes over, on the agent's warm connection to
     it, which the standby keeps and registers when it takes over
-    (:class:`unbroken.control.nodes.relay.PreSaid`); once it serves, a hello as any other."""
+    (:class:`unbroken.control.nodes.node_relay.PreSaid`); once it serves, a hello as any other."""
 
     OP: ClassVar[str] = "node_hello"
     node: str
@@ -425,7 +425,7 @@ class NodeAnswers:
     """What the coordinator tells a node's ranks, in one line: ``msgs[i]`` is for rank ``to[i]``
     (the agent fans them out); ``dropped``: ranks the coordinator no longer hears through this
     node (evicted, refused: as their own connections closing; a restarted rank says hello again).
-    The coordinator sends it pre-encoded (:mod:`unbroken.control.nodes.relay`); on the wire a
+    The coordinator sends it pre-encoded (:mod:`unbroken.control.nodes.node_relay`); on the wire a
     message for several ranks in a row may be sent once, ``runs[i]`` saying for how many (the
     parsed form lists it for each, the same object)."""
 

@@ -104,7 +104,7 @@ class ConnectionServer(Generic[C, A]):
         closes (the peer goes on to the active coordinator).
 
         ``presaid`` is offered every line a held connection says first: what it keeps (True) is
-        said beforehand, not held (a node's hello: :class:`~unbroken.control.nodes.relay.PreSaid`),
+        said beforehand, not held (a node's hello: :class:`~unbroken.control.nodes.node_relay.PreSaid`),
         and the connection is read on; it is told of a held connection that ended.
         """
         self._holding = {}

@@ -10,7 +10,7 @@ soon as its ranks ask, as the previous coordinator would have answered it. Nobod
 others and no group is rebuilt.
 
 The history may be behind: an epoch's number is reserved on disk before it is handed out, but
-its members are written after (:class:`~unbroken.control.state.store.StateStore`). So the epoch
+its members are written after (:class:`~unbroken.control.state.state_store.StateStore`). So the epoch
 continues only while every member that comes back says it. A member saying another epoch (a
 newer one that was handed out and not written; an older one or none: a process that restarted,
 which holds no group of it) gives it up: the ranks answered in it are told to abort its exchange,

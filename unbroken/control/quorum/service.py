@@ -25,7 +25,7 @@ from unbroken.control.quorum.grants import StepClock, grant_steps
 from unbroken.control.quorum.job_health import JobHealth, JobStop
 from unbroken.control.quorum.rules import QuorumDecision, QuorumRequest, QuorumState, push_answers
 from unbroken.control.quorum.setaside import SetAside
-from unbroken.control.state.store import StateStore
+from unbroken.control.state.state_store import StateStore
 from unbroken.observe import schema as ev
 from unbroken.observe.events import EventLog
 

@@ -48,7 +48,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from unbroken.control.state.store import StateDirInUse, lock_state_dir
+from unbroken.control.state.state_store import StateDirInUse, lock_state_dir
 
 log = logging.getLogger(__name__)
 

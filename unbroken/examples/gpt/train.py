@@ -19,8 +19,8 @@ import torch
 
 import unbroken
 from unbroken import fast_exit
-from unbroken.examples.gpt.data import batch, make_corpus
-from unbroken.examples.gpt.model import GPT, GPTConfig
+from unbroken.examples.gpt.bigram_text import batch, make_corpus
+from unbroken.examples.gpt.gpt_model import GPT, GPTConfig
 
 
 def main() -> None:

@@ -50,8 +50,8 @@ import torch
 import torch.distributed as dist
 
 from unbroken import config, fast_exit
-from unbroken.examples.llama.data import MarkovTokens
-from unbroken.examples.llama.model import LlamaSize, build_model, decoder_layers
+from unbroken.examples.llama.llama_model import LlamaSize, build_model, decoder_layers
+from unbroken.examples.llama.markov_tokens import MarkovTokens
 from unbroken.train.data import CONSTANT_GLOBAL_BATCH, POLICIES, plan_step, rank_plan
 
 

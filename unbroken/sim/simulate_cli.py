@@ -69,7 +69,7 @@ def goodput(
     **overrides: object,
 ) -> None:
     """What fraction of wall-clock time trains the model (ETTR), and where the rest goes."""
-    from unbroken.sim.report import evaluate, render
+    from unbroken.sim.evaluation import evaluate, render
 
     changes = {OVERRIDES[k]: v for k, v in overrides.items() if v is not None}
     if rate is not None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from unbroken.config import check_seconds
 from unbroken.control.quorum.job_health import DEFAULT_FATAL_EPOCHS, DEFAULT_NO_PROGRESS_S
-from unbroken.control.state.store import KEEP_EVENTS
+from unbroken.control.state.state_store import KEEP_EVENTS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -476,7 +476,7 @@ def coordinator(
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-coord-") as tmp, contextlib.ExitStack() as stack:
         etcd = None
         if lease_store == "etcd":
-            from unbroken.bench.lease import EtcdServer, missing_tools
+            from unbroken.bench.lease_filesystems import EtcdServer, missing_tools
 
             if (why := missing_tools("etcd", fuse=False)) is not None:
                 raise click.UsageError(f"--lease-store etcd: {why}")
