@@ -62,6 +62,8 @@ ENV_STACK_SIGNAL = "UNBROKEN_STACK_SIGNAL"
 ENV_SECRET_FILE = "UNBROKEN_SECRET_FILE"
 # The standard torch.distributed variables, scoped to one replica group.
 ENV_RANK = "RANK"
+# torchft's launch lines name a worker's replica group in this (torchtitan reads it too)
+ENV_REPLICA_GROUP_ID = "REPLICA_GROUP_ID"
 ENV_WORLD_SIZE = "WORLD_SIZE"
 ENV_LOCAL_RANK = "LOCAL_RANK"
 ENV_MASTER_ADDR = "MASTER_ADDR"
@@ -214,6 +216,24 @@ def connect_timeout_s(default: float, env: Mapping[str, str] | None = None) -> f
 def run_dir_given(env: Mapping[str, str] | None = None) -> bool:
     """Whether ``UNBROKEN_RUN_DIR`` names a run directory (the launcher always sets it)."""
     return bool(_environ(env).get(ENV_RUN_DIR))
+
+
+def observation_dir(env: Mapping[str, str] | None = None) -> str | None:
+    """``UNBROKEN_RUN_DIR`` as given (None when unset or blank): where a benchmark's worker
+    leaves what it observed, also when torchft launched it."""
+    return _environ(env).get(ENV_RUN_DIR) or None
+
+
+def replica_group(env: Mapping[str, str] | None = None) -> str | None:
+    """The replica group a worker runs: ``UNBROKEN_REPLICA_ID`` (``unbroken run``), else
+    torchft's ``REPLICA_GROUP_ID``; None when neither is set."""
+    e = _environ(env)
+    return e.get(ENV_REPLICA_ID) or e.get(ENV_REPLICA_GROUP_ID) or None
+
+
+def global_rank(env: Mapping[str, str] | None = None) -> int:
+    """``RANK`` as torchrun sets it (0 when unset)."""
+    return int(_environ(env).get(ENV_RANK, "0"))
 
 
 def secret_file(env: Mapping[str, str] | None = None) -> str | None:

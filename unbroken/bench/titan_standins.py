@@ -19,7 +19,6 @@ Usage: ``unbroken run --torchft-compat --replicas 3 -- python titan_standins.py
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -146,8 +145,9 @@ def main() -> None:
     install()
     if sys.argv[1:2] == ["--steps"]:  # the test harness's Job puts --steps N first
         sys.argv[1:3] = ["--training.steps", sys.argv[2]]
-    # unbroken run sets UNBROKEN_REPLICA_ID; a torchft launch line sets REPLICA_GROUP_ID
-    replica = os.environ.get("UNBROKEN_REPLICA_ID", os.environ.get("REPLICA_GROUP_ID"))
+    from unbroken.config import global_rank, observation_dir, replica_group
+
+    replica = replica_group()  # unbroken run's UNBROKEN_REPLICA_ID, or a torchft line's REPLICA_GROUP_ID
     if replica is not None and not any(a.startswith("--fault_tolerance.replica_id") for a in sys.argv):
         sys.argv.append(f"--fault_tolerance.replica_id={replica}")
     from torchtitan import train
@@ -157,8 +157,8 @@ def main() -> None:
 
     def train_and_record(self: Any) -> Any:
         out = trained(self)
-        run_dir = os.environ.get("UNBROKEN_RUN_DIR")
-        if run_dir and int(os.environ.get("RANK", "0")) == 0:
+        run_dir = observation_dir()
+        if run_dir and global_rank() == 0:
             sd = {
                 k: v.full_tensor() if hasattr(v, "full_tensor") else v
                 for k, v in self.model_parts[0].state_dict().items()

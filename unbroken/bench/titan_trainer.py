@@ -53,6 +53,7 @@ from typing import Any
 import click
 
 from unbroken.bench.output import publish
+from unbroken.config import python_path
 from unbroken.launch.workers import free_port
 from unbroken.observe.events import read_jsonl
 
@@ -197,7 +198,7 @@ def upstream_path(root: Path) -> str:
         raise click.ClickException(
             f"torchtitan and torchft are not unpacked at {upstream}: run `make torchft-upstream`"
         )
-    return os.pathsep.join(filter(None, [str(root), str(upstream), os.environ.get("PYTHONPATH", "")]))
+    return os.pathsep.join(filter(None, [str(root), str(upstream), python_path()]))
 
 
 def wait_for_step(log: Path, step: int, deadline: float, alive: Any) -> bool:
@@ -369,7 +370,7 @@ def _last_error(log: Path) -> str:
 @click.option("--stop-s", default=20.0, show_default=True, help="With --fault stop: SIGCONT after this long.")
 @click.option("--timeout-s", default=300.0, show_default=True, help="A start still running after this hung.")
 @click.option("--max-restarts", default=3, show_default=True, help="torchft side: restarts per group (torchrun's).")
-@click.option("--out", default="bench-results/torchtitan.json", show_default=True, help="Where the JSON goes.")
+@click.option("--out", default="runs/bench/torchtitan.json", show_default=True, help="Where the JSON goes.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
 def torchtitan(**kw: Any) -> None:
     """torchtitan's FaultTolerantTrainer through a fault, on unbroken and on torchft, side by side."""

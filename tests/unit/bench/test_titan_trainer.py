@@ -1,0 +1,56 @@
+"""The figures of ``unbroken bench torchtitan``, from torchtitan's own log lines (no processes)."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+
+from unbroken.bench.titan_trainer import Start, full_strength_s, judge, stall_s, steady_step_s, step_times, summarize
+
+T0 = datetime.datetime(2026, 11, 29, 10, 0, 0).timestamp()
+
+
+def line(t: float, step: int) -> str:
+    stamp = datetime.datetime.fromtimestamp(T0 + t).strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
+    # torchtitan colours its metrics line
+    return f"[titan] {stamp} - root - INFO - \x1b[31mstep: {step:2}  \x1b[32mloss:  0.37753  \x1b[39m\n"
+
+
+def log(points: list[tuple[float, int]]) -> str:
+    return "noise without a step\n" + "".join(line(t, s) for t, s in points)
+
+
+def test_step_lines_are_read_through_the_colours() -> None:
+    other = "[titan] 2026-11-29 10:00:01,000 - root - INFO - Training starts at step 1\n"
+    got = step_times(log([(0.0, 1), (0.5, 2)]) + other)
+    assert [s for _, s in got] == [1, 2]
+    assert got[1][0] - got[0][0] == pytest.approx(0.5, abs=1e-3)
+
+
+def test_the_fault_costs_the_gaps_over_twice_a_step_less_one_step() -> None:
+    survivor = [(float(i) * 0.5, i) for i in range(1, 11)] + [(8.0, 11), (8.5, 12)]  # 3 s pause at the fault
+    fault = 5.2
+    step = steady_step_s(survivor, fault)
+    assert step == pytest.approx(0.5)
+    assert stall_s(survivor, fault, step) == pytest.approx(8.0 - 5.0 - 0.5)
+    assert stall_s(survivor[:10], fault, step) == 0.0  # no pause after the fault: nothing lost
+
+
+def test_full_strength_is_the_victims_first_step_in_line_with_the_survivors() -> None:
+    survivors = [[(float(i), i) for i in range(1, 30)]]
+    victim = [(1.0, 1), (2.0, 2), (12.0, 1), (13.5, 13), (14.0, 14)]  # restarted: step 1, then caught up
+    assert full_strength_s(victim, survivors, fault_t=2.5) == pytest.approx(13.5 - 2.5)
+    assert full_strength_s(victim[:3], survivors, fault_t=2.5) is None
+
+
+def test_a_start_is_judged_from_every_groups_log_and_summarized() -> None:
+    steady = [(float(i) * 0.5, i) for i in range(1, 21)]
+    logs = {0: log(steady), 1: log(steady[:6] + [(9.0, 18), (9.5, 19)]), 2: log(steady)}
+    s = judge(Start("unbroken", "kill"), logs, fault_t=T0 + 3.1)
+    assert s.step_s == pytest.approx(0.5) and s.survivor_stall_s == 0.0
+    assert s.full_strength_s == pytest.approx(9.0 - 3.1, abs=1e-3)
+    crashed = Start("torchft", "kill", crashed=True, errors=["group 0 exited with 1"])
+    out = summarize([s, crashed])
+    assert out["starts"] == 2 and out["crashes"] == 1 and out["replicas_identical"] == 0
+    assert out["full_strength_s"] == pytest.approx(9.0 - 3.1, abs=1e-3)
