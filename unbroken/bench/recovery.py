@@ -7,6 +7,8 @@ processes on this machine:
 - ``steady``: unbroken's launcher, coordinator and step protocol, no faults;
 - ``crash``: one replica is ``kill -9``-ed mid-run, restarted, and catches up from a donor;
 - ``hang``: one replica is ``SIGSTOP``-ped, routed around, then ``SIGCONT``-ed and rejoins;
+- ``torchft``: the same DDP loop written against torchft's API on unbroken's facade
+  (``unbroken.torchft``) against ``unbroken.DistributedDataParallel``, ABBA: the facade's cost;
 - ``ddp``: ``unbroken.DistributedDataParallel`` against ``torch.nn.parallel.DistributedDataParallel``
   (both Gloo on CPU) on the MLP and on the example GPT: their step-time ratio, and how much of the
   exchange the backward pass hid (1 - the wait left at the end of backward / the time the
@@ -54,7 +56,7 @@ from unbroken.observe.events import read_jsonl
 
 Row = dict[str, Any]
 WARMUP_STEPS = 5
-SCENARIOS = ("steady", "crash", "hang", "ddp")
+SCENARIOS = ("steady", "crash", "hang", "ddp", "torchft")
 DDP_MODELS = ("mlp", "gpt")
 LOCAL_STEPS = 6
 LLAMA_ARGS = ("--samples-per-replica", "4", "--seq-len", "64")  # small steps: 6 ranks share the machine
@@ -493,6 +495,8 @@ def run_all(s: BenchSettings, rounds: int, log: Any, scenarios: tuple[str, ...] 
         result["ddp"] = {}
         for model in DDP_MODELS:
             result["ddp"][model] = ddp_figures(s, model, rounds, log, identical)
+    if "torchft" in scenarios:
+        result["torchft"] = torchft_figures(s, rounds, log, identical)
     result["replicas_identical"] = all(identical.values())
     result["identical_by_run"] = identical
     return result
@@ -518,6 +522,33 @@ def hidden_share(rows_by_replica: dict[int, list[Row]]) -> dict[str, float]:
         "exchange_busy_s": round(busy / len(rows), 4),
         "exchange_exposed_s": round(exposed / len(rows), 4),
         "exchange_hidden_share": round(1.0 - exposed / busy, 4),
+    }
+
+
+def torchft_figures(s: BenchSettings, rounds: int, log: Any, identical: dict[str, bool]) -> dict[str, Any]:
+    """The torchft facade's DDP loop against the same loop on unbroken's own DDP wrapper (MLP),
+    ``rounds`` pairs in ABBA order: the facade's cost over unbroken's API."""
+    own: list[float] = []
+    facade: list[float] = []
+    for i in range(rounds):
+        for job in pair_order(i):
+            mode = "ddp" if job == "baseline" else "torchft"
+            log(f"round {i + 1}/{rounds}: {'unbroken.DistributedDataParallel' if mode == 'ddp' else 'torchft facade'}")
+            out = _fresh(s.root / f"{mode}-api-{i}")
+            rows, _, code = run_unbroken(s, out, None, s.replicas - 1, mode=mode)
+            if code != 0:
+                raise click.ClickException(f"the {mode} run failed (exit {code}); see {out}/logs")
+            (own if mode == "ddp" else facade).append(median_step(rows))
+            identical[f"{mode}-api-{i}"] = digests_identical(out, s.replicas)
+        log(f"  unbroken API {own[-1]:.4f}s  torchft facade {facade[-1]:.4f}s")
+    return {
+        "unbroken_api_step_s": round(statistics.median(own), 4),
+        "torchft_facade_step_s": round(statistics.median(facade), 4),
+        "overhead_ratio": round(paired_ratio(own, facade), 4),
+        "rounds": [
+            {"unbroken_api_step_s": round(a, 4), "torchft_facade_step_s": round(b, 4)}
+            for a, b in zip(own, facade, strict=True)
+        ],
     }
 
 

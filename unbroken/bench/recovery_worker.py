@@ -8,6 +8,9 @@ from the environment), so the two step times compare the protocol's cost and not
 ``--mode ddp`` is unbroken's ``DistributedDataParallel`` (gradients averaged during backward)
 under the launcher, and ``--mode torch_ddp`` the same loop with
 ``torch.nn.parallel.DistributedDataParallel`` on a plain Gloo group, its reference.
+``--mode torchft`` is the same DDP loop written against torchft's API on unbroken's facade
+(``unbroken.torchft``: ``Manager``, ``DistributedDataParallel``, ``Optimizer``), so that its step
+time against ``--mode ddp`` is the facade's own cost.
 ``--model gpt`` trains the example GPT (``unbroken.examples.gpt``) instead of the MLP.
 Every step appends one JSON line to ``DIR/steps-r{R}.jsonl``; at the end the worker writes a
 digest of its parameters and optimizer state, which is how the benchmark checks that replicas
@@ -89,7 +92,7 @@ def batch_for(step: int, replica: int, batch_size: int, width: int) -> tuple[tor
 def main() -> None:
     fast_exit.install()  # its exit is on the recovery path: see unbroken/fast_exit.py
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--mode", choices=("unbroken", "baseline", "ddp", "torch_ddp"), required=True)
+    ap.add_argument("--mode", choices=("unbroken", "baseline", "ddp", "torch_ddp", "torchft"), required=True)
     ap.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
     ap.add_argument("--params-m", type=float, default=25.0)
     ap.add_argument("--steps", type=int, default=60)
@@ -102,7 +105,8 @@ def main() -> None:
     inner = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     params = [p for p in model.parameters()]
     args.out.mkdir(parents=True, exist_ok=True)
-    unbroken_loop = args.mode in ("unbroken", "ddp")
+    unbroken_loop = args.mode in ("unbroken", "ddp", "torchft")
+    facade: Any = None  # the torchft Manager of --mode torchft
     net: torch.nn.Module = model  # what the loop calls: the model or its DDP wrapper
 
     if unbroken_loop:
@@ -115,8 +119,21 @@ def main() -> None:
             model.load_state_dict(state["model"])
             inner.load_state_dict(state["optim"])
 
-        manager = unbroken.init(state_dict=state_dict, load_state_dict=load_state_dict)
-        optimizer: Any = unbroken.Optimizer(inner, manager)
+        if args.mode == "torchft":
+            from unbroken import torchft
+
+            facade = torchft.Manager(
+                pg=torchft.ProcessGroupGloo(),
+                load_state_dict=load_state_dict,
+                state_dict=state_dict,
+                min_replica_size=1,
+            )
+            manager = facade._manager
+            optimizer: Any = torchft.Optimizer(facade, inner)
+            net = torchft.DistributedDataParallel(facade, model)
+        else:
+            manager = unbroken.init(state_dict=state_dict, load_state_dict=load_state_dict)
+            optimizer = unbroken.Optimizer(inner, manager)
         replica = manager.config.replica_id
         if args.mode == "ddp":
             net = unbroken.DistributedDataParallel(model, manager)
@@ -161,7 +178,7 @@ def main() -> None:
                 "snapshot_early": bool(manager.stats.get("last_snapshot_early", 0.0)),
                 "fetch_cpu_s": manager.stats.get("last_fetch_cpu_s", 0.0),
             }
-            if args.mode == "ddp":  # the exchange ran during backward: how much of it was left to wait for
+            if args.mode in ("ddp", "torchft"):  # the exchange ran during backward: how much of it was left to wait for
                 row["busy_s"] = manager.stats.get("last_exchange_busy_s", 0.0)
             step = manager.step
         elif args.mode == "torch_ddp":
@@ -198,7 +215,9 @@ def main() -> None:
     (args.out / f"digest-r{replica}.json").write_text(
         json.dumps({"step": step, "digest": state_digest(model, inner), "served": served})
     )
-    if unbroken_loop:
+    if facade is not None:
+        facade.shutdown()
+    elif unbroken_loop:
         manager.shutdown()
     else:
         dist.destroy_process_group()
