@@ -176,14 +176,16 @@ def summarize(starts: list[Start]) -> dict[str, Any]:
 # -- the runs (processes) -----------------------------------------------------------------------
 
 
-def titan_args(assets: Path, dump: Path, steps: int) -> list[str]:
+def titan_args(assets: Path, dump: Path, steps: int, semi_sync: str = "None", sync_steps: int = 2) -> list[str]:
     """torchtitan's command line for one replica group (``--fault_tolerance.replica_id`` is added
-    by the stand-ins' wrapper from the group's environment)."""
+    by the stand-ins' wrapper from the group's environment): per-step HSDP (``semi_sync``
+    ``"None"``) or DiLoCo every ``sync_steps`` steps."""
+    semi = ["--fault_tolerance.sync_steps", str(sync_steps)] if semi_sync != "None" else []
     return [
         *("--module", "torchft.llama3", "--config", "llama3_torchft_debugmodel"),
         "--fault_tolerance.enable",
         f"--fault_tolerance.group_size={REPLICAS}",
-        *("--fault_tolerance.semi_sync_method", "None", "--fault_tolerance.process_group", "gloo"),
+        *("--fault_tolerance.semi_sync_method", semi_sync, "--fault_tolerance.process_group", "gloo", *semi),
         *("--checkpoint.enable", "--checkpoint.interval", "1000"),
         *("--training.steps", str(steps)),
         *("--hf_assets_path", str(assets / "tokenizer"), "--dataloader.dataset_path", str(assets / "c4_test")),
@@ -235,7 +237,7 @@ def run_unbroken(out: Path, assets: Path, args: Any, env: dict[str, str]) -> Sta
     script = Path(__file__).with_name("titan_standins.py")
     cmd = [sys.executable, "-m", "unbroken", "run", "--torchft-compat", "--replicas", str(REPLICAS)]
     cmd += ["--min-replicas", "1", "--run-dir", str(run_dir), "--", sys.executable, str(script)]
-    cmd += titan_args(assets, out / "dump", args.steps)
+    cmd += titan_args(assets, out / "dump", args.steps, args.semi_sync)
     t0 = time.monotonic()
     deadline = t0 + args.timeout_s
     with open(out / "run.log", "wb") as log:
@@ -298,7 +300,7 @@ def run_torchft(out: Path, assets: Path, args: Any, env: dict[str, str]) -> Star
         genv.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // REPLICAS)))
         with open(out / f"replica{r}.log", "ab") as log:
             procs[r] = subprocess.Popen(
-                [sys.executable, str(script), *titan_args(assets, out / "dump", args.steps)],
+                [sys.executable, str(script), *titan_args(assets, out / "dump", args.steps, args.semi_sync)],
                 env=genv,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -367,6 +369,13 @@ def _last_error(log: Path) -> str:
 )
 @click.option("--systems", default=",".join(SYSTEMS), show_default=True, help="Which to run, comma-separated.")
 @click.option("--steps", default=40, show_default=True, help="torchtitan's --training.steps.")
+@click.option(
+    "--semi-sync",
+    type=click.Choice(["None", "diloco"]),
+    default="None",
+    show_default=True,
+    help="torchtitan's --fault_tolerance.semi_sync_method: per-step HSDP, or DiLoCo syncing every 2 steps.",
+)
 @click.option("--stop-s", default=20.0, show_default=True, help="With --fault stop: SIGCONT after this long.")
 @click.option("--timeout-s", default=300.0, show_default=True, help="A start still running after this hung.")
 @click.option("--max-restarts", default=3, show_default=True, help="torchft side: restarts per group (torchrun's).")
@@ -400,6 +409,7 @@ def torchtitan(**kw: Any) -> None:
         "fault": args.fault,
         "replica_groups": REPLICAS,
         "steps": args.steps,
+        "semi_sync": args.semi_sync,
         "machine": f"{os.cpu_count()} cores, CPU (torch {_torch_version()})",
         **{s: summarize(results[s]) for s in systems},
     }

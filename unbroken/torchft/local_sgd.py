@@ -148,7 +148,23 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _like(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """``t``, a local shard, as a DTensor laid out as ``p`` where ``p`` is one."""
-    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False) if isinstance(p, DTensor) else t
+    if not isinstance(p, DTensor):
+        return t
+    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def _state_like_params(opt: optim.Optimizer) -> None:
+    """Makes the per-parameter state an optimizer loaded (a donor's local shards: its momentum)
+    DTensors again where the parameters are: the step would mix the two kinds and fail."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state.get(p)
+            if not state or not isinstance(p, DTensor):
+                continue
+            local = p.to_local()
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == local.shape:
+                    state[k] = _like(p, v.to(local.device))
 
 
 def _fragment(module: nn.Module, outer: optim.Optimizer | None = None) -> _Fragment:
@@ -236,6 +252,7 @@ class DiLoCo(_SyncEvery):
                     for n, b in zip(f.names, f.backup, strict=True):
                         b.copy_(state["original_parameters"][n])
                 f.outer.load_state_dict(state["outer_optimizer"])
+                _state_like_params(f.outer)
 
             self._manager.register_state_dict_fn(f"StreamingDiLoCoFragment_{i}", load, save)
 
