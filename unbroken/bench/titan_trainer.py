@@ -180,7 +180,10 @@ def titan_args(assets: Path, dump: Path, steps: int, semi_sync: str = "None", sy
     """torchtitan's command line for one replica group (``--fault_tolerance.replica_id`` is added
     by the stand-ins' wrapper from the group's environment): per-step HSDP (``semi_sync``
     ``"None"``) or DiLoCo every ``sync_steps`` steps."""
-    semi = ["--fault_tolerance.sync_steps", str(sync_steps)] if semi_sync != "None" else []
+    # one fragment: every sync carries the whole model, so replicas are equal after each one
+    # (the debug config streams 2 fragments, and a sync then leaves the other one's local steps)
+    semi = ["--fault_tolerance.sync_steps", str(sync_steps), "--fault_tolerance.num_fragments", "1"]
+    semi = semi if semi_sync != "None" else []
     return [
         *("--module", "torchft.llama3", "--config", "llama3_torchft_debugmodel"),
         "--fault_tolerance.enable",
