@@ -138,7 +138,7 @@ def main() -> None:
     # Run as a script, this file's folder (unbroken/bench) comes first on sys.path: its modules
     # must not stand in for top-level ones of the same name.
     here = str(Path(__file__).resolve().parent)
-    sys.path[:] = [p for p in sys.path if p and str(Path(p).resolve()) != here] if sys.path else sys.path
+    sys.path[:] = [p for p in sys.path if not p or str(Path(p).resolve()) != here]
     if sys.argv[1:2] == ["--make-assets"]:
         make_assets(Path(sys.argv[2]))
         return

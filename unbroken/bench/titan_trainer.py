@@ -284,14 +284,15 @@ def run_torchft(out: Path, assets: Path, args: Any, env: dict[str, str]) -> Star
     port = free_port()
     script = Path(__file__).with_name("titan_standins.py")
     procs: dict[int, subprocess.Popen[bytes]] = {}
-    lighthouse = subprocess.Popen(
-        [sys.executable, str(out / "lighthouse.py"), "--min_replicas", "1", "--join_timeout_ms", "10000"]
-        + ["--quorum_tick_ms", "100", "--bind", f"127.0.0.1:{port}"],
-        env=env,
-        stdout=open(out / "lighthouse.log", "wb"),  # noqa: SIM115 - the child holds it
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    with open(out / "lighthouse.log", "wb") as lighthouse_log:
+        lighthouse = subprocess.Popen(
+            [sys.executable, str(out / "lighthouse.py"), "--min_replicas", "1", "--join_timeout_ms", "10000"]
+            + ["--quorum_tick_ms", "100", "--bind", f"127.0.0.1:{port}"],
+            env=env,
+            stdout=lighthouse_log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def launch(r: int) -> None:
         genv = dict(env, TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{port}", REPLICA_GROUP_ID=str(r))

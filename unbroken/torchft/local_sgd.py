@@ -29,6 +29,7 @@ from torch import nn, optim
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
+from unbroken.torchft.init_sync import as_like
 from unbroken.torchft.manager import Manager
 
 
@@ -148,9 +149,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _like(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """``t``, a local shard, as a DTensor laid out as ``p`` where ``p`` is one."""
-    if not isinstance(p, DTensor):
-        return t
-    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    return as_like(t, p)
 
 
 def _state_like_params(opt: optim.Optimizer) -> None:
@@ -164,7 +163,7 @@ def _state_like_params(opt: optim.Optimizer) -> None:
             local = p.to_local()
             for k, v in state.items():
                 if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == local.shape:
-                    state[k] = _like(p, v.to(local.device))
+                    state[k] = _like(p, v)
 
 
 def _fragment(module: nn.Module, outer: optim.Optimizer | None = None) -> _Fragment:
