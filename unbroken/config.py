@@ -419,8 +419,13 @@ class ReplicaConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ReplicaConfig:
-        """Reads the configuration the launcher put in the environment."""
+        """Where this process sits, as its supervisor wrote it (:meth:`WorkerSettings.from_env`,
+        checked whole), or, for a worker started by hand or by another launcher, from the few
+        variables it must set (``UNBROKEN_COORDINATOR``, ``UNBROKEN_REPLICA_ID``,
+        ``UNBROKEN_NUM_REPLICAS``) with defaults for the rest."""
         env = _environ(env)
+        if supervised(env):
+            return WorkerSettings.from_env(env).replica_config()
         if ENV_COORDINATOR not in env:
             raise ConfigError(
                 f"{ENV_COORDINATOR} is not set: start the script with "
@@ -446,7 +451,7 @@ class ReplicaConfig:
             rank=integer(ENV_RANK, 0),
             world_size=integer(ENV_WORLD_SIZE, 1),
             run_dir=env.get(ENV_RUN_DIR, "."),
-            lr_scaling=env.get(ENV_LR_SCALING, "1") not in ("0", "false", "False"),
+            lr_scaling=_lr_scaling(env),
             node=env.get(ENV_NODE, os.uname().nodename),
             restart_count=integer(ENV_RESTART_COUNT, 0),
             checkpoint_dir=env.get(ENV_CHECKPOINT_DIR) or None,
@@ -503,6 +508,8 @@ class WorkerSettings:
         python_path: ``PYTHONPATH`` for the worker (``--torchft-compat``); None leaves the
             environment's.
         chaos: this rank's worker-side faults (JSON, :mod:`unbroken.faults.worker_chaos`); None: none.
+        lr_scaling: scale the learning rate while replicas are missing (``UNBROKEN_LR_SCALING``;
+            off when the supervisor's environment sets it to 0).
     """
 
     coordinator: str
@@ -523,6 +530,7 @@ class WorkerSettings:
     anomaly_policy: str = ""
     python_path: str | None = None
     chaos: str | None = None
+    lr_scaling: bool = True
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -556,6 +564,22 @@ class WorkerSettings:
     def global_rank(self) -> int:
         """The rank in the whole replica group, across its nodes (``RANK``)."""
         return self.group.group_rank * self.local_world_size + self.rank if self.group is not None else self.rank
+
+    def replica_config(self) -> ReplicaConfig:
+        """Where the worker sits in the job, as the training side needs it."""
+        return ReplicaConfig(
+            coordinator=self.coordinator,
+            replica_id=self.replica,
+            num_replicas=self.num_replicas,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            run_dir=str(self.run_dir),
+            lr_scaling=self.lr_scaling,
+            node=self.node,
+            restart_count=self.restarts,
+            checkpoint_dir=str(self.checkpoint_dir) if self.checkpoint_dir is not None else None,
+            resume_step=self.resume_step,
+        )
 
     def to_env(self, environ: Mapping[str, str]) -> dict[str, str]:
         """What the worker sees: ``environ`` (the supervisor's), PyTorch's variables inside its
@@ -623,6 +647,8 @@ class WorkerSettings:
             out[ENV_ANOMALY_POLICY] = self.anomaly_policy
         if self.python_path is not None:
             out[ENV_PYTHONPATH] = self.python_path
+        if not self.lr_scaling:
+            out[ENV_LR_SCALING] = "0"
         return out
 
     @classmethod
@@ -669,7 +695,19 @@ class WorkerSettings:
             anomaly_policy=env.get(ENV_ANOMALY_POLICY, ""),
             python_path=env.get(ENV_PYTHONPATH) or None,
             chaos=env.get(ENV_CHAOS) or None,
+            lr_scaling=_lr_scaling(env),
         )
+
+
+def supervised(env: Mapping[str, str] | None = None) -> bool:
+    """Whether a supervisor (``unbroken run``, ``unbroken agent``) wrote this environment with
+    :meth:`WorkerSettings.to_env`: it always sets ``UNBROKEN_RESTART_COUNT``, which a worker
+    started by hand or by another launcher has no reason to."""
+    return ENV_RESTART_COUNT in _environ(env)
+
+
+def _lr_scaling(env: Mapping[str, str]) -> bool:
+    return env.get(ENV_LR_SCALING, "1") not in ("0", "false", "False")
 
 
 # -- ICCL exchange (UNBROKEN_EXCHANGE=iccl, unbroken.comm.iccl) -------------------------------

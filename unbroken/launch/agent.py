@@ -53,7 +53,6 @@ from unbroken.launch.policy import Decision, RestartBook, RestartPolicy
 from unbroken.launch.relay import Relay
 from unbroken.launch.supervisor_core import Supervisor
 from unbroken.observe.events import EventLog
-from unbroken.train.preemption import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
 from unbroken.wire.auth import AuthError, JobSecret
 from unbroken.wire.store import StoreServer
 
@@ -172,7 +171,7 @@ class Agent(Supervisor[_Replica]):
         settings.run_dir.mkdir(parents=True, exist_ok=True)
         (settings.run_dir / "logs").mkdir(exist_ok=True)
         events = EventLog(settings.run_dir / f"events-{settings.node}.jsonl", f"agent:{settings.node}")
-        super().__init__(events, settings.run_dir, settings.term_grace_s)
+        super().__init__(events, settings.run_dir, settings.term_grace_s, settings.command)
         self.book = RestartBook(settings.policy)
         self.steps: dict[int, int] = {}
         self.num_replicas = 0
@@ -223,7 +222,8 @@ class Agent(Supervisor[_Replica]):
             relay=self.relay.address if self.relay is not None else None,
             store=self.store.address if self.store is not None else None,
         )
-        self._tasks += [asyncio.create_task(self._listen()), asyncio.create_task(self._heartbeat())]
+        self._run_task(self._listen())
+        self._run_task(self._heartbeat())
         await self._stop.wait()
         if self._terminated is not None:
             await self._drain_workers("agent_terminated")
@@ -380,7 +380,7 @@ class Agent(Supervisor[_Replica]):
             self._progress({int(r): s for r, s in protocol.AgentStatus.from_msg(msg).steps.items()})
         elif op == protocol.DumpStack.OP:
             dump = protocol.DumpStack.from_msg(msg)
-            self._tasks.append(asyncio.create_task(self._dump_stack(dump.replica, dump.rank)))
+            self._run_task(self._dump_stack(dump.replica, dump.rank))
         elif op == protocol.JobFailedNotice.OP:
             notice = protocol.JobFailedNotice.from_msg(msg)
             self.events.emit("job_failed", reason=notice.reason, exit_code=notice.exit_code, cause="coordinator")
@@ -391,7 +391,7 @@ class Agent(Supervisor[_Replica]):
         elif op == protocol.JobFinished.OP:
             self._job_finished = True
             self.events.emit("job_finished")
-            self._tasks.append(asyncio.create_task(self._end_after_grace()))
+            self._run_task(self._end_after_grace())
             self._maybe_done()
         elif op == protocol.Error.OP:
             self.error = f"the coordinator refused this agent: {protocol.Error.from_msg(msg).message}"
@@ -489,8 +489,8 @@ class Agent(Supervisor[_Replica]):
         r.done = False
         r.step_at_start = self.steps.get(r.replica, 0)
         master_port = workers.free_port()
+        backend = self.s.cross_replica_backend
         for rank in range(self.s.ranks_per_replica // self.s.nodes_per_replica):
-            backend = self.s.cross_replica_backend
             settings = env.WorkerSettings(
                 coordinator=self._rank_coordinator(),
                 secret_file=self.secret_file,
@@ -506,37 +506,20 @@ class Agent(Supervisor[_Replica]):
                 group=place,
                 cross_replica_backend=env.CrossReplicaBackend(backend) if backend else None,
             )
-            environ = workers.worker_environ(settings)
-            global_rank = settings.global_rank  # the rank in the whole group, across its nodes
-            log = self.s.run_dir / "logs" / f"replica{r.replica}-rank{global_rank}.log"
-            proc = await workers.start_worker(self.s.command, environ, log, self._guardian)
-            r.procs.append(proc)
-            self.events.emit(
-                "process_started",
-                replica=r.replica,
-                rank=global_rank,
-                local_rank=rank,
-                pid=proc.pid,
-                restart=r.restarts,
-                node=self.s.node,
-            )
-            self._tasks.append(asyncio.create_task(self._watch(r, rank, proc)))
+            # named by the rank in the whole group, across its nodes
+            log = self.s.run_dir / "logs" / f"replica{r.replica}-rank{settings.global_rank}.log"
+            await self._start_rank(r, settings, log)
 
-    async def _watch(self, r: _Replica, rank: int, proc: asyncio.subprocess.Process) -> None:
-        code = await proc.wait()
-        self._exited(proc, code)
-        if proc not in r.procs or self._terminated is not None:
-            return  # a sibling we ended ourselves, or a worker stopping on SIGTERM (see _drain)
-        if code in (EXIT_PREEMPTED, EXIT_FLUSH_FAILED):
-            await self._let_siblings_flush(r, proc)
-            if proc not in r.procs or self._terminated is not None:
-                return
-        if code == 0:
-            if all(p.returncode == 0 for p in r.procs):
-                r.procs, r.done = [], True
-                self.events.emit("replica_finished", replica=r.replica)
-                self._maybe_done()
-            return
+    def _replica_finished(self, r: _Replica) -> None:
+        r.done = True
+        self.events.emit("replica_finished", replica=r.replica)
+        self._maybe_done()
+
+    async def _rank_failed(
+        self, r: _Replica, rank: int, proc: asyncio.subprocess.Process, code: int, t_exit: float
+    ) -> None:
+        """Tells the coordinator, then restarts the replica here (its own policy's word), or,
+        for a group spanning nodes, leaves the restart to the coordinator."""
         self._send(protocol.Exited(replica=r.replica, exitcode=code, incarnation=r.incarnation).to_msg())
         decision = self.book.decide(r.replica)
         if self._job_finished or self._coordinator_lost:

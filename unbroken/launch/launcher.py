@@ -42,7 +42,7 @@ from unbroken import config as env
 from unbroken.control.coordinator import Coordinator
 from unbroken.control.state import secret_file
 from unbroken.faults.worker_chaos import chaos_env
-from unbroken.launch import dashboard, torchft_compat, workers
+from unbroken.launch import dashboard, torchft_compat
 from unbroken.launch.fault_firing import FaultFiring
 from unbroken.launch.lifecycle import RUNNING, Lifecycle, State, Transition
 from unbroken.launch.policy import Placement, RestartBook, Slot
@@ -55,7 +55,6 @@ from unbroken.launch.warm_spare import WarmSpare
 from unbroken.launch.workers import SupervisedReplica, free_port
 from unbroken.observe import schema as ev
 from unbroken.observe.events import EventLog
-from unbroken.train.preemption import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
 
 if TYPE_CHECKING:
     from unbroken.observe.http import ObserveServer
@@ -68,6 +67,8 @@ log = logging.getLogger(__name__)
 class Launcher(Supervisor[SupervisedReplica]):
     """Runs one job on this machine. ``await run()`` returns the exit code."""
 
+    one_machine = True
+
     def __init__(self, settings: LaunchSettings) -> None:
         self.s = settings
         self.run_dir = settings.run_dir
@@ -79,7 +80,9 @@ class Launcher(Supervisor[SupervisedReplica]):
             self.secret, self.secret_file = found
         else:
             self.secret, self.secret_file = secret_file.fresh(self.run_dir)
-        super().__init__(EventLog(self.run_dir / "events.jsonl", "launcher"), self.run_dir, settings.term_grace_s)
+        super().__init__(
+            EventLog(self.run_dir / "events.jsonl", "launcher"), self.run_dir, settings.term_grace_s, settings.command
+        )
         self.coordinator: Coordinator | None = None
         self.address = ""
         self.http: ObserveServer | None = None
@@ -148,7 +151,7 @@ class Launcher(Supervisor[SupervisedReplica]):
             await self._spawn(r)
         if self.warm.usable():
             await self.warm.start()
-        self._tasks.append(asyncio.create_task(self._monitor()))
+        self._run_task(self._monitor())
         return await self._supervise()
 
     def _on_sigint(self) -> None:
@@ -182,12 +185,12 @@ class Launcher(Supervisor[SupervisedReplica]):
 
     # -- processes -------------------------------------------------------------------------
 
-    def _worker_environ(self, r: SupervisedReplica, rank: int, master_port: int, slot: Slot) -> dict[str, str]:
+    def _worker_settings(self, r: SupervisedReplica, rank: int, master_port: int, slot: Slot) -> env.WorkerSettings:
         faults = self.s.schedule.worker_faults(r.replica, rank) if slot == self.placement.home[r.replica] else []
         if r.restarts:  # a one-step fault the job already went through does not strike again
             faults = [f for f in faults if not f.one_step or f.step is None or f.step > self.job_step]
         backend = self.s.cross_replica_backend
-        settings = env.WorkerSettings(
+        return env.WorkerSettings(
             coordinator=self.address,
             secret_file=self.secret_file,
             replica=r.replica,
@@ -211,7 +214,6 @@ class Launcher(Supervisor[SupervisedReplica]):
             ),
             chaos=chaos_env(faults, self.job_start).get(env.ENV_CHAOS),
         )
-        return workers.worker_environ(settings, one_machine=True)
 
     async def _spawn(self, r: SupervisedReplica) -> None:
         slot = self.placement.place(r.replica)
@@ -224,47 +226,36 @@ class Launcher(Supervisor[SupervisedReplica]):
         if r.resume_step is not None:
             await self.rollback.ready()  # no process of the rollback starts before its discard
         for rank in range(self.s.ranks_per_replica):
-            path = self.run_dir / "logs" / f"replica{r.replica}-rank{rank}.log"
-            environ = self._worker_environ(r, rank, master_port, slot)
-            proc = await self.warm.take(environ, path) if r.restarts and self.warm.usable() else None
-            if proc is not None:
-                self._run_task(self.warm.start())
-            else:
-                proc = await self._cold_start(environ, path)
-            r.procs.append(proc)
-            self.events.emit(
-                "process_started",
-                replica=r.replica,
-                rank=rank,
-                pid=proc.pid,
-                restart=r.restarts,
-                node=slot.node,
+            await self._start_rank(
+                r,
+                self._worker_settings(r, rank, master_port, slot),
+                self.run_dir / "logs" / f"replica{r.replica}-rank{rank}.log",
                 slot=slot.name,
                 resume_step=r.resume_step,
             )
-            asyncio.get_running_loop().create_task(self._watch(r, rank, proc))
         r.resume_step = None  # later restarts catch up from a peer, which is newer
 
-    async def _cold_start(self, environ: dict[str, str], path: Path) -> asyncio.subprocess.Process:
-        return await workers.start_worker(self.s.command, environ, path, self._guardian)
+    async def _start_process(
+        self, r: SupervisedReplica, environ: dict[str, str], log: Path
+    ) -> asyncio.subprocess.Process:
+        """A restarted replica's rank goes to the warm spare when one is ready (another is then
+        warmed); everything else starts cold."""
+        proc = await self.warm.take(environ, log) if r.restarts and self.warm.usable() else None
+        if proc is None:
+            return await super()._start_process(r, environ, log)
+        self._run_task(self.warm.start())
+        return proc
 
-    async def _watch(self, r: SupervisedReplica, rank: int, proc: asyncio.subprocess.Process) -> None:
-        code = await proc.wait()
-        self._exited(proc, code)
-        if proc not in r.procs:
-            return  # a sibling we ended ourselves
-        t_exit = time.monotonic()
-        if code == 0:
-            if all(p.returncode == 0 for p in r.procs):
-                r.procs = []
-                self._move(r.replica, State.FINISHED, "training finished")
-                self.events.emit("replica_finished", replica=r.replica)
-                self._changed.set()
-            return
-        if code in (EXIT_PREEMPTED, EXIT_FLUSH_FAILED) and self._terminated is None:
-            await self._let_siblings_flush(r, proc)
-        if self.lifecycle.state[r.replica] not in RUNNING or self._terminated is not None or proc not in r.procs:
-            return
+    def _replica_finished(self, r: SupervisedReplica) -> None:
+        self._move(r.replica, State.FINISHED, "training finished")
+        self.events.emit("replica_finished", replica=r.replica)
+        self._changed.set()
+
+    async def _rank_failed(
+        self, r: SupervisedReplica, rank: int, proc: asyncio.subprocess.Process, code: int, t_exit: float
+    ) -> None:
+        if self.lifecycle.state[r.replica] not in RUNNING:
+            return  # already failed (a sibling's exit, an eviction) or given up
         self._failed(
             r,
             ev.FailureCause.PROCESS_EXIT,

@@ -2,9 +2,12 @@
 
 The single-machine supervisor (:mod:`unbroken.launch.launcher`) and the per-node agent
 (:mod:`unbroken.launch.agent`) differ in who decides (the supervisor itself, or the coordinator
-through the agent's link), not in how a replica's processes are watched, drained on SIGTERM,
-ended and cleaned up. Those parts were written twice and a bug in them was fixed twice; they
-live here once, in :class:`Supervisor`, and each front end keeps only what differs.
+through the agent's link), not in how a replica's ranks are started, watched, drained on
+SIGTERM, ended and cleaned up. Those parts were written twice and a bug in them was fixed
+twice; they live here once, in :class:`Supervisor`, and each front end keeps only what differs:
+the settings of each rank it starts (:class:`~unbroken.config.WorkerSettings`), and what it
+does when a replica finishes (:meth:`Supervisor._replica_finished`) or a rank fails
+(:meth:`Supervisor._rank_failed`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from unbroken.diagnosis import stacks
 from unbroken.launch import reaper, workers
 from unbroken.launch.policy import RestartBook
 from unbroken.launch.workers import ReplicaProcs
+from unbroken.observe import schema as ev
 from unbroken.observe.events import EventLog
+from unbroken.train.preemption import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
 
 R = TypeVar("R", bound=ReplicaProcs)
 T = TypeVar("T")
@@ -35,16 +40,20 @@ class Supervisor(Generic[R]):
     Args:
         events: the front end's event log.
         run_dir: the job's run directory (its ranks' stacks are dumped under it).
+        command: what each worker runs.
         term_grace_s: on SIGTERM, how long the workers have to finish their step and flush a
             checkpoint before what is left is killed.
     """
 
     # How a rank that is not running is described in a stack request's answer.
     not_running_here = "here"
+    # The whole job runs on this machine: the workers' own sockets are bound to loopback.
+    one_machine = False
     book: RestartBook  # the front end's restart policy's record
 
-    def __init__(self, events: EventLog, run_dir: Path, term_grace_s: float) -> None:
+    def __init__(self, events: EventLog, run_dir: Path, term_grace_s: float, command: tuple[str, ...]) -> None:
         self.events = events
+        self.command = command
         self.stack_dir = run_dir
         self.term_grace_s = term_grace_s
         self.replicas: dict[int, R] = {}
@@ -62,6 +71,15 @@ class Supervisor(Generic[R]):
         raise NotImplementedError
 
     async def _cleanup(self) -> None:
+        raise NotImplementedError
+
+    def _replica_finished(self, r: R) -> None:
+        """Every rank of ``r`` exited 0 (its processes are already forgotten)."""
+        raise NotImplementedError
+
+    async def _rank_failed(self, r: R, rank: int, proc: asyncio.subprocess.Process, code: int, t_exit: float) -> None:
+        """A rank of ``r`` exited with ``code`` != 0 at ``t_exit`` (monotonic) while the
+        supervisor was not stopping, its preempted siblings having had their flush."""
         raise NotImplementedError
 
     # -- running -------------------------------------------------------------------------------
@@ -82,9 +100,73 @@ class Supervisor(Generic[R]):
                 loop.remove_signal_handler(sig)
 
     def _run_task(self, coro: Coroutine[Any, Any, None]) -> None:
-        self._tasks.append(asyncio.create_task(coro))
+        """Runs ``coro`` until it ends or the cleanup cancels it; a finished task is forgotten,
+        so a job that restarts for weeks keeps only the tasks still running."""
+        task = asyncio.create_task(coro)
+        self._tasks.append(task)
+        task.add_done_callback(self._forget_task)
+
+    def _forget_task(self, task: asyncio.Task[Any]) -> None:
+        with contextlib.suppress(ValueError):
+            self._tasks.remove(task)
 
     # -- processes -----------------------------------------------------------------------------
+
+    def _worker_environ(self, settings: env.WorkerSettings) -> dict[str, str]:
+        """What a worker started with ``settings`` sees (:func:`~unbroken.launch.workers.worker_environ`)."""
+        return workers.worker_environ(settings, one_machine=self.one_machine)
+
+    async def _start_process(self, r: R, environ: dict[str, str], log: Path) -> asyncio.subprocess.Process:
+        """Starts one worker of ``r`` (the launcher may hand the order to a warm spare instead)."""
+        return await workers.start_worker(self.command, environ, log, self._guardian)
+
+    async def _start_rank(
+        self,
+        r: R,
+        settings: env.WorkerSettings,
+        log: Path,
+        slot: str | None = None,
+        resume_step: int | None = None,
+    ) -> None:
+        """Starts the rank of ``r`` that ``settings`` describe, reports it (``process_started``)
+        and watches it until it exits."""
+        proc = await self._start_process(r, self._worker_environ(settings), log)
+        r.procs.append(proc)
+        self.events.emit(
+            ev.ProcessStarted(
+                replica=r.replica,
+                rank=settings.global_rank,
+                pid=proc.pid,
+                restart=r.restarts,
+                node=settings.node,
+                slot=slot,
+                resume_step=resume_step,
+                local_rank=settings.rank if settings.group is not None else None,
+            )
+        )
+        self._run_task(self._watch(r, settings.global_rank, proc))
+
+    async def _watch(self, r: R, rank: int, proc: asyncio.subprocess.Process) -> None:
+        """Waits for a rank's exit and sorts it: a sibling this supervisor ended, the replica
+        finished, a stop under SIGTERM (the drain reports those), or a failure for the front
+        end (:meth:`_rank_failed`), after a preempted rank's siblings had their flush."""
+        code = await proc.wait()
+        self._exited(proc, code)
+        if proc not in r.procs:
+            return  # a sibling we ended ourselves
+        if code == 0:
+            if all(p.returncode == 0 for p in r.procs):
+                r.procs = []
+                self._replica_finished(r)
+            return
+        if self._terminated is not None:
+            return  # stopping on SIGTERM: _drain_workers reports the exit codes
+        t_exit = time.monotonic()
+        if code in (EXIT_PREEMPTED, EXIT_FLUSH_FAILED):
+            await self._let_siblings_flush(r, proc)
+            if proc not in r.procs or self._terminated is not None:
+                return
+        await self._rank_failed(r, rank, proc, code, t_exit)
 
     def _exited(self, proc: asyncio.subprocess.Process, code: int) -> None:
         """A worker exited: done (0), whatever it left running (a persist process finishing its

@@ -110,7 +110,7 @@ def test_unbroken_runs_workers_bind_nccl_to_loopback(tmp_path: Path, monkeypatch
     )
     try:
         r = launcher.replicas[0]
-        env = launcher._worker_environ(r, 0, 1, launcher.placement.home[0])
+        env = launcher._worker_environ(launcher._worker_settings(r, 0, 1, launcher.placement.home[0]))
     finally:
         launcher.events.close()
     assert env["NCCL_SOCKET_IFNAME"] == (interface_of("127.0.0.1") or "lo")

@@ -11,6 +11,7 @@ from unbroken.config import (
     ConfigError,
     CrossReplicaBackend,
     GroupPlace,
+    ReplicaConfig,
     WorkerSettings,
     cross_replica_backend,
 )
@@ -46,10 +47,43 @@ def test_what_the_supervisor_writes_the_worker_reads_back(tmp_path: Path) -> Non
             anomaly_policy="loss_spike=rollback",
             python_path="/shim",
             chaos='{"t0": 1.0, "faults": []}',
+            lr_scaling=False,
         ),
         _settings(tmp_path, world_size=4, master_port=42000, group=GroupPlace(1, 2, "198.18.0.10", 42000, "eth0")),
     ):
         assert WorkerSettings.from_env(s.to_env({})) == s
+
+
+def test_the_worker_reads_where_it_sits_from_what_its_supervisor_wrote(tmp_path: Path) -> None:
+    s = _settings(
+        tmp_path,
+        world_size=4,
+        group=GroupPlace(1, 2, "198.18.0.10", 42000),
+        checkpoint_dir=tmp_path / "ckpt",
+        resume_step=30,
+        lr_scaling=False,
+    )
+    config = ReplicaConfig.from_env(s.to_env({}))
+    assert config == s.replica_config()
+    assert (config.replica_id, config.num_replicas, config.rank, config.world_size) == (2, 3, 3, 4)
+    assert (config.node, config.restart_count, config.resume_step, config.lr_scaling) == ("node0", 4, 30, False)
+    assert config.checkpoint_dir == str(tmp_path / "ckpt") and config.run_dir == str(tmp_path / "run")
+
+
+def test_a_supervised_environment_is_checked_whole(tmp_path: Path) -> None:
+    env = _settings(tmp_path).to_env({})
+    del env["UNBROKEN_SECRET_FILE"]
+    with pytest.raises(ConfigError, match="UNBROKEN_SECRET_FILE is not set"):
+        ReplicaConfig.from_env(env)
+
+
+def test_a_worker_started_by_hand_needs_only_where_to_go() -> None:
+    config = ReplicaConfig.from_env(
+        {"UNBROKEN_COORDINATOR": "127.0.0.1:29400", "UNBROKEN_REPLICA_ID": "1", "UNBROKEN_NUM_REPLICAS": "2"}
+    )
+    assert (config.replica_id, config.num_replicas, config.rank, config.world_size) == (1, 2, 0, 1)
+    with pytest.raises(ConfigError, match="UNBROKEN_COORDINATOR is not set"):
+        ReplicaConfig.from_env({"UNBROKEN_REPLICA_ID": "1"})
 
 
 def test_a_group_spanning_nodes_gives_torchruns_variables_for_the_whole_group(tmp_path: Path) -> None:
