@@ -6,9 +6,9 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
-from unbroken.checkpoint import disk, retention
-from unbroken.checkpoint.manifest import ShardManifest, layout
 from unbroken.checkpoint.snapshot import HostBuffer, copy_into, flatten
+from unbroken.checkpoint.storage import disk, retention
+from unbroken.checkpoint.storage.manifest import ShardManifest, layout
 
 
 def write_shard_here(root: str, state: dict[str, Any], step: int, keep_last: int | None = None) -> None:

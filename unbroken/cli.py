@@ -17,13 +17,13 @@ from unbroken.extras import MissingExtra
 COMMANDS: dict[str, str] = {
     "bench": "unbroken.bench.bench_cli:bench",
     "coordinator": "unbroken.control.coordinator_cli:coordinator",
-    "run": "unbroken.launch.run_cli:run",
-    "demo": "unbroken.launch.demo:demo",
+    "run": "unbroken.launch.run.run_cli:run",
+    "demo": "unbroken.launch.run.demo:demo",
     "simulate": "unbroken.sim.simulate_cli:simulate",
     "plan": "unbroken.network.plan_cli:plan",
     "checkpoint": "unbroken.checkpoint.checkpoint_cli:checkpoint",
     "status": "unbroken.control.status:status",
-    "agent": "unbroken.launch.agent_cli:agent",
+    "agent": "unbroken.launch.node.agent_cli:agent",
     "secret": "unbroken.control.state.secret_file:secret",
 }
 

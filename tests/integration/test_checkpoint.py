@@ -18,9 +18,10 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from tests.shard_writer import write_shard_here
-from unbroken.checkpoint import Checkpointer, CheckpointError, PeerStore, PersistOutcome, Shard, directio, disk, restore
+from unbroken.checkpoint import Checkpointer, CheckpointError, PeerStore, PersistOutcome, Shard
 from unbroken.checkpoint.checkpoint_cli import checkpoint as checkpoint_cli
 from unbroken.checkpoint.checkpointer import SnapshotTaken
+from unbroken.checkpoint.storage import directio, disk, restore
 from unbroken.config import local_address_towards
 from unbroken.wire.auth import JobSecret
 

@@ -26,7 +26,7 @@ from tests.integration.harness import (
     metrics,
     wait_for_step,
 )
-from unbroken.launch.launcher import free_port
+from unbroken.launch.run.launcher import free_port
 
 pytestmark = pytest.mark.integration
 STEPS = 60

@@ -13,7 +13,7 @@ import pytest
 
 from tests.integration.harness import PACE, Job, assert_identical
 from unbroken.checkpoint import Checkpointer
-from unbroken.checkpoint.disk import complete_steps
+from unbroken.checkpoint.storage.disk import complete_steps
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 

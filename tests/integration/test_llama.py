@@ -201,7 +201,7 @@ def test_llama_coordinator_restart(tmp_path: Path, clean_loss: float) -> None:
     import subprocess
     import sys
 
-    from unbroken.launch.launcher import free_port
+    from unbroken.launch.run.launcher import free_port
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

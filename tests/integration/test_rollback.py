@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from tests.integration.harness import PACE, Job, assert_identical
-from unbroken.checkpoint import Checkpointer, history
-from unbroken.checkpoint.disk import complete_steps
+from unbroken.checkpoint import Checkpointer
+from unbroken.checkpoint.storage import history
+from unbroken.checkpoint.storage.disk import complete_steps
 
 pytestmark = pytest.mark.integration
 

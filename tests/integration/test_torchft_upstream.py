@@ -2,7 +2,7 @@
 
 No torchft file is edited: the wheel is unpacked by ``make torchft-upstream`` and only the
 import is redirected, by the shim of ``unbroken run --torchft-compat`` with the wheel's
-directory behind it (:func:`unbroken.launch.torchft_compat.write_shim`): ``torchft.manager``,
+directory behind it (:func:`unbroken.launch.run.torchft_compat.write_shim`): ``torchft.manager``,
 ``torchft.local_sgd``, ``torchft.process_group``... are unbroken's facade, the test modules and
 ``torchft._test`` are the wheel's. The CPU stand-ins, all in that one shim:
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from unbroken.launch.torchft_compat import write_shim
+from unbroken.launch.run.torchft_compat import write_shim
 
 pytestmark = [pytest.mark.integration, pytest.mark.scenario]
 

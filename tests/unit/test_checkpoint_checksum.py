@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 import crc32c
 import pytest
 
-from unbroken.checkpoint import checksum
-from unbroken.checkpoint.directio import Target, plan_chunks
-from unbroken.checkpoint.manifest import ShardManifest, TensorSpec, layout
+from unbroken.checkpoint.storage import checksum
+from unbroken.checkpoint.storage.directio import Target, plan_chunks
+from unbroken.checkpoint.storage.manifest import ShardManifest, TensorSpec, layout
 
 REFERENCE = {"crc32": zlib.crc32, "crc32c": crc32c.crc32c}
 

@@ -19,8 +19,9 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlan
 
-from unbroken.checkpoint import DCPReader, DCPWriter, dcp_layout
-from unbroken.checkpoint.disk import CorruptCheckpoint
+from unbroken.checkpoint import DCPReader, DCPWriter
+from unbroken.checkpoint.storage import dcp_layout
+from unbroken.checkpoint.storage.disk import CorruptCheckpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -135,7 +136,8 @@ def test_a_save_that_fails_mid_write_leaves_latest_on_the_last_good_step(
 KILLED_SAVES = textwrap.dedent("""
     import os, signal, sys
     import torch.distributed.checkpoint as dcp
-    from unbroken.checkpoint import DCPWriter, dcp_storage
+    from unbroken.checkpoint import DCPWriter
+    from unbroken.checkpoint.storage import dcp_storage
     from tests.unit.test_checkpoint_dcp import state
     root = sys.argv[1]
     dcp.save(state(1), storage_writer=DCPWriter(root, step=1))

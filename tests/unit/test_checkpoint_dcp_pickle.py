@@ -21,7 +21,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from unbroken.checkpoint import DCPReader
-from unbroken.checkpoint.dcp_storage import load_metadata
+from unbroken.checkpoint.storage.dcp_storage import load_metadata
 from unbroken.wire.objects import UnsafeObjectError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -1,7 +1,7 @@
 """After a rollback to step S, no tier offers a step of the undone history to any process.
 
 Real checkpoints, a real persist process and a real peer store; the rollback is recorded as the
-supervisor records it (:func:`unbroken.checkpoint.history.record_rollback`), and a "restarted
+supervisor records it (:func:`unbroken.checkpoint.storage.history.record_rollback`), and a "restarted
 process" is a new Checkpointer on the same directory and peer.
 """
 
@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from unbroken.checkpoint import Checkpointer, CheckpointError, disk, history, retention
+from unbroken.checkpoint import Checkpointer, CheckpointError
 from unbroken.checkpoint.peer import PeerStore
+from unbroken.checkpoint.storage import disk, history, retention
 from unbroken.wire.auth import JobSecret
 
 SECRET = JobSecret.generate()

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load
 
-from unbroken.checkpoint import reshard, retention
-from unbroken.checkpoint.manifest import ShardManifest, TensorSpec, layout, safetensors_header
 from unbroken.checkpoint.snapshot import Shard, TensorRef, flatten, unflatten
+from unbroken.checkpoint.storage import reshard, retention
+from unbroken.checkpoint.storage.manifest import ShardManifest, TensorSpec, layout, safetensors_header
 
 
 def spec(name: str, dtype: str, shape: tuple[int, ...]) -> TensorSpec:

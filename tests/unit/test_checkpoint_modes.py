@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from unbroken.checkpoint import Checkpointer, DCPWriter, history
+from unbroken.checkpoint import Checkpointer, DCPWriter
+from unbroken.checkpoint.storage import history
 
 
 @pytest.fixture

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from tests.shard_writer import write_shard_here
-from unbroken.checkpoint import Checkpointer, checksum
-from unbroken.checkpoint.manifest import ShardManifest, TensorSpec, layout, with_checksums
+from unbroken.checkpoint import Checkpointer
 from unbroken.checkpoint.peer import PeerClient, PeerError, PeerStore
+from unbroken.checkpoint.storage import checksum
+from unbroken.checkpoint.storage.manifest import ShardManifest, TensorSpec, layout, with_checksums
 from unbroken.wire import objects
 from unbroken.wire.auth import AuthError, JobSecret
 

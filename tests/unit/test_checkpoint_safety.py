@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from tests.shard_writer import write_shard_here
-from unbroken.checkpoint import Checkpointer, CheckpointError, disk, retention
-from unbroken.checkpoint.manifest import MANIFEST_FILE, ShardManifest, TensorSpec, layout
+from unbroken.checkpoint import Checkpointer, CheckpointError
+from unbroken.checkpoint.storage import disk, retention
+from unbroken.checkpoint.storage.manifest import MANIFEST_FILE, ShardManifest, TensorSpec, layout
 
 
 def state(seed: int) -> dict[str, Any]:

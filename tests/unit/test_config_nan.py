@@ -13,8 +13,8 @@ import pytest
 from unbroken.comm.deadline import LearnedDeadline
 from unbroken.config import ConfigError, check_seconds
 from unbroken.control.coordinator import CoordinatorSettings
-from unbroken.launch.agent import AgentSettings
-from unbroken.launch.launcher import LaunchSettings
+from unbroken.launch.node.agent import AgentSettings
+from unbroken.launch.run.launcher import LaunchSettings
 
 NAN, INF = float("nan"), float("inf")
 

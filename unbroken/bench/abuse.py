@@ -36,7 +36,7 @@ import click
 
 from unbroken.bench.output import publish
 from unbroken.config import ENV_SECRET_FILE
-from unbroken.launch.launcher import Launcher, LaunchSettings
+from unbroken.launch.run.launcher import Launcher, LaunchSettings
 from unbroken.launch.workers import package_path
 from unbroken.observe.events import read_jsonl
 from unbroken.observe.http import read_token

@@ -77,7 +77,7 @@ def handshake_cost_s(n: int = 200) -> float:
 
 def run_job(run_dir: Path, steps: int, replicas: int) -> dict[str, Any]:
     """Runs the example GPT under ``unbroken run`` (in this process) and counts control lines."""
-    from unbroken.launch.launcher import Launcher, LaunchSettings
+    from unbroken.launch.run.launcher import Launcher, LaunchSettings
 
     launcher = Launcher(
         LaunchSettings(

@@ -32,7 +32,7 @@ import click
 import torch
 
 from unbroken.bench.output import publish
-from unbroken.checkpoint.disk import fsync_dir
+from unbroken.checkpoint.storage.disk import fsync_dir
 
 
 def _log(msg: str) -> None:

@@ -40,7 +40,7 @@ from unbroken.control import protocol
 from unbroken.control.protocol import event_loop
 from unbroken.control.quorum.heartbeat import heartbeat_due
 from unbroken.control.quorum.rules import members_of_runs
-from unbroken.launch.relay import first_warm_wait
+from unbroken.launch.node.relay import first_warm_wait
 from unbroken.wire.auth import AuthError, JobSecret, Session
 
 REJOIN_PATIENCE_S = 60.0  # how long the rejoining victim waits to be admitted before it asks again
@@ -184,7 +184,7 @@ class SimReplica:
 
     async def _keep_warm(self, index: int, wait: float = 0.0) -> None:
         """An idle, authenticated connection to the standby at ``index``, as a relay keeps one
-        (:mod:`unbroken.launch.relay`); dropped if it says anything or ends."""
+        (:mod:`unbroken.launch.node.relay`); dropped if it says anything or ends."""
         if not await self._dial_warm(index, wait):
             return
         assert self._warm is not None

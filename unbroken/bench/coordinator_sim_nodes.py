@@ -13,7 +13,7 @@ are answered here without a line, as the relay answers them (their latency is th
 alone; the relay hop itself is measured in docs/benchmarks/2026-11-27-agent-relay.md).
 
 As the relay, a node says its hello on its warm connection to the standby beforehand, and again a
-while after its epoch changes (:data:`~unbroken.launch.relay.RESAY_S`); when the active
+while after its epoch changes (:data:`~unbroken.launch.node.relay.RESAY_S`); when the active
 coordinator is lost it moves onto that connection without a hello, keeping its grant, and says
 only the requests that wait. The standby's first line on the warm connection (its welcome, once it
 took over) moves the node onto it too.
@@ -31,7 +31,7 @@ from unbroken.bench.coordinator_sim import Answer, SimReplica
 from unbroken.control import protocol
 from unbroken.control.quorum.grants import Grant
 from unbroken.control.quorum.heartbeat import heartbeat_due
-from unbroken.launch.relay import RESAY_S, first_warm_wait
+from unbroken.launch.node.relay import RESAY_S, first_warm_wait
 
 
 class SimNode(SimReplica):
@@ -60,7 +60,7 @@ class SimNode(SimReplica):
         ask = protocol.QuorumAsk(id=req_id, step=step, step_time=self.plan.step_time, failed_epoch=failed_epoch)
         return protocol.NodeQuorum(asks=tuple((self.replica, k, ask) for k in range(self.plan.ranks_per_node))).to_msg()
 
-    # -- the standby, told beforehand (as unbroken.launch.relay) --------------------------------
+    # -- the standby, told beforehand (as unbroken.launch.node.relay) --------------------------------
 
     def _presay(self, writer: asyncio.StreamWriter, session: Any) -> None:
         writer.write(protocol.encode({**self._hello_msg(), "beforehand": True}, session))  # not a heartbeat's line

@@ -41,7 +41,7 @@ from unbroken.comm.recorder import FlightRecorder
 from unbroken.config import ENV_EXCHANGE, ENV_LINK_FAULT, ENV_RECORDER
 from unbroken.diagnosis.verdict import COMM_HANG, COMM_SLOW, METRIC_ANOMALY, NONCOMM_HANG, STRAGGLER
 from unbroken.faults.schedule import Schedule
-from unbroken.launch.launcher import Launcher, LaunchSettings
+from unbroken.launch.run.launcher import Launcher, LaunchSettings
 from unbroken.observe.events import read_events, read_jsonl
 
 Row = dict[str, Any]

@@ -47,7 +47,7 @@ def _scrape(launcher: Any, stop: threading.Event, period_s: float, counts: dict[
 
 def run_once(run_dir: Path, steps: int, replicas: int, scrape_s: float | None) -> dict[str, Any]:
     """One run of the example; with ``scrape_s``, served and scraped at that period."""
-    from unbroken.launch.launcher import Launcher, LaunchSettings
+    from unbroken.launch.run.launcher import Launcher, LaunchSettings
 
     shutil.rmtree(run_dir, ignore_errors=True)
     launcher = Launcher(

@@ -51,7 +51,7 @@ from typing import Any
 import click
 
 from unbroken.bench.output import publish
-from unbroken.launch.launcher import Launcher, LaunchSettings, free_port
+from unbroken.launch.run.launcher import Launcher, LaunchSettings, free_port
 from unbroken.observe.events import read_jsonl
 
 Row = dict[str, Any]

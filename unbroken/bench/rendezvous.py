@@ -6,7 +6,7 @@ groups of 12 members at once. Each member's rendezvous is 25 store requests in a
 Met on one store, the coordinator's, that is some 2.5 million requests through one process,
 which serves a connection per thread and at most :data:`~unbroken.wire.store.MAX_CONNECTIONS` of
 them. Met on the stores of the epoch leader's nodes (each node agent hosts one:
-:mod:`unbroken.launch.agent`), each store serves the groups of its own node's ranks (8 at 8 GPUs
+:mod:`unbroken.launch.node.agent`), each store serves the groups of its own node's ranks (8 at 8 GPUs
 a node), whatever the job's size.
 
 Three measurements, on this machine:

@@ -12,8 +12,8 @@ from typing import Any
 _EXPORTS = {
     "Checkpointer": "unbroken.checkpoint.checkpointer",
     "CheckpointError": "unbroken.checkpoint.checkpointer",
-    "DCPReader": "unbroken.checkpoint.dcp_storage",
-    "DCPWriter": "unbroken.checkpoint.dcp_storage",
+    "DCPReader": "unbroken.checkpoint.storage.dcp_storage",
+    "DCPWriter": "unbroken.checkpoint.storage.dcp_storage",
     "PersistOutcome": "unbroken.checkpoint.checkpointer",
     "Restored": "unbroken.checkpoint.checkpointer",
     "Shard": "unbroken.checkpoint.snapshot",

@@ -26,7 +26,7 @@ def ls_cmd(directory: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from unbroken.checkpoint import disk
+    from unbroken.checkpoint.storage import disk
 
     _require_dir(directory)
     latest = disk.read_latest(directory)
@@ -50,7 +50,7 @@ def ls_cmd(directory: str) -> None:
 @click.option("--step", type=int, default=None, help="Verify only this step (default: all).")
 def verify(directory: str, step: int | None) -> None:
     """Read every shard and check every checksum; exits 1 if anything is damaged."""
-    from unbroken.checkpoint import disk
+    from unbroken.checkpoint.storage import disk
 
     _require_dir(directory)
     steps = disk.list_steps(directory) if step is None else [step]
@@ -85,8 +85,8 @@ def export(directory: str, step: int | None, out: str) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from unbroken.checkpoint import disk, restore
-    from unbroken.checkpoint.manifest import TensorSpec
+    from unbroken.checkpoint.storage import disk, restore
+    from unbroken.checkpoint.storage.manifest import TensorSpec
 
     _require_dir(directory)
     complete = disk.complete_steps(directory)

@@ -29,8 +29,12 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from unbroken.checkpoint import disk, history, reshard, restore
-from unbroken.checkpoint.manifest import (
+from unbroken.checkpoint.peer import PeerClient
+from unbroken.checkpoint.persist import PersistProcess
+from unbroken.checkpoint.snapshot import HostBuffer, Shard, copy_all, copy_into, flatten, unflatten
+from unbroken.checkpoint.states import SlotState, Tier
+from unbroken.checkpoint.storage import disk, history, reshard, restore
+from unbroken.checkpoint.storage.manifest import (
     ShardManifest,
     TensorEntry,
     TensorSpec,
@@ -38,10 +42,6 @@ from unbroken.checkpoint.manifest import (
     shard_dir_name,
     with_checksums,
 )
-from unbroken.checkpoint.peer import PeerClient
-from unbroken.checkpoint.persist import PersistProcess
-from unbroken.checkpoint.snapshot import HostBuffer, Shard, copy_all, copy_into, flatten, unflatten
-from unbroken.checkpoint.states import SlotState, Tier
 from unbroken.wire import objects as wire_objects
 from unbroken.wire.auth import JobSecret
 
@@ -105,7 +105,7 @@ class Checkpointer:
     Args:
         directory: where checkpoints are written; created if missing; checked writable now,
             before training starts.
-        keep_last: verified checkpoints kept on disk (see :mod:`~unbroken.checkpoint.retention`:
+        keep_last: verified checkpoints kept on disk (see :mod:`~unbroken.checkpoint.storage.retention`:
             only checkpoints read back once count, and the newest verified is never deleted).
         replica, replicas, rank, world_size: this shard's place in the job, recorded so that a
             checkpoint can be loaded at another world size.
@@ -154,7 +154,7 @@ class Checkpointer:
         disk.check_writable(directory)
         self.directory = directory
         # The history this process saves in: a rollback recorded after it started makes its
-        # newer saves part of the undone history (see unbroken.checkpoint.history).
+        # newer saves part of the undone history (see unbroken.checkpoint.storage.history).
         self.history = disk.fences(directory).current
         self.keep_last = keep_last
         self.replica, self.replicas, self.rank, self.world_size = replica, replicas, rank, world_size

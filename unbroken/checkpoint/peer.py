@@ -11,7 +11,7 @@ So both sides prove they hold the job's secret (:func:`~unbroken.wire.auth.serve
 purpose ``"peer-checkpoint"``) before anything else, and every request and answer header is a
 MACed frame; the bulk bytes are bound to that connection and checked against the CRCs of the
 MACed manifest. A push is accepted only if it is whole and consistent: a valid manifest (the
-checks of :func:`~unbroken.checkpoint.manifest.validate`) with a CRC for every tensor and the
+checks of :func:`~unbroken.checkpoint.storage.manifest.validate`) with a CRC for every tensor and the
 objects, byte counts equal to the manifest's, and every CRC matching; its sizes are bounded
 (objects, one copy, all copies held, owners, connections) and every connection has a timeout.
 Connections wait for their ticket in a :class:`~unbroken.wire.gate.Gate`, without a thread
@@ -39,8 +39,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from unbroken.checkpoint import checksum
-from unbroken.checkpoint.manifest import ShardManifest
+from unbroken.checkpoint.storage import checksum
+from unbroken.checkpoint.storage.manifest import ShardManifest
 from unbroken.wire.auth import AuthError, JobSecret, Session, client_handshake, server_handshake
 from unbroken.wire.framing import recv_exact, recv_sealed, send_sealed
 from unbroken.wire.gate import Gate

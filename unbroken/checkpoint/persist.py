@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from unbroken.checkpoint import disk, retention
-from unbroken.checkpoint.manifest import ShardManifest, is_complete
+from unbroken.checkpoint.storage import disk, retention
+from unbroken.checkpoint.storage.manifest import ShardManifest, is_complete
 from unbroken.wire.framing import FrameError, recv_exact
 
 _MAX_FDS = 4

@@ -4,7 +4,7 @@ One implementation for both copies of a replica's state that leave the training 
 checkpoint (:class:`~unbroken.checkpoint.Checkpointer`) and a donor's catch-up snapshot for a
 recovering peer (:mod:`unbroken.comm.catchup`). Both flatten the state into named tensors and a
 pickled skeleton (:func:`flatten`), lay the tensors out back to back
-(:func:`unbroken.checkpoint.manifest.layout`) in a :class:`HostBuffer`, and copy with
+(:func:`unbroken.checkpoint.storage.manifest.layout`) in a :class:`HostBuffer`, and copy with
 :func:`copy_tensor`.
 
 The buffer is an anonymous memory file (memfd) mapped into this process, so the persist process
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from unbroken.checkpoint.manifest import TensorEntry, TensorSpec
+from unbroken.checkpoint.storage.manifest import TensorEntry, TensorSpec
 
 
 @dataclass

@@ -50,8 +50,9 @@ from typing import Any
 
 import torch
 
-from unbroken.checkpoint.checksum import update as checksum
-from unbroken.checkpoint.manifest import (
+from unbroken.checkpoint.snapshot import HostBuffer, TensorRef, copy_tensor, flatten, unflatten, view_bytes
+from unbroken.checkpoint.storage.checksum import update as checksum
+from unbroken.checkpoint.storage.manifest import (
     TensorEntry,
     TensorSpec,
     check_entries,
@@ -59,7 +60,6 @@ from unbroken.checkpoint.manifest import (
     entries_to_json,
     layout,
 )
-from unbroken.checkpoint.snapshot import HostBuffer, TensorRef, copy_tensor, flatten, unflatten, view_bytes
 from unbroken.wire import objects
 from unbroken.wire.admission import RefusalLog
 from unbroken.wire.auth import AuthError, HandshakeInterrupted, JobSecret, client_handshake, server_handshake
@@ -342,7 +342,7 @@ def parse_header(header: Any, step: int) -> tuple[int, int, list[TensorEntry], A
     """``(total, chunk, entries, skeleton)`` of a donor's header, each checked.
 
     The entries must tile the data exactly as a checkpoint's manifest must
-    (:func:`~unbroken.checkpoint.manifest.check_entries`): every byte the receiver writes then
+    (:func:`~unbroken.checkpoint.storage.manifest.check_entries`): every byte the receiver writes then
     lies inside the buffer it allocated or a tensor of the same size, and every tensor the
     skeleton refers to is listed.
 

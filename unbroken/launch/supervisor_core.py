@@ -1,7 +1,7 @@
 """What ``unbroken run`` and ``unbroken agent`` both do with the worker processes they start.
 
-The single-machine supervisor (:mod:`unbroken.launch.launcher`) and the per-node agent
-(:mod:`unbroken.launch.agent`) differ in who decides (the supervisor itself, or the coordinator
+The single-machine supervisor (:mod:`unbroken.launch.run.launcher`) and the per-node agent
+(:mod:`unbroken.launch.node.agent`) differ in who decides (the supervisor itself, or the coordinator
 through the agent's link), not in how a replica's ranks are started, watched, drained on
 SIGTERM, ended and cleaned up. Those parts were written twice and a bug in them was fixed
 twice; they live here once, in :class:`Supervisor`, and each front end keeps only what differs:
@@ -28,6 +28,8 @@ from unbroken.launch.workers import ReplicaProcs
 from unbroken.observe import schema as ev
 from unbroken.observe.events import EventLog
 from unbroken.train.preemption import EXIT_FLUSH_FAILED, EXIT_PREEMPTED
+
+DEFAULT_TERM_GRACE_S = 25.0  # inside Slurm's default KillWait of 30 s
 
 R = TypeVar("R", bound=ReplicaProcs)
 T = TypeVar("T")

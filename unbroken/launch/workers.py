@@ -1,7 +1,7 @@
 """One node's worker processes: their environment, their start, their end.
 
-Shared by the single-machine supervisor (:mod:`unbroken.launch.launcher`) and the per-node agent
-(:mod:`unbroken.launch.agent`), so both start and end workers the same way. Every worker runs in
+Shared by the single-machine supervisor (:mod:`unbroken.launch.run.launcher`) and the per-node agent
+(:mod:`unbroken.launch.node.agent`), so both start and end workers the same way. Every worker runs in
 its own session, so the whole tree it spawned can be ended by its session id; on Linux it asks
 the kernel for ``SIGKILL`` when its parent dies, and the supervisor's guardian
 (:mod:`unbroken.launch.reaper`) ends the rest of its tree, so a supervisor or agent killed with
@@ -40,7 +40,7 @@ class ReplicaProcs:
 @dataclasses.dataclass
 class SupervisedReplica(ReplicaProcs):
     """A replica as the single-machine supervisor tracks it: its pending restart, and the
-    checkpoint its next processes load after a rollback (:mod:`unbroken.launch.rollback`)."""
+    checkpoint its next processes load after a rollback (:mod:`unbroken.launch.recovery.rollback`)."""
 
     pending: asyncio.Task[None] | None = None
     resume_step: int | None = None

@@ -20,7 +20,7 @@ A directory that holds the job's checkpoints (a complete step, a ``latest`` poin
 rollback's record) of which none loads stops the process with :class:`CheckpointError`, first
 start or restart: step 0 there would throw the run away. After a rollback no tier (memory, a
 peer's copy, a disk step whose delete failed) offers a step of the history it undid
-(:mod:`unbroken.checkpoint.history`).
+(:mod:`unbroken.checkpoint.storage.history`).
 
 On SIGTERM, :func:`save_if_due` flushes the state and exits (see
 :mod:`unbroken.train.preemption`).
@@ -39,9 +39,10 @@ from __future__ import annotations
 
 import logging
 
-from unbroken.checkpoint import Checkpointer, CheckpointError, Restored, disk
+from unbroken.checkpoint import Checkpointer, CheckpointError, Restored
 from unbroken.checkpoint.checkpointer import PersistOutcome, SnapshotTaken
-from unbroken.checkpoint.disk import complete_steps
+from unbroken.checkpoint.storage import disk
+from unbroken.checkpoint.storage.disk import complete_steps
 from unbroken.diagnosis.telemetry import CheckpointPersisted, CheckpointSaved
 from unbroken.train import preemption
 from unbroken.train.manager import Manager

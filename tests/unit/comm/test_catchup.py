@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from unbroken.checkpoint.manifest import TensorEntry, entries_to_json, layout
 from unbroken.checkpoint.snapshot import HostBuffer, TensorRef, copy_into, flatten
+from unbroken.checkpoint.storage.manifest import TensorEntry, entries_to_json, layout
 from unbroken.comm import catchup as transfer
 from unbroken.comm.catchup import CatchupServer, TransferError, fetch_state, take_snapshot
 from unbroken.wire.auth import JobSecret, server_handshake

@@ -130,7 +130,7 @@ def test_the_coordinator_dispatches_on_exactly_the_ops_ranks_and_agents_send(tmp
     ("module", "sends", "receives"),
     [
         (PACKAGE / "control" / "client.py", Direction.RANK_TO_COORDINATOR, Direction.COORDINATOR_TO_RANK),
-        (PACKAGE / "launch" / "agent.py", Direction.AGENT_TO_COORDINATOR, Direction.COORDINATOR_TO_AGENT),
+        (PACKAGE / "launch" / "node" / "agent.py", Direction.AGENT_TO_COORDINATOR, Direction.COORDINATOR_TO_AGENT),
     ],
     ids=["client", "agent"],
 )

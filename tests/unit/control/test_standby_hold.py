@@ -21,7 +21,7 @@ from tests.live_coordinator import live_coordinator
 from unbroken.control import protocol
 from unbroken.control.protocol import serving
 from unbroken.control.protocol.serving import ConnectionServer
-from unbroken.launch.relay import Relay
+from unbroken.launch.node.relay import Relay
 from unbroken.wire.auth import JobSecret
 
 SECRET = JobSecret.generate()
@@ -152,7 +152,7 @@ def test_a_forged_line_to_a_standby_is_dropped_before_the_takeover() -> None:
 def test_a_relay_reaches_for_the_standby_at_once_at_the_start_and_spread_out_after_a_failover() -> None:
     import random
 
-    from unbroken.launch.relay import WARM_RETRY_S, first_warm_wait
+    from unbroken.launch.node.relay import WARM_RETRY_S, first_warm_wait
 
     assert first_warm_wait(failover=False) == 0.0  # a job's start: the standby is up, nothing to spread
     rng = random.Random(7)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from unbroken.control import protocol
-from unbroken.launch.agent import Agent, AgentSettings
+from unbroken.launch.node.agent import Agent, AgentSettings
 from unbroken.wire.auth import AuthError, JobSecret, server_handshake_async
 
 

@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 
 from unbroken.config import GroupPlace, WorkerSettings
-from unbroken.launch.agent import AgentSettings
+from unbroken.launch.node.agent import AgentSettings
 from unbroken.launch.workers import interface_of, worker_environ
 
 
@@ -102,7 +102,7 @@ def test_a_node_of_a_job_spanning_machines_is_not_pinned_to_loopback(monkeypatch
 
 
 def test_unbroken_runs_workers_bind_nccl_to_loopback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from unbroken.launch.launcher import Launcher, LaunchSettings
+    from unbroken.launch.run.launcher import Launcher, LaunchSettings
 
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
     launcher = Launcher(

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.faults.schedule import Fault, Schedule
-from unbroken.launch.fault_firing import FaultFiring
 from unbroken.launch.lifecycle import Lifecycle
-from unbroken.launch.rollback import Rollback
+from unbroken.launch.recovery.fault_firing import FaultFiring
+from unbroken.launch.recovery.rollback import Rollback
 from unbroken.launch.workers import SupervisedReplica
 from unbroken.observe import schema as ev
 from unbroken.observe.events import EventLog

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tests.live_coordinator import connect
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings
-from unbroken.launch.launcher import Launcher, LaunchSettings
+from unbroken.launch.run.launcher import Launcher, LaunchSettings
 
 
 async def _scenario(run_dir: Path) -> tuple[int, bool]:

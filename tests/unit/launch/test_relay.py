@@ -16,7 +16,7 @@ import pytest
 from unbroken.control import protocol
 from unbroken.control.protocol.messages import MAX_NODE_RANKS
 from unbroken.diagnosis.telemetry import TelemetryBatch
-from unbroken.launch.relay import MAX_SAY_BYTES, Overloaded, RankLine, RelayBook
+from unbroken.launch.node.relay import MAX_SAY_BYTES, Overloaded, RankLine, RelayBook
 
 
 def hello(replica: int, rank: int, world_size: int = 2, step: int = 0) -> protocol.Hello:

@@ -19,7 +19,7 @@ import pytest
 from tests.live_coordinator import live_coordinator
 from unbroken.control.client import CoordinatorClient
 from unbroken.control.coordinator import Coordinator
-from unbroken.launch.relay import Relay
+from unbroken.launch.node.relay import Relay
 from unbroken.wire.auth import JobSecret
 
 SECRET = JobSecret.generate()

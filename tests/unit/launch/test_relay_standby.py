@@ -13,7 +13,7 @@ from typing import Any
 
 from unbroken.control import protocol
 from unbroken.control.quorum.rules import QuorumDecision
-from unbroken.launch.relay import RankLine, RelayBook
+from unbroken.launch.node.relay import RankLine, RelayBook
 
 
 def hello(replica: int, rank: int, epoch: int | None = None) -> protocol.Hello:

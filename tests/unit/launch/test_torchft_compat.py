@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import unbroken
-from unbroken.launch import torchft_compat
+from unbroken.launch.run import torchft_compat
 
 ROOT = Path(unbroken.__file__).resolve().parents[1]
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from unbroken.launch.verdicts import anomaly_step, culprit_replica, rollback_step, verdict_action
+from unbroken.launch.recovery.verdicts import anomaly_step, culprit_replica, rollback_step, verdict_action
 from unbroken.observe import schema as ev
 
 

@@ -15,8 +15,8 @@ from unbroken.config import (
     WorkerSettings,
     cross_replica_backend,
 )
-from unbroken.launch.agent import AgentSettings
-from unbroken.launch.settings import LaunchSettings
+from unbroken.launch.node.agent import AgentSettings
+from unbroken.launch.run.settings import LaunchSettings
 
 
 def _settings(tmp_path: Path, **over: object) -> WorkerSettings:

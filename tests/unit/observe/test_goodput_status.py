@@ -59,7 +59,7 @@ def test_a_crashed_replica_costs_detection_and_recovery() -> None:
 
 
 def test_a_killed_coordinator_is_detected_by_its_restart_and_recovered_once_it_serves_an_epoch() -> None:
-    from unbroken.launch.demo import fault_outcomes
+    from unbroken.launch.run.demo import fault_outcomes
 
     events = [
         {"t": 0.0, "kind": "quorum", "epoch": 3, "members": [0, 1], "behind": []},

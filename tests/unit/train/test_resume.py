@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from unbroken.checkpoint import Checkpointer, CheckpointError, disk
+from unbroken.checkpoint import Checkpointer, CheckpointError
+from unbroken.checkpoint.storage import disk
 from unbroken.train import checkpointing, preemption
 
 

@@ -1,7 +1,7 @@
 """The coordinator's node agents: their connections, their silence, and the end of the job.
 
 ``unbroken agent`` runs on each node of a multi-node job and keeps one connection to the
-coordinator (see :mod:`unbroken.launch.agent`). This module holds what the coordinator knows of
+coordinator (see :mod:`unbroken.launch.node.agent`). This module holds what the coordinator knows of
 them: who is connected, who went silent, which agent a hung rank's stack is asked of, and when
 they are all told the job is over (finished, or ended by :mod:`unbroken.control.quorum.job_health`).
 Which agent runs which replica is the :class:`~unbroken.control.nodes.placement.Placement`'s: the

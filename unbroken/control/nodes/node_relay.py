@@ -7,7 +7,7 @@ ranks through one authenticated connection (``node_hello``, then ``node_quorum``
 what else they say: their flight-recorder batches, their goodbyes), and hears back one
 ``node_answers`` line per node per burst, whose messages it fans out to its ranks. The
 operations are :data:`unbroken.control.protocol.messages.MESSAGES`' node directions; the agent's side is
-:mod:`unbroken.launch.relay`.
+:mod:`unbroken.launch.node.relay`.
 
 A node is bound to its own ranks: one live connection speaks for a node name (another is refused
 until it is gone), and a rank whose replica the agents' placement puts on other nodes is refused
@@ -467,7 +467,7 @@ class PreSaid:
     """The node hellos a standby was told before it took over, built into rank connections.
 
     A node agent's relay says its node's ``node_hello`` on its warm connection to the standby
-    (:mod:`unbroken.launch.relay`) when that connection is made, and again when it changes (a
+    (:mod:`unbroken.launch.node.relay`) when that connection is made, and again when it changes (a
     rank that came or went, the epoch its ranks train in). The standby, holding the connection
     (:meth:`~unbroken.control.protocol.serving.ConnectionServer.hold`), keeps the latest one, parsed and
     built into the node's rank connections (:func:`built_runs`), and registers them all when it

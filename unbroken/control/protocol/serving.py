@@ -7,7 +7,7 @@ it is within ``hello_timeout_s`` is closed, and a flood of malformed messages en
 message goes to the coordinator's ``dispatch``; the rank or agent a connection spoke as is
 handed to ``closed`` when it ends, however it ends.
 
-A node agent's relay (:mod:`unbroken.launch.relay`) serves its ranks with the same class: they
+A node agent's relay (:mod:`unbroken.launch.node.relay`) serves its ranks with the same class: they
 are admitted and authenticated exactly as by the coordinator.
 """
 
@@ -97,7 +97,7 @@ class ConnectionServer(Generic[C, A]):
         """Accepts and authenticates connections now, and serves them once :meth:`open_to` is called.
 
         A standby listens this way while it waits for its turn: each node agent keeps one idle,
-        authenticated connection to it (:mod:`unbroken.launch.relay`), so a takeover costs the
+        authenticated connection to it (:mod:`unbroken.launch.node.relay`), so a takeover costs the
         standby no accept and no handshake per node, only the hellos (at 12,500 nodes the
         handshakes alone were seconds of its one core). A line said before then waits up to
         :data:`HOLD_S` for the takeover; past that the standby says it is not serving, and

@@ -5,7 +5,7 @@ asked; still every replica asked it every step, and at 12,500 nodes of 1 s steps
 were more than its one core could read (1.3 cores of node lines:
 docs/benchmarks/2026-11-27-coordinator-per-node.md). So a fast answer to a node's ranks may
 carry ``through``: the same epoch stands for them up to that step, and the node's relay
-(:mod:`unbroken.launch.relay`) answers their requests for the steps up to it itself, without
+(:mod:`unbroken.launch.node.relay`) answers their requests for the steps up to it itself, without
 a line to the coordinator. The coordinator then hears a node's request once every few steps.
 
 Why it is safe: the coordinator fixes the membership of every step it granted (a newcomer is

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from unbroken.checkpoint import checksum
+from unbroken.checkpoint.storage import checksum
 
 ALIGN = 4096
 WRITE_CHUNK = 32 << 20

@@ -1,7 +1,7 @@
 """What ``unbroken run`` starts: its settings, checked before anything starts.
 
-Apart from the supervisor (:mod:`unbroken.launch.launcher`) so that the command line
-(:mod:`unbroken.launch.run_cli`), the demo and the benchmarks build and check a job's settings
+Apart from the supervisor (:mod:`unbroken.launch.run.launcher`) so that the command line
+(:mod:`unbroken.launch.run.run_cli`), the demo and the benchmarks build and check a job's settings
 without the supervisor's machinery, and so that every check of a user's input sits in one place:
 a bad flag fails here, with the flag's name and what it accepts, before any replica starts.
 """
@@ -13,16 +13,16 @@ import os
 from pathlib import Path
 
 from unbroken import config as env
-from unbroken.checkpoint.disk import check_writable
+from unbroken.checkpoint.storage.disk import check_writable
 from unbroken.control.coordinator import CoordinatorSettings
 from unbroken.control.quorum.job_health import DEFAULT_FATAL_EPOCHS, DEFAULT_NO_PROGRESS_S, JobHealth
 from unbroken.diagnosis.metrics import parse_policy
 from unbroken.faults.schedule import Schedule
 from unbroken.launch.policy import RestartPolicy, Slot
-from unbroken.launch.verdicts import VERDICT_ACTIONS
+from unbroken.launch.recovery.verdicts import VERDICT_ACTIONS
+from unbroken.launch.supervisor_core import DEFAULT_TERM_GRACE_S
 
 HANG_ACTIONS = ("restart", "wait")
-DEFAULT_TERM_GRACE_S = 25.0  # inside Slurm's default KillWait of 30 s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,7 @@ class LaunchSettings:
         spares: spare slots a replica moves to when its node is isolated.
         schedule: faults to inject.
         on_verdict: the strongest action a diagnosis verdict may take on its culprit (see
-            :mod:`unbroken.launch.verdicts`): ``isolate`` (its node is isolated and the replica
+            :mod:`unbroken.launch.recovery.verdicts`): ``isolate`` (its node is isolated and the replica
             moves to a spare, or restarts in place if none is free), ``restart``, or ``ignore``.
         on_hang: a replica evicted for silence while its processes still run is killed and
             restarted (``restart``) or left to resume and rejoin by itself (``wait``).
@@ -64,7 +64,7 @@ class LaunchSettings:
         cross_replica_backend: ``auto``, ``nccl`` or ``gloo`` for the workers; None leaves the
             environment's (:mod:`unbroken.comm.backend`).
         torchft_compat: ``import torchft`` in the workers is :mod:`unbroken.torchft`
-            (:mod:`unbroken.launch.torchft_compat`).
+            (:mod:`unbroken.launch.run.torchft_compat`).
         fatal_epochs, no_progress_timeout_s: when the coordinator ends the job instead of
             looping (:mod:`unbroken.control.quorum.job_health`).
     """

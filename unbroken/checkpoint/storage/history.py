@@ -100,7 +100,7 @@ def read(root: str) -> Fences:
 
     Raises:
         ValueError: the file exists and cannot be read: no step may load until it can (a
-            :class:`~unbroken.checkpoint.disk.CorruptCheckpoint` from :func:`disk.fences`).
+            :class:`~unbroken.checkpoint.storage.disk.CorruptCheckpoint` from :func:`disk.fences`).
     """
     try:
         with open(os.path.join(root, FENCE_FILE)) as f:

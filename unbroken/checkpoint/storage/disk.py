@@ -27,8 +27,8 @@ import uuid
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from unbroken.checkpoint import checksum, directio, history
-from unbroken.checkpoint.manifest import (
+from unbroken.checkpoint.storage import checksum, directio, history
+from unbroken.checkpoint.storage.manifest import (
     DATA_FILE,
     LATEST_FILE,
     MANIFEST_FILE,
@@ -194,7 +194,7 @@ def committed_shards(root: str, step: int) -> dict[tuple[int, int], str]:
 
 
 def fences(root: str) -> history.Fences:
-    """The rollbacks recorded in ``root`` (:mod:`unbroken.checkpoint.history`).
+    """The rollbacks recorded in ``root`` (:mod:`unbroken.checkpoint.storage.history`).
 
     Raises:
         CorruptCheckpoint: the record is unreadable: nothing may load until it is repaired.

@@ -1,6 +1,6 @@
 """Rolling every replica of ``unbroken run`` back to a checkpoint: deciding, recording, doing.
 
-A ``metric_anomaly`` verdict whose policy asks for ``rollback`` (:mod:`unbroken.launch.verdicts`)
+A ``metric_anomaly`` verdict whose policy asks for ``rollback`` (:mod:`unbroken.launch.recovery.verdicts`)
 acts on the whole job: by the time a spike is judged its gradient is in every replica. Kept out
 of the supervisor's loop because it is a small protocol of its own, with its own state: the
 target is verified before anything stops (a thread reads every checksum), the undone history is
@@ -21,11 +21,11 @@ from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
-from unbroken.checkpoint.disk import CorruptCheckpoint, newest_verified_step
-from unbroken.checkpoint.history import record_rollback
-from unbroken.checkpoint.retention import discard_newer
+from unbroken.checkpoint.storage.disk import CorruptCheckpoint, newest_verified_step
+from unbroken.checkpoint.storage.history import record_rollback
+from unbroken.checkpoint.storage.retention import discard_newer
 from unbroken.launch.lifecycle import RUNNING, Lifecycle, State
-from unbroken.launch.verdicts import ROLLBACK, anomaly, anomaly_step, culprit_replica
+from unbroken.launch.recovery.verdicts import ROLLBACK, anomaly, anomaly_step, culprit_replica
 from unbroken.launch.workers import SupervisedReplica
 from unbroken.observe import schema as ev
 from unbroken.observe.events import EventLog

@@ -21,8 +21,8 @@ import os
 import shutil
 from typing import Any
 
-from unbroken.checkpoint import checksum, disk
-from unbroken.checkpoint.manifest import LATEST_FILE, parse_step_dir, step_dir_name
+from unbroken.checkpoint.storage import checksum, disk
+from unbroken.checkpoint.storage.manifest import LATEST_FILE, parse_step_dir, step_dir_name
 
 METADATA_FILE = ".metadata"
 CHECKSUMS_FILE = "checksums.json"

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from unbroken.checkpoint import checksum
+from unbroken.checkpoint.storage import checksum
 
 FORMAT = "unbroken-checkpoint/1"
 DATA_FILE = "data.safetensors"

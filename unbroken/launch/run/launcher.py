@@ -22,8 +22,8 @@ reachable from no other machine. A hung rank's stack is fetched here, from the p
 supervisor started (:mod:`unbroken.diagnosis.stacks`), never from a PID a connection named.
 
 The parts with state of their own are modules of their own, given what they act on:
-:mod:`~unbroken.launch.rollback`, :mod:`~unbroken.launch.fault_firing`,
-:mod:`~unbroken.launch.readmission`, :mod:`~unbroken.launch.warm_spare`.
+:mod:`~unbroken.launch.recovery.rollback`, :mod:`~unbroken.launch.recovery.fault_firing`,
+:mod:`~unbroken.launch.recovery.readmission`, :mod:`~unbroken.launch.run.warm_spare`.
 """
 
 from __future__ import annotations
@@ -42,16 +42,16 @@ from unbroken import config as env
 from unbroken.control.coordinator import Coordinator
 from unbroken.control.state import secret_file
 from unbroken.faults.worker_chaos import chaos_env
-from unbroken.launch import dashboard, torchft_compat
-from unbroken.launch.fault_firing import FaultFiring
 from unbroken.launch.lifecycle import RUNNING, Lifecycle, State, Transition
 from unbroken.launch.policy import Placement, RestartBook, Slot
-from unbroken.launch.readmission import Readmission
-from unbroken.launch.rollback import Rollback
-from unbroken.launch.settings import LaunchSettings, local_slots
+from unbroken.launch.recovery.fault_firing import FaultFiring
+from unbroken.launch.recovery.readmission import Readmission
+from unbroken.launch.recovery.rollback import Rollback
+from unbroken.launch.recovery.verdicts import IGNORE, ISOLATE, ROLLBACK, culprit_replica, verdict_action
+from unbroken.launch.run import dashboard, torchft_compat
+from unbroken.launch.run.settings import LaunchSettings, local_slots
+from unbroken.launch.run.warm_spare import WarmSpare
 from unbroken.launch.supervisor_core import Supervisor
-from unbroken.launch.verdicts import IGNORE, ISOLATE, ROLLBACK, culprit_replica, verdict_action
-from unbroken.launch.warm_spare import WarmSpare
 from unbroken.launch.workers import SupervisedReplica, free_port
 from unbroken.observe import schema as ev
 from unbroken.observe.events import EventLog
@@ -376,7 +376,7 @@ class Launcher(Supervisor[SupervisedReplica]):
             self._on_verdict(e)
 
     def _on_verdict(self, e: ev.Verdict) -> None:
-        """Applies :func:`unbroken.launch.verdicts.verdict_action` to the culprit replica."""
+        """Applies :func:`unbroken.launch.recovery.verdicts.verdict_action` to the culprit replica."""
         replica = culprit_replica(e)
         action, why = verdict_action(e, self.s.on_verdict)
         if action == IGNORE or replica not in self.replicas:

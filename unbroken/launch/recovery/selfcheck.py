@@ -6,7 +6,7 @@ checked one's compute time is within ``--ratio`` of the reference's. The checked
 the slot's worker faults (the launcher passes whatever is still in effect there), so a slot
 that is still slow fails, and one that recovered passes.
 
-    python -m unbroken.launch.selfcheck --role checked|reference --port P [--steps 5]
+    python -m unbroken.launch.recovery.selfcheck --role checked|reference --port P [--steps 5]
 """
 
 from __future__ import annotations

@@ -10,11 +10,11 @@ from typing import Any
 import click
 
 from unbroken.control.state import secret_file as secrets
-from unbroken.launch.agent import AgentSettings
-from unbroken.launch.agent import run as run_agent
+from unbroken.launch.node.agent import AgentSettings
+from unbroken.launch.node.agent import run as run_agent
+from unbroken.launch.options import cross_replica_backend_option
 from unbroken.launch.policy import RestartPolicy
-from unbroken.launch.run_cli import cross_replica_backend_option
-from unbroken.launch.settings import DEFAULT_TERM_GRACE_S
+from unbroken.launch.supervisor_core import DEFAULT_TERM_GRACE_S
 
 
 @click.command(context_settings={"ignore_unknown_options": True})

@@ -4,7 +4,7 @@ A request is a dict ``name -> (destination tensor, spec)`` where the spec gives 
 the global tensor. A request that matches a saved piece exactly is read straight into the
 destination's memory (no allocation, checksum verified on the way), or into host memory first
 where it cannot be (a device tensor); anything else is assembled from the overlapping saved
-pieces by :func:`unbroken.checkpoint.reshard.plan`.
+pieces by :func:`unbroken.checkpoint.storage.reshard.plan`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from unbroken.checkpoint import disk, history, reshard
-from unbroken.checkpoint.manifest import ShardManifest, TensorEntry
+from unbroken.checkpoint.storage import disk, history, reshard
+from unbroken.checkpoint.storage.manifest import ShardManifest, TensorEntry
 
 STAGE_BYTES = 256 << 20  # host memory a restore into device tensors reads ahead of its copies
 ALIGN = 64  # where each piece starts in that buffer: any dtype's view of it is aligned

@@ -29,8 +29,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from unbroken.launch.launcher import Launcher, LaunchSettings
-from unbroken.launch.run_cli import supervisor_options, supervisor_settings
+from unbroken.launch.run.launcher import Launcher, LaunchSettings
+from unbroken.launch.run.run_cli import supervisor_options, supervisor_settings
 from unbroken.observe import goodput as gp
 from unbroken.observe.events import read_events, read_jsonl
 
@@ -215,7 +215,7 @@ def replicas_identical(run_dir: Path) -> bool:
 def summarize(
     run_dir: Path, wall_s: float, reference: list[float] | None, checkpoint_dir: Path | None = None
 ) -> dict[str, Any]:
-    from unbroken.checkpoint.disk import complete_steps
+    from unbroken.checkpoint.storage.disk import complete_steps
 
     events = list(read_events(run_dir / "events.jsonl"))
     events.sort(key=lambda e: e["t"])

@@ -1,6 +1,6 @@
 """The supervisor's side of the warm spare: one worker process kept ready for the next restart.
 
-The process itself is :mod:`unbroken.launch.warm` (torch already imported, waiting on stdin);
+The process itself is :mod:`unbroken.launch.run.warm` (torch already imported, waiting on stdin);
 this module starts it, hands it a restarted replica's environment, log and arguments, and ends
 it with the job. Apart from the supervisor because it is a resource of its own, with one rule
 about when it can be used (:meth:`WarmSpare.usable`).
@@ -63,7 +63,7 @@ class WarmSpare:
         self.proc = await asyncio.create_subprocess_exec(
             self.command[0],
             "-m",
-            "unbroken.launch.warm",
+            "unbroken.launch.run.warm",
             env=env_,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.DEVNULL,

@@ -9,22 +9,13 @@ from typing import Any
 
 import click
 
-from unbroken.config import CROSS_REPLICA_BACKENDS
 from unbroken.control.coordinator_cli import job_health_options
 from unbroken.faults.schedule import Schedule
-from unbroken.launch.launcher import run as run_job
+from unbroken.launch.options import cross_replica_backend_option
 from unbroken.launch.policy import RestartPolicy
-from unbroken.launch.settings import DEFAULT_TERM_GRACE_S, HANG_ACTIONS, LaunchSettings
-from unbroken.launch.verdicts import VERDICT_ACTIONS
-
-cross_replica_backend_option = click.option(
-    "--cross-replica-backend",
-    type=click.Choice(CROSS_REPLICA_BACKENDS),
-    default=None,
-    help="The backend of the exchange across replicas: auto (NCCL when every member of an epoch holds a "
-    "distinct GPU, else Gloo carrying the CUDA tensors), nccl or gloo "
-    "[default: $UNBROKEN_CROSS_REPLICA_BACKEND, else auto].",
-)
+from unbroken.launch.recovery.verdicts import VERDICT_ACTIONS
+from unbroken.launch.run.launcher import run as run_job
+from unbroken.launch.run.settings import DEFAULT_TERM_GRACE_S, HANG_ACTIONS, LaunchSettings
 
 
 def supervisor_options(fn: Callable[..., Any]) -> Callable[..., Any]:

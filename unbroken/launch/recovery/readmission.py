@@ -1,7 +1,7 @@
 """Re-admitting an isolated node of ``unbroken run`` once it passes a self-check.
 
 A node isolated by blame or by a verdict (:mod:`unbroken.launch.policy`) waits out its
-cool-down, then runs the self-check of :mod:`unbroken.launch.selfcheck` on its slot: two
+cool-down, then runs the self-check of :mod:`unbroken.launch.recovery.selfcheck` on its slot: two
 processes train a few steps against each other, the checked one with the slot's worker faults
 still in effect (a slot that is still slow fails). A pass returns the node's slots to the pool
 and the supervisor restarts the replicas that were parked for want of a slot; a failure starts
@@ -76,7 +76,7 @@ class Readmission:
         now = time.time()
         still = self.faults_on(home, now) if home is not None else []
         port = workers.free_port()
-        base = [sys.executable, "-m", "unbroken.launch.selfcheck", "--port", str(port)]
+        base = [sys.executable, "-m", "unbroken.launch.recovery.selfcheck", "--port", str(port)]
         extra = {**workers.package_path(), "OMP_NUM_THREADS": "1", env.ENV_SECRET_FILE: str(self.secret_file)}
         procs = []
         for role, fenv in (("checked", chaos_env(still, now)), ("reference", {})):

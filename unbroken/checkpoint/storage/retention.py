@@ -4,7 +4,7 @@ The rule is deliberately conservative because deleting the only good checkpoint 
 way to lose a run:
 
 - only checkpoints whose every checksum was read back and matched count towards ``keep_last``
-  (:func:`unbroken.checkpoint.disk.verify_step`; each step is read once, the first time it
+  (:func:`unbroken.checkpoint.storage.disk.verify_step`; each step is read once, the first time it
   counts): with ``keep_last=1``, a newest checkpoint with one flipped byte must not be the
   reason the intact one before it goes;
 - only steps strictly older than the oldest of the ``keep_last`` newest verified steps are
@@ -19,8 +19,8 @@ import os
 import shutil
 from collections.abc import Callable
 
-from unbroken.checkpoint import disk
-from unbroken.checkpoint.manifest import step_dir_name
+from unbroken.checkpoint.storage import disk
+from unbroken.checkpoint.storage.manifest import step_dir_name
 
 
 def plan(all_steps: list[int], verified: list[int], keep_last: int) -> list[int]:

@@ -23,7 +23,7 @@ agent's own child, by the PID it started and the path it computes from its own r
 ``unbroken run`` does: they finish their step and flush a checkpoint within ``--term-grace-s``;
 SIGINT ends them at once.
 
-The agent speaks for its ranks (:mod:`unbroken.launch.relay`, off with ``--no-relay``): they
+The agent speaks for its ranks (:mod:`unbroken.launch.node.relay`, off with ``--no-relay``): they
 connect to its loopback relay, first in their ``UNBROKEN_COORDINATOR``, and the relay speaks for
 them through one node connection, so the coordinator's load is the node count, not the rank count.
 With the relay, the agent also hosts a rendezvous store (:class:`~unbroken.wire.store.StoreServer`
@@ -49,8 +49,8 @@ from typing import TYPE_CHECKING, Any
 from unbroken import config as env
 from unbroken.control import protocol
 from unbroken.launch import workers
+from unbroken.launch.node.relay import Relay
 from unbroken.launch.policy import Decision, RestartBook, RestartPolicy
-from unbroken.launch.relay import Relay
 from unbroken.launch.supervisor_core import Supervisor
 from unbroken.observe.events import EventLog
 from unbroken.wire.auth import AuthError, JobSecret
@@ -87,7 +87,7 @@ class AgentSettings:
         advertise_addr: the address the group's other nodes reach this one at (its ranks'
             rendezvous binds it when it is group rank 0); None: the address this node uses to
             reach the coordinator.
-        relay: speak for this node's ranks through one connection (:mod:`unbroken.launch.relay`);
+        relay: speak for this node's ranks through one connection (:mod:`unbroken.launch.node.relay`);
             False (``--no-relay``): each rank connects to the coordinator itself.
     """
 

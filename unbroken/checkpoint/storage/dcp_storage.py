@@ -2,7 +2,7 @@
 
 A user of ``dcp.save``/``dcp.load``/``dcp.async_save`` passes :class:`DCPWriter` or
 :class:`DCPReader` and keeps everything else (planners, ``get_state_dict``, resharding). What
-lands on disk is plain DCP plus a checksums file (layout in :mod:`~unbroken.checkpoint.dcp_layout`),
+lands on disk is plain DCP plus a checksums file (layout in :mod:`~unbroken.checkpoint.storage.dcp_layout`),
 so ``dcp.load(state, checkpoint_id=path)`` reads it with no unbroken code.
 
 Why not FileSystemWriter: it writes into the final directory, so a job killed mid-save leaves a
@@ -43,8 +43,8 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from unbroken.checkpoint import checksum, disk, retention
-from unbroken.checkpoint.dcp_layout import (
+from unbroken.checkpoint.storage import checksum, disk, retention
+from unbroken.checkpoint.storage.dcp_layout import (
     METADATA_FILE,
     check,
     commit,
@@ -54,7 +54,7 @@ from unbroken.checkpoint.dcp_layout import (
     verify,
     write_checksums,
 )
-from unbroken.checkpoint.manifest import parse_step_dir, step_dir_name
+from unbroken.checkpoint.storage.manifest import parse_step_dir, step_dir_name
 from unbroken.wire.objects import UnsafeObjectError, check_shape
 
 
@@ -104,7 +104,7 @@ class DCPWriter(StorageWriter, BlockingAsyncStager):
             ``BlockingAsyncStager``): no allocation per save, at the cost of holding the memory.
         keep_last: after each committed save into a root (``step`` given), delete older step
             directories so that ``keep_last`` checkpoints that verify remain, by the rule of
-            :mod:`unbroken.checkpoint.retention` (only verified checkpoints count; nothing newer
+            :mod:`unbroken.checkpoint.storage.retention` (only verified checkpoints count; nothing newer
             than them and nothing at all while fewer exist). None keeps everything.
 
     Give DCP checkpoints a root of their own: unbroken's ``Checkpointer`` keeps its retention
@@ -325,7 +325,7 @@ def check_saved(blob: bytes, what: str) -> None:
 
 
 def apply_retention(root: str, keep_last: int, verified: set[str] | None = None) -> list[int]:
-    """Delete old DCP step directories of ``root`` by :func:`unbroken.checkpoint.retention.apply`,
+    """Delete old DCP step directories of ``root`` by :func:`unbroken.checkpoint.storage.retention.apply`,
     keeping ``keep_last`` whose checksums all read back; ``verified`` caches directories already
     read whole (each is read once per writer)."""
     cache = set() if verified is None else verified
@@ -347,7 +347,7 @@ class DCPReader(StorageReader):
     Reads what :class:`DCPWriter` wrote and checkpoints written by plain ``FileSystemWriter``
     (torch.save format; these have no checksums and are read unverified). ``path`` is a checkpoint
     directory or a root with ``latest`` (its newest committed step). A damaged file raises
-    :class:`~unbroken.checkpoint.disk.CorruptCheckpoint` naming the file.
+    :class:`~unbroken.checkpoint.storage.disk.CorruptCheckpoint` naming the file.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
