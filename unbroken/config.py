@@ -28,6 +28,9 @@ ENV_RESTART_COUNT = "UNBROKEN_RESTART_COUNT"
 ENV_CHECKPOINT_DIR = "UNBROKEN_CHECKPOINT_DIR"
 # Set by the supervisor when it rolls the job back: load exactly this checkpoint step.
 ENV_RESUME_STEP = "UNBROKEN_RESUME_STEP"
+# "1" in a job with hot spares (``unbroken run --hot-spares``): a worker waits for its first
+# quorum without a bound, since it may wait as a spare for a place until the job ends.
+ENV_WAIT_TO_JOIN = "UNBROKEN_WAIT_TO_JOIN"
 # The worker-side faults of this rank (JSON, see unbroken.faults.worker_chaos); unset: no chaos.
 ENV_CHAOS = "UNBROKEN_CHAOS"
 # A fault in the ring transport's links (see unbroken.faults.link), e.g. "0-2:mb_s=20:step=30".
@@ -394,6 +397,8 @@ class ReplicaConfig:
         checkpoint_dir: the job's checkpoint directory, if it has one.
         resume_step: the checkpoint step to resume from when the supervisor rolled the job
             back; None otherwise.
+        wait_to_join: wait for the first quorum without a bound: in a job with hot spares this
+            replica may wait, parked, for a member's place (``unbroken run --hot-spares``).
     """
 
     coordinator: str
@@ -407,6 +412,7 @@ class ReplicaConfig:
     restart_count: int = 0
     checkpoint_dir: str | None = None
     resume_step: int | None = None
+    wait_to_join: bool = False
 
     def __post_init__(self) -> None:
         parse_host_ports(self.coordinator, ENV_COORDINATOR)
@@ -456,6 +462,7 @@ class ReplicaConfig:
             restart_count=integer(ENV_RESTART_COUNT, 0),
             checkpoint_dir=env.get(ENV_CHECKPOINT_DIR) or None,
             resume_step=integer(ENV_RESUME_STEP) if env.get(ENV_RESUME_STEP) else None,
+            wait_to_join=env.get(ENV_WAIT_TO_JOIN) == "1",
         )
 
 
@@ -510,6 +517,8 @@ class WorkerSettings:
         chaos: this rank's worker-side faults (JSON, :mod:`unbroken.faults.worker_chaos`); None: none.
         lr_scaling: scale the learning rate while replicas are missing (``UNBROKEN_LR_SCALING``;
             off when the supervisor's environment sets it to 0).
+        wait_to_join: the job has hot spares: the worker waits for its first quorum without a
+            bound (``UNBROKEN_WAIT_TO_JOIN``).
     """
 
     coordinator: str
@@ -531,6 +540,7 @@ class WorkerSettings:
     python_path: str | None = None
     chaos: str | None = None
     lr_scaling: bool = True
+    wait_to_join: bool = False
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -579,6 +589,7 @@ class WorkerSettings:
             restart_count=self.restarts,
             checkpoint_dir=str(self.checkpoint_dir) if self.checkpoint_dir is not None else None,
             resume_step=self.resume_step,
+            wait_to_join=self.wait_to_join,
         )
 
     def to_env(self, environ: Mapping[str, str]) -> dict[str, str]:
@@ -649,6 +660,8 @@ class WorkerSettings:
             out[ENV_PYTHONPATH] = self.python_path
         if not self.lr_scaling:
             out[ENV_LR_SCALING] = "0"
+        if self.wait_to_join:
+            out[ENV_WAIT_TO_JOIN] = "1"
         return out
 
     @classmethod
@@ -696,6 +709,7 @@ class WorkerSettings:
             python_path=env.get(ENV_PYTHONPATH) or None,
             chaos=env.get(ENV_CHAOS) or None,
             lr_scaling=_lr_scaling(env),
+            wait_to_join=env.get(ENV_WAIT_TO_JOIN) == "1",
         )
 
 

@@ -8,7 +8,9 @@ kill``) or ``SIGSTOP``-ped (``--fault stop``, ``SIGCONT``-ed ``--stop-s`` later 
 
 - **unbroken**: ``unbroken run --torchft-compat --replicas 3 --min-replicas 1``: torchtitan's
   ``import torchft`` is the facade; the launcher restarts a dead group, the coordinator routes
-  around a stopped one and the supervisor restarts it.
+  around a stopped one and the supervisor restarts it. With ``--hot-spares K``, K more groups
+  start with the job and wait, model built, for a lost group's place (its restart then waits in
+  its turn); torchtitan's ``group_size`` counts them, so its data is cut in 3 + K shards.
 - **torchft**: torchft-nightly itself, launched as its users do: ``torchft_lighthouse
   --min_replicas 1 --join_timeout_ms 10000`` and one process per group with ``TORCHFT_LIGHTHOUSE``
   and ``REPLICA_GROUP_ID``. This harness restarts a group whose process exited non-zero, as
@@ -22,8 +24,8 @@ Per start, from the groups' own log lines (``step: N`` with torchtitan's timesta
 - ``replicas_identical``: every group ended and their final models are bitwise equal;
 - ``survivor_stall_s``: per surviving group, the time its steps lost after the fault (each gap
   over twice the steady step, less one step), the worst group;
-- ``full_strength_s``: from the fault to the faulted group's first step back in line with the
-  survivors (within one step of them);
+- ``full_strength_s``: from the fault to the first step of the group in the faulted one's place
+  (itself restarted, or a hot spare) back in line with the survivors (within one step of them);
 - ``step_s``: the median step of group 0 before the fault.
 
 The figures per system are the medians over starts (counts for crashes, hangs and identical
@@ -122,7 +124,8 @@ class Start:
 
 
 def judge(start: Start, logs: dict[int, str], fault_t: float | None) -> Start:
-    """Fills ``start``'s timings from each group's log text."""
+    """Fills ``start``'s timings from each group's log text (groups 0..REPLICAS-1 but the
+    victim survive; any other group, the victim's restart or a hot spare, may take its place)."""
     times = {r: step_times(text) for r, text in logs.items()}
     if fault_t is None:
         return start
@@ -132,17 +135,19 @@ def judge(start: Start, logs: dict[int, str], fault_t: float | None) -> Start:
         start.survivor_stall_s = round(max(stalls), 3)
         start.step_s = round(start.step_s, 3)
     survivors = [times.get(r, []) for r in range(REPLICAS) if r != VICTIM]
-    got = full_strength_s(times.get(VICTIM, []), survivors, fault_t)
+    taken = [full_strength_s(times[r], survivors, fault_t) for r in times if r == VICTIM or r >= REPLICAS]
+    got = min((t for t in taken if t is not None), default=None)
     start.full_strength_s = None if got is None else round(got, 3)
     return start
 
 
-def digests(run_dir: Path) -> dict[int, str]:
-    """The final model of each group that ended (``final-r<N>.pt``), as a digest of its tensors."""
+def digests(run_dir: Path, groups: int = REPLICAS) -> dict[int, str]:
+    """The final model of each of ``groups`` groups that ended (``final-r<N>.pt``), as a digest
+    of its tensors."""
     import torch
 
     out = {}
-    for r in range(REPLICAS):
+    for r in range(groups):
         path = run_dir / f"final-r{r}.pt"
         if path.exists():
             model = torch.load(path, weights_only=False)["model"]
@@ -176,7 +181,9 @@ def summarize(starts: list[Start]) -> dict[str, Any]:
 # -- the runs (processes) -----------------------------------------------------------------------
 
 
-def titan_args(assets: Path, dump: Path, steps: int, semi_sync: str = "None", sync_steps: int = 2) -> list[str]:
+def titan_args(
+    assets: Path, dump: Path, steps: int, semi_sync: str = "None", sync_steps: int = 2, groups: int = REPLICAS
+) -> list[str]:
     """torchtitan's command line for one replica group (``--fault_tolerance.replica_id`` is added
     by the stand-ins' wrapper from the group's environment): per-step HSDP (``semi_sync``
     ``"None"``) or DiLoCo every ``sync_steps`` steps."""
@@ -187,7 +194,7 @@ def titan_args(assets: Path, dump: Path, steps: int, semi_sync: str = "None", sy
     return [
         *("--module", "torchft.llama3", "--config", "llama3_torchft_debugmodel"),
         "--fault_tolerance.enable",
-        f"--fault_tolerance.group_size={REPLICAS}",
+        f"--fault_tolerance.group_size={groups}",
         *("--fault_tolerance.semi_sync_method", semi_sync, "--fault_tolerance.process_group", "gloo", *semi),
         *("--checkpoint.enable", "--checkpoint.interval", "1000"),
         *("--training.steps", str(steps)),
@@ -238,9 +245,11 @@ def run_unbroken(out: Path, assets: Path, args: Any, env: dict[str, str]) -> Sta
     start = Start("unbroken", args.fault)
     run_dir = out / "run"
     script = Path(__file__).with_name("titan_standins.py")
+    groups = REPLICAS + args.hot_spares
     cmd = [sys.executable, "-m", "unbroken", "run", "--torchft-compat", "--replicas", str(REPLICAS)]
+    cmd += ["--hot-spares", str(args.hot_spares)]
     cmd += ["--min-replicas", "1", "--run-dir", str(run_dir), "--", sys.executable, str(script)]
-    cmd += titan_args(assets, out / "dump", args.steps, args.semi_sync)
+    cmd += titan_args(assets, out / "dump", args.steps, args.semi_sync, groups=groups)
     t0 = time.monotonic()
     deadline = t0 + args.timeout_s
     with open(out / "run.log", "wb") as log:
@@ -271,8 +280,8 @@ def run_unbroken(out: Path, assets: Path, args: Any, env: dict[str, str]) -> Sta
     if rc not in (0, None):
         start.crashed = True
         start.errors.append(f"unbroken run exited with {rc}")
-    logs = {r: _read(run_dir / "logs" / f"replica{r}-rank0.log") for r in range(REPLICAS)}
-    found = digests(run_dir)
+    logs = {r: _read(run_dir / "logs" / f"replica{r}-rank0.log") for r in range(groups)}
+    found = digests(run_dir, groups)  # the groups that trained to the end: 3, spares included
     start.replicas_identical = len(found) == REPLICAS and len(set(found.values())) == 1
     return judge(start, logs, fault_t)
 
@@ -383,6 +392,12 @@ def _last_error(log: Path) -> str:
 @click.option("--stop-s", default=20.0, show_default=True, help="With --fault stop: SIGCONT after this long.")
 @click.option("--timeout-s", default=300.0, show_default=True, help="A start still running after this hung.")
 @click.option("--max-restarts", default=3, show_default=True, help="torchft side: restarts per group (torchrun's).")
+@click.option(
+    "--hot-spares",
+    default=0,
+    show_default=True,
+    help="unbroken side: groups started beyond the 3 that wait, model built, for a lost group's place.",
+)
 @click.option("--out", default="runs/bench/torchtitan.json", show_default=True, help="Where the JSON goes.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
 def torchtitan(**kw: Any) -> None:
@@ -414,6 +429,7 @@ def torchtitan(**kw: Any) -> None:
         "replica_groups": REPLICAS,
         "steps": args.steps,
         "semi_sync": args.semi_sync,
+        "hot_spares": args.hot_spares,
         "machine": f"{os.cpu_count()} cores, CPU (torch {_torch_version()})",
         **{s: summarize(results[s]) for s in systems},
     }

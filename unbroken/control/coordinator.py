@@ -160,6 +160,7 @@ class Coordinator:
                 min_replicas=settings.min_replicas,
                 join_window_s=settings.join_window_floor_s,
                 startup_window_s=settings.startup_window_s,
+                max_members=settings.max_members,
             ),
             first_epoch=first_epoch,
         )

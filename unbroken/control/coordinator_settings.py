@@ -52,6 +52,9 @@ class CoordinatorSettings:
         fatal_epochs: epochs in a row failed by a configuration error at every member that end
             the job (:mod:`unbroken.control.quorum.job_health`).
         no_progress_timeout_s: seconds without a committed step that end the job; 0 never.
+        max_members: the most replicas an epoch trains with (None: all); the others are hot
+            spares, each taking a lost member's place in the next epoch
+            (:mod:`unbroken.control.quorum.rules`).
     """
 
     total_replicas: int
@@ -76,6 +79,7 @@ class CoordinatorSettings:
     max_grant_s: float = 10.0
     fatal_epochs: int = DEFAULT_FATAL_EPOCHS
     no_progress_timeout_s: float = DEFAULT_NO_PROGRESS_S
+    max_members: int | None = None
 
     def __post_init__(self) -> None:
         names = ("heartbeat_timeout_s", "suspect_after_s", "join_window_floor_s", "startup_window_s", "hello_timeout_s")

@@ -233,7 +233,14 @@ class Manager:
         if self._quorum is None:  # already taken by this step's exchange
             assert self.decision is not None
             return self.decision
-        return self._prepare(self._quorum.result(timeout=self.quorum_timeout_s))
+        return self._prepare(self._answer(self._quorum))
+
+    def _answer(self, fut: Future[dict[str, Any]]) -> dict[str, Any]:
+        """A quorum answer. A replica of a job with hot spares waits for its first without a
+        bound: parked as a spare, it may wait for a member's place until the job ends (the
+        coordinator's no-progress rule, not this wait, ends a job that cannot train)."""
+        first = self.decision is None and self.config.wait_to_join
+        return fut.result(timeout=None if first else self.quorum_timeout_s)
 
     @property
     def quorum_pending(self) -> bool:
@@ -356,7 +363,7 @@ class Manager:
             return self._overlap  # the step's later buckets, or its next backward pass
         self.start_step()
         assert self._quorum is not None
-        d = self._prepare(self._quorum.result(timeout=self.quorum_timeout_s))
+        d = self._prepare(self._answer(self._quorum))
         if (d.behind and not self.catch_up_in_buckets) or not self.group.overlaps:
             self._overlap = OverlappedExchange(None, step=self.step)
             return self._overlap
@@ -579,7 +586,7 @@ class Manager:
         if failed_epoch is not None or self._quorum is None:
             self._quorum = self._request_quorum(failed_epoch)
         fut, self._quorum = self._quorum, None
-        msg = fut.result(timeout=self.quorum_timeout_s)
+        msg = self._answer(fut)
         d = self._prepare(msg)
         if donate:
             self._catch_up.donate(d, self.step, self._local_state)

@@ -54,3 +54,12 @@ def test_a_start_is_judged_from_every_groups_log_and_summarized() -> None:
     out = summarize([s, crashed])
     assert out["starts"] == 2 and out["crashes"] == 1 and out["replicas_identical"] == 0
     assert out["full_strength_s"] == pytest.approx(9.0 - 3.1, abs=1e-3)
+
+
+def test_a_hot_spare_in_the_victims_place_counts_for_full_strength() -> None:
+    steady = [(float(i) * 0.5, i) for i in range(1, 21)]
+    spare = [(4.0, 8), (4.5, 9)]  # parked until the fault, then in line at once
+    restarted = [(12.0, 1)]  # the victim's restart: parked as a spare in its turn
+    logs = {0: log(steady), 1: log(steady[:6] + restarted), 2: log(steady), 3: log(spare)}
+    s = judge(Start("unbroken", "kill"), logs, fault_t=T0 + 3.1)
+    assert s.full_strength_s == pytest.approx(4.0 - 3.1, abs=1e-3)

@@ -24,6 +24,12 @@ The rules, in the order they are checked:
   the answer to its next request when it fits (:func:`push_answers`), instead of asking.
 * **Catch-up**: members whose step is behind the newest step in the new quorum are marked
   behind and each gets a donor, spread round-robin across the up-to-date members.
+* **Hot spares** (``max_members``): an epoch has at most ``max_members`` members; the members
+  of the epoch before come first, then the replicas furthest along, then the lowest ids. A
+  replica left out is *parked*: its request stays unanswered, it does not start forming or hold
+  up a step, and it is the first candidate when an epoch forms again (a member lost), so a
+  replica that has already started, built its model and connected takes the lost one's place
+  in the pushed epoch and catches up from a peer.
 """
 
 from __future__ import annotations
@@ -176,12 +182,15 @@ class QuorumRules:
         min_replicas: the fewest replicas that may train.
         join_window_s: how long forming waits for replicas that are alive but have not asked.
         startup_window_s: how long the very first quorum waits for all replicas to arrive.
+        max_members: the most replicas an epoch may have (None: every replica that asks); the
+            others wait as hot spares.
     """
 
     total_replicas: int
     min_replicas: int = 1
     join_window_s: float = 1.0
     startup_window_s: float = 10.0
+    max_members: int | None = None
 
     def __post_init__(self) -> None:
         if self.total_replicas < 1:
@@ -190,6 +199,11 @@ class QuorumRules:
             raise ValueError(
                 f"min_replicas must be between 1 and total_replicas ({self.total_replicas}), "
                 f"got {self.min_replicas}"
+            )
+        if self.max_members is not None and not self.min_replicas <= self.max_members <= self.total_replicas:
+            raise ValueError(
+                f"max_members must be between min_replicas ({self.min_replicas}) and total_replicas "
+                f"({self.total_replicas}), got {self.max_members}"
             )
 
 
@@ -213,6 +227,8 @@ class QuorumState:
         self.current: QuorumDecision | None = None
         self.alive: set[int] = set()
         self.waiting: dict[int, QuorumRequest] = {}
+        # Hot spares: replicas left out of a full epoch, whose requests wait for a free place.
+        self.parked: dict[int, QuorumRequest] = {}
         self.silent: set[int] = set()
         self.forming_since: float | None = None
         self.join_window_s = rules.join_window_s
@@ -232,6 +248,7 @@ class QuorumState:
         """A replica exited, closed its connection or stopped heartbeating."""
         self.alive.discard(replica)
         self.waiting.pop(replica, None)
+        self.parked.pop(replica, None)
         if self.current is not None and replica in self.current.member_set:
             self.broken = True
             self._start_forming(now)
@@ -258,12 +275,25 @@ class QuorumState:
         cur = self.current
         if req.failed_epoch is not None and cur is not None and req.failed_epoch == cur.epoch:
             self.broken = True
+        if cur is not None and self._full(cur) and req.replica not in cur.member_set:
+            self.parked[req.replica] = req  # a hot spare: asked into a full epoch that trains on
+            return None, []
+        self.parked.pop(req.replica, None)
         self.waiting[req.replica] = req
         # A newcomer alone does not start the join window: the members are mid-step and
         # will ask when they finish it; the window counts from the first member that asks.
         if cur is None or self.broken or req.replica in cur.member_set:
             self._start_forming(now)
         return None, self.evaluate(now)
+
+    def _full(self, cur: QuorumDecision | None) -> bool:
+        """Whether ``cur`` is intact and has as many members as an epoch may have."""
+        cap = self.rules.max_members
+        return cap is not None and cur is not None and not self.broken and len(cur.members) >= cap
+
+    def _spares(self) -> dict[int, int]:
+        """The parked replicas that could join an epoch forming now (alive, heard): id -> step."""
+        return {r: q.step for r, q in self.parked.items() if r in self.alive and r not in self.silent}
 
     def _fast_answer(self, req: QuorumRequest) -> QuorumDecision | None:
         cur = self.current
@@ -340,19 +370,20 @@ class QuorumState:
         if self.current is None:
             if len(self.waiting) < self.rules.total_replicas and waited < self.rules.startup_window_s:
                 return []
-        elif len(self.waiting) < len(self.alive) - len(self.silent) and waited < self.join_window_s:
+        elif len(self.waiting) < len(self.alive) - len(self.silent) - len(self.parked) and waited < self.join_window_s:
             return []
         asked = set(self.waiting) & self.alive
-        everyone_asked = self.alive - self.silent <= asked
+        everyone_asked = self.alive - self.silent - self.parked.keys() <= asked
         if self.current is None:
             ready = (everyone_asked and len(asked) >= self.rules.total_replicas) or (
                 waited >= self.rules.startup_window_s
             )
         else:
             ready = everyone_asked or waited >= self.join_window_s
-        if not ready or not majority_ok(asked, self.alive, self.rules.min_replicas):
+        spares = self._spares()
+        if not ready or not majority_ok(asked | spares.keys(), self.alive, self.rules.min_replicas):
             return []
-        return [self._form({m: self.waiting[m].step for m in asked})]
+        return [self._form({**spares, **{m: self.waiting[m].step for m in asked}})]
 
     def push(self, heard: Mapping[int, int]) -> QuorumDecision | None:
         """Forms the next epoch now that the current one is broken, without waiting for re-asks.
@@ -392,6 +423,7 @@ class QuorumState:
         )
         for m, step in in_flight.items():
             steps[m] = min(step, cur.step) if m in cur.behind_set else at
+        steps = {**self._spares(), **steps}
         if not majority_ok(steps, self.alive, self.rules.min_replicas):
             return None
         return self._form(steps)
@@ -416,12 +448,24 @@ class QuorumState:
         a first one, from every replica in ``alive`` (those connected) that asks."""
         self.current = None
         self.alive = set(alive)
+        self.waiting.update({r: q for r, q in self.parked.items() if r not in self.waiting})
+        self.parked.clear()
         self.broken = False
         self.granted_through = self._own_through = -1
         self.forming_since = now if self.waiting else None
 
     def _form(self, steps: dict[int, int]) -> QuorumDecision:
-        """The next epoch of the replicas in ``steps`` (replica -> the step it is at)."""
+        """The next epoch of the replicas in ``steps`` (replica -> the step it is at), at most
+        ``max_members`` of them (:func:`choose_members`); the others are parked."""
+        cap = self.rules.max_members
+        if cap is not None and len(steps) > cap:
+            before = self.current.member_set if self.current is not None else frozenset()
+            chosen = choose_members(steps, before, cap)
+            for r in steps.keys() - chosen:
+                self.parked[r] = self.waiting.get(r) or self.parked.get(r) or QuorumRequest(r, steps[r])
+            steps = {m: steps[m] for m in chosen}
+        for m in steps:
+            self.parked.pop(m, None)
         members = tuple(sorted(steps))
         step = max(steps.values())
         behind = tuple(m for m in members if steps[m] < step)
@@ -436,6 +480,15 @@ class QuorumState:
     def _start_forming(self, now: float) -> None:
         if self.forming_since is None:
             self.forming_since = now
+
+
+def choose_members(steps: Mapping[int, int], before: Iterable[int], cap: int) -> set[int]:
+    """The ``cap`` replicas of ``steps`` (replica -> its step) an epoch takes: the members of the
+    epoch ``before`` first (a spare never displaces a replica that trains), then the furthest
+    along (the least to catch up), then the lowest ids (at the start: the configured replicas,
+    not the spares started after them)."""
+    was = set(before)
+    return set(sorted(steps, key=lambda r: (r not in was, -steps[r], r))[:cap])
 
 
 def decision(epoch: int, step: int, members: tuple[int, ...], behind: tuple[int, ...]) -> QuorumDecision:

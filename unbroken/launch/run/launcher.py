@@ -86,18 +86,22 @@ class Launcher(Supervisor[SupervisedReplica]):
         self.coordinator: Coordinator | None = None
         self.address = ""
         self.http: ObserveServer | None = None
-        self.replicas = {r: SupervisedReplica(r) for r in range(settings.replicas)}
+        self.replicas = {r: SupervisedReplica(r) for r in range(settings.processes)}
         policy = dataclasses.replace(settings.policy, max_restarts_per_replica=settings.max_restarts)
         self.book = RestartBook(policy)
         self.placement = Placement(
-            local_slots(settings.replicas, settings.spares), settings.replicas, policy, min_replicas=settings.quorum_min
+            local_slots(settings.processes, settings.spares),
+            settings.processes,
+            policy,
+            min_replicas=settings.quorum_min,
         )
-        self.lifecycle = Lifecycle(settings.replicas, time.time())
+        self.lifecycle = Lifecycle(settings.processes, time.time())
         self.job_start = time.time()
         self.job_step = 0
         self.exit_code: int | None = None
         self._changed = asyncio.Event()
         self._behind_at: dict[int, int] = {}  # replica -> the step it joined behind at
+        self._members: frozenset[int] = frozenset()  # of the newest quorum
         self.monitor_errors = 0
         self.warm = WarmSpare(
             settings.command, settings.warm_spare, settings.ranks_per_replica, self.s.threads(), lambda: self._guardian
@@ -213,6 +217,7 @@ class Launcher(Supervisor[SupervisedReplica]):
                 else None
             ),
             chaos=chaos_env(faults, self.job_start).get(env.ENV_CHAOS),
+            wait_to_join=self.s.hot_spares > 0,
         )
 
     async def _spawn(self, r: SupervisedReplica) -> None:
@@ -358,6 +363,7 @@ class Launcher(Supervisor[SupervisedReplica]):
         elif isinstance(e, ev.ReplicaConnected) and e.replica in self.replicas:
             self._move(e.replica, State.WARMING_UP, "connected to the coordinator")
         elif isinstance(e, ev.Quorum):
+            self._members = frozenset(e.members)
             self._behind_at.update({r: e.step for r in e.behind})
             for t in self.lifecycle.on_quorum(e.members, e.behind, time.time()):
                 self.events.emit(_state_event(t))
@@ -475,8 +481,10 @@ class Launcher(Supervisor[SupervisedReplica]):
                 break
             if first_finish is None and State.FINISHED in states.values():
                 first_finish = time.monotonic()
-            if first_finish is not None and time.monotonic() - first_finish > self.s.finish_grace_s:
-                # Training is over; a replica still catching up has nothing left to join.
+            over = first_finish is not None and time.monotonic() - first_finish > self.s.finish_grace_s
+            if first_finish is not None and (over or self._members_finished()):
+                # Training is over; a replica still catching up, or waiting as a spare, has
+                # nothing left to join.
                 for r in self.replicas.values():
                     if states[r.replica] not in (State.FINISHED, State.STOPPED):
                         self.events.emit("replica_stopped", replica=r.replica, reason="job finished without it")
@@ -497,6 +505,12 @@ class Launcher(Supervisor[SupervisedReplica]):
         ok = State.FINISHED in states.values()
         self.events.emit("job_finished", ok=ok)
         return 0 if ok else 1
+
+    def _members_finished(self) -> bool:
+        """Every member of the newest quorum finished: who is left (a spare, a restart waiting
+        to join) was in no epoch that trains on, and has no donor left to catch up from."""
+        states = self.lifecycle.state
+        return bool(self._members) and all(states.get(m) in (State.FINISHED, State.STOPPED) for m in self._members)
 
     def _on_sigterm(self) -> None:
         """SIGTERM: forwarded at once to every worker (:meth:`_sigterm_once`); :meth:`_drain`

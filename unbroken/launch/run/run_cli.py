@@ -29,6 +29,15 @@ def supervisor_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             help="Spare slots a replica moves to when its node is isolated.",
         ),
         click.option(
+            "--hot-spares",
+            type=int,
+            default=0,
+            show_default=True,
+            help="Replicas started beyond --replicas that wait, model built and connected, to take a "
+            "lost replica's place at the next step (they catch up from a peer); the lost one's "
+            "restart waits as a spare in its turn.",
+        ),
+        click.option(
             "--fault",
             "faults",
             multiple=True,
@@ -123,6 +132,7 @@ def supervisor_settings(kw: dict[str, Any]) -> dict[str, Any]:
         "policy": policy,
         "schedule": schedule,
         "spares": kw.pop("spares"),
+        "hot_spares": kw.pop("hot_spares"),
         "on_verdict": kw.pop("on_verdict"),
         "on_hang": kw.pop("on_hang"),
         "checkpoint_dir": kw.pop("checkpoint_dir"),

@@ -42,6 +42,11 @@ class LaunchSettings:
         policy: backoff, limits, crash loop, blame and re-admission (``max_restarts`` wins
             over ``policy.max_restarts_per_replica``).
         spares: spare slots a replica moves to when its node is isolated.
+        hot_spares: replicas started beyond ``replicas`` that train only in a lost member's
+            place: each runs the script up to its first quorum (imports, model, optimizer,
+            connections) and waits there, parked by the coordinator; a lost member's place goes
+            to one at the next epoch, which catches up from a peer, and the lost replica's
+            restarted process waits as a spare in its turn. Their ids follow the replicas'.
         schedule: faults to inject.
         on_verdict: the strongest action a diagnosis verdict may take on its culprit (see
             :mod:`unbroken.launch.recovery.verdicts`): ``isolate`` (its node is isolated and the replica
@@ -82,6 +87,7 @@ class LaunchSettings:
     finish_grace_s: float = 10.0
     policy: RestartPolicy = RestartPolicy()
     spares: int = 0
+    hot_spares: int = 0
     schedule: Schedule = Schedule()
     on_verdict: str = "isolate"
     on_hang: str = "restart"
@@ -120,6 +126,8 @@ class LaunchSettings:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.spares < 0:
             raise ValueError(f"--spares must be >= 0, got {self.spares}")
+        if self.hot_spares < 0:
+            raise ValueError(f"--hot-spares must be >= 0, got {self.hot_spares}")
         if self.on_verdict not in VERDICT_ACTIONS:
             raise ValueError(f"--on-verdict must be one of {', '.join(VERDICT_ACTIONS)}, got {self.on_verdict!r}")
         if not 0 <= self.term_grace_s < float("inf"):
@@ -136,6 +144,11 @@ class LaunchSettings:
             check_writable(str(self.checkpoint_dir))  # before any replica trains, not at its first save
 
     @property
+    def processes(self) -> int:
+        """Replica groups started: the replicas and the hot spares."""
+        return self.replicas + self.hot_spares
+
+    @property
     def quorum_min(self) -> int:
         return self.min_replicas if self.min_replicas is not None else self.replicas // 2 + 1
 
@@ -146,7 +159,8 @@ class LaunchSettings:
     def coordinator_settings(self, port: int) -> CoordinatorSettings:
         """The in-process coordinator's settings, on loopback at ``port``, its state in ``run_dir``."""
         return CoordinatorSettings(
-            total_replicas=self.replicas,
+            total_replicas=self.processes,
+            max_members=self.replicas if self.hot_spares else None,
             min_replicas=self.quorum_min,
             state_dir=self.run_dir,
             host="127.0.0.1",
