@@ -26,7 +26,12 @@ Per start, from the groups' own log lines (``step: N`` with torchtitan's timesta
   over twice the steady step, less one step), the worst group;
 - ``full_strength_s``: from the fault to the first step of the group in the faulted one's place
   (itself restarted, or a hot spare) back in line with the survivors (within one step of them);
-- ``step_s``: the median step of group 0 before the fault.
+- ``step_s``: the median step of group 0 before the fault;
+- ``restart_phases_s``: the faulted group's restarted process, from the fault: its first log
+  line (``imported``: the supervisor's decision, the process start, torchtitan's imports),
+  ``Training starts`` (``initialized``: model, optimizer, checkpointer, the fault-tolerance
+  manager and its connections) and its first step (``first_step``: the quorum, the catch-up, a
+  step; none while it waits as a hot spare).
 
 The figures per system are the medians over starts (counts for crashes, hangs and identical
 ends). Needs ``make torchft-upstream``: both wheels unpacked into ``.cache/upstream`` and the
@@ -65,18 +70,38 @@ REPLICAS = 3
 VICTIM = 1
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 STEP_LINE = re.compile(r"^\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?\bstep:\s+(\d+)\s", re.M)
+ANY_LINE = re.compile(r"^\[titan\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (.*)$", re.M)
 LIGHTHOUSE = "from torchft._torchft import lighthouse_main\nlighthouse_main()\n"
 
 
 # -- the figures, from log text (pure) ----------------------------------------------------------
 
 
+def _stamp(text: str) -> float:
+    return datetime.datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def restart_phases(text: str, fault_t: float) -> dict[str, float]:
+    """The phases of the faulted group's restart (see the module's ``restart_phases_s``), in
+    seconds from the fault, read from its log; a phase not reached is left out."""
+    out: dict[str, float] = {}
+    for stamp, rest in ANY_LINE.findall(ANSI.sub("", text)):
+        t = _stamp(stamp) - fault_t
+        if t <= 0:
+            continue
+        out.setdefault("imported", round(t, 3))
+        if "Training starts at step" in rest:
+            out.setdefault("initialized", round(t, 3))
+        if re.search(r"\bstep:\s+\d+\s", rest) and "initialized" in out:
+            out.setdefault("first_step", round(t, 3))
+    return out
+
+
 def step_times(text: str) -> list[tuple[float, int]]:
     """``(wall time, step)`` of every ``step: N`` line torchtitan logged, in order."""
     out = []
     for stamp, step in STEP_LINE.findall(ANSI.sub("", text)):
-        t = datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
-        out.append((t, int(step)))
+        out.append((_stamp(stamp), int(step)))
     return out
 
 
@@ -119,6 +144,7 @@ class Start:
     survivor_stall_s: float | None = None
     full_strength_s: float | None = None
     step_s: float | None = None
+    restart_phases_s: dict[str, float] = dataclasses.field(default_factory=dict)
     wall_s: float = 0.0
     errors: list[str] = dataclasses.field(default_factory=list)
 
@@ -138,6 +164,7 @@ def judge(start: Start, logs: dict[int, str], fault_t: float | None) -> Start:
     taken = [full_strength_s(times[r], survivors, fault_t) for r in times if r == VICTIM or r >= REPLICAS]
     got = min((t for t in taken if t is not None), default=None)
     start.full_strength_s = None if got is None else round(got, 3)
+    start.restart_phases_s = restart_phases(logs.get(VICTIM, ""), fault_t)
     return start
 
 
@@ -174,6 +201,11 @@ def summarize(starts: list[Start]) -> dict[str, Any]:
         "survivor_stall_s": median("survivor_stall_s"),
         "full_strength_s": median("full_strength_s"),
         "step_s": median("step_s"),
+        "restart_phases_s": {
+            phase: round(statistics.median(vals), 3)
+            for phase in ("imported", "initialized", "first_step")
+            if (vals := [s.restart_phases_s[phase] for s in starts if phase in s.restart_phases_s])
+        },
         "runs": [dataclasses.asdict(s) for s in starts],
     }
 

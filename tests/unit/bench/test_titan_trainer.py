@@ -63,3 +63,17 @@ def test_a_hot_spare_in_the_victims_place_counts_for_full_strength() -> None:
     logs = {0: log(steady), 1: log(steady[:6] + restarted), 2: log(steady), 3: log(spare)}
     s = judge(Start("unbroken", "kill"), logs, fault_t=T0 + 3.1)
     assert s.full_strength_s == pytest.approx(4.0 - 3.1, abs=1e-3)
+
+
+def test_a_restart_is_cut_into_imports_initialization_and_its_first_step() -> None:
+    def at(t: float, text: str) -> str:
+        stamp = datetime.datetime.fromtimestamp(T0 + t).strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
+        return f"[titan] {stamp} - root - INFO - {text}\n"
+
+    parked = log([(1.0, 1), (2.0, 2)]) + at(6.0, "torchtitan version: 0.3.0") + at(7.5, "Training starts at step 1")
+    text = parked + line(9.0, 3)
+    s = judge(Start("unbroken", "kill"), {0: log([(1.0, 1), (2.0, 2)]), 1: text}, fault_t=T0 + 2.5)
+    assert s.restart_phases_s == pytest.approx({"imported": 3.5, "initialized": 5.0, "first_step": 6.5}, abs=1e-3)
+    waiting = judge(Start("unbroken", "kill"), {1: parked}, fault_t=T0 + 2.5)  # a hot spare now
+    assert set(waiting.restart_phases_s) == {"imported", "initialized"}
+    assert summarize([s])["restart_phases_s"]["first_step"] == pytest.approx(6.5, abs=1e-3)
