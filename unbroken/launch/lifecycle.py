@@ -10,6 +10,7 @@ so a report can replay what happened to every replica and why.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 
@@ -59,13 +60,18 @@ class Transition:
         return {"replica": self.replica, "old": self.old.value, "new": self.new.value, "reason": self.reason}
 
 
+HISTORY_KEPT = 1024
+
+
 class Lifecycle:
     """Per-replica states; :meth:`move` validates and records every transition."""
 
     def __init__(self, replicas: int, now: float = 0.0) -> None:
         self.state: dict[int, State] = {r: State.LAUNCHING for r in range(replicas)}
         self.since: dict[int, float] = {r: now for r in range(replicas)}
-        self.history: list[Transition] = []
+        # The newest transitions, for tests and the curious: every one is also an event in the
+        # job's log, and a job that restarts for weeks must not keep them all in memory.
+        self.history: collections.deque[Transition] = collections.deque(maxlen=HISTORY_KEPT)
 
     def move(self, replica: int, new: State, reason: str, now: float) -> Transition | None:
         """Moves ``replica`` to ``new``; None when it is already there (nothing to report)."""
