@@ -261,3 +261,28 @@ def test_agents_and_workers_ride_out_a_coordinator_restart(tmp_path: Path) -> No
     finals = load_finals(run_dir, [0, 1])
     assert finals[0]["step"] == 60
     assert_identical(finals)
+
+
+@pytest.mark.scenario
+def test_a_hot_spare_on_another_node_takes_a_killed_replicas_place(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with Processes(tmp_path) as ps:
+        cluster = Cluster(ps, run_dir, replicas=2, min_replicas=1, coordinator_args=("--hot-spares", "1"))
+        for node in ("a", "b", "c"):
+            cluster.agent(node, steps=60)
+        assert [e["replicas"] for e in cluster.events("agent_joined")] == [[0], [1], [2]]
+        wait_for_step(run_dir, 1, 10, timeout=90)
+        killed_at = max(row["step"] for row in read_events(run_dir / "metrics-r1.jsonl") if "step" in row)
+        victim = cluster.agent_events("b", "process_started")[-1]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        cluster.wait_agents(["a", "b", "c"])
+    quorums = cluster.events("quorum")
+    assert quorums[0]["members"] == [0, 1] and all(len(q["members"]) <= 2 for q in quorums)
+    taken = [q for q in quorums if q["members"] == [0, 2]]
+    assert taken and taken[0]["behind"] == [2] and taken[0]["step"] <= killed_at + 3, (taken[:1], killed_at)
+    assert len(cluster.agent_events("b", "process_started")) == 2, "b did not restart its replica"
+    assert all(1 not in q["members"] for q in quorums if q["epoch"] >= taken[0]["epoch"])
+    finals = load_finals(run_dir, [0, 1, 2])
+    assert set(finals) == {0, 2} and finals[0]["step"] == 60
+    assert_identical(finals)

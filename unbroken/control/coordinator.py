@@ -180,6 +180,7 @@ class Coordinator:
                 world_size=self._world_size,
                 busy=lambda: {r for r, conns in self.replicas.items() if conns},
                 term=term,
+                hot_spares=settings.total_replicas - (settings.max_members or settings.total_replicas),
             ),
             steps=self._steps,
             finish_grace_s=settings.finish_grace_s,

@@ -268,6 +268,14 @@ def job_health_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @job_health_options
 @click.option("--replicas", type=int, required=True, help="Replicas the job is configured with.")
 @click.option("--min-replicas", type=int, default=None, help="Fewest replicas that may train [default: a majority].")
+@click.option(
+    "--hot-spares",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Replica groups beyond --replicas that agents run as spares: each waits, model built, to take a "
+    "lost replica's place at the next step; epochs never have more than --replicas members.",
+)
 @click.option("--host", default=CoordinatorSettings.host, show_default=True)
 @click.option("--port", type=int, default=DEFAULT_PORT, show_default=True)
 @click.option("--state-dir", type=click.Path(path_type=Path), default=Path("runs/coordinator"), show_default=True)
@@ -359,6 +367,7 @@ def coordinator(
     no_progress_timeout: float,
     replicas: int,
     min_replicas: int | None,
+    hot_spares: int,
     host: str,
     port: int,
     state_dir: Path,
@@ -378,8 +387,11 @@ def coordinator(
     os.umask(0o077)  # the state directory, its database, leases, secret and events: 0700/0600
     try:
         private_dir(state_dir)
+        if hot_spares < 0:
+            raise click.BadParameter(f"must be >= 0, got {hot_spares}", param_hint="--hot-spares")
         settings = CoordinatorSettings(
-            total_replicas=replicas,
+            total_replicas=replicas + hot_spares,
+            max_members=replicas if hot_spares else None,
             min_replicas=min_replicas if min_replicas is not None else replicas // 2 + 1,
             state_dir=state_dir,
             host=host,

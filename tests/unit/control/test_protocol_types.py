@@ -43,6 +43,10 @@ def test_what_the_coordinator_sends_is_spelt_by_the_types() -> None:
         "num_replicas": 3,
     }
     assert protocol.Error("x" * 600).to_msg()["message"] == "x" * 500
+    spares = protocol.Assign(replicas=[3], num_replicas=3, hot_spares=1)
+    assert spares.to_msg()["hot_spares"] == 1 and protocol.Assign.from_msg(spares.to_msg()) == spares
+    with pytest.raises(ValueError, match="below 3"):
+        protocol.Assign.from_msg({"op": "assign", "replicas": [3], "num_replicas": 3})  # a spare's id, no spares
     answer = protocol.QuorumAnswer(id=1, decision={"epoch": 2}, transfer_addrs={"0": "a:1"}, store="s:2").to_msg()
     assert answer == {"op": "quorum", "id": 1, "decision": {"epoch": 2}, "transfer_addrs": {"0": "a:1"}, "store": "s:2"}
 

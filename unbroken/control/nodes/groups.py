@@ -61,9 +61,7 @@ class GroupLaunch:
         if node in self.assignment.slots:
             raise ValueError(f"an agent for node {node!r} is already connected")
         admit()
-        self.hooks.send(
-            node, protocol.Assign(replicas=[], num_replicas=self.hooks.total_replicas, term=self.hooks.term).to_msg()
-        )
+        self.hooks.send(node, self.hooks.assign([]).to_msg())
         started = self.assignment.join(node, hello.slots)
         self.addrs[node] = addr
         for r in started:
@@ -155,7 +153,8 @@ class GroupLaunch:
             nodes_per_replica=self.nodes_per_replica,
             master=master,
             blamed=self.blamed.get(replica) == self.assignment.nodes_of(replica)[group_rank],
-            num_replicas=self.hooks.total_replicas,
+            num_replicas=self.hooks.total_replicas - self.hooks.hot_spares,
+            hot_spares=self.hooks.hot_spares,
         )
 
     def _start(self, replica: int) -> None:

@@ -35,7 +35,8 @@ class PlacementHooks:
     """What a placement may do to the rest of the coordinator.
 
     Attributes:
-        total_replicas: replicas the job is configured with.
+        total_replicas: replica groups the job runs, hot spares included.
+        hot_spares: how many of them are hot spares (the highest ids).
         events: the coordinator's event log.
         send: sends a message to ``node``'s agent (dropped if that agent is gone).
         evict: evicts ``replica`` (cause, reason) if it is still connected or counted alive.
@@ -56,6 +57,16 @@ class PlacementHooks:
     world_size: Callable[[int], int | None]
     busy: Callable[[], set[int]]
     term: int | None = None
+    hot_spares: int = 0
+
+    def assign(self, replicas: list[int]) -> protocol.Assign:
+        """The ``assign`` that gives an agent ``replicas``."""
+        return protocol.Assign(
+            replicas=replicas,
+            num_replicas=self.total_replicas - self.hot_spares,
+            term=self.term,
+            hot_spares=self.hot_spares,
+        )
 
 
 class Placement(Protocol):
@@ -109,7 +120,7 @@ class NodeLaunch:
         self.hooks.events.emit(ev.AgentJoined(node=node, slots=self.assignment.slots[node], replicas=replicas))
         self.hooks.send(
             node,
-            protocol.Assign(replicas=replicas, num_replicas=self.hooks.total_replicas, term=self.hooks.term).to_msg(),
+            self.hooks.assign(replicas).to_msg(),
         )
 
     def leave(self, node: str, cause: ev.AgentLostCause, reason: str) -> None:
@@ -124,9 +135,7 @@ class NodeLaunch:
                 self.hooks.events.emit(ev.ReplicaReassigned(replica=r, from_node=node, to_node=other))
             self.hooks.send(
                 other,
-                protocol.Assign(
-                    replicas=replicas, num_replicas=self.hooks.total_replicas, term=self.hooks.term
-                ).to_msg(),
+                self.hooks.assign(replicas).to_msg(),
             )
 
     def exited(self, node: str, exited: protocol.Exited) -> None:

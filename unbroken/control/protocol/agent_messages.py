@@ -127,25 +127,31 @@ class GroupRelease:
 @dataclasses.dataclass(frozen=True)
 class Assign:
     """The replicas an agent runs; the first line an agent hears, so it carries the coordinator's
-    lease term (its fencing token; None without a lease)."""
+    lease term (its fencing token; None without a lease). ``num_replicas``: the replicas the job
+    trains with; ``hot_spares``: how many more it runs as spares (ids from ``num_replicas`` on),
+    whose workers wait for their first quorum without a bound."""
 
     OP: ClassVar[str] = "assign"
     replicas: list[int]
     num_replicas: int
     term: int | None = None
+    hot_spares: int = 0
 
     @classmethod
     def from_msg(cls, msg: Message) -> Assign:
         ids, num_replicas = msg.get("replicas"), count(msg, "num_replicas")
-        if not isinstance(ids, list) or not all(type(r) is int and 0 <= r < num_replicas for r in ids):
-            raise ValueError(f"replicas must be a list of replica ids below {num_replicas}")
+        spares = count(msg, "hot_spares") if "hot_spares" in msg else 0
+        if not isinstance(ids, list) or not all(type(r) is int and 0 <= r < num_replicas + spares for r in ids):
+            raise ValueError(f"replicas must be a list of replica ids below {num_replicas + spares}")
         term = None if msg.get("term") is None else count(msg, "term")
-        return cls(replicas=list(ids), num_replicas=num_replicas, term=term)
+        return cls(replicas=list(ids), num_replicas=num_replicas, term=term, hot_spares=spares)
 
     def to_msg(self) -> Message:
         msg: Message = {"op": self.OP, "replicas": list(self.replicas), "num_replicas": self.num_replicas}
         if self.term is not None:
             msg["term"] = self.term
+        if self.hot_spares:
+            msg["hot_spares"] = self.hot_spares
         return msg
 
 
@@ -162,6 +168,7 @@ class GroupAssign:
     master: str
     blamed: bool
     num_replicas: int
+    hot_spares: int = 0
 
     @classmethod
     def from_msg(cls, msg: Message) -> GroupAssign:
@@ -173,8 +180,9 @@ class GroupAssign:
             master=text(msg, "master", 80),
             blamed=msg.get("blamed") is True,
             num_replicas=count(msg, "num_replicas"),
+            hot_spares=count(msg, "hot_spares") if "hot_spares" in msg else 0,
         )
-        if not a.group_rank < a.nodes_per_replica or not a.replica < a.num_replicas:
+        if not a.group_rank < a.nodes_per_replica or not a.replica < a.num_replicas + a.hot_spares:
             raise ValueError(f"a group_assign for {a.nodes_per_replica} nodes per replica, group rank {a.group_rank}")
         return a
 

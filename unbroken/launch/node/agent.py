@@ -175,6 +175,7 @@ class Agent(Supervisor[_Replica]):
         self.book = RestartBook(settings.policy)
         self.steps: dict[int, int] = {}
         self.num_replicas = 0
+        self.hot_spares = 0  # of the job: its workers wait for their first quorum without a bound
         self.error: str | None = None
         self.exit_code = 1
         self._link: protocol.Link | None = None
@@ -365,7 +366,7 @@ class Agent(Supervisor[_Replica]):
             if self._rejoining is not None:
                 self.events.emit("coordinator_reconnected", running=self._rejoining, assigned=assign.replicas)
                 self._rejoining = None
-            self.num_replicas = assign.num_replicas
+            self.num_replicas, self.hot_spares = assign.num_replicas, assign.hot_spares
             self.events.emit("replicas_assigned", replicas=assign.replicas)
             for r in assign.replicas:
                 await self._spawn(self.replicas.setdefault(r, _Replica(r)))  # running ones stay
@@ -408,7 +409,7 @@ class Agent(Supervisor[_Replica]):
         replica, incarnation, group_rank, nodes = a.replica, a.incarnation, a.group_rank, a.nodes_per_replica
         if nodes != self.s.nodes_per_replica:
             raise ValueError(f"a group_assign for {nodes} nodes per replica, group rank {group_rank}")
-        self.num_replicas = a.num_replicas
+        self.num_replicas, self.hot_spares = a.num_replicas, a.hot_spares
         r = self.replicas.setdefault(replica, _Replica(replica))
         if r.procs:  # an older start of the group: ended before the new one begins
             await self._end(r)
@@ -505,6 +506,7 @@ class Agent(Supervisor[_Replica]):
                 threads=self._threads(),
                 group=place,
                 cross_replica_backend=env.CrossReplicaBackend(backend) if backend else None,
+                wait_to_join=self.hot_spares > 0,
             )
             # named by the rank in the whole group, across its nodes
             log = self.s.run_dir / "logs" / f"replica{r.replica}-rank{settings.global_rank}.log"
