@@ -19,6 +19,8 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "sim": ("scipy",),
     "report": ("matplotlib",),
     "examples": ("transformers",),
+    # `unbroken k8s render --validate` and the manifests' tests: the schemas, checked offline
+    "k8s": ("jsonschema", "kubernetes_validate"),
 }
 
 
