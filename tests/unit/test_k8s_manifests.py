@@ -7,6 +7,8 @@ from __future__ import annotations
 import base64
 import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -267,3 +269,13 @@ def test_the_committed_kustomize_base_is_what_render_renders(tmp_path: Path) -> 
     assert committed == fresh, "deploy/kubernetes is stale: rerun the command in docs/kubernetes.md"
     kustomization = yaml.safe_load(fresh["kustomization.yaml"])
     assert sorted(kustomization["resources"]) == sorted(n for n in fresh if n != "kustomization.yaml")
+
+
+def test_kubectl_kustomize_builds_the_base_where_kubectl_is_installed() -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed here: `kubectl kustomize deploy/kubernetes` is not run")
+    done = subprocess.run([kubectl, "kustomize", str(BASE)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    kinds = sorted(d["kind"] for d in yaml.safe_load_all(done.stdout) if d)
+    assert kinds == ["JobSet", "PersistentVolumeClaim", "Service", "Service"]

@@ -8,6 +8,7 @@ from typing import Any
 import click
 import yaml
 
+from unbroken.extras import MissingExtra
 from unbroken.k8s import render as rendering
 from unbroken.k8s.k8s_settings import K8sSettings
 
@@ -151,7 +152,10 @@ def render(
     if check:
         from unbroken.k8s import validate
 
-        problems = validate.check(objects, restart_job_gate)
+        try:
+            problems = validate.check(objects, restart_job_gate)
+        except MissingExtra as e:
+            raise click.ClickException(str(e)) from e
         if problems:
             raise click.ClickException("the rendered manifests are not valid:\n" + "\n".join(problems))
         click.echo(
