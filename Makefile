@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
-# Development installs every extra ([plan], [sim], [report]) and the test tools ([dev]).
+# Development installs every extra ([plan], [sim], [report], [k8s]...) and the test tools ([dev]).
 # The CPU build of torch 2.13.0 is installed first and pinned; the package's own range is
 # then already satisfied, so pip never pulls a CUDA build.
 TORCH_PIN := torch==2.13.0
@@ -15,7 +15,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e '.[dev,plan,sim,report,examples,etcd]'
+	$(PY) -m pip install -q -e '.[dev,plan,sim,report,examples,etcd,k8s]'
 	touch $(STAMP)
 
 demo: install

@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "status": "unbroken.control.status:status",
     "agent": "unbroken.launch.node.agent_cli:agent",
     "secret": "unbroken.control.state.secret_file:secret",
+    "k8s": "unbroken.k8s.k8s_cli:k8s",
 }
 
 # name -> "module:attribute" of the `unbroken bench NAME` scenarios: the one list of them

@@ -3,7 +3,8 @@
 ``pip install unbroken`` brings what training, checkpoints, diagnosis, the supervisor and the
 demo need. Three extras add the rest: ``[plan]`` (networkx and scipy, for ``unbroken plan`` and
 ``unbroken bench planner``), ``[sim]`` (scipy, for ``unbroken simulate``) and ``[report]``
-(matplotlib, for the plots of the demo's report and ``unbroken simulate --plot``). A package that
+(matplotlib, for the plots of the demo's report and ``unbroken simulate --plot``); ``[k8s]``
+(jsonschema and kubernetes-validate) checks ``unbroken k8s render``'s manifests offline. A package that
 needs one calls :func:`require` before importing it, so that a missing one is an error that
 names the extra to install rather than a bare ``ModuleNotFoundError``.
 """
@@ -19,6 +20,8 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "sim": ("scipy",),
     "report": ("matplotlib",),
     "examples": ("transformers",),
+    # `unbroken k8s render --validate` and the manifests' tests: the schemas, checked offline
+    "k8s": ("jsonschema", "kubernetes_validate"),
 }
 
 

@@ -54,3 +54,11 @@ def test_coordinator_cut_from_a_majority_stops_training_and_loses_no_step(tmp_pa
 @pytest.mark.scenario
 def test_coordinator_cut_from_a_minority_the_majority_trains_on(tmp_path: Path) -> None:
     assert_passed(scenarios.coordinator_cut(tmp_path, quick=True, majority=False))
+
+
+@pytest.mark.scenario
+@pytest.mark.usefixtures("box_available")
+def test_the_rendered_kubernetes_pods_survive_a_group_and_a_coordinator_power_cut(tmp_path: Path) -> None:
+    """issue 49: the agent and coordinator commands, environment and mounted key file of
+    `unbroken k8s render`, run as the pods would run them, one pod per host namespace."""
+    assert_passed(scenarios.k8s_pods.kubernetes_pods(tmp_path, quick=True))

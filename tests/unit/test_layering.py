@@ -26,6 +26,8 @@ FORBIDDEN = {
     # The coordinator's layer sits above diagnosis and observe: `unbroken status` lives in control/.
     "diagnosis": ("control", "train", "comm", "launch", "faults", "bench", "cluster", "checkpoint"),
     "observe": ("control", "diagnosis", "train", "comm", "launch", "faults", "bench", "cluster", "checkpoint"),
+    # Rendering manifests is pure: it runs nothing, and names the commands it renders by their flags.
+    "k8s": ("train", "comm", "control", "launch", "faults", "bench", "cluster", "checkpoint", "diagnosis", "observe"),
 }
 
 # control/'s rooms, lowest first: each may import the ones before it, never one after it nor the

@@ -20,10 +20,12 @@ from typing import Any, TypeVar
 
 from unbroken.cluster.box import Box
 from unbroken.config import ENV_PYTHONPATH, ENV_SECRET_FILE, python_path
+from unbroken.k8s import commands
 from unbroken.observe.events import read_events, read_jsonl
 from unbroken.wire.auth import JobSecret
 
 COORDINATOR_PORT = 29400  # each host is a namespace of its own: no port is taken there
+PROG = (sys.executable, "-m", "unbroken")  # `unbroken` without relying on PATH
 T = TypeVar("T")
 
 
@@ -84,20 +86,40 @@ class BoxJob:
 
     def start_coordinator(self) -> None:
         s = self.spec
-        bind = s.coordinator_bind or self.address.rpartition(":")[0]
-        argv = [sys.executable, "-m", "unbroken", "coordinator", "--host", bind]
-        argv += ["--port", str(COORDINATOR_PORT), "--replicas", str(s.replicas), "--min-replicas", str(s.min_replicas)]
-        argv += ["--state-dir", str(self.run_dir), "--startup-window", "3"]
-        argv += ["--heartbeat-timeout", str(s.heartbeat_timeout_s)]
-        self.coordinator = self.box.spawn(s.coordinator_host, argv, self.run_dir / "coordinator.log", self.env)
+        self.coordinator = self.box.spawn(
+            s.coordinator_host, self.coordinator_argv(), self.run_dir / "coordinator.log", self.env
+        )
         wait_until("the coordinator to listen", lambda: self.events("coordinator_started"), 60)
 
-    def agent_argv(self, host: str) -> list[str]:
+    def coordinator_argv(self) -> list[str]:
+        """The coordinator's command line, built as the Kubernetes manifests build theirs."""
         s = self.spec
-        argv = [sys.executable, "-m", "unbroken", "agent", "--coordinator", self.address, "--node", host]
-        argv += ["--ranks-per-replica", str(s.ranks_per_replica), "--nodes-per-replica", str(s.nodes_per_replica)]
-        argv += ["--run-dir", str(self.run_dir), "--secret-file", str(self.secret_file), "--connect-timeout", "60"]
-        return argv + ["--", *self.worker_argv()]
+        return commands.coordinator_argv(
+            PROG,
+            commands.CoordinatorArgs(
+                host=s.coordinator_bind or self.address.rpartition(":")[0],
+                port=COORDINATOR_PORT,
+                replicas=s.replicas,
+                min_replicas=s.min_replicas,
+                state_dir=str(self.run_dir),
+                startup_window_s=3,
+                heartbeat_timeout_s=s.heartbeat_timeout_s,
+            ),
+        )
+
+    def agent_argv(self, host: str) -> list[str]:
+        """``host``'s agent's command line, built as the Kubernetes manifests build theirs."""
+        s = self.spec
+        args = commands.AgentArgs(
+            coordinators=(self.address,),
+            node=host,
+            run_dir=str(self.run_dir),
+            secret_file=str(self.secret_file),
+            ranks_per_replica=s.ranks_per_replica,
+            nodes_per_replica=s.nodes_per_replica,
+            connect_timeout_s=60,
+        )
+        return commands.agent_argv(PROG, args, self.worker_argv())
 
     def worker_argv(self) -> list[str]:
         s = self.spec

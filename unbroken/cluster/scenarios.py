@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from unbroken.cluster import k8s_pods
 from unbroken.cluster.box import Box
 from unbroken.cluster.job import BoxJob, JobSpec, consistency, wait_until
 from unbroken.cluster.slurm import Slurm, batch_script
@@ -380,6 +381,7 @@ SCENARIOS = (
     Scenario("slow_link_tbf", lambda root, quick: slow_link(root, quick, clean=False)),
     Scenario("slow_link_clean", lambda root, quick: slow_link(root, quick, clean=True)),
     Scenario("slurm_by_hand", slurm_by_hand),
+    Scenario("kubernetes", k8s_pods.kubernetes_pods),
 )
 # Not in the default set: it needs Debian's slurm-wlm and munge (`make slurm`); `--slurm` runs it.
 SLURM = Scenario("slurm", slurm)
