@@ -59,6 +59,7 @@ SHAPES = [
     pytest.param(dict(replicas=8, nodes_per_replica=4, ranks_per_replica=32, gpus_per_node=8), id="8-groups-4-nodes"),
     pytest.param(dict(replicas=1024, spares=16, restart_job_gate=True), id="1024-groups-gate"),
     pytest.param(dict(replicas=1024, nodes_per_replica=2, ranks_per_replica=16), id="1024-groups-2-nodes"),
+    pytest.param(dict(replicas=8, hot_spares=2), id="8-groups-2-hot-spares"),
 ]
 
 
@@ -72,7 +73,7 @@ def test_rendered_manifests_are_valid(shape: dict[str, Any], version: str) -> No
     js = _jobset(objects)
     assert _rjob(js, GROUPS_JOB)["replicas"] == s.replicas
     assert _rjob(js, GROUPS_JOB)["template"]["spec"]["completions"] == s.nodes_per_replica
-    assert (SPARES_JOB in {r["name"] for r in js["spec"]["replicatedJobs"]}) == bool(s.spares)
+    assert (SPARES_JOB in {r["name"] for r in js["spec"]["replicatedJobs"]}) == bool(s.spare_groups)
 
 
 def test_validation_catches_what_the_api_server_and_the_webhook_would_refuse() -> None:
@@ -164,6 +165,19 @@ def test_the_pods_commands_are_what_the_real_cli_parses() -> None:
         assert (p["node"], p["advertise_addr"], p["slots"]) == ("unbroken-groups-3-1-x7k2q", "10.4.0.17", 1)
         assert (p["ranks_per_replica"], p["nodes_per_replica"]) == (16, 2)
         assert list(p["command"]) == ["python", "train.py"]
+
+
+def test_hot_spares_run_in_the_spares_job_and_the_coordinator_is_told() -> None:
+    from unbroken.control.coordinator_cli import coordinator
+
+    s = settings(replicas=8, spares=1, hot_spares=2)
+    js = _jobset(render.render(s))
+    assert _rjob(js, SPARES_JOB)["replicas"] == 3  # a free slot's agent, and two hot spares' agents
+    p = _parse(coordinator, _container(_rjob(js, COORDINATOR_JOB))["command"][1:])
+    assert (p["replicas"], p["hot_spares"]) == (8, 2)
+    assert _validate().check(render.render(s), s.restart_job_gate) == []
+    with pytest.raises(ValueError, match="--hot-spares must be 0 or more"):
+        settings(hot_spares=-1)
 
 
 def test_the_box_runs_the_same_command_lines(tmp_path: Path) -> None:

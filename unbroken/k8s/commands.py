@@ -32,6 +32,7 @@ class CoordinatorArgs:
     http_port: int | None = None
     standby: bool = False
     no_progress_timeout_s: float | None = None
+    hot_spares: int = 0
 
 
 def coordinator_argv(prog: Sequence[str], a: CoordinatorArgs) -> list[str]:
@@ -48,6 +49,8 @@ def coordinator_argv(prog: Sequence[str], a: CoordinatorArgs) -> list[str]:
         argv += ["--secret-file", a.secret_file]
     if a.http_port is not None:
         argv += ["--http-port", str(a.http_port)]
+    if a.hot_spares:
+        argv += ["--hot-spares", str(a.hot_spares)]
     if a.standby:
         argv.append("--standby")
     return argv

@@ -67,6 +67,13 @@ def k8s() -> None:
 @click.option("--replicas", type=int, default=2, show_default=True, help="Replica groups (one child Job each).")
 @click.option("--min-replicas", type=int, default=None, help="Fewest replicas that may train [default: a majority].")
 @click.option("--spares", type=int, default=0, show_default=True, help="Spare groups: agents with a free slot.")
+@click.option(
+    "--hot-spares",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Hot spare groups: replicas that wait, model built, for a lost one's place (coordinator --hot-spares).",
+)
 @click.option("--nodes-per-replica", type=int, default=1, show_default=True, help="Pods (nodes) per replica group.")
 @click.option("--ranks-per-replica", type=int, default=1, show_default=True, help="Ranks per group, over its pods.")
 @click.option("--gpus-per-node", type=int, default=0, show_default=True, help="nvidia.com/gpu each agent pod requests.")
@@ -98,6 +105,7 @@ def render(
     replicas: int,
     min_replicas: int | None,
     spares: int,
+    hot_spares: int,
     nodes_per_replica: int,
     ranks_per_replica: int,
     gpus_per_node: int,
@@ -130,6 +138,7 @@ def render(
             replicas=replicas,
             min_replicas=min_replicas,
             spares=spares,
+            hot_spares=hot_spares,
             nodes_per_replica=nodes_per_replica,
             ranks_per_replica=ranks_per_replica,
             gpus_per_node=gpus_per_node,

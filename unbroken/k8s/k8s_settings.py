@@ -34,7 +34,9 @@ class K8sSettings:
     """A job on Kubernetes: replica groups as child Jobs of one JobSet, a coordinator and its standby.
 
     ``replicas`` groups of ``nodes_per_replica`` pods each run ``unbroken agent`` (one slot each),
-    ``spares`` more such groups wait as spares; the coordinator Job holds two pods, each running
+    ``spares`` more such groups wait as spares (agents with a free slot), ``hot_spares`` more run
+    replicas that wait, model built, for a lost one's place (``unbroken coordinator
+    --hot-spares``; their pods are in the spares' Job too); the coordinator Job holds two pods, each running
     ``unbroken coordinator --standby`` on one state volume: the first to lock it serves, the
     other takes over when it goes.
     """
@@ -46,6 +48,7 @@ class K8sSettings:
     replicas: int = 2
     min_replicas: int | None = None  # None: a majority
     spares: int = 0
+    hot_spares: int = 0
     nodes_per_replica: int = 1
     ranks_per_replica: int = 1
     gpus_per_node: int = 0
@@ -68,6 +71,11 @@ class K8sSettings:
     term_grace_s: float = 25.0
     termination_grace_s: int = 30
     connect_timeout_s: float = 300.0
+
+    @property
+    def spare_groups(self) -> int:
+        """Child Jobs of the spares' replicated job: the spares and the hot spares."""
+        return self.spares + self.hot_spares
 
     def __post_init__(self) -> None:
         errors = problems(self)
@@ -114,6 +122,8 @@ def problems(s: K8sSettings) -> list[str]:
         out.append(f"--min-replicas must be in [1, --replicas={s.replicas}], got {s.min_replicas}")
     if s.spares < 0:
         out.append(f"--spares must be 0 or more, got {s.spares}")
+    if s.hot_spares < 0:
+        out.append(f"--hot-spares must be 0 or more, got {s.hot_spares}")
     if s.nodes_per_replica < 1:
         out.append(f"--nodes-per-replica must be at least 1, got {s.nodes_per_replica}")
     elif s.ranks_per_replica < 1 or s.ranks_per_replica % s.nodes_per_replica:
@@ -128,10 +138,10 @@ def problems(s: K8sSettings) -> list[str]:
             out.append(f"{flag} must be a TCP port in [1, 65535], got {port}")
     if s.port == s.http_port:
         out.append(f"--port and --http-port must differ (both {s.port})")
-    if s.restart_job_gate and max(s.replicas, s.spares) > MAX_RESTART_JOB_REPLICAS:
+    if s.restart_job_gate and max(s.replicas, s.spare_groups) > MAX_RESTART_JOB_REPLICAS:
         out.append(
             f"JobSet's RestartJob allows at most {MAX_RESTART_JOB_REPLICAS} child Jobs per replicated job, "
-            f"got {max(s.replicas, s.spares)}: use fewer, larger groups (--nodes-per-replica) "
+            f"got {max(s.replicas, s.spare_groups)}: use fewer, larger groups (--nodes-per-replica) "
             "or drop --restart-job-gate"
         )
     if s.max_restarts < 0 or s.pod_backoff_limit < 0 or s.coordinator_backoff_limit < 0:
@@ -152,8 +162,8 @@ def _name_lengths(s: K8sSettings) -> list[str]:
     """JobSet's webhook: every child Job's and pod's name (the longest index) fits 63 characters."""
     out = []
     shapes = [(COORDINATOR_JOB, 1, 2), (GROUPS_JOB, s.replicas, s.nodes_per_replica)]
-    if s.spares:
-        shapes.append((SPARES_JOB, s.spares, s.nodes_per_replica))
+    if s.spare_groups:
+        shapes.append((SPARES_JOB, s.spare_groups, s.nodes_per_replica))
     for rjob, jobs, pods in shapes:
         longest = pod_hostname(s.name, rjob, jobs - 1, pods - 1) + POD_SUFFIX
         if len(longest) > MAX_NAME:

@@ -123,8 +123,8 @@ def jobset(s: K8sSettings) -> dict[str, Any]:
         {"name": COORDINATOR_JOB, "replicas": 1, "template": coordinator_job(s)},
         {"name": GROUPS_JOB, "replicas": s.replicas, "template": group_job(s)},
     ]
-    if s.spares:
-        replicated.append({"name": SPARES_JOB, "replicas": s.spares, "template": group_job(s)})
+    if s.spare_groups:
+        replicated.append({"name": SPARES_JOB, "replicas": s.spare_groups, "template": group_job(s)})
     return {
         "apiVersion": API_VERSION,
         "kind": "JobSet",
@@ -141,7 +141,7 @@ def jobset(s: K8sSettings) -> dict[str, Any]:
 
 
 def group_jobs(s: K8sSettings) -> list[str]:
-    return [GROUPS_JOB, SPARES_JOB] if s.spares else [GROUPS_JOB]
+    return [GROUPS_JOB, SPARES_JOB] if s.spare_groups else [GROUPS_JOB]
 
 
 def failure_policy(s: K8sSettings) -> dict[str, Any]:
@@ -215,6 +215,7 @@ def coordinator_args(s: K8sSettings) -> list[str]:
             no_progress_timeout_s=s.no_progress_timeout_s,
             secret_file=KEY_FILE,
             http_port=s.http_port,
+            hot_spares=s.hot_spares,
             standby=True,  # both pods: the first to lock the state directory serves
         ),
     )
