@@ -42,6 +42,11 @@ def test_node_loss_in_a_two_node_replica_group_restarts_the_group_on_the_spare(t
 
 
 @pytest.mark.scenario
+def test_a_power_cut_host_s_replica_is_replaced_by_the_hot_spare(tmp_path: Path) -> None:
+    assert_passed(scenarios.hot_spare_power_cut(tmp_path, quick=True))
+
+
+@pytest.mark.scenario
 def test_a_host_cut_off_from_everyone_is_evicted_and_catches_up_after_healing(tmp_path: Path) -> None:
     assert_passed(scenarios.partition_host(tmp_path, quick=True))
 

@@ -60,6 +60,7 @@ class JobSpec:
     # it off the primary data plane, as a management network would, so that a data-plane NIC
     # fault (``nic_*`` scenarios) is not also a partition from the coordinator.
     control_plane: int = 0
+    hot_spares: int = 0  # replicas beyond ``replicas`` the coordinator keeps waiting as spares
 
 
 class BoxJob:
@@ -104,6 +105,7 @@ class BoxJob:
                 state_dir=str(self.run_dir),
                 startup_window_s=3,
                 heartbeat_timeout_s=s.heartbeat_timeout_s,
+                hot_spares=s.hot_spares,
             ),
         )
 
@@ -203,7 +205,7 @@ def consistency(job: BoxJob, replicas: list[int]) -> dict[str, Any]:
     * ``finished``: they all reached the job's last step.
     """
     committed: dict[int, set[int]] = {}
-    for r in range(job.spec.replicas):
+    for r in range(job.spec.replicas + job.spec.hot_spares):
         for row in job.metrics(r):
             if row.get("committed") and row.get("epoch") is not None:
                 committed.setdefault(row["step"], set()).add(row["epoch"])

@@ -94,6 +94,49 @@ def group_node_loss(root: Path, quick: bool = False) -> Record:
     return _record("group_node_loss", checks, detection_s=_since(t_detect, t0), recovery_s=_since(t_back, t0), **stall)
 
 
+def hot_spare_power_cut(root: Path, quick: bool = False) -> Record:
+    """A power cut of a replica's host in a job with a hot spare on a third host: the spare,
+    model built and connected, takes the lost replica's place in the next epoch and catches up
+    from a peer; no epoch ever has more members than ``--replicas``; survivor and spare end
+    identical."""
+    tail = 5 if quick else 30
+    spec = JobSpec(replicas=2, min_replicas=1, steps=CAP, hot_spares=1)
+    with Box(3) as box:
+        job = BoxJob(box, root / "hot_spare_power_cut", spec)
+        job.start(["h0", "h1", "h2"])  # r0 on h0, r1 on h1, the spare (replica 2) on h2
+        job.wait_for_step(1, 8, 180)
+        t0 = time.time()
+        box.power_cut("h1")
+        _settle(job, "the spare to train", lambda: any(q["members"] == [0, 2] for q in job.events("quorum")), 60, tail)
+        codes = job.wait_agents(["h0", "h2"], 120)
+    ev = job.events()
+    quorums = [e for e in ev if e["kind"] == "quorum"]
+    t_detect = _first(ev, t0, lambda e: e["kind"] == "replica_evicted" and e["replica"] == 1)
+    t_taken = _first(ev, t0, lambda e: e["kind"] == "quorum" and 2 in e["members"])
+    # back at full strength: the spare's first committed step in which it contributed (not behind)
+    rows = [r for r in job.metrics(2) if "t" in r]
+    t_full = _first(rows, t0, lambda r: bool(r.get("committed")) and 2 not in r.get("behind", [2]))
+    inv = consistency(job, [0, 2])
+    stall = _stall(job, 0, t0)
+    checks = {
+        "agents_finished": all(c == 0 for c in codes.values()),
+        "spare_waited_until_needed": quorums[0]["members"] == [0, 1],
+        "never_more_members_than_replicas": all(len(q["members"]) <= spec.replicas for q in quorums),
+        "spare_took_the_place": t_taken is not None,
+        "spare_contributed": t_full is not None,
+        "survivor_stall_within_1s": (stall["max_step_s_after_fault"] or 0.0) <= 1.0 + (stall["median_step_s"] or 0),
+        **{k: v for k, v in inv.items() if isinstance(v, bool)},
+    }
+    return _record(
+        "hot_spare_power_cut",
+        checks,
+        detection_s=_since(t_detect, t0),
+        recovery_s=_since(t_taken, t0),
+        full_strength_s=_since(t_full, t0),
+        **stall,
+    )
+
+
 def _three(root: Path, name: str, min_replicas: int, **extra: Any) -> tuple[Box, BoxJob]:
     box = Box(3)
     box.__enter__()
@@ -374,6 +417,7 @@ class Scenario:
 
 SCENARIOS = (
     Scenario("group_node_loss", group_node_loss),
+    Scenario("hot_spare_power_cut", hot_spare_power_cut),
     Scenario("partition_host", partition_host),
     Scenario("coordinator_cut_minority", lambda root, quick: coordinator_cut(root, quick, majority=False)),
     Scenario("coordinator_cut_majority", lambda root, quick: coordinator_cut(root, quick, majority=True)),

@@ -181,6 +181,7 @@ class Coordinator:
                 busy=lambda: {r for r, conns in self.replicas.items() if conns},
                 term=term,
                 hot_spares=settings.total_replicas - (settings.max_members or settings.total_replicas),
+                parked=lambda: self.quorum.parked.keys(),
             ),
             steps=self._steps,
             finish_grace_s=settings.finish_grace_s,

@@ -171,9 +171,9 @@ class NodeAgents:
         """Tells every agent the job is over once no replica that still runs is left to finish."""
         if self.job_over or not self.agents or self.first_finish is None:
             return
-        finished = self.hooks.finished
+        finished, parked = self.hooks.finished, self.hooks.parked()
         late = time.monotonic() - self.first_finish > self.finish_grace_s
-        if not late and any(r not in finished for r in self.placement.assigned()):
+        if not late and any(r not in finished and r not in parked for r in self.placement.assigned()):
             return
         self.job_over = True
         self.hooks.events.emit(ev.JobFinished(finished=sorted(finished)))

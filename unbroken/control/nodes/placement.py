@@ -12,7 +12,7 @@ so neither imports the coordinator.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Protocol
 
 from unbroken.control import protocol
@@ -37,6 +37,8 @@ class PlacementHooks:
     Attributes:
         total_replicas: replica groups the job runs, hot spares included.
         hot_spares: how many of them are hot spares (the highest ids).
+        parked: the replicas waiting, parked, for a place in an epoch (hot spares): nothing the
+            job's end waits for.
         events: the coordinator's event log.
         send: sends a message to ``node``'s agent (dropped if that agent is gone).
         evict: evicts ``replica`` (cause, reason) if it is still connected or counted alive.
@@ -58,6 +60,7 @@ class PlacementHooks:
     busy: Callable[[], set[int]]
     term: int | None = None
     hot_spares: int = 0
+    parked: Callable[[], Collection[int]] = lambda: ()
 
     def assign(self, replicas: list[int]) -> protocol.Assign:
         """The ``assign`` that gives an agent ``replicas``."""
