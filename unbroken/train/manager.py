@@ -30,6 +30,7 @@ import torch
 from unbroken.comm.catchup import CatchupServer
 from unbroken.comm.cross_replica import CrossReplicaGroup
 from unbroken.comm.deadline import LearnedDeadline
+from unbroken.comm.fingerprint import fold, state_prints
 from unbroken.comm.recorder import FlightRecorder
 from unbroken.config import ReplicaConfig
 from unbroken.control.client import CoordinatorClient
@@ -40,6 +41,7 @@ from unbroken.train.exchange import GradientExchange
 from unbroken.train.hooks import FaultHook
 from unbroken.train.managed_group import ManagedProcessGroup
 from unbroken.train.overlap import OverlappedExchange
+from unbroken.train.sdc_check import ExchangeCheck
 from unbroken.train.state import LoadStateDictFn, StateDictFn, StateRegistry, as_local, as_shards, check_state_pair
 from unbroken.train.vote import ReplicaVote
 from unbroken.wire.auth import JobSecret
@@ -82,6 +84,10 @@ class Manager:
         prepare_early: act on a quorum answer on the connection thread as it arrives.
         anomaly_policy: what a non-finite loss or gradient norm does (``parse_policy``).
         fault_hook: injected faults (``unbroken.init()`` installs them), usually None.
+        verify_exchange: compare every exchange's sums across the replicas before committing
+            (:mod:`unbroken.train.sdc_check`).
+        weights_every: also compare the replicas' parameters and optimizer state every this
+            many steps (0: never).
         on_shutdown: releases what the factory set up beside the parts (run at shutdown).
 
     Attributes:
@@ -131,6 +137,8 @@ class Manager:
         anomaly_policy: dict[str, str] | None = None,
         fault_hook: FaultHook | None = None,
         on_shutdown: Callable[[], None] | None = None,
+        verify_exchange: bool = True,
+        weights_every: int = 0,
     ) -> None:
         check_state_pair(state_dict, load_state_dict)
         self.config = config
@@ -159,7 +167,17 @@ class Manager:
             "last_join_wait_s": 0.0,
         }
         self._catch_up = CatchUp(catchup, secret, config.replica_id, self.stats, recorder, donate_hint)
-        self._exchanger = GradientExchange(group, self.deadline, self.stats, self.device, config.replica_id)
+        self.sdc = ExchangeCheck(config.replica_id, weights_every, enabled=verify_exchange)
+        self._exchanger = GradientExchange(
+            group,
+            self.deadline,
+            self.stats,
+            self.device,
+            config.replica_id,
+            check=self.sdc,
+            weights=lambda: fold(state_prints(self._states.full(self.step))),
+            on_result=getattr(fault_hook, "after_exchange", None),
+        )
         self._quorum: Future[dict[str, Any]] | None = None
         # The next step's request, sent before this one's commit (request_next_quorum): (step, answer).
         self._next_quorum: tuple[int, Future[dict[str, Any]]] | None = None

@@ -1,0 +1,209 @@
+"""The verified exchange: every member's fingerprints of a step's sums, compared before it commits.
+
+:class:`~unbroken.train.exchange.GradientExchange` tells an :class:`ExchangeCheck` each buffer it
+sends (:meth:`ExchangeCheck.sent`, before the sum starts) and receives
+(:meth:`ExchangeCheck.received`, once it is summed); the fingerprints are computed there, on the
+buffer's device (:mod:`unbroken.comm.fingerprint`). Once the step's last sum is in,
+:meth:`ExchangeCheck.verify` folds them into one value each, and the members swap them in one
+small sum over the same group: member ``i`` writes its values into its own slots as 16-bit
+pieces (exact in float32, so every transport carries them unchanged) and zeros elsewhere. Every
+member then holds every member's fingerprints and reaches the same conclusion
+(:mod:`unbroken.train.sdc_judge`); a member that may not commit votes no, so its replica does
+not apply the step (:mod:`unbroken.train.vote`). Every ``weights_every`` steps the member adds a
+fingerprint of its parameters and optimizer state, taken before the optimizer steps.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from unbroken.comm.cross_replica import CrossReplicaGroup, ExchangeFailed
+from unbroken.comm.fingerprint import fingerprint as _fingerprint
+from unbroken.comm.fingerprint import fold
+from unbroken.control.quorum.rules import QuorumDecision
+from unbroken.train.sdc_judge import Attempt, Judgement, Prints, judge
+
+log = logging.getLogger(__name__)
+
+PIECES = 4  # 16-bit pieces of a 64-bit fingerprint
+PIECE = 1 << 16
+# Per member: the pieces of its input, result and weight fingerprints, then two flags: present
+# (1, so a missing or garbled row is seen) and weights checked (1 or 0).
+SLOTS = 3 * PIECES + 2
+FINDINGS_KEPT = 64  # the last findings a replica keeps (for its report and tests)
+SDC_ERROR = "silent data corruption"  # how the failed exchange is reported to the coordinator
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """A verified exchange whose fingerprints differed, as one member saw it."""
+
+    step: int
+    epoch: int
+    judgement: Judgement
+    t: float
+
+
+def encode(prints: Prints, index: int, members: int, device: torch.device) -> torch.Tensor:
+    """The float32 tensor member ``index`` of ``members`` adds to the fingerprint sum."""
+    row = [0.0] * (members * SLOTS)
+    base = index * SLOTS
+    values = (prints.input, prints.result, prints.weights or 0)
+    for v_i, value in enumerate(values):
+        for p in range(PIECES):
+            row[base + v_i * PIECES + p] = float((value >> (16 * p)) & (PIECE - 1))
+    row[base + 3 * PIECES] = 1.0
+    row[base + 3 * PIECES + 1] = 1.0 if prints.weights is not None else 0.0
+    return torch.tensor(row, dtype=torch.float32, device=device)
+
+
+def decode(summed: Sequence[float], members: Sequence[int]) -> dict[int, Prints] | None:
+    """Every member's fingerprints from the summed tensor; None when a row is not one member's
+    clean write (the fingerprint sum itself was corrupted, or a member wrote twice or never)."""
+    if len(summed) != len(members) * SLOTS:
+        return None
+    out: dict[int, Prints] = {}
+    for i, replica in enumerate(members):
+        row = summed[i * SLOTS : (i + 1) * SLOTS]
+        if row[3 * PIECES] != 1.0 or row[3 * PIECES + 1] not in (0.0, 1.0):
+            return None
+        if any(not (0 <= x < PIECE and float(x).is_integer()) for x in row[: 3 * PIECES]):
+            return None
+        values = [sum(int(row[v * PIECES + p]) << (16 * p) for p in range(PIECES)) for v in range(3)]
+        out[replica] = Prints(values[0], values[1], values[2] if row[3 * PIECES + 1] == 1.0 else None)
+    return out
+
+
+class ExchangeCheck:
+    """One rank's fingerprints of its exchanges and their comparison with its peers'.
+
+    Args:
+        replica_id: this replica.
+        weights_every: fingerprint parameters and optimizer state every this many steps (0: never).
+        enabled: False turns the whole check off (nothing is fingerprinted or swapped).
+    """
+
+    def __init__(self, replica_id: int, weights_every: int = 0, enabled: bool = True) -> None:
+        if weights_every < 0:
+            raise ValueError(f"weights_every must be >= 0 steps (0: never), got {weights_every}")
+        self.replica_id = replica_id
+        self.weights_every = weights_every
+        self.enabled = enabled
+        self._sent: list[torch.Tensor] = []
+        self._received: list[torch.Tensor] = []
+        self._layout: list[int] = []
+        self._previous: Attempt | None = None
+        self.findings: collections.deque[Finding] = collections.deque(maxlen=FINDINGS_KEPT)
+        self.detected = 0  # exchanges whose fingerprints differed, as this member saw them
+        self.last_result = 0  # the folded result fingerprint of the last exchange that agreed
+        self.last_check_s = 0.0  # the last verify's own time (fingerprint swap and judging)
+
+    def begin(self) -> None:
+        """A new exchange attempt: forgets the buffers of the last one."""
+        self._sent.clear()
+        self._received.clear()
+        self._layout.clear()
+
+    def sent(self, buf: torch.Tensor) -> None:
+        """``buf`` is about to be summed: fingerprints what this member sends."""
+        if self.enabled:
+            self._sent.append(_fingerprint(buf))
+
+    def received(self, buf: torch.Tensor) -> None:
+        """``buf`` holds its sum: fingerprints what this member received."""
+        if self.enabled:
+            self._received.append(_fingerprint(buf))
+            self._layout.append(buf.numel())
+
+    def weights_due(self, d: QuorumDecision) -> bool:
+        """Whether this step's check includes the weights: every ``weights_every`` steps, and
+        not while a member catches up (its state is not loaded yet)."""
+        return self.weights_every > 0 and d.step % self.weights_every == 0 and not d.behind
+
+    def verify(
+        self,
+        group: CrossReplicaGroup,
+        deadline_s: float,
+        d: QuorumDecision,
+        device: torch.device,
+        weights: Callable[[], int] | None = None,
+    ) -> bool:
+        """Swaps this attempt's fingerprints with the members of ``d`` and judges them; whether
+        this member may commit. False too when the swap itself fails (the epoch broke).
+
+        ``weights``: the fingerprint of this member's state, called when :meth:`weights_due`.
+        """
+        if not self.enabled or len(d.members) < 2:
+            return True
+        began = time.perf_counter()
+        mine = Prints(
+            fold(self._sent),
+            fold(self._received),
+            weights() if weights is not None and self.weights_due(d) else None,
+        )
+        me = d.members.index(self.replica_id)
+        t = encode(mine, me, len(d.members), device)
+        try:
+            group.allreduce_sum(t, deadline_s)
+        except ExchangeFailed as e:
+            log.warning("replica %d step %d: swapping fingerprints failed: %s", self.replica_id, d.step, e)
+            return False
+        prints = decode(t.tolist(), d.members)
+        layout = tuple(self._layout)
+        if prints is None:
+            j = Judgement(commit=False, results_differ=True, unresolved=True)
+        else:
+            j = judge(prints, self.replica_id, layout, self._previous, d.step)
+        self.last_check_s = time.perf_counter() - began
+        if j.unresolved and prints is not None:
+            self._previous = Attempt(d.step, layout, prints)
+        elif not j.unresolved:
+            self._previous = None
+        if j.detected or j.culprits:
+            self._found(d, j)
+        if not j.commit:  # what this rank tells the coordinator with its next request
+            named = f"replica {', '.join(map(str, j.culprits))}" if j.culprits else "not known yet (a re-run decides)"
+            group.last_failure = (d.epoch, f"{SDC_ERROR}: the exchange's sums differ across replicas; culprit {named}")
+        if j.commit and not j.results_differ:
+            self.last_result = mine.result
+        return j.commit
+
+    def _found(self, d: QuorumDecision, j: Judgement) -> None:
+        if j.detected:
+            self.detected += 1
+        self.findings.append(Finding(d.step, d.epoch, j, time.time()))
+        what = "results" if j.results_differ else "weights" if j.weights_differ else "a re-run's results"
+        log.error(
+            "replica %d step %d: %s: %s of the exchange differ across replicas (epoch %d); culprit %s; %s",
+            self.replica_id,
+            d.step,
+            SDC_ERROR,
+            what,
+            d.epoch,
+            list(j.culprits) or "not known yet",
+            "committing" if j.commit else "not committing this step",
+        )
+
+    def report(self) -> dict[str, Any]:
+        """This rank's findings, for a report (JSON)."""
+        return {
+            "detected": self.detected,
+            "findings": [
+                {
+                    "step": f.step,
+                    "epoch": f.epoch,
+                    "results_differ": f.judgement.results_differ,
+                    "weights_differ": f.judgement.weights_differ,
+                    "culprits": list(f.judgement.culprits),
+                    "committed": f.judgement.commit,
+                }
+                for f in self.findings
+            ],
+        }
