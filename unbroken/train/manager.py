@@ -212,6 +212,9 @@ class Manager:
             superseded=self._epoch_superseded,
         )
         self._on_shutdown = on_shutdown
+        bind = getattr(fault_hook, "bind_state", None)
+        if bind is not None:  # an injected bit flip in a weight or a moment reaches the state
+            bind(lambda: self._states.full(self.step))
         self._error: BaseException | None = None  # see report_error
         self._vetoed = False  # the last vote was vetoed: the step goes back to the loop, not redone
 
