@@ -693,7 +693,11 @@ class Manager:
     def _epoch_superseded(self, step: int) -> bool:
         """Whether the coordinator aborted the epoch of this step's exchange before its peers
         applied ``step`` (:mod:`unbroken.train.vote`). An epoch pushed with the abort that trains
-        a later step says they did: a member died after the step's sum completed everywhere."""
+        a later step says they did: a member died after the step's sum completed everywhere.
+        So does a fingerprint swap that completed after the sum (:mod:`unbroken.train.sdc_check`):
+        every member was past it, and the abort came from a member that will not commit it."""
+        if self.sdc.completed(self.group.epoch, step):
+            return False
         self.client.drain()
         if not self.group.superseded() or self.group.epoch is None:
             return False

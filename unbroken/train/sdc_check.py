@@ -102,11 +102,21 @@ class ExchangeCheck:
         self._previous: Attempt | None = None
         self.findings: collections.deque[Finding] = collections.deque(maxlen=FINDINGS_KEPT)
         self.detected = 0  # exchanges whose fingerprints differed, as this member saw them
-        self.last_result = 0  # the folded result fingerprint of the last exchange that agreed
+        self.last_result = 0  # the result fingerprint this member committed with (0: not verified)
         self.last_check_s = 0.0  # the last verify's own time (fingerprint swap and judging)
+        # (epoch, step) of the last swap that completed: every member was past that exchange.
+        self.swapped: tuple[int, int] | None = None
+
+    def completed(self, epoch: int | None, step: int) -> bool:
+        """Whether every member of ``epoch`` completed ``step``'s exchange and swapped its
+        fingerprints: then no member gave up on that exchange, and an abort of the epoch that
+        came after concerns only what follows (:meth:`unbroken.train.manager.Manager._epoch_superseded`)."""
+        return self.enabled and epoch is not None and self.swapped == (epoch, step)
 
     def begin(self) -> None:
         """A new exchange attempt: forgets the buffers of the last one."""
+        self.swapped = None
+        self.last_result = 0
         self._sent.clear()
         self._received.clear()
         self._layout.clear()
@@ -123,9 +133,9 @@ class ExchangeCheck:
             self._layout.append(buf.numel())
 
     def weights_due(self, d: QuorumDecision) -> bool:
-        """Whether this step's check includes the weights: every ``weights_every`` steps, and
-        not while a member catches up (its state is not loaded yet)."""
-        return self.weights_every > 0 and d.step % self.weights_every == 0 and not d.behind
+        """Whether this step's check includes this member's weights: every ``weights_every``
+        steps, unless it catches up this step (its state is not loaded yet)."""
+        return self.weights_every > 0 and d.step % self.weights_every == 0 and self.replica_id not in d.behind_set
 
     def verify(
         self,
@@ -155,6 +165,7 @@ class ExchangeCheck:
         except ExchangeFailed as e:
             log.warning("replica %d step %d: swapping fingerprints failed: %s", self.replica_id, d.step, e)
             return False
+        self.swapped = (d.epoch, d.step)
         prints = decode(t.tolist(), d.members)
         layout = tuple(self._layout)
         if prints is None:
@@ -171,7 +182,7 @@ class ExchangeCheck:
         if not j.commit:  # what this rank tells the coordinator with its next request
             named = f"replica {', '.join(map(str, j.culprits))}" if j.culprits else "not known yet (a re-run decides)"
             group.last_failure = (d.epoch, f"{SDC_ERROR}: the exchange's sums differ across replicas; culprit {named}")
-        if j.commit and not j.results_differ:
+        if j.commit:  # a committing member's result is the one the majority (or everyone) holds
             self.last_result = mine.result
         return j.commit
 
@@ -179,9 +190,9 @@ class ExchangeCheck:
         if j.detected:
             self.detected += 1
         self.findings.append(Finding(d.step, d.epoch, j, time.time()))
-        what = "results" if j.results_differ else "weights" if j.weights_differ else "a re-run's results"
+        what = "the exchange's results" if j.results_differ else "the weights" if j.weights_differ else "first results"
         log.error(
-            "replica %d step %d: %s: %s of the exchange differ across replicas (epoch %d); culprit %s; %s",
+            "replica %d step %d: %s: %s differ across replicas (epoch %d); culprit %s; %s",
             self.replica_id,
             d.step,
             SDC_ERROR,

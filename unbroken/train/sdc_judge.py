@@ -115,14 +115,13 @@ def judge(
     ``previous``: this step's last attempt whose results differed without a majority, if any;
     ``layout`` and ``step`` place this attempt beside it (see :func:`named_by_rerun`).
 
-    Weights are compared only when every member checked them (the members' settings agree).
+    Weights are compared among the members that fingerprinted them (not one catching up).
 
     Raises:
         ValueError: ``me`` has no fingerprints.
     """
     if me not in prints:
         raise ValueError(f"replica {me} is not among the fingerprinted members {sorted(prints)}")
-    checked = [p.weights is not None for p in prints.values()]
     results = {r: p.result for r, p in prints.items()}
     culprits: set[int] = set()
     commit = True
@@ -139,15 +138,13 @@ def judge(
     else:
         rerun = named_by_rerun(previous, step, layout, prints)
         culprits.update(rerun)
-    weights_differ = False
-    if all(checked):
-        weights = {r: p.weights for r, p in prints.items() if p.weights is not None}
-        weights_differ = len(set(weights.values())) > 1
-        if weights_differ:
-            agreed_w = majority(weights)
-            if agreed_w is not None:
-                culprits.update(_odd_ones(weights, agreed_w))
-                commit = commit and weights[me] == agreed_w
+    weights = {r: p.weights for r, p in prints.items() if p.weights is not None}
+    weights_differ = len(set(weights.values())) > 1
+    if weights_differ:
+        agreed_w = majority(weights)
+        if agreed_w is not None:
+            culprits.update(_odd_ones(weights, agreed_w))
+            commit = commit and weights.get(me, agreed_w) == agreed_w
     return Judgement(
         commit=commit,
         results_differ=results_differ,

@@ -70,9 +70,12 @@ def test_two_replicas_with_diverged_weights_are_reported_without_a_culprit() -> 
     assert j.weights_differ and j.culprits == () and j.commit  # nothing tells the healthy copy
 
 
-def test_weights_checked_at_some_members_only_are_not_compared() -> None:
-    prints = {0: Prints(1, 7, 41), 1: Prints(2, 7, None), 2: Prints(3, 7, 40)}
-    assert judge(prints, 0).commit and not judge(prints, 0).weights_differ
+def test_weights_are_compared_among_the_members_that_checked_them() -> None:
+    prints = {0: Prints(1, 7, 41), 1: Prints(0, 7, None), 2: Prints(3, 7, 41), 3: Prints(4, 7, 40)}
+    for me in range(4):  # replica 1 catches up this step: its weights are not loaded yet
+        j = judge(prints, me)
+        assert j.weights_differ and j.culprits == (3,) and j.commit == (me != 3)
+    assert not judge({0: Prints(1, 7, 41), 1: Prints(0, 7, None)}, 1).weights_differ
 
 
 def test_majority_needs_more_than_half() -> None:
