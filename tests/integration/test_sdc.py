@@ -1,10 +1,12 @@
 """Silent data corruption, in real processes: a flipped bit is caught, named and healed.
 
-No process is killed: one replica's exchange result, then another replica's weight, get a bit
-flipped (``--fault bitflip``). The verified exchange must see each (the result in the step it
-happens, the weight at the next weight check), name the replica, keep every replica from
+No process is killed: one replica's exchange result, then another replica's weight, then the
+first one's result again get a bit flipped (``--fault bitflip``). The verified exchange must see
+each (a result in the step it happens, the weight at the next weight check), name the replica,
+keep every replica from
 committing a differing sum, and repair the corrupted replica from a healthy peer by catch-up
-(no restart): at the end every replica holds the same bytes.
+(no restart): at the end every replica holds the same bytes. The replica named twice is reported
+as suspect hardware.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def test_flipped_bits_in_a_result_and_a_weight_are_caught_named_and_repaired(tmp
         "bitflip:replica=1,step=6,where=result,bit=30",
         "--fault",
         "bitflip:replica=2,step=9,where=weight,bit=12",
+        "--fault",
+        "bitflip:replica=1,step=14,where=result,bit=3",
     ]
     with Job(
         tmp_path / "run",
@@ -66,3 +70,9 @@ def test_flipped_bits_in_a_result_and_a_weight_are_caught_named_and_repaired(tmp
     fps = committed_fingerprints(job)
     assert all(len(v) == 1 for v in fps.values()), {s: v for s, v in fps.items() if len(v) > 1}
     assert set(range(STEPS)) - set(fps) == set()
+    # Each finding reached the coordinator's event log; replica 1, named twice, is a suspect.
+    found = {(e["step"], e["what"], tuple(e["culprits"])) for e in job.events("sdc_detected")}
+    assert {(6, "results", (1,)), (14, "results", (1,))} <= found, found
+    assert any(what == "weights" and culprits == (2,) for _, what, culprits in found), found
+    suspects = [v for v in job.events("verdict") if v["class"] == "suspect_hardware"]
+    assert [v["culprit"]["replica"] for v in suspects] == [1], suspects

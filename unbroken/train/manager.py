@@ -167,7 +167,7 @@ class Manager:
             "last_join_wait_s": 0.0,
         }
         self._catch_up = CatchUp(catchup, secret, config.replica_id, self.stats, recorder, donate_hint)
-        self.sdc = ExchangeCheck(config.replica_id, weights_every, enabled=verify_exchange)
+        self.sdc = ExchangeCheck(config.replica_id, weights_every, enabled=verify_exchange, recorder=recorder)
         self._exchanger = GradientExchange(
             group,
             self.deadline,

@@ -27,7 +27,9 @@ import torch
 from unbroken.comm.cross_replica import CrossReplicaGroup, ExchangeFailed
 from unbroken.comm.fingerprint import fingerprint as _fingerprint
 from unbroken.comm.fingerprint import fold
+from unbroken.comm.recorder import FlightRecorder
 from unbroken.control.quorum.rules import QuorumDecision
+from unbroken.diagnosis.telemetry import SdcFound
 from unbroken.train.sdc_judge import Attempt, Judgement, Prints, judge
 
 log = logging.getLogger(__name__)
@@ -88,12 +90,17 @@ class ExchangeCheck:
         replica_id: this replica.
         weights_every: fingerprint parameters and optimizer state every this many steps (0: never).
         enabled: False turns the whole check off (nothing is fingerprinted or swapped).
+        recorder: where a finding goes to the coordinator (an ``sdc_detected`` event, and the
+            suspect-hardware rule of the diagnosis); None: only this rank's log.
     """
 
-    def __init__(self, replica_id: int, weights_every: int = 0, enabled: bool = True) -> None:
+    def __init__(
+        self, replica_id: int, weights_every: int = 0, enabled: bool = True, recorder: FlightRecorder | None = None
+    ) -> None:
         if weights_every < 0:
             raise ValueError(f"weights_every must be >= 0 steps (0: never), got {weights_every}")
         self.replica_id = replica_id
+        self.recorder = recorder
         self.weights_every = weights_every
         self.enabled = enabled
         self._sent: list[torch.Tensor] = []
@@ -161,7 +168,7 @@ class ExchangeCheck:
         me = d.members.index(self.replica_id)
         t = encode(mine, me, len(d.members), device)
         try:
-            group.allreduce_sum(t, deadline_s)
+            group.allreduce_sum(t, deadline_s, abortable=False)
         except ExchangeFailed as e:
             log.warning("replica %d step %d: swapping fingerprints failed: %s", self.replica_id, d.step, e)
             return False
@@ -190,6 +197,9 @@ class ExchangeCheck:
         if j.detected:
             self.detected += 1
         self.findings.append(Finding(d.step, d.epoch, j, time.time()))
+        if self.recorder is not None:
+            kind = "results" if j.results_differ else "weights" if j.weights_differ else "rerun"
+            self.recorder.note(SdcFound(d.step, d.epoch, kind, list(j.culprits), j.commit))
         what = "the exchange's results" if j.results_differ else "the weights" if j.weights_differ else "first results"
         log.error(
             "replica %d step %d: %s: %s differ across replicas (epoch %d); culprit %s; %s",
