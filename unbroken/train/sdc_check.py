@@ -110,7 +110,9 @@ class ExchangeCheck:
         self.findings: collections.deque[Finding] = collections.deque(maxlen=FINDINGS_KEPT)
         self.detected = 0  # exchanges whose fingerprints differed, as this member saw them
         self.last_result = 0  # the result fingerprint this member committed with (0: not verified)
-        self.last_check_s = 0.0  # the last verify's own time (fingerprint swap and judging)
+        # Seconds this rank spent checking (fingerprints, swap, judging) since it began; on a GPU
+        # the fingerprints' kernels run on the stream and are counted where they are waited for.
+        self.spent_s = 0.0
         # (epoch, step) of the last swap that completed: every member was past that exchange.
         self.swapped: tuple[int, int] | None = None
 
@@ -131,13 +133,17 @@ class ExchangeCheck:
     def sent(self, buf: torch.Tensor) -> None:
         """``buf`` is about to be summed: fingerprints what this member sends."""
         if self.enabled:
+            t0 = time.perf_counter()
             self._sent.append(_fingerprint(buf))
+            self.spent_s += time.perf_counter() - t0
 
     def received(self, buf: torch.Tensor) -> None:
         """``buf`` holds its sum: fingerprints what this member received."""
         if self.enabled:
+            t0 = time.perf_counter()
             self._received.append(_fingerprint(buf))
             self._layout.append(buf.numel())
+            self.spent_s += time.perf_counter() - t0
 
     def weights_due(self, d: QuorumDecision) -> bool:
         """Whether this step's check includes this member's weights: every ``weights_every``
@@ -171,6 +177,7 @@ class ExchangeCheck:
             group.allreduce_sum(t, deadline_s, abortable=False)
         except ExchangeFailed as e:
             log.warning("replica %d step %d: swapping fingerprints failed: %s", self.replica_id, d.step, e)
+            self.spent_s += time.perf_counter() - began
             return False
         self.swapped = (d.epoch, d.step)
         prints = decode(t.tolist(), d.members)
@@ -179,7 +186,7 @@ class ExchangeCheck:
             j = Judgement(commit=False, results_differ=True, unresolved=True)
         else:
             j = judge(prints, self.replica_id, layout, self._previous, d.step)
-        self.last_check_s = time.perf_counter() - began
+        self.spent_s += time.perf_counter() - began
         if j.unresolved and prints is not None:
             self._previous = Attempt(d.step, layout, prints)
         elif not j.unresolved:
