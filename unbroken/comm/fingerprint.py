@@ -89,15 +89,29 @@ def fold(prints: Sequence[torch.Tensor]) -> int:
     return h
 
 
+SMALL = 1 << 16  # elements: tensors below this are fingerprinted together (see state_prints)
+
+
 def state_prints(state: object) -> list[torch.Tensor]:
-    """The :func:`fingerprint` of every tensor in a nested dict/list ``state`` (a state_dict),
-    dict keys in sorted order; other leaves (hyperparameters) are not fingerprinted."""
+    """Fingerprints of every tensor in a nested dict/list ``state`` (a state_dict), dict keys in
+    sorted order; other leaves (hyperparameters) are not fingerprinted.
+
+    A tensor of :data:`SMALL` elements or more gets its own :func:`fingerprint`; the smaller ones
+    (biases, norms, step counters: most of a model's tensors, few of its bytes) are copied, as
+    bytes, into one buffer per device, fingerprinted once: a fingerprint is about ten kernel
+    launches, which 116 small tensors of the example GPT turned into 32 ms.
+    """
     prints: list[torch.Tensor] = []
+    small: dict[torch.device, list[torch.Tensor]] = {}
 
     def walk(x: object) -> None:
         if isinstance(x, torch.Tensor):
             local = x.to_local() if hasattr(x, "to_local") else x
-            prints.append(fingerprint(local))
+            if local.numel() >= SMALL:
+                prints.append(fingerprint(local))
+            elif local.numel():
+                flat = local.detach().reshape(-1).contiguous()
+                small.setdefault(flat.device, []).append(flat.view(torch.uint8))
         elif isinstance(x, dict):
             for k in sorted(x, key=repr):
                 walk(x[k])
@@ -106,4 +120,5 @@ def state_prints(state: object) -> list[torch.Tensor]:
                 walk(v)
 
     walk(state)
+    prints.extend(fingerprint(torch.cat(parts)) for parts in small.values())
     return prints

@@ -65,3 +65,21 @@ def test_state_prints_walk_nested_state_in_key_order() -> None:
     assert fold(state_prints(state)) == fold(state_prints(same))
     state["optim"]["state"][0]["exp_avg"][2] = 1.0000001
     assert fold(state_prints(state)) != fold(state_prints(same))
+
+
+def test_state_prints_see_a_flip_in_a_large_and_in_a_small_tensor() -> None:
+    from unbroken.comm.fingerprint import SMALL
+
+    state = {
+        "big": torch.randn(SMALL + 3),
+        "bias": torch.randn(5),
+        "step": torch.tensor(7.0),
+        "flag": torch.tensor(True),
+    }
+    before = fold(state_prints(state))
+    for key, index in (("big", SMALL + 1), ("bias", 4)):
+        state[key].view(torch.int32)[index] ^= 1
+        assert fold(state_prints(state)) != before, key
+        state[key].view(torch.int32)[index] ^= 1
+    assert fold(state_prints(state)) == before
+    assert len(state_prints(state)) == 2  # the large tensor alone, the small ones together
