@@ -96,6 +96,8 @@ class Manager:
             False from :meth:`start_step` (``optimizer.zero_grad()``) until :meth:`commit`. After
             ``optimizer.step()`` it says whether the optimizer really stepped; a step that failed
             (a peer died mid-exchange, every replica sat it out) leaves ``step`` where it was.
+        sdc: the check of every exchange's sums across replicas (:class:`~unbroken.train.sdc_check.ExchangeCheck`):
+            its ``findings``, ``detected`` count and ``last_result`` (the committed sum's fingerprint).
 
     Thread model (docs/architecture.md, "Threads of a replica process"). Every public method
     runs on the training thread, which owns the step's state (``step``, ``decision``,
