@@ -45,6 +45,7 @@ BENCHMARKS: dict[str, str] = {
     "rendezvous": "unbroken.bench.rendezvous:rendezvous",
     "lease": "unbroken.bench.lease_filesystems:lease",
     "torchtitan": "unbroken.bench.titan_trainer:torchtitan",
+    "sdc": "unbroken.bench.sdc:sdc",
 }
 
 

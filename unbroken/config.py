@@ -55,6 +55,13 @@ ENV_RECORDER = "UNBROKEN_RECORDER"
 # "0" waits for the training thread before acting on a quorum answer (measuring what acting
 # early saves): the new epoch's rendezvous and a catch-up fetch then start after the compute.
 ENV_PREPARE_EARLY = "UNBROKEN_PREPARE_EARLY"
+# "0" turns off the verified exchange: every member's fingerprints of each exchange's sums,
+# compared before the step commits (unbroken.train.sdc_check). Default on.
+ENV_VERIFY_EXCHANGE = "UNBROKEN_VERIFY_EXCHANGE"
+# Every how many steps the replicas also compare fingerprints of their parameters and optimizer
+# state (0: never); default WEIGHT_CHECK_EVERY.
+ENV_WEIGHT_CHECK_EVERY = "UNBROKEN_WEIGHT_CHECK_EVERY"
+WEIGHT_CHECK_EVERY = 100
 # Actions for training-metric anomalies over the default policy, e.g.
 # "loss_spike=rollback,memory_growth=none" (see unbroken.diagnosis.metrics.parse_policy).
 ENV_ANOMALY_POLICY = "UNBROKEN_ANOMALY_POLICY"
@@ -144,6 +151,23 @@ def _switch(name: str, env: Mapping[str, str] | None) -> bool:
 def prepare_early(env: Mapping[str, str] | None = None) -> bool:
     """``UNBROKEN_PREPARE_EARLY``: act on a quorum answer as soon as it arrives (default on)."""
     return _switch(ENV_PREPARE_EARLY, env)
+
+
+def verify_exchange(env: Mapping[str, str] | None = None) -> bool:
+    """``UNBROKEN_VERIFY_EXCHANGE``: compare each exchange's sums across replicas (default on)."""
+    return _switch(ENV_VERIFY_EXCHANGE, env)
+
+
+def weight_check_every(env: Mapping[str, str] | None = None) -> int:
+    """``UNBROKEN_WEIGHT_CHECK_EVERY``: steps between weight comparisons (0: never)."""
+    raw = _environ(env).get(ENV_WEIGHT_CHECK_EVERY, str(WEIGHT_CHECK_EVERY))
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(f"{ENV_WEIGHT_CHECK_EVERY} must be a whole number of steps >= 0 (0: never), got {raw!r}")
+    return value
 
 
 def recorder_enabled(env: Mapping[str, str] | None = None) -> bool:

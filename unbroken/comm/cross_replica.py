@@ -214,11 +214,15 @@ class CrossReplicaGroup:
             aborted = self._aborted_epoch
             return self.epoch is not None and aborted is not None and aborted >= self.epoch
 
-    def allreduce_sum(self, tensor: torch.Tensor, deadline_s: float, op: Any = None) -> float:
+    def allreduce_sum(self, tensor: torch.Tensor, deadline_s: float, op: Any = None, abortable: bool = True) -> float:
         """Sums ``tensor`` in place across the group; returns the seconds it took.
 
         ``op``: another ``dist.ReduceOp`` (MAX, MIN, PRODUCT) for a side collective that is
         not a gradient (torchft's loss and token counts); the exchange itself always sums.
+        ``abortable=False``: the coordinator's abort of the epoch does not end the wait, only
+        completion, a backend error or the deadline do (the exchange check's fingerprint swap: a
+        member that will not commit reports the epoch failed once its own swap is done, while
+        its peers may still be receiving theirs).
 
         Raises:
             ExchangeFailed: a peer failed, the deadline passed, or the coordinator aborted
@@ -233,9 +237,9 @@ class CrossReplicaGroup:
         start = time.perf_counter()
         wake = threading.Event()
         with self._lock:
-            if self._aborted_epoch == epoch:
+            if abortable and self._aborted_epoch == epoch:
                 raise self._aborted(epoch)
-            self._wake = wake
+            self._wake = wake if abortable else None
         self.last_join_wait_s = 0.0
         if self._pg is None:
             self._join_group(wake, max(deadline_s, self.rendezvous_s))

@@ -35,6 +35,7 @@ from unbroken.diagnosis.telemetry import (
     Collective,
     FlaggedLink,
     PathEvent,
+    SdcFound,
     Stall,
     StepMetrics,
     TelemetryBatch,
@@ -71,7 +72,7 @@ class FlightRecorder:
         self._links: deque[Transfer] = deque(maxlen=capacity)
         self._steps: deque[StepMetrics] = deque(maxlen=capacity)
         self._stalls: deque[Stall] = deque(maxlen=64)
-        self._costs: deque[CheckpointSaved | CheckpointPersisted | CaughtUp] = deque(maxlen=MAX_COSTS)
+        self._costs: deque[CheckpointSaved | CheckpointPersisted | CaughtUp | SdcFound] = deque(maxlen=MAX_COSTS)
         self._paths_seen = PATH_LOG.count  # port events of this process already shipped
         self._window: deque[tuple[str, int, int, int, int]] = deque(maxlen=capacity)
         self._seq: dict[str, int] = {}
@@ -121,8 +122,9 @@ class FlightRecorder:
         self.step = step
         self._steps.append(StepMetrics(step, loss, grad_norm, memory))
 
-    def note(self, cost: CheckpointSaved | CheckpointPersisted | CaughtUp) -> None:
-        """A checkpoint's or a catch-up's cost, shipped with the next batch (any thread)."""
+    def note(self, cost: CheckpointSaved | CheckpointPersisted | CaughtUp | SdcFound) -> None:
+        """A checkpoint's or a catch-up's cost, or a corruption found, shipped with the next
+        batch (any thread)."""
         self._costs.append(cost)
 
     # -- ring hook (see unbroken.comm.ring_allreduce.LinkHook) ------------------------------------------
@@ -189,6 +191,7 @@ class FlightRecorder:
             persisted=[c for c in costs if isinstance(c, CheckpointPersisted)],
             caught_up=[c for c in costs if isinstance(c, CaughtUp)],
             paths=self._path_events(),
+            sdc=[c for c in costs if isinstance(c, SdcFound)],
         )
 
     def _path_events(self) -> list[PathEvent]:

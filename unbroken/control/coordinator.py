@@ -438,7 +438,8 @@ class Coordinator:
         self.replica_exited(exited.replica, exited.exitcode)
 
     def _costs(self, replica: int, rank: int, batch: TelemetryBatch) -> None:
-        """A rank's checkpoint and catch-up costs, into the event log (``/metrics`` reads them)."""
+        """A rank's checkpoint and catch-up costs and the corruption it found, into the event log
+        (``/metrics`` reads them)."""
         for s in batch.saved:
             self.events.emit(
                 ev.CheckpointSaved(replica=replica, rank=rank, step=s.step, stall_s=s.stall_s, nbytes=s.nbytes)
@@ -451,6 +452,20 @@ class Coordinator:
             )
         for c in batch.caught_up:
             self.events.emit(ev.CaughtUp(replica=replica, rank=rank, step=c.step, seconds=c.seconds, nbytes=c.nbytes))
+        for f in batch.sdc:
+            self.events.emit(
+                ev.SdcDetected(
+                    replica=replica,
+                    rank=rank,
+                    step=f.step,
+                    epoch=f.epoch,
+                    what=f.what,
+                    culprits=f.culprits,
+                    committed=f.committed,
+                )
+            )
+        if batch.sdc:
+            self.diagnosis.sdc(batch.sdc)
 
     @staticmethod
     def _heartbeat(conn: RankConn, beat: protocol.Heartbeat) -> None:

@@ -17,7 +17,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from unbroken.diagnosis.master import DiagnosisMaster
-from unbroken.diagnosis.telemetry import TelemetryBatch
+from unbroken.diagnosis.suspect import SuspectTracker
+from unbroken.diagnosis.telemetry import SdcFound, TelemetryBatch
 from unbroken.diagnosis.verdict import COMM_HANG, NONCOMM_HANG, Verdict
 from unbroken.observe.events import EventLog
 
@@ -45,9 +46,16 @@ class DiagnosisService:
         self.master = master or DiagnosisMaster()
         self.stacks = stacks
         self.latest: deque[dict[str, Any]] = deque(maxlen=20)
+        self.suspects = SuspectTracker()
 
     def telemetry(self, replica: int, rank: int, node: str, batch: TelemetryBatch) -> None:
         self.master.ingest((replica, rank), node, batch, time.monotonic())
+
+    def sdc(self, found: list[SdcFound]) -> None:
+        """Corruption a rank's exchange check found: a replica named again soon is a suspect."""
+        for f in found:
+            for v in self.suspects.observe(f.culprits, f.step):
+                self._emit(v, {})
 
     def forget(self, replica: int) -> None:
         """The replica left (evicted or finished); a silent evictee is named by the next tick."""

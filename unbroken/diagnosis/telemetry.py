@@ -1,8 +1,9 @@
 """A rank's telemetry, typed: what its flight recorder ships and the diagnosis master reads.
 
 Besides collectives and transfers, a batch carries what the rank's checkpoints and catch-ups
-cost (:class:`CheckpointSaved`, :class:`CheckpointPersisted`, :class:`CaughtUp`): the
-coordinator writes them to the event log, where ``/metrics`` finds them.
+cost (:class:`CheckpointSaved`, :class:`CheckpointPersisted`, :class:`CaughtUp`) and the silent
+data corruption its exchange check found (:class:`SdcFound`): the coordinator writes them to
+the event log, where ``/metrics`` finds them.
 
 A batch rides with the heartbeat about ten times a second and holds up to a few hundred
 records, so on the wire each record is a row, a JSON array in its dataclass's field order (field
@@ -291,6 +292,36 @@ class CaughtUp:
         return cls(_int(step, "step"), _seconds(seconds, "seconds"), _int(nbytes, "nbytes"))
 
 
+SDC_WHAT = ("results", "weights", "rerun")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SdcFound:
+    """A verified exchange whose fingerprints differed (:mod:`unbroken.train.sdc_check`): at
+    ``step`` of ``epoch``, ``what`` differed (the results, the weights, or a re-run named the
+    first results' culprit), ``culprits`` named (may be empty), ``committed`` by this rank."""
+
+    step: int
+    epoch: int
+    what: str
+    culprits: list[int]
+    committed: bool
+
+    def to_row(self) -> list[Any]:
+        return [self.step, self.epoch, self.what, self.culprits, self.committed]
+
+    @classmethod
+    def from_row(cls, row: Any) -> SdcFound:
+        step, epoch, what, culprits, committed = _row(row, 5, "sdc")
+        if what not in SDC_WHAT:
+            raise TelemetryError(f"sdc: what must be one of {SDC_WHAT}, got {what!r:.40}")
+        if not isinstance(culprits, list) or len(culprits) > MAX_MEMBERS:
+            raise TelemetryError("sdc: culprits must be a list of replica ids")
+        if not isinstance(committed, bool):
+            raise TelemetryError("sdc: committed must be true or false")
+        return cls(_int(step, "step"), _int(epoch, "epoch"), what, [_int(c, "culprit") for c in culprits], committed)
+
+
 @dataclasses.dataclass(frozen=True)
 class TelemetryBatch:
     """What one rank ships at once: everything new since its last batch, and what is open now."""
@@ -308,6 +339,7 @@ class TelemetryBatch:
     persisted: list[CheckpointPersisted] = dataclasses.field(default_factory=list)
     caught_up: list[CaughtUp] = dataclasses.field(default_factory=list)
     paths: list[PathEvent] = dataclasses.field(default_factory=list)
+    sdc: list[SdcFound] = dataclasses.field(default_factory=list)
 
     def to_msg(self) -> dict[str, Any]:
         return {
@@ -324,6 +356,7 @@ class TelemetryBatch:
             "persisted": [x.to_row() for x in self.persisted],
             "caught_up": [x.to_row() for x in self.caught_up],
             "paths": [x.to_row() for x in self.paths],
+            "sdc": [x.to_row() for x in self.sdc],
         }
 
     @classmethod
@@ -350,6 +383,7 @@ class TelemetryBatch:
             persisted=_rows(msg.get("persisted", []), "persisted", CheckpointPersisted, MAX_COSTS),
             caught_up=_rows(msg.get("caught_up", []), "caught_up", CaughtUp, MAX_COSTS),
             paths=_rows(msg.get("paths", []), "paths", PathEvent, MAX_COSTS),
+            sdc=_rows(msg.get("sdc", []), "sdc", SdcFound, MAX_COSTS),
         )
 
 

@@ -16,7 +16,10 @@ METRIC_ANOMALY = "metric_anomaly"
 # A NIC port whose ICCL connection keeps failing (failing, then flapping); its hop moved to the
 # backup path, so the supervisor leaves the replica alone (an unknown class to it: ignored).
 PORT_FAILURE = "port_failure"
-CLASSES = (NONCOMM_HANG, COMM_HANG, STRAGGLER, COMM_SLOW, METRIC_ANOMALY, PORT_FAILURE)
+# A replica named for silent data corruption again within a window of steps (one flip is
+# healed by catch-up; a second one points at its hardware): reported, not acted on here.
+SUSPECT_HARDWARE = "suspect_hardware"
+CLASSES = (NONCOMM_HANG, COMM_HANG, STRAGGLER, COMM_SLOW, METRIC_ANOMALY, PORT_FAILURE, SUSPECT_HARDWARE)
 
 UNKNOWN_REPLICA = -1  # a comm hang seen without per-connection evidence names no replica
 

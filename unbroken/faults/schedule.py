@@ -10,6 +10,7 @@ The same schedule drives the tests, the benchmarks and the demo. A schedule is a
     --fault nan_loss:replica=1,step=50
     --fault coordinator_kill:at_s=30,duration_s=1
     --fault disk_full:replica=0,step=20
+    --fault bitflip:replica=1,step=30,where=result,bit=22
 
 Faults split by who applies them. The supervisor applies the ones that act on processes
 (:data:`SUPERVISOR_KINDS`): ``crash`` is ``kill -9`` of one rank, ``hang`` is ``SIGSTOP``
@@ -29,7 +30,9 @@ each exchange: ``slow_rank`` makes the rank sleep ``(factor - 1)`` times its own
 compute time every step; ``slow_link`` delays both ends of the link by
 ``bytes / (mb_s * 1e6)`` seconds before every exchange in which both are members;
 ``nan_loss`` turns the loss the training loop reports (:meth:`WorkerChaos.loss`) into NaN
-and, with ``poison_grads=true``, the gradients too.
+and, with ``poison_grads=true``, the gradients too; ``bitflip`` flips bit ``bit`` of element
+``index`` of a gradient, the exchange's result, a weight or an optimizer moment (``where``,
+:mod:`unbroken.faults.bitflip`), once, or at every step for ``duration_s``.
 
 A worker fault is tied to the replica's home slot: when the supervisor moves the replica to a
 spare slot the fault stays behind, as a slow GPU would.
@@ -46,7 +49,8 @@ from pathlib import Path
 from typing import Any
 
 SUPERVISOR_KINDS = frozenset({"crash", "hang", "coordinator_kill", "disk_full"})
-WORKER_KINDS = frozenset({"slow_rank", "slow_link", "nan_loss"})
+WORKER_KINDS = frozenset({"slow_rank", "slow_link", "nan_loss", "bitflip"})
+BITFLIP_WHERE = ("grad", "result", "weight", "moment")  # unbroken.faults.bitflip.WHERE
 KINDS = SUPERVISOR_KINDS | WORKER_KINDS
 
 # kind -> parameters it accepts beyond the common ones (step, at_s, duration_s).
@@ -58,6 +62,7 @@ _PARAMS: dict[str, frozenset[str]] = {
     "nan_loss": frozenset({"replica", "rank", "poison_grads"}),
     "coordinator_kill": frozenset(),
     "disk_full": frozenset({"replica", "limit_mb"}),
+    "bitflip": frozenset({"replica", "rank", "where", "bit", "index"}),
 }
 _COMMON = frozenset({"kind", "step", "at_s", "duration_s", "name"})
 
@@ -82,6 +87,9 @@ class Fault:
         mb_s: ``slow_link``: the emulated bandwidth of that link, in MB/s.
         poison_grads: ``nan_loss``: also fill the gradients with NaN.
         limit_mb: ``disk_full``: bytes a checkpoint file may reach before writes fail.
+        where: ``bitflip``: ``grad``, ``result``, ``weight`` or ``moment``.
+        bit: ``bitflip``: which bit of the element (0 the least significant, 31 a float32's sign).
+        index: ``bitflip``: which element of the tensor (wraps around its size).
         name: a label for reports; defaults to a description.
     """
 
@@ -96,13 +104,16 @@ class Fault:
     mb_s: float | None = None
     poison_grads: bool = False
     limit_mb: float = 0.0
+    where: str = ""
+    bit: int = 22
+    index: int = 0
     name: str = ""
 
     @property
     def one_step(self) -> bool:
-        """A fault of one step (a NaN with no duration): replaying that step does not repeat it,
-        as a transient error would not (a rolled-back job replays the step)."""
-        return self.kind == "nan_loss" and self.duration_s is None
+        """A fault of one step (a NaN or a bit flip with no duration): replaying that step does
+        not repeat it, as a transient error would not (a rolled-back job replays the step)."""
+        return self.kind in ("nan_loss", "bitflip") and self.duration_s is None
 
     def __post_init__(self) -> None:
         where = f"fault {self.name or self.kind!r}"
@@ -134,6 +145,17 @@ class Fault:
                 raise ScheduleError(
                     f"{where}: slow_link needs mb_s > 0 (the link's bandwidth in MB/s), got {self.mb_s!r}"
                 )
+        if self.kind == "bitflip":
+            if self.where not in BITFLIP_WHERE:
+                raise ScheduleError(
+                    f"{where}: bitflip needs where= one of {', '.join(BITFLIP_WHERE)}, got {self.where!r}"
+                )
+            if not 0 <= self.bit < 64:
+                raise ScheduleError(f"{where}: bit must be within 0..63 (31: a float32's sign), got {self.bit}")
+            if self.index < 0:
+                raise ScheduleError(f"{where}: index must be >= 0, got {self.index}")
+        elif self.where:
+            raise ScheduleError(f"{where}: {self.kind} takes no where")
         if self.limit_mb < 0:
             raise ScheduleError(f"{where}: limit_mb must be >= 0, got {self.limit_mb}")
 
@@ -204,7 +226,7 @@ class Fault:
 
 def _convert(key: str, value: Any, where: str) -> Any:
     try:
-        if key in ("step", "replica", "rank"):
+        if key in ("step", "replica", "rank", "bit", "index"):
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError
             return int(value)

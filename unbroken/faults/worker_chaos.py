@@ -10,12 +10,16 @@ no hook is installed and the Manager pays nothing.
 from __future__ import annotations
 
 import json
+import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from unbroken import config as env
+from unbroken.faults.bitflip import flip_bit, pick
 from unbroken.faults.schedule import Fault, ScheduleError
+
+log = logging.getLogger(__name__)
 
 
 def chaos_env(faults: Sequence[Fault], job_start: float) -> dict[str, str]:
@@ -44,6 +48,9 @@ class WorkerChaos:
         self._step_t0: float | None = None
         self._slowed_step: int | None = None
         self.injected_s = 0.0
+        self._state: Callable[[], Any] | None = None  # bind_state
+        self._flipped: dict[int, int] = {}  # fault index -> the last step it flipped a bit in
+        self.flips = 0  # bits flipped so far
 
     @classmethod
     def from_env(cls, replica: int, environ: Mapping[str, str] | None = None) -> WorkerChaos | None:
@@ -72,14 +79,46 @@ class WorkerChaos:
             began, first_step = self._started[i]
             if f.duration_s is not None and now - began > f.duration_s:
                 continue
-            if f.duration_s is None and kind == "nan_loss" and step != first_step:
-                continue  # a NaN without a duration is one bad step
+            if f.duration_s is None and kind in ("nan_loss", "bitflip") and step != first_step:
+                continue  # a NaN or a bit flip without a duration is one bad step
 
             out.append(f)
         return out
 
+    def bind_state(self, state: Callable[[], Any]) -> None:
+        """How to reach this rank's state (its state dicts), for flips in a weight or a moment."""
+        self._state = state
+
     def start_step(self, step: int) -> None:
         self._step_t0 = time.perf_counter()
+        if self._state is not None:
+            for where in ("weight", "moment"):
+                for i, f in self._bitflips(where, step):
+                    self._flip(i, f, step, pick(self._state(), where))
+
+    def after_exchange(self, step: int, buf: Any) -> None:
+        """The exchange's sum ``buf`` as this member received it, before it is checked."""
+        for i, f in self._bitflips("result", step):
+            self._flip(i, f, step, buf)
+
+    def _bitflips(self, where: str, step: int) -> list[tuple[int, Fault]]:
+        """The bit flips at ``where`` due at ``step`` not yet applied in it (a redo of the step's
+        exchange meets a one-step flip no more: a transient fault)."""
+        due = {id(f) for f in self.active("bitflip", step)}
+        return [
+            (i, f)
+            for i, f in enumerate(self.faults)
+            if id(f) in due
+            and f.where == where
+            and self._flipped.get(i, -1) != step
+            and (f.duration_s is not None or i not in self._flipped)
+        ]
+
+    def _flip(self, i: int, f: Fault, step: int, tensor: Any) -> None:
+        flip_bit(tensor, f.index, f.bit)
+        self._flipped[i] = step
+        self.flips += 1
+        log.warning("fault injected: bit %d of element %d of the %s flipped at step %d", f.bit, f.index, f.where, step)
 
     def before_exchange(self, step: int, members: Sequence[int], nbytes: int, grads: Sequence[Any] = ()) -> None:
         """Called after the quorum, before each exchange attempt of ``step``."""
@@ -96,6 +135,9 @@ class WorkerChaos:
             if f.poison_grads:
                 for g in grads:
                     g.fill_(float("nan"))
+        if grads:
+            for i, f in self._bitflips("grad", step):
+                self._flip(i, f, step, next((g for g in grads if g.numel() > 0), grads[0]))
 
     def loss(self, value: float, step: int) -> float:
         """The loss the training loop reports, NaN while a ``nan_loss`` fault is in effect."""

@@ -495,6 +495,22 @@ class CaughtUp(Event):
     nbytes: int
 
 
+@_kind("sdc_detected")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SdcDetected(Event):
+    """A rank's exchange check found members' fingerprints differing (:mod:`unbroken.train.sdc_check`):
+    ``what`` differed (``results``, ``weights``, or ``rerun``: a re-run named the first results'
+    culprit) at ``step`` of ``epoch``; ``culprits`` named; whether this rank ``committed`` the step."""
+
+    replica: int
+    rank: int
+    step: int
+    epoch: int
+    what: str
+    culprits: list[int]
+    committed: bool
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _FaultFields(Event):
     """A scheduled fault (:mod:`unbroken.faults.schedule`) and the job step it fired at."""

@@ -4,13 +4,15 @@
 replica contributes, and what a failure means for the step; :class:`GradientExchange` does the
 exchange itself: it fills the buffer (or the buckets started during backward) with the
 gradients and the metadata of :mod:`unbroken.train.overlap`, sums it with the peers under the
-learned deadline, checks that every member trained the same step, and writes the average back.
+learned deadline, checks that every member received the same sum (:mod:`unbroken.train.sdc_check`)
+and trained the same step, and writes the average back.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -27,13 +29,20 @@ from unbroken.train.overlap import (
     mark_bucket,
     write_average,
 )
+from unbroken.train.sdc_check import ExchangeCheck
+
+# Called with (step, buffer) once a buffer is summed, before it is fingerprinted: an injected
+# fault's hold on the sum a member received (None in a real job).
+ResultHook = Callable[[int, torch.Tensor], None]
 
 log = logging.getLogger(__name__)
 
 
 class GradientExchange:
     """Sums gradients over the replicas of an epoch; ``stats`` is the Manager's, where the
-    exchange's time and wait are written."""
+    exchange's time and wait are written. ``check`` verifies each exchange's sums across the
+    members (off: ``ExchangeCheck(..., enabled=False)``); ``weights`` fingerprints this
+    replica's state when the check includes it."""
 
     def __init__(
         self,
@@ -42,7 +51,13 @@ class GradientExchange:
         stats: dict[str, float],
         device: torch.device,
         replica_id: int,
+        check: ExchangeCheck | None = None,
+        weights: Callable[[], int] | None = None,
+        on_result: ResultHook | None = None,
     ) -> None:
+        self.check = check or ExchangeCheck(replica_id, enabled=False)
+        self.weights = weights
+        self.on_result = on_result
         self.group = group
         self.deadline = deadline
         self.stats = stats
@@ -66,6 +81,7 @@ class GradientExchange:
         """
         locals_ = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
         n = sum(g.numel() for g in locals_)
+        self.check.begin()
         if zero and early is not None:
             return self._finish_early(locals_, n, early, d, step)
         buf = self._buffer
@@ -74,6 +90,7 @@ class GradientExchange:
         # Every member adds its step and whether it contributes, so a member that silently
         # trains a different step is caught instead of averaged in.
         fill_buffer(buf, locals_, d.step, zero=zero, skip=skip)
+        self.check.sent(buf)
         try:
             seconds = self.group.allreduce_sum(buf, self.deadline.seconds)
         except ExchangeFailed as e:
@@ -115,6 +132,8 @@ class GradientExchange:
         self, locals_: list[torch.Tensor], buf: torch.Tensor, seconds: float, d: QuorumDecision, observe: bool = True
     ) -> bool:
         """Checks the exchanged totals and writes the average into the gradients."""
+        if not self._verified([buf], d):
+            return False
         contributing = self._contributors(buf, d)
         if contributing is None:
             return False
@@ -127,12 +146,24 @@ class GradientExchange:
         write_average(locals_, buf, contributing)
         return True
 
+    def _verified(self, received: list[torch.Tensor], d: QuorumDecision) -> bool:
+        """Fingerprints the summed buffers (after an injected fault's turn) and, when they are the
+        attempt's last, compares every member's: whether this member may commit."""
+        for buf in received:
+            if self.on_result is not None:
+                self.on_result(d.step, buf)
+            self.check.received(buf)
+        return self.check.verify(self.group, self.deadline.seconds, d, self.device, self.weights)
+
     # -- during backward ---------------------------------------------------------------------
 
     def start_bucket(self, o: OverlappedExchange, buf: torch.Tensor, step: int, total: int) -> None:
         """Starts summing one bucket of ``o`` (``total``: the bytes of the step's buckets)."""
         assert o.decision is not None
         mark_bucket(buf, o.decision.step, o.skip, o.zero)
+        if not o.buffers:
+            self.check.begin()
+        self.check.sent(buf)
         try:
             o.pending.append(self.group.start_allreduce_sum(buf, self._deadline_of(o), total))
             o.buffers.append(buf)
@@ -145,14 +176,15 @@ class GradientExchange:
 
     def wait_buckets(self, o: OverlappedExchange, step: int, last: bool) -> bool:
         """Waits for the buckets of ``o`` started so far and checks every member's step and
-        contribution; False after any failure (``o.failed``)."""
+        contribution, and, at the ``last`` wait, that every member received the same sums;
+        False after any failure (``o.failed``)."""
         assert o.decision is not None
         if o.failed:
             return False
         pending, o.pending = o.pending, []
         if not pending:  # all waited for already (process_group()): this only closes the record
             self.group.finish_allreduce_sums([], self._deadline_of(o), last=last)
-            return True
+            return self._verify_buckets(o) if last else True
         waiting = time.perf_counter()
         try:
             seconds = self.group.finish_allreduce_sums(pending, self._deadline_of(o), last=last)
@@ -163,14 +195,27 @@ class GradientExchange:
         finally:
             o.waited_s += time.perf_counter() - waiting
         for buf in o.buffers[len(o.buffers) - len(pending) :]:
+            if self.on_result is not None:
+                self.on_result(o.decision.step, buf)
+            self.check.received(buf)
             contributing = self._contributors(buf, o.decision)
             if contributing is None:
-                o.failed = True
-                return False
-            o.contributing = contributing
+                o.mismatch = True  # failed once every member compared its sums (all see the same)
+            else:
+                o.contributing = contributing
         if o.deadline_s is None:  # a newcomer's cold first step teaches nothing about the next ones
             self.deadline.observe(seconds)
         self.stats["last_exchange_s"] = seconds
         self.stats["last_join_wait_s"] = self.group.last_join_wait_s
         self.stats["last_exchange_busy_s"] = busy_seconds(pending)
+        return self._verify_buckets(o) if last else not o.mismatch
+
+    def _verify_buckets(self, o: OverlappedExchange) -> bool:
+        assert o.decision is not None
+        if not self.check.verify(self.group, self._deadline_of(o), o.decision, self.device, self.weights):
+            o.failed = True
+            return False
+        if o.mismatch:
+            o.failed = True
+            return False
         return True

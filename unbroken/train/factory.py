@@ -35,6 +35,8 @@ from unbroken.config import (
     recorder_enabled,
     run_dir_given,
     stack_signal,
+    verify_exchange,
+    weight_check_every,
 )
 from unbroken.config import connect_timeout_s as connect_timeout_from_env
 from unbroken.config import cross_replica_backend as env_cross_replica_backend
@@ -164,6 +166,8 @@ def build_manager(
         anomaly_policy=policy,
         fault_hook=fault_hook,
         on_shutdown=owned.close,  # the bound method keeps the stack dump's file open
+        verify_exchange=verify_exchange(),
+        weights_every=weight_check_every(),
     )
     client.wait_connected(connect_timeout_from_env(connect_timeout_s))
     return manager

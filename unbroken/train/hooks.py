@@ -13,7 +13,12 @@ from typing import Any, Protocol
 
 
 class FaultHook(Protocol):
-    """Called by the Manager on the training thread."""
+    """Called by the Manager on the training thread.
+
+    Two more methods are called when the hook has them (a bit flip's means): ``bind_state(fn)``
+    once, ``fn()`` returning the replica's registered state; ``after_exchange(step, buf)`` once a
+    buffer is summed, before the exchange check fingerprints it.
+    """
 
     def start_step(self, step: int) -> None:
         """A step's compute begins (after the quorum request is sent)."""

@@ -30,6 +30,7 @@ import torch
 from unbroken.comm.catchup import CatchupServer
 from unbroken.comm.cross_replica import CrossReplicaGroup
 from unbroken.comm.deadline import LearnedDeadline
+from unbroken.comm.fingerprint import fold, state_prints
 from unbroken.comm.recorder import FlightRecorder
 from unbroken.config import ReplicaConfig
 from unbroken.control.client import CoordinatorClient
@@ -40,6 +41,7 @@ from unbroken.train.exchange import GradientExchange
 from unbroken.train.hooks import FaultHook
 from unbroken.train.managed_group import ManagedProcessGroup
 from unbroken.train.overlap import OverlappedExchange
+from unbroken.train.sdc_check import ExchangeCheck
 from unbroken.train.state import LoadStateDictFn, StateDictFn, StateRegistry, as_local, as_shards, check_state_pair
 from unbroken.train.vote import ReplicaVote
 from unbroken.wire.auth import JobSecret
@@ -82,6 +84,10 @@ class Manager:
         prepare_early: act on a quorum answer on the connection thread as it arrives.
         anomaly_policy: what a non-finite loss or gradient norm does (``parse_policy``).
         fault_hook: injected faults (``unbroken.init()`` installs them), usually None.
+        verify_exchange: compare every exchange's sums across the replicas before committing
+            (:mod:`unbroken.train.sdc_check`).
+        weights_every: also compare the replicas' parameters and optimizer state every this
+            many steps (0: never).
         on_shutdown: releases what the factory set up beside the parts (run at shutdown).
 
     Attributes:
@@ -90,6 +96,8 @@ class Manager:
             False from :meth:`start_step` (``optimizer.zero_grad()``) until :meth:`commit`. After
             ``optimizer.step()`` it says whether the optimizer really stepped; a step that failed
             (a peer died mid-exchange, every replica sat it out) leaves ``step`` where it was.
+        sdc: the check of every exchange's sums across replicas (:class:`~unbroken.train.sdc_check.ExchangeCheck`):
+            its ``findings``, ``detected`` count and ``last_result`` (the committed sum's fingerprint).
 
     Thread model (docs/architecture.md, "Threads of a replica process"). Every public method
     runs on the training thread, which owns the step's state (``step``, ``decision``,
@@ -131,6 +139,8 @@ class Manager:
         anomaly_policy: dict[str, str] | None = None,
         fault_hook: FaultHook | None = None,
         on_shutdown: Callable[[], None] | None = None,
+        verify_exchange: bool = True,
+        weights_every: int = 0,
     ) -> None:
         check_state_pair(state_dict, load_state_dict)
         self.config = config
@@ -159,7 +169,17 @@ class Manager:
             "last_join_wait_s": 0.0,
         }
         self._catch_up = CatchUp(catchup, secret, config.replica_id, self.stats, recorder, donate_hint)
-        self._exchanger = GradientExchange(group, self.deadline, self.stats, self.device, config.replica_id)
+        self.sdc = ExchangeCheck(config.replica_id, weights_every, enabled=verify_exchange, recorder=recorder)
+        self._exchanger = GradientExchange(
+            group,
+            self.deadline,
+            self.stats,
+            self.device,
+            config.replica_id,
+            check=self.sdc,
+            weights=lambda: fold(state_prints(self._states.full(self.step))),
+            on_result=getattr(fault_hook, "after_exchange", None),
+        )
         self._quorum: Future[dict[str, Any]] | None = None
         # The next step's request, sent before this one's commit (request_next_quorum): (step, answer).
         self._next_quorum: tuple[int, Future[dict[str, Any]]] | None = None
@@ -194,6 +214,9 @@ class Manager:
             superseded=self._epoch_superseded,
         )
         self._on_shutdown = on_shutdown
+        bind = getattr(fault_hook, "bind_state", None)
+        if bind is not None:  # an injected bit flip in a weight or a moment reaches the state
+            bind(lambda: self._states.full(self.step))
         self._error: BaseException | None = None  # see report_error
         self._vetoed = False  # the last vote was vetoed: the step goes back to the loop, not redone
 
@@ -679,7 +702,11 @@ class Manager:
     def _epoch_superseded(self, step: int) -> bool:
         """Whether the coordinator aborted the epoch of this step's exchange before its peers
         applied ``step`` (:mod:`unbroken.train.vote`). An epoch pushed with the abort that trains
-        a later step says they did: a member died after the step's sum completed everywhere."""
+        a later step says they did: a member died after the step's sum completed everywhere.
+        So does a fingerprint swap that completed after the sum (:mod:`unbroken.train.sdc_check`):
+        every member was past it, and the abort came from a member that will not commit it."""
+        if self.sdc.completed(self.group.epoch, step):
+            return False
         self.client.drain()
         if not self.group.superseded() or self.group.epoch is None:
             return False

@@ -88,6 +88,8 @@ class OverlappedExchange:
         buffers: the exchanged buffers, each ending with :data:`METADATA` slots.
         pending: their sums in flight.
         failed: a sum failed; the rest of the step's buckets are not started.
+        mismatch: members disagreed on a bucket's step or contributors; the step fails once
+            every member compared its sums (they all see the same metadata).
         contributing: replicas whose gradients the sums hold, once checked.
         outcome: whether the optimizer may step, once decided.
         waited_s: seconds spent waiting for sums before the end of backward.
@@ -103,6 +105,7 @@ class OverlappedExchange:
     buffers: list[torch.Tensor] = dataclasses.field(default_factory=list)
     pending: list[PendingSum] = dataclasses.field(default_factory=list)
     failed: bool = False
+    mismatch: bool = False
     contributing: int = 0
     outcome: bool | None = None
     waited_s: float = 0.0  # in waits during backward (process_group()): not this rank's compute

@@ -16,6 +16,7 @@ from unbroken.diagnosis.telemetry import (
     CheckpointPersisted,
     CheckpointSaved,
     Collective,
+    SdcFound,
     TelemetryBatch,
     TelemetryError,
 )
@@ -38,6 +39,7 @@ def test_a_recorder_batch_survives_the_wire_field_by_field() -> None:
     rec.note(CheckpointSaved(10, 0.002, 4096))
     rec.note(CheckpointPersisted(10, True, 0.5, 4096))
     rec.note(CaughtUp(12, 0.3, 8192))
+    rec.note(SdcFound(13, 4, "results", [2], True))
     sent = rec.batch()
 
     got = TelemetryBatch.from_msg(_wire(sent))
@@ -52,6 +54,16 @@ def test_a_recorder_batch_survives_the_wire_field_by_field() -> None:
     assert got.memory == sent.memory and got.now_ns == sent.now_ns
     assert (got.saved, got.persisted, got.caught_up) == (sent.saved, sent.persisted, sent.caught_up)
     assert got.saved[0].stall_s == 0.002 and got.persisted[0].ok and got.caught_up[0].nbytes == 8192
+    assert got.sdc == [SdcFound(13, 4, "results", [2], True)]
+
+
+@pytest.mark.parametrize(
+    "row",
+    [[1, 2, "wire", [0], True], [1, 2, "results", "0", True], [1, 2, "results", [0], 1], [1, 2, "results", [-1], True]],
+)
+def test_a_malformed_sdc_record_is_refused(row: list[object]) -> None:
+    with pytest.raises(TelemetryError):
+        TelemetryBatch.from_msg({"now_ns": 1, "sdc": [row]})
 
 
 def test_an_open_collective_is_a_copy_the_training_thread_cannot_change_under_the_encoder() -> None:

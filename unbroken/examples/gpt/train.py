@@ -111,6 +111,10 @@ def train(
                     "members": list(d.members) if d else [],
                     "contributing": manager.contributing,
                     "recovered": cfg_r.replica_id in (d.behind if d else ()),
+                    # the fingerprint of the sum this replica applied (0: not verified)
+                    "exchange_fp": manager.sdc.last_result if committed else 0,
+                    "sdc_detected": manager.sdc.detected,
+                    "check_s": manager.sdc.spent_s,  # cumulative: the exchange check's own time
                     "step_s": time.perf_counter() - t0,
                     "pid": os.getpid(),
                 }

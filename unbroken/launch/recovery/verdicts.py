@@ -27,7 +27,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from unbroken.diagnosis.verdict import COMM_HANG, COMM_SLOW, METRIC_ANOMALY, NONCOMM_HANG, PORT_FAILURE, STRAGGLER
+from unbroken.diagnosis.verdict import (
+    COMM_HANG,
+    COMM_SLOW,
+    METRIC_ANOMALY,
+    NONCOMM_HANG,
+    PORT_FAILURE,
+    STRAGGLER,
+    SUSPECT_HARDWARE,
+)
 from unbroken.observe import schema as ev
 
 ISOLATE, RESTART, IGNORE, ROLLBACK = "isolate", "restart", "ignore", "rollback"
@@ -39,6 +47,7 @@ CLASS_ACTIONS: dict[str, str] = {
     STRAGGLER: ISOLATE,
     COMM_SLOW: ISOLATE,
     PORT_FAILURE: IGNORE,  # its ICCL hop moved to the backup path: evidence and a metric, nothing to mend here
+    SUSPECT_HARDWARE: IGNORE,  # each corruption was healed by catch-up; the verdict is for the operator
 }
 _METRIC_ACTIONS = {"isolate": ISOLATE, "rollback": ROLLBACK}
 

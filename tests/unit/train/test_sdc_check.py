@@ -1,0 +1,112 @@
+"""The exchange check at one member, its peers stood in for by the rows they add to the swap."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from unbroken.comm.cross_replica import ExchangeFailed
+from unbroken.comm.fingerprint import fingerprint, fold
+from unbroken.control.quorum.rules import QuorumDecision
+from unbroken.train.sdc_check import SDC_ERROR, ExchangeCheck, encode
+from unbroken.train.sdc_judge import Prints
+
+CPU = torch.device("cpu")
+
+
+class SwapGroup:
+    """Adds the peers' rows to the swapped tensor, as the members' sum would."""
+
+    def __init__(self, peers: dict[int, Prints] | None = None, fail: bool = False) -> None:
+        self.peers = peers or {}
+        self.fail = fail
+        self.last_failure: tuple[int | None, str] | None = None
+        self.abortable: list[bool] = []
+
+    def allreduce_sum(self, tensor: torch.Tensor, deadline_s: float, op: Any = None, abortable: bool = True) -> float:
+        self.abortable.append(abortable)
+        if self.fail:
+            raise ExchangeFailed("a peer hung up")
+        n = tensor.numel() // len(self.members)
+        for replica, p in self.peers.items():
+            tensor += encode(p, self.members.index(replica), len(self.members), CPU)
+        assert n > 0
+        return 0.001
+
+    members: list[int] = []
+
+
+def decision(members: tuple[int, ...], step: int = 5, behind: tuple[int, ...] = ()) -> QuorumDecision:
+    return QuorumDecision(epoch=3, step=step, members=members, behind=behind)
+
+
+def run(
+    check: ExchangeCheck, group: SwapGroup, d: QuorumDecision, sent: torch.Tensor, got: torch.Tensor, **kw: Any
+) -> bool:
+    group.members = list(d.members)
+    check.begin()
+    check.sent(sent)
+    check.received(got)
+    return check.verify(group, 1.0, d, CPU, **kw)  # type: ignore[arg-type]
+
+
+def test_agreeing_peers_commit_and_the_swap_ignores_aborts() -> None:
+    sent, got = torch.ones(10), torch.full((10,), 3.0)
+    result = fold([fingerprint(got)])
+    group = SwapGroup({1: Prints(5, result), 2: Prints(6, result)})
+    check = ExchangeCheck(0)
+    assert run(check, group, decision((0, 1, 2)), sent, got)
+    assert check.detected == 0 and check.last_result == result and check.completed(3, 5)
+    assert group.abortable == [False]
+
+
+def test_a_member_whose_sum_differs_from_the_majority_does_not_commit_and_says_why() -> None:
+    got = torch.full((10,), 3.0)
+    other = fold([fingerprint(torch.full((10,), 4.0))])
+    group = SwapGroup({1: Prints(5, other), 2: Prints(6, other)})
+    check = ExchangeCheck(0)
+    assert not run(check, group, decision((0, 1, 2)), torch.ones(10), got)
+    assert check.detected == 1 and check.findings[-1].judgement.culprits == (0,)
+    assert (
+        group.last_failure is not None and SDC_ERROR in group.last_failure[1] and "replica 0" in group.last_failure[1]
+    )
+
+
+def test_two_members_differ_then_a_rerun_names_the_culprit() -> None:
+    sent, got = torch.ones(10), torch.full((10,), 3.0)
+    mine = fold([fingerprint(got)])
+    peer_in = 77
+    check = ExchangeCheck(1)
+    first = SwapGroup({0: Prints(peer_in, mine ^ 1)})
+    assert not run(check, first, decision((0, 1)), sent, got)
+    assert check.findings[-1].judgement.unresolved
+    again = SwapGroup({0: Prints(peer_in, mine)})
+    assert run(check, again, decision((0, 1)), sent, got)
+    assert check.findings[-1].judgement.culprits == (0,) and check.findings[-1].judgement.named_by_rerun
+
+
+def test_weights_are_checked_every_n_steps_and_not_by_a_member_catching_up() -> None:
+    check = ExchangeCheck(0, weights_every=4)
+    assert check.weights_due(decision((0, 1), step=8)) and not check.weights_due(decision((0, 1), step=9))
+    assert not check.weights_due(decision((0, 1), step=8, behind=(0,)))
+    got = torch.ones(4)
+    result = fold([fingerprint(got)])
+    calls: list[int] = []
+    group = SwapGroup({1: Prints(1, result, 99), 2: Prints(2, result, 99)})
+
+    def weights() -> int:
+        calls.append(1)
+        return 98
+
+    assert not run(check, group, decision((0, 1, 2), step=8), got, got, weights=weights)
+    assert calls == [1] and check.findings[-1].judgement.weights_differ
+
+
+def test_a_failed_swap_does_not_commit_and_one_member_or_off_checks_nothing() -> None:
+    check = ExchangeCheck(0)
+    assert not run(check, SwapGroup(fail=True), decision((0, 1)), torch.ones(2), torch.ones(2))
+    assert run(check, SwapGroup(fail=True), decision((0,)), torch.ones(2), torch.ones(2))
+    off = ExchangeCheck(0, enabled=False)
+    assert run(off, SwapGroup(fail=True), decision((0, 1)), torch.ones(2), torch.ones(2))
+    assert not off.completed(3, 5)
