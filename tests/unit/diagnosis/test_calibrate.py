@@ -86,3 +86,12 @@ def test_master_hands_its_scores_at_each_new_collective() -> None:
     last = got[-1]
     assert set(last["straggler"]) == {"0/0", "1/0", "2/0"} and set(last["step_time"]) == {"0/0", "1/0", "2/0"}
     assert all(abs(x - 1.0) < 0.05 for x in last["straggler"].values())
+
+
+def test_step_time_threshold_sits_between_the_recorded_healthy_worst_and_fault_median() -> None:
+    # The figures at steptime.STEP_TIME_THRESHOLD: healthy worst 1.15 (load 11), 1.3x fault held
+    # 1.17, 1.85, 2.10. The weakest fault may overlap the load-11 run (1.15 to 1.265); the median does not.
+    assert calibrate.separating_threshold([1.074, 1.15], [1.17, 1.85, 2.10]) is not None  # 1.17 > 1.15, barely
+    assert calibrate.separating_threshold([1.074, 1.15, 1.265], [1.17, 1.85, 2.10]) is None  # the old rule's median
+    middle = calibrate.separating_threshold([1.15], [1.85])
+    assert middle is not None and 1.15 * 1.2 < steptime.STEP_TIME_THRESHOLD <= middle
