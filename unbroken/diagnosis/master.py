@@ -553,9 +553,10 @@ class DiagnosisMaster:
             stragglers = {v.culprit.replica for v in self._stragglers()}
             xs = {rep: list(self._detector((rep, rank)).compute) for rep in comp}
             cadence = list(self.cadence.get(rank, ()))
+            w, hist = self.s.straggler_window, MetricDetector.min_history  # every detector's windows
+            ratios = {rep: steptime.median_ratio(ys, w, hist) for rep, ys in xs.items()}
             for rep in comp:
-                det = self._detector((rep, rank))
-                score = steptime.gated_score(rep, xs, cadence, det.change_window, det.min_history)
+                score = steptime.gated_score(rep, xs, cadence, w, hist, ratios)
                 if score is not None:
                     scores[f"{rep}/{rank}"] = round(score, 4)
                 key = (rep, rank)
@@ -575,7 +576,7 @@ class DiagnosisMaster:
                 ):
                     continue
                 node = self.ranks.get((rep, rank), RankState("", 0)).node or None
-                ratio = steptime.median_ratio(xs[rep], det.change_window, det.min_history)
+                ratio = ratios[rep]
                 out.append(
                     Verdict(
                         Culprit(rep, rank, node),

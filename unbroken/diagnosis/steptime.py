@@ -87,15 +87,19 @@ def gated_score(
     cadence: Sequence[float],
     w: int,
     min_history: int,
+    ratios: Mapping[int, float | None] | None = None,
 ) -> float | None:
     """``replica``'s shift score when it is alone and the pace moved, 0.0 when not, None before
     its windows are full. ``compute``: each replica's compute times at one group (the same
-    collectives for all)."""
+    collectives for all); ``ratios``: their :func:`median_ratio` when already known (the master
+    judges every replica of a group in turn: computed once, not once per replica)."""
     xs = compute[replica]
     score = shift_score(xs, w, min_history)
     if score is None:
         return None
-    others = [r for q, ys in compute.items() if q != replica and (r := median_ratio(ys, w, min_history)) is not None]
+    if ratios is None:
+        ratios = {q: median_ratio(ys, w, min_history) for q, ys in compute.items()}
+    others = [r for q, r in ratios.items() if q != replica and r is not None]
     lo, hi = PEER_BAND
     if not others or max(others) >= hi or min(others) <= lo or not pace_moved(xs, cadence, w):
         return 0.0
