@@ -35,10 +35,13 @@ from typing import Any
 
 import click
 
-from unbroken.bench.diagnosis_rates import CLEAN_CLASS, summarize, variant
+from unbroken.bench.diagnosis_rates import CLEAN_CLASS, calibrate, run_scores, summarize, variant
 from unbroken.bench.output import publish
 from unbroken.comm.recorder import FlightRecorder
 from unbroken.config import ENV_EXCHANGE, ENV_LINK_FAULT, ENV_RECORDER
+from unbroken.diagnosis.calibrate import describe
+from unbroken.diagnosis.master import DiagnosisMaster
+from unbroken.diagnosis.master_state import MasterSettings
 from unbroken.diagnosis.verdict import COMM_HANG, COMM_SLOW, METRIC_ANOMALY, NONCOMM_HANG, STRAGGLER
 from unbroken.faults.schedule import Schedule
 from unbroken.launch.run.launcher import Launcher, LaunchSettings
@@ -247,19 +250,36 @@ def _rows(run_dir: Path) -> list[Row]:
     return [row for r in range(REPLICAS) for row in read_jsonl(run_dir / f"metrics-r{r}.jsonl")]
 
 
+HOGS = 2  # busy-loop processes of a loaded run: one per core of the 2-core machine the bench ran on
+
+
+def start_hogs(n: int = HOGS) -> list[subprocess.Popen[bytes]]:
+    """``n`` busy-loop processes on the same cores as the job (a shared node's other tenants)."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True) for _ in range(n)]
+
+
+def stop_hogs(hogs: Sequence[subprocess.Popen[bytes]]) -> None:
+    """Ends the hogs this benchmark started, each by its own pid."""
+    for hog in hogs:
+        if hog.poll() is None:
+            hog.kill()
+            hog.wait()
+
+
 async def _watch(launcher: Launcher, sc: Scenario, run_dir: Path, grace_s: float, limit_s: float) -> None:
     """Stops a fault run ``grace_s`` after its first detection (or at ``limit_s``); starts and
-    stops the CPU hog of a busy clean run."""
+    stops the CPU hogs of a loaded run (through the middle half of its steps)."""
     t0 = time.monotonic()
-    hog: subprocess.Popen[bytes] | None = None
+    hogs: list[subprocess.Popen[bytes]] = []
+    hogged = False
     try:
         while True:
             await asyncio.sleep(0.5)
-            if sc.hog and hog is None and launcher.job_step >= sc.steps // 4:
-                hog = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
-            if hog is not None and launcher.job_step >= 3 * sc.steps // 4 and hog.poll() is None:
-                hog.kill()
-                hog.wait()
+            if sc.hog and not hogged and launcher.job_step >= sc.steps // 4:
+                hogs, hogged = start_hogs(), True
+            if hogs and launcher.job_step >= 3 * sc.steps // 4:
+                stop_hogs(hogs)
+                hogs = []
             if time.monotonic() - t0 > limit_s:
                 break
             if sc.clean:
@@ -277,13 +297,16 @@ async def _watch(launcher: Launcher, sc: Scenario, run_dir: Path, grace_s: float
                 break
         launcher.stop()
     finally:
-        if hog is not None and hog.poll() is None:
-            hog.kill()
-            hog.wait()
+        stop_hogs(hogs)
 
 
 async def _run(
-    sc: Scenario, run_dir: Path, recorder: bool = True, limit_s: float = 240.0
+    sc: Scenario,
+    run_dir: Path,
+    recorder: bool = True,
+    limit_s: float = 240.0,
+    scores: list[Any] | None = None,
+    grace_s: float = 2.0,
 ) -> tuple[list[Row], list[Row]]:
     settings = LaunchSettings(
         command=(
@@ -307,9 +330,13 @@ async def _run(
         heartbeat_timeout_s=2.0,
     )
     launcher = Launcher(settings)
-    watcher = asyncio.create_task(_watch(launcher, sc, run_dir, grace_s=2.0, limit_s=limit_s))
+    watcher = asyncio.create_task(_watch(launcher, sc, run_dir, grace_s=grace_s, limit_s=limit_s))
+    log = scores if scores is not None else []
+    # The master's rule scores at each new collective (the coordinator runs in this process).
+    on_scores = staticmethod(lambda s: log.append({rule: dict(v) for rule, v in s.items()}))
     try:
-        await launcher.run()
+        with unittest.mock.patch.object(DiagnosisMaster, "on_scores", on_scores):
+            await launcher.run()
     finally:
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -317,8 +344,9 @@ async def _run(
     return list(read_events(run_dir / "events.jsonl")), _rows(run_dir)
 
 
-def run_scenario(sc: Scenario, root: Path, run: int | None = None) -> Row:
-    """Runs and scores one job; ``run``: its index under ``--runs`` (its own directory)."""
+def run_scenario(sc: Scenario, root: Path, run: int | None = None, grace_s: float = 2.0) -> Row:
+    """Runs and scores one job; ``run``: its index under ``--runs`` (its own directory);
+    ``grace_s``: how long a fault run goes on after its first detection (its scores keep coming)."""
     run_dir = root / (sc.name if run is None else f"{sc.name}-{run}")
     shutil.rmtree(run_dir, ignore_errors=True)
     t0 = time.time()
@@ -326,9 +354,14 @@ def run_scenario(sc: Scenario, root: Path, run: int | None = None) -> Row:
     env = {ENV_RECORDER: "1", **dict(sc.env)}
     if ENV_EXCHANGE not in dict(sc.env):
         env[ENV_EXCHANGE] = "backend"  # whatever this shell says
+    log: list[Any] = []
     with _environ(env):
-        events, rows = asyncio.run(_run(sc, run_dir))
+        events, rows = asyncio.run(_run(sc, run_dir, scores=log, grace_s=grace_s))
     out = score(sc, events, rows)
+    settings = MasterSettings()
+    confirm = {"step_time": settings.confirm, "straggler": settings.straggler_confirm, "link": settings.link_confirm}
+    out["scores"] = run_scores(sc.name, sc.clean, sc.culprit, log, confirm)
+    (run_dir / "scores.jsonl").write_text("".join(json.dumps(e) + "\n" for e in log))
     out.update(
         {
             "class": CLEAN_CLASS if sc.clean else sc.name,
@@ -461,6 +494,14 @@ def plan(only: Sequence[str], runs: int) -> list[tuple[Scenario, int | None]]:
 )
 @click.option("--overhead-steps", type=int, default=120, show_default=True)
 @click.option(
+    "--grace-s",
+    type=float,
+    default=2.0,
+    show_default=True,
+    help="Seconds a fault run goes on after its first detection: longer gives the calibration the "
+    "fault's steady scores.",
+)
+@click.option(
     "--run-dir", type=click.Path(path_type=Path), default=Path("runs/bench/diagnosis-runs"), show_default=True
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on stdout.")
@@ -470,6 +511,7 @@ def diagnosis(
     runs: int,
     overhead_rounds: int,
     overhead_steps: int,
+    grace_s: float,
     run_dir: Path,
     as_json: bool,
     out: Path,
@@ -488,9 +530,15 @@ def diagnosis(
     rows: list[Row] = []
     for sc, i in plan(only, runs):
         click.echo(f"scenario {sc.name}{'' if i is None else f' run {i}'} ...", err=True)
-        row = run_scenario(sc, run_dir, i)
-        click.echo(f"  {json.dumps(row)}", err=True)
+        row = run_scenario(sc, run_dir, i, grace_s)
+        click.echo(f"  {json.dumps({k: v for k, v in row.items() if k != 'scores'})}", err=True)
         rows.append(row)
+    s = MasterSettings()
+    result["calibration"] = calibrate(
+        rows, {"step_time": s.step_time_threshold, "straggler": 1 / s.straggler_threshold, "link": s.link_ratio}
+    )
+    for row in rows:  # thousands of held scores per run: the calibration above summarizes them
+        row["scores"] = {rule: {side: describe(xs) for side, xs in got.items()} for rule, got in row["scores"].items()}
     result["scenarios"] = rows
     result.update(summarize(rows))
     result["loadavg_at_end"] = list(os.getloadavg())

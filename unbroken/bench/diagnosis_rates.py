@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from unbroken.config import ENV_EXCHANGE
+from unbroken.diagnosis.calibrate import calibration, held
 from unbroken.diagnosis.robust import quantile_of
 
 if TYPE_CHECKING:
@@ -102,3 +103,70 @@ def summarize(rows: Sequence[Row]) -> Row:
         "recall": round(right / fault_runs, 4) if fault_runs else None,
         "false_verdicts": sum(c["false_verdicts"] for c in out),
     }
+
+
+# -- thresholds from measured distributions -------------------------------------------------
+
+# rule -> (the fault scenarios it exists for, whether its score falls with the fault)
+RULES: dict[str, tuple[frozenset[str], bool]] = {
+    "step_time": (frozenset({"throughput_drop"}), False),
+    "straggler": (frozenset({"straggler_1.5x", "straggler_3x"}), True),
+    "link": (frozenset({"slow_link", "slow_node"}), False),
+}
+
+
+def _culprit_keys(rule: str, culprit: int | tuple[int, int] | None, keys: Sequence[str]) -> list[str]:
+    if culprit is None:
+        return []
+    if rule == "link":
+        if isinstance(culprit, tuple):
+            return [k for k in keys if set(k.split("-")) == {str(c) for c in culprit}]
+        return [k for k in keys if str(culprit) in k.split("-")]
+    return [k for k in keys if k.split("/")[0] == str(culprit)]
+
+
+def run_scores(
+    name: str,
+    clean: bool,
+    culprit: int | tuple[int, int] | None,
+    log: Sequence[dict[str, dict[str, float]]],
+    confirm: dict[str, int],
+) -> Row:
+    """One run's held scores per rule (see :mod:`unbroken.diagnosis.calibrate`), from the master's
+    scores at each new collective (``log``): in a clean run every replica's or link's held
+    scores are healthy; in a run of the rule's fault the culprit's best held score is the fault's
+    (a node's: at each collective the weakest of its links). Scores are oriented higher = faultier."""
+    out: Row = {}
+    for rule, (faults, falls) in RULES.items():
+        keys = sorted({k for entry in log for k in entry.get(rule, {})})
+        series: dict[str, list[float]] = {}
+        for entry in log:
+            for k, x in entry.get(rule, {}).items():
+                series.setdefault(k, []).append(_orient(x, falls))
+        if clean:
+            out[rule] = {"healthy": [round(h, 4) for xs in series.values() for h in held(xs, confirm[rule])]}
+        elif name in faults:
+            mine = _culprit_keys(rule, culprit, keys)
+            by_step = [
+                min(v)
+                for entry in log
+                if (v := [_orient(entry[rule][k], falls) for k in mine if k in entry.get(rule, {})])
+            ]
+            hs = held(by_step, confirm[rule]) if len(by_step) >= confirm[rule] else []
+            out[rule] = {"faulty": [round(max(hs), 4)] if hs else []}
+    return out
+
+
+def _orient(x: float, falls: bool) -> float:
+    return 1.0 / x if falls and x > 0 else x
+
+
+def calibrate(rows: Sequence[Row], configured: dict[str, float]) -> Row:
+    """Per rule: the healthy and fault distributions over all runs, the threshold they give,
+    and the one in use (``configured``, oriented like the scores)."""
+    out: Row = {}
+    for rule in RULES:
+        healthy = [x for r in rows for x in r.get("scores", {}).get(rule, {}).get("healthy", [])]
+        faulty = [x for r in rows for x in r.get("scores", {}).get(rule, {}).get("faulty", [])]
+        out[rule] = calibration(healthy, faulty, configured[rule])
+    return out

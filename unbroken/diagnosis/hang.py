@@ -113,5 +113,12 @@ def classify_hang(group: str, views: list[RankView], hang_s: float, silent_s: fl
         )
         node = next((v.node for v in views if v.replica == sender), None)
         return HangFinding(COMM_HANG, Culprit(sender, receiver.rank, node, (sender, receiver.replica)), 0.9, evidence)
+    if any(v.wait_s is None for v in views):
+        # Some ranks completed seq ``top`` and others still wait in it, and no transfer timing
+        # says which data is missing: the waiter may be a process the busy host has not run since
+        # its data came (a backend job under two busy loops at load 11: one rank 0.70 s "waiting"
+        # in a collective both peers had completed, named comm_hang with no culprit). A real stall
+        # holds the peers at the next collective, which the counters then show.
+        return None
     evidence["reason"] = f"every rank is in seq {top} and none completes; no per-connection timings to name a link"
     return HangFinding(COMM_HANG, Culprit(UNKNOWN_REPLICA), 0.4, evidence)

@@ -72,6 +72,26 @@ def link_figures(
     return out
 
 
+def reference_high(figs: Mapping[Cell, tuple[float, float]]) -> float | None:
+    """The median high figure of the fastest third of the links (by low figure), or None when
+    fewer than two links are known or it is not positive (no healthy scale to judge by)."""
+    if len(figs) < 2:
+        return None
+    refs = sorted(figs, key=lambda k: figs[k][0])[: max(1, math.ceil(len(figs) / 3))]
+    ref = float(np.median([figs[k][1] for k in refs]))
+    return ref if ref > 0 else None
+
+
+def link_scores(
+    cells: Mapping[Cell, Sequence[float]], min_samples: int = 8, quantile: float = CELL_QUANTILE
+) -> dict[Cell, float]:
+    """Each known link's score: its low figure over the reference links' high figure (what
+    :func:`classify_slow` compares with ``ratio``); empty when no reference can be taken."""
+    figs = link_figures(cells, min_samples, quantile, HIGH_QUANTILE)
+    ref = reference_high(figs)
+    return {} if ref is None else {k: lo / ref for k, (lo, _) in figs.items()}
+
+
 def classify_slow(
     cells: Mapping[Cell, Sequence[float]],
     ratio: float = 2.5,
@@ -86,12 +106,9 @@ def classify_slow(
             f"quantile={quantile}, high={high}, min_samples={min_samples}"
         )
     figs = link_figures(cells, min_samples, quantile, high)
-    if len(figs) < 2:
+    ref = reference_high(figs)
+    if ref is None:
         return None
-    refs = sorted(figs, key=lambda k: figs[k][0])[: max(1, math.ceil(len(figs) / 3))]
-    ref = float(np.median([figs[k][1] for k in refs]))
-    if ref <= 0:
-        return None  # no healthy scale to judge by
     slow = {k for k, (lo, _) in figs.items() if lo >= ratio * ref}
     if not slow or len(slow) == len(figs):
         return None

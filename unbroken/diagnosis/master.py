@@ -17,9 +17,10 @@ event loop): with every epoch kept, 200 stalls across 64 replicas made one tick 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
-from unbroken.diagnosis import hang, links, ports, straggler
+from unbroken.diagnosis import hang, links, ports, steptime, straggler
 from unbroken.diagnosis.master_state import Ident, MasterSettings, OpenCollective, OpenRecv, RankState
 from unbroken.diagnosis.metrics import DEFAULT_POLICY, MetricDetector
 from unbroken.diagnosis.robust import learned_threshold, median
@@ -39,6 +40,8 @@ PORT_EVENTS_KEPT = 512  # the newest ICCL port events (down, up, ...) of the who
 
 class DiagnosisMaster:
     """Holds the telemetry of every rank and turns it into :class:`Verdict` objects."""
+
+    on_scores: Callable[[dict[str, dict[str, float]]], None] | None = None
 
     def __init__(self, settings: MasterSettings | None = None, policy: dict[str, str] | None = None) -> None:
         self.s = settings or MasterSettings()
@@ -74,6 +77,9 @@ class DiagnosisMaster:
         self._members_cap = 64  # members are pruned to the groups still named when they pass this
         # ICCL port events in the coordinator's clock, with the replica whose port it is
         self.port_events: deque[dict[str, Any]] = deque(maxlen=PORT_EVENTS_KEPT)
+        # The collective-driven rules' scores at the newest collective (rule -> who -> score),
+        # handed to ``on_scores`` when set: ``bench diagnosis`` calibrates thresholds with them.
+        self.last_scores: dict[str, dict[str, float]] = {}
 
     # -- ingest ----------------------------------------------------------------------------
 
@@ -355,6 +361,8 @@ class DiagnosisMaster:
             # between collectives the last findings stand (and keep their findings reported).
             self._judged = self._arrived
             self._periodic = self._stragglers(count=True) + self._slow_links() + self._step_time()
+            if self.on_scores is not None:
+                self.on_scores(self.last_scores)
         found = (
             self._hangs(now)
             + self._stalled(now)
@@ -488,6 +496,13 @@ class DiagnosisMaster:
 
     def _stragglers(self, count: bool = False) -> list[Verdict]:
         out = []
+        if count:
+            self.last_scores["straggler"] = {
+                f"{rep}/{rank}": round(rel, 4)
+                for rank, comp in self.compute.items()
+                if all(len(xs) >= self.s.straggler_window for xs in comp.values())
+                for rep, (rel, _) in straggler.scores(comp, self.best.get(rank, {})).items()
+            }
         for rank, comp in self.compute.items():
             f = straggler.find_straggler(
                 comp,
@@ -514,6 +529,8 @@ class DiagnosisMaster:
         return out
 
     def _slow_links(self) -> list[Verdict]:
+        scores = links.link_scores(self.cells, self.s.link_min_samples, self.s.link_quantile)
+        self.last_scores["link"] = {f"{a}-{b}": round(x, 4) for (a, b), x in scores.items()}
         f = links.classify_slow(self.cells, self.s.link_ratio, self.s.link_min_samples, self.s.link_quantile)
         # Which direction of a slow link is the slower may flip between collectives; the link does not.
         sig = (f.pattern, frozenset(f.link) if f.link else f.replica) if f else None
@@ -530,40 +547,36 @@ class DiagnosisMaster:
 
     def _step_time(self) -> list[Verdict]:
         out = []
+        scores = self.last_scores.setdefault("step_time", {})
+        scores.clear()
         for rank, comp in self.compute.items():
-            changed = {rep: self._detector((rep, rank)).change_point() for rep in comp}
             stragglers = {v.culprit.replica for v in self._stragglers()}
-            for rep, ratio in changed.items():
-                det = self._detector((rep, rank))
-                others = [c for o, c in changed.items() if o != rep and c is not None]
-                # The fastest quarter must move too: a busy machine makes one replica bursty, a
-                # degraded one slower at every step (MetricDetector.floor_shift).
-                alone = bool(
-                    ratio is not None
-                    and ratio >= det.change_ratio
-                    and others
-                    and max(others) < 1.1
-                    and min(others) > 0.85
-                    and det.floor_shift() >= det.change_floor
-                    and self._pace_moved(rank, det)
-                )
+            xs = {rep: list(self._detector((rep, rank)).compute) for rep in comp}
+            cadence = list(self.cadence.get(rank, ()))
+            w, hist = self.s.straggler_window, MetricDetector.min_history  # every detector's windows
+            ratios = {rep: steptime.median_ratio(ys, w, hist) for rep, ys in xs.items()}
+            for rep in comp:
+                score = steptime.gated_score(rep, xs, cadence, w, hist, ratios)
+                if score is not None:
+                    scores[f"{rep}/{rank}"] = round(score, 4)
                 key = (rep, rank)
                 # Counted in new collectives: one slow burst re-read at every tick is one burst.
                 _, n, at = self._change_streak.get(key, (0, 0, -1))
-                n = (n + (at != self._arrived)) if alone else 0
+                n = (n + (at != self._arrived)) if score and score >= self.s.step_time_threshold else 0
                 first = self._change_streak.get(key, (self._arrived, 0, 0))[0] if n > 1 else self._arrived
                 self._change_streak[key] = (first, n, self._arrived)
-                # A change shared by every replica is the machine, not a replica; so is one replica
-                # slowing while another speeds up (processes trading places on shared cores). A big
-                # change is a straggler, which the straggler rule names with better evidence.
-                if n < self.s.confirm or rep in stragglers or ratio is None:
+                # A big change is a straggler, which the straggler rule names with better evidence.
+                if n < self.s.confirm or rep in stragglers:
                     continue
                 if (
-                    self._straggler_coming(rep, rank)
+                    steptime.straggler_coming(
+                        xs[rep], self.s.confirm, self.s.straggler_window, self.s.straggler_threshold
+                    )
                     and self._arrived - first < self.s.confirm + self.s.straggler_confirm
                 ):
                     continue
                 node = self.ranks.get((rep, rank), RankState("", 0)).node or None
+                ratio = ratios[rep]
                 out.append(
                     Verdict(
                         Culprit(rep, rank, node),
@@ -571,39 +584,11 @@ class DiagnosisMaster:
                         0.7,
                         {
                             "anomaly": "step_time_change",
-                            "recent_over_baseline": round(ratio, 3),
+                            "recent_over_baseline": round(ratio or 0.0, 3),
+                            "shift_score": round(score or 0.0, 3),
+                            "threshold": self.s.step_time_threshold,
                             "action": self.policy.get("step_time_change"),
                         },
                     )
                 )
         return out
-
-    def _pace_moved(self, rank: int, det: MetricDetector) -> bool:
-        """Whether the collectives came slower by at least half the replica's extra compute.
-
-        A replica that really got slower delays every collective it is last to enter. Its
-        compute can also grow while its waits shrink by as much, the job as fast as ever: in
-        a clean ring run, members traded the order in which they leave the exchange, and one
-        replica's compute read 1.33x for a dozen collectives.
-        """
-        w = det.change_window
-        xs, cs = list(det.compute), list(self.cadence.get(rank, ()))
-        if len(xs) <= w or len(cs) <= w:
-            return True
-        extra = median(xs[-w:]) - median(xs[:-w])
-        return median(cs[-w:]) - median(cs[:-w]) >= 0.5 * extra
-
-    def _straggler_coming(self, replica: int, rank: int) -> bool:
-        """Whether the replica's latest compute times are past the straggler threshold.
-
-        The step-time change point sees a slowdown as soon as half its window is slow; the
-        straggler rule, which names the class better (slow *and* last), needs one or two more
-        collectives (its window's median moves a sample later) and its own confirmation. A
-        change this big is left to it for that long, and no longer: a rank that is slow but
-        not last still gets its step-time verdict.
-        """
-        xs = list(self._detector((replica, rank)).compute)
-        if len(xs) < 2 * self.s.confirm + 1:
-            return False
-        base = median(xs[: -self.s.straggler_window] or xs)
-        return base > 0 and median(xs[-self.s.confirm :]) * self.s.straggler_threshold >= base

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 
+from unbroken.diagnosis.steptime import STEP_TIME_THRESHOLD
 from unbroken.diagnosis.telemetry import FlaggedLink
 
 Ident = tuple[int, int]  # (replica, rank)
@@ -44,6 +45,10 @@ class MasterSettings:
     link_quantile: float = 0.25
     link_warmup: int = 15  # a group's first collectives (connection setup, warm caches) are uneven
     confirm: int = 3  # new collectives a step-time finding must hold over
+    # A replica's step-time shift score (unbroken.diagnosis.steptime.gated_score: the smaller of
+    # its recent/baseline median and fastest-quarter ratios, 0 unless alone and the pace moved),
+    # held over ``confirm`` collectives, at or above which it is a step-time change.
+    step_time_threshold: float = STEP_TIME_THRESHOLD
     # A straggler finding must hold longer: a 2-core CI machine once kept one clean replica
     # 1.4x slower than its own best, and last at every collective, for 13 collectives.
     straggler_confirm: int = 6

@@ -5,9 +5,9 @@ robust running statistics of its own history: non-finite values at once; a loss 
 gradient-norm explosion when the value lies many robust standard deviations above the median
 AND a clear multiple of it (so a flat, noise-free history cannot raise alarms on tiny moves); a
 step-time change point when the median of the recent window departs from the baseline window
-and its fastest quarter departs too (a noisy neighbour makes steps bursty, a degraded rank makes
-every step slower);
-memory growth when memory rises steadily over a long window.
+and its fastest quarter departs too, both by the measured threshold of
+:mod:`unbroken.diagnosis.steptime` (a noisy neighbour makes steps bursty, a degraded rank makes
+every step slower); memory growth when memory rises steadily over a long window.
 
 What happens next is a policy: :data:`ACTIONS` per anomaly kind.
 """
@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from unbroken.diagnosis.robust import median, quantile_of, robust_z
+from unbroken.diagnosis.robust import median, robust_z
+from unbroken.diagnosis.steptime import STEP_TIME_THRESHOLD, median_ratio, shift_score
 
 SKIP, ROLLBACK, ISOLATE, NONE = "skip_step", "rollback", "isolate", "none"
 ACTIONS = (SKIP, ROLLBACK, ISOLATE, NONE)
@@ -67,9 +68,9 @@ class MetricDetector:
         spike_z: robust z-score above which a value is a spike...
         spike_ratio: ...if it is also this multiple of the median.
         change_window: recent steps whose median is compared with the baseline.
-        change_ratio: recent/baseline median ratio that makes a change point...
-        change_floor: ...if the recent window's fastest quarter is also this multiple of the
-            baseline's (see :meth:`floor_shift`).
+        change_threshold: the recent window's median and fastest quarter must both be this
+            multiple of the baseline's for a change point (:func:`steptime.shift_score`; the
+            value is measured, see :data:`steptime.STEP_TIME_THRESHOLD`).
         memory_window: steps over which memory growth is judged.
         memory_growth: relative growth over that window that is an anomaly.
         memory_after_steps: training steps a rank reports before its memory samples count. Memory
@@ -85,8 +86,7 @@ class MetricDetector:
     spike_ratio: float = 1.5
     grad_ratio: float = 4.0
     change_window: int = 8
-    change_ratio: float = 1.25
-    change_floor: float = 1.15
+    change_threshold: float = STEP_TIME_THRESHOLD
     memory_window: int = 50
     memory_growth: float = 0.2
     memory_after_steps: int = 20
@@ -116,9 +116,12 @@ class MetricDetector:
             out += self._value("grad", step, grad_norm, self.grad, self.grad_ratio)
         if compute_s is not None:
             self.compute.append(compute_s)
-            ratio = self.change_point()
-            if ratio is not None and ratio >= self.change_ratio and self.floor_shift() >= self.change_floor:
-                out.append(Anomaly("step_time_change", step, ratio, {"recent_over_baseline": round(ratio, 3)}))
+            xs = list(self.compute)
+            shift = shift_score(xs, self.change_window, self.min_history)
+            if shift is not None and shift >= self.change_threshold:
+                ratio = median_ratio(xs, self.change_window, self.min_history) or shift
+                evidence = {"recent_over_baseline": round(ratio, 3), "shift_score": round(shift, 3)}
+                out.append(Anomaly("step_time_change", step, ratio, evidence))
         if memory is not None and self.steps_seen >= self.memory_after_steps:
             self.memory.append(memory)
             growth = self.memory_trend()
@@ -147,30 +150,7 @@ class MetricDetector:
 
     def change_point(self) -> float | None:
         """Recent-window median over the baseline median, once both windows are full."""
-        w = self.change_window
-        if len(self.compute) < self.min_history + w:
-            return None
-        xs = list(self.compute)
-        base = median(xs[:-w])
-        return median(xs[-w:]) / base if base > 0 else None
-
-    def floor_shift(self) -> float:
-        """The recent window's fastest quarter over the baseline's (0.0 until both are full).
-
-        A CPU hog sharing the machine takes a core from a replica now and then: its steps turn
-        bursty, some slow, some as fast as ever, and the median can move while the fastest
-        quarter stays put (a captured busy run: median 1.18x, fastest quarter 0.94x). A rank
-        that got slower (a throttled device, a sleep in its loop) is slower at every step, so
-        its fastest quarter moves with the median. The quarter is slower to move than the
-        median (about 8 of the 10 recent steps must be slow rather than 6), which is the price
-        of not calling a busy machine a fault.
-        """
-        w = self.change_window
-        if len(self.compute) < self.min_history + w:
-            return 0.0
-        xs = list(self.compute)
-        base = quantile_of(xs[:-w], 0.25)
-        return quantile_of(xs[-w:], 0.25) / base if base > 0 else 0.0
+        return median_ratio(list(self.compute), self.change_window, self.min_history)
 
     def memory_trend(self) -> float | None:
         """Relative growth over the window if memory rose steadily (a fitted line, r^2 >= 0.8)."""

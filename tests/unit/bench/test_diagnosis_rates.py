@@ -73,3 +73,25 @@ def test_plan_runs_each_fault_kind_and_the_clean_run_n_times() -> None:
     assert len(jobs) == 3 * (len(faults) + 1)
     assert sorted(i for s, i in jobs if s.name == "clean") == [0, 1, 2]
     assert [s.name for s, _ in plan(("slow_link",), 0)] == ["slow_link"]
+
+
+def test_run_scores_split_healthy_from_the_culprits_fault() -> None:
+    from unbroken.bench.diagnosis_rates import calibrate, run_scores
+
+    confirm = {"step_time": 2, "straggler": 2, "link": 2}
+    healthy_log = [
+        {"step_time": {"0/0": 1.0, "1/0": 1.1}, "straggler": {"0/0": 1.0, "1/0": 0.8}, "link": {"0-1": 0.5}}
+    ] * 3
+    clean = run_scores("clean", True, None, healthy_log, confirm)
+    assert sorted(clean["step_time"]["healthy"]) == [1.0, 1.0, 1.1, 1.1]
+    assert max(clean["straggler"]["healthy"]) == 1.25  # 1 / 0.8: oriented higher = faultier
+    fault_log = [{"straggler": {"0/0": 0.5, "1/0": 1.0}}, {"straggler": {"0/0": 0.6, "1/0": 1.0}}]
+    fault = run_scores("straggler_1.5x", False, 0, fault_log, confirm)
+    assert fault == {"straggler": {"faulty": [pytest.approx(1 / 0.6, abs=1e-3)]}}  # held: the weaker of the two
+    node_log = [{"link": {"0-2": 9.0, "1-2": 7.0, "0-1": 0.5}}] * 2
+    assert run_scores("slow_node", False, 2, node_log, confirm)["link"] == {"faulty": [7.0]}  # its weakest link
+    link_log = [{"link": {"0-2": 9.0, "1-2": 0.7, "0-1": 0.5}}] * 2
+    assert run_scores("slow_link", False, (2, 0), link_log, confirm)["link"] == {"faulty": [9.0]}
+    got = calibrate([{"scores": clean}, {"scores": fault}], {"step_time": 1.2, "straggler": 1.39, "link": 2.5})
+    assert got["straggler"]["derived_threshold"] == pytest.approx((1.25 * (1 / 0.6)) ** 0.5, abs=1e-3)
+    assert got["link"]["healthy"]["max"] == 0.5 and got["link"]["derived_threshold"] is None  # no fault measured

@@ -79,3 +79,18 @@ def test_recorder_cost_is_timed_per_thread() -> None:
 
     cost = recorder_cost_us(n=50)
     assert set(cost) == {"training_thread", "ring_transfers", "batch"} and all(v > 0 for v in cost.values())
+
+
+def test_hogs_are_real_busy_processes_and_end_by_their_pids() -> None:
+    import time
+
+    from unbroken.bench.diagnosis import start_hogs, stop_hogs
+
+    hogs = start_hogs(2)
+    try:
+        assert len({h.pid for h in hogs}) == 2
+        time.sleep(0.3)
+        assert all(h.poll() is None for h in hogs), "a hog exited by itself"
+    finally:
+        stop_hogs(hogs)
+    assert all(h.poll() is not None for h in hogs)

@@ -55,6 +55,16 @@ def test_comm_hang_without_connection_timings_names_no_replica() -> None:
     assert f is not None and f.kind == COMM_HANG and f.culprit.replica == -1 and f.confidence < 0.5
 
 
+def test_a_rank_still_waiting_in_a_collective_its_peers_completed_names_nobody() -> None:
+    # A busy host has not run replica 0 since its data came: its peers are done with seq 1.
+    views = [view(0, 1, 0.7), view(1, 1, None), view(2, 1, None)]
+    assert hang.classify_hang("g", views, hang_s=0.6, silent_s=1.0) is None
+    # ... unless a transfer timing names the missing data (the ring's open receives).
+    views[0] = view(0, 1, 0.7, opens=[hang.OpenTransfer(2, 1, 0.7)])
+    f = hang.classify_hang("g", views, hang_s=0.6, silent_s=1.0)
+    assert f is not None and f.kind == COMM_HANG and f.culprit.link == (2, 0)
+
+
 def test_a_collective_the_last_rank_only_just_entered_is_not_hung() -> None:
     # a newcomer's cold first step: the others waited for it, the collective itself is young
     views = [view(0, 0, 2.6), view(1, 0, 0.1), view(2, 0, 2.7)]
@@ -203,7 +213,12 @@ def test_step_time_change_point() -> None:
     for s in range(24):
         d.observe(s, compute_s=0.1)
     assert d.change_point() == pytest.approx(1.0)
-    kinds = [a.kind for s in range(8) for a in d.observe(24 + s, compute_s=0.14)]
+    # 1.4x is below the measured threshold (STEP_TIME_THRESHOLD 1.45): silent; 1.6x is named.
+    assert not any(a for s in range(8) for a in d.observe(24 + s, compute_s=0.14))
+    d = MetricDetector(min_history=16, change_window=8)
+    for s in range(24):
+        d.observe(s, compute_s=0.1)
+    kinds = [a.kind for s in range(8) for a in d.observe(24 + s, compute_s=0.16)]
     assert "step_time_change" in kinds
 
 
