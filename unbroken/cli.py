@@ -31,21 +31,21 @@ COMMANDS: dict[str, str] = {
 # name -> "module:attribute" of the `unbroken bench NAME` scenarios: the one list of them
 # (`unbroken bench --help` shows it; tests/unit/test_docs.py holds the docs to it).
 BENCHMARKS: dict[str, str] = {
-    "planner": "unbroken.bench.planner_vs_ecmp:planner",
-    "checkpoint": "unbroken.bench.checkpoint:checkpoint",
-    "recovery": "unbroken.bench.recovery:recovery",
-    "diagnosis": "unbroken.bench.diagnosis:diagnosis",
-    "auth": "unbroken.bench.auth_cost:auth",
-    "cluster": "unbroken.bench.cluster:cluster",
-    "metrics": "unbroken.bench.metrics_scrape:metrics",
-    "coordinator": "unbroken.bench.coordinator_load:coordinator",
-    "epochs": "unbroken.bench.epochs:epochs",
-    "iccl": "unbroken.bench.iccl:iccl",
-    "abuse": "unbroken.bench.abuse:abuse",
-    "rendezvous": "unbroken.bench.rendezvous:rendezvous",
-    "lease": "unbroken.bench.lease_filesystems:lease",
-    "torchtitan": "unbroken.bench.titan_trainer:torchtitan",
-    "sdc": "unbroken.bench.sdc:sdc",
+    "planner": "unbroken.bench.network.planner_vs_ecmp:planner",
+    "checkpoint": "unbroken.bench.training.checkpoint:checkpoint",
+    "recovery": "unbroken.bench.training.recovery:recovery",
+    "diagnosis": "unbroken.bench.network.diagnosis:diagnosis",
+    "auth": "unbroken.bench.control_plane.auth_cost:auth",
+    "cluster": "unbroken.bench.network.cluster:cluster",
+    "metrics": "unbroken.bench.training.metrics_scrape:metrics",
+    "coordinator": "unbroken.bench.control_plane.coordinator_load:coordinator",
+    "epochs": "unbroken.bench.control_plane.epochs:epochs",
+    "iccl": "unbroken.bench.network.iccl:iccl",
+    "abuse": "unbroken.bench.control_plane.abuse:abuse",
+    "rendezvous": "unbroken.bench.control_plane.rendezvous:rendezvous",
+    "lease": "unbroken.bench.control_plane.lease_filesystems:lease",
+    "torchtitan": "unbroken.bench.training.titan_trainer:torchtitan",
+    "sdc": "unbroken.bench.training.sdc:sdc",
 }
 
 

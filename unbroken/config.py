@@ -56,14 +56,14 @@ ENV_RECORDER = "UNBROKEN_RECORDER"
 # early saves): the new epoch's rendezvous and a catch-up fetch then start after the compute.
 ENV_PREPARE_EARLY = "UNBROKEN_PREPARE_EARLY"
 # "0" turns off the verified exchange: every member's fingerprints of each exchange's sums,
-# compared before the step commits (unbroken.train.sdc_check). Default on.
+# compared before the step commits (unbroken.train.step.sdc_check). Default on.
 ENV_VERIFY_EXCHANGE = "UNBROKEN_VERIFY_EXCHANGE"
 # Every how many steps the replicas also compare fingerprints of their parameters and optimizer
 # state (0: never); default WEIGHT_CHECK_EVERY.
 ENV_WEIGHT_CHECK_EVERY = "UNBROKEN_WEIGHT_CHECK_EVERY"
 WEIGHT_CHECK_EVERY = 100
 # Actions for training-metric anomalies over the default policy, e.g.
-# "loss_spike=rollback,memory_growth=none" (see unbroken.diagnosis.metrics.parse_policy).
+# "loss_spike=rollback,memory_growth=none" (see unbroken.diagnosis.rules.metrics.parse_policy).
 ENV_ANOMALY_POLICY = "UNBROKEN_ANOMALY_POLICY"
 # The signal that makes a worker write every thread's stack (the hang diagnosis sends it):
 # a name such as "SIGUSR2" or a number; "none" turns the stack dump off. Default SIGUSR1.
@@ -176,7 +176,7 @@ def recorder_enabled(env: Mapping[str, str] | None = None) -> bool:
 
 
 def anomaly_policy(env: Mapping[str, str] | None = None) -> str:
-    """``UNBROKEN_ANOMALY_POLICY``, unparsed (``unbroken.diagnosis.metrics.parse_policy``); '' unset."""
+    """``UNBROKEN_ANOMALY_POLICY``, unparsed (``unbroken.diagnosis.rules.metrics.parse_policy``); '' unset."""
     return _environ(env).get(ENV_ANOMALY_POLICY, "")
 
 

@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 
 from tests.integration.harness import ROOT, Job, metrics
-from unbroken.bench.epochs import churn
+from unbroken.bench.control_plane.epochs import churn
 from unbroken.checkpoint import Checkpointer
 from unbroken.comm.catchup import CatchupServer, fetch_state, take_snapshot
 from unbroken.control.quorum.job_health import EXIT_CONFIG
-from unbroken.train.vote import vote_device
+from unbroken.train.step.vote import vote_device
 from unbroken.wire.auth import JobSecret
 
 pytestmark = [

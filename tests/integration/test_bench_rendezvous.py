@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.harness import python_env
-from unbroken.bench.rendezvous import requests_per_rank
+from unbroken.bench.control_plane.rendezvous import requests_per_rank
 
 pytestmark = pytest.mark.integration
 

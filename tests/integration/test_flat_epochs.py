@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from unbroken.bench.epochs import churn
+from unbroken.bench.control_plane.epochs import churn
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

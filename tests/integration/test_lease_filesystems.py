@@ -3,7 +3,7 @@
 Real processes (an active ``unbroken coordinator`` and a ``--standby``) on a FAT image mounted
 by fusefat (2 s timestamps, no hard links) and a loop-mounted ext4 made with ``-I 128`` (whole
 seconds), under a FUSE layer that adds latency, stalls every call or fails them with EIO
-(:mod:`unbroken.bench.faultfs`). The harness is ``unbroken bench lease``'s own. Needs root and
+(:mod:`unbroken.bench.control_plane.faultfs`). The harness is ``unbroken bench lease``'s own. Needs root and
 ``make lease-fs``; skipped, saying what is missing, elsewhere.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from unbroken.bench import lease_filesystems as bench
+from unbroken.bench.control_plane import lease_filesystems as bench
 from unbroken.control.coordinator_cli import STEPPED_DOWN
 from unbroken.control.state.lease import EXIT_LEASE_STORE
 

@@ -3,7 +3,7 @@
 Each replica group runs torchtitan's own entry point (``torchtitan.train.main``) with the llama3
 debug model of ``--module torchft.llama3 --config llama3_torchft_debugmodel`` and per-step HSDP
 (``--fault_tolerance.semi_sync_method None --fault_tolerance.process_group gloo
---checkpoint.enable``), behind the CPU stand-ins of unbroken/bench/titan_standins.py (one file, each
+--checkpoint.enable``), behind the CPU stand-ins of unbroken/bench/training/titan_standins.py (one file, each
 stand-in listed with why). The tokenizer and the ``c4_test`` data are made here. Needs ``make
 torchft-upstream`` (the torchtitan wheel unpacked into ``.cache/upstream``), and ``datasets``,
 ``tokenizers`` and ``tensorboard``, which torchtitan's modules import.
@@ -53,7 +53,7 @@ def test_fault_tolerant_trainer_survives_kill_9(tmp_path: Path) -> None:
         pytest.skip(f"torchtitan's wheel is not unpacked at {UPSTREAM}: run `make torchft-upstream`")
     for mod in ("tyro", "datasets", "tokenizers", "tensorboard"):
         pytest.importorskip(mod, reason=f"torchtitan's modules import {mod}: not installed")
-    from unbroken.bench.titan_standins import make_assets
+    from unbroken.bench.training.titan_standins import make_assets
 
     make_assets(tmp_path / "assets")
     replicas, steps, at = 3, 40, 5

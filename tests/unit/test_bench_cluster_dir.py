@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from unbroken.bench.cluster import MARKER, fresh_run_dir
+from unbroken.bench.network.cluster import MARKER, fresh_run_dir
 
 
 def test_a_second_run_starts_empty_and_keeps_the_first_aside(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from unbroken.comm.iccl.monitor import PATH_LOG
 from unbroken.comm.runqueue import RunQueueWait
+from unbroken.diagnosis.rules.window import WindowMonitor
 from unbroken.diagnosis.telemetry import (
     MAX_COSTS,
     PATH_EVENTS,
@@ -41,7 +42,6 @@ from unbroken.diagnosis.telemetry import (
     TelemetryBatch,
     Transfer,
 )
-from unbroken.diagnosis.window import WindowMonitor
 
 
 class LinkDelay(Protocol):

@@ -1,7 +1,7 @@
 """How long the calling thread waited for a CPU: "this rank is slow" or "this machine is busy".
 
 The flight recorder stamps every collective with it (:mod:`unbroken.comm.recorder`), and the
-diagnosis master subtracts it from the time between collectives (:mod:`unbroken.diagnosis.master`).
+diagnosis master subtracts it from the time between collectives (:mod:`unbroken.diagnosis.master.master`).
 """
 
 from __future__ import annotations

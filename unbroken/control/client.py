@@ -204,7 +204,7 @@ class CoordinatorClient:
         The connection thread may not have run yet when the training thread is about to commit a
         step: after a ``SIGSTOP`` both resume at once, with the coordinator's abort of the epoch
         waiting in the socket. Committing before reading it would apply a step its peers gave up
-        on (:mod:`unbroken.train.vote`)."""
+        on (:mod:`unbroken.train.step.vote`)."""
         deadline = time.monotonic() + timeout_s
         while True:
             if not self._reading.acquire(timeout=max(0.0, deadline - time.monotonic())):

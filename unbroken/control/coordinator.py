@@ -50,9 +50,9 @@ from unbroken.control.quorum.resume import EpochResume
 from unbroken.control.quorum.rules import QuorumRules, QuorumState, decision
 from unbroken.control.quorum.service import QuorumHooks, QuorumService, RankConn
 from unbroken.control.state.state_store import StateStore
-from unbroken.diagnosis.master import DiagnosisMaster
-from unbroken.diagnosis.master_service import DiagnosisService, StackSource
-from unbroken.diagnosis.metrics import parse_policy
+from unbroken.diagnosis.master.master import DiagnosisMaster
+from unbroken.diagnosis.master.master_service import DiagnosisService, StackSource
+from unbroken.diagnosis.rules.metrics import parse_policy
 from unbroken.diagnosis.telemetry import TelemetryBatch
 from unbroken.observe import schema as ev
 from unbroken.observe.events import EventLog

@@ -297,7 +297,7 @@ SDC_WHAT = ("results", "weights", "rerun")
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SdcFound:
-    """A verified exchange whose fingerprints differed (:mod:`unbroken.train.sdc_check`): at
+    """A verified exchange whose fingerprints differed (:mod:`unbroken.train.step.sdc_check`): at
     ``step`` of ``epoch``, ``what`` differed (the results, the weights, or a re-run named the
     first results' culprit), ``culprits`` named (may be empty), ``committed`` by this rank."""
 

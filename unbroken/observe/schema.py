@@ -498,7 +498,7 @@ class CaughtUp(Event):
 @_kind("sdc_detected")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SdcDetected(Event):
-    """A rank's exchange check found members' fingerprints differing (:mod:`unbroken.train.sdc_check`):
+    """A rank's exchange check found members' fingerprints differing (:mod:`unbroken.train.step.sdc_check`):
     ``what`` differed (``results``, ``weights``, or ``rerun``: a re-run named the first results'
     culprit) at ``step`` of ``epoch``; ``culprits`` named; whether this rank ``committed`` the step."""
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from unbroken.train.interface import BucketExchange
-from unbroken.train.overlap import METADATA
+from unbroken.train.step.overlap import METADATA
 
 FIRST_BUCKET_MB = 1.0  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES is 1 MiB
 

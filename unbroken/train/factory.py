@@ -41,10 +41,9 @@ from unbroken.config import (
 from unbroken.config import connect_timeout_s as connect_timeout_from_env
 from unbroken.config import cross_replica_backend as env_cross_replica_backend
 from unbroken.control.client import CoordinatorClient
-from unbroken.diagnosis.metrics import parse_policy
+from unbroken.diagnosis.rules.metrics import parse_policy
 from unbroken.diagnosis.stack_dump import StackDump, install_stack_dump
 from unbroken.diagnosis.stacks import stack_path
-from unbroken.train.catch_up import DonateHint
 from unbroken.train.hooks import FaultHook
 from unbroken.train.manager import (
     DEFAULT_CONNECT_TIMEOUT_S,
@@ -54,7 +53,8 @@ from unbroken.train.manager import (
 )
 from unbroken.train.replica_group import init_replica_group
 from unbroken.train.state import LoadStateDictFn, StateDictFn, check_state_pair
-from unbroken.train.vote import vote_device
+from unbroken.train.step.catch_up import DonateHint
+from unbroken.train.step.vote import vote_device
 from unbroken.wire.auth import JobSecret
 from unbroken.wire.store import StoreServer
 

@@ -17,7 +17,7 @@ import torch
 
 from unbroken.config import ReplicaConfig
 from unbroken.control.quorum.rules import QuorumDecision
-from unbroken.train.overlap import OverlappedExchange
+from unbroken.train.step.overlap import OverlappedExchange
 
 
 class StepDriver(Protocol):

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from unbroken.train.interface import BucketExchange
-from unbroken.train.overlap import METADATA
+from unbroken.train.step.overlap import METADATA
 
 
 class ManagedProcessGroup(dist.ProcessGroup):

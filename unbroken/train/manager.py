@@ -10,8 +10,8 @@ What a recovering peer fetches and a checkpoint holds is the dict of every state
 with :meth:`Manager.register_state_dict_fn` (see :mod:`unbroken.train.state`). The Manager is
 given its built parts (the coordinator client, the cross-replica group, the catch-up server);
 :func:`unbroken.train.factory.build_manager` builds them from the environment, as
-``unbroken.init()`` does. The replica's side of live catch-up is in :mod:`unbroken.train.catch_up`,
-the layout of an exchanged buffer in :mod:`unbroken.train.overlap`.
+``unbroken.init()`` does. The replica's side of live catch-up is in :mod:`unbroken.train.step.catch_up`,
+the layout of an exchanged buffer in :mod:`unbroken.train.step.overlap`.
 """
 
 from __future__ import annotations
@@ -35,15 +35,15 @@ from unbroken.comm.recorder import FlightRecorder
 from unbroken.config import ReplicaConfig
 from unbroken.control.client import CoordinatorClient
 from unbroken.control.quorum.rules import QuorumDecision
-from unbroken.diagnosis.metrics import parse_policy, wants_skip
-from unbroken.train.catch_up import CatchUp, DonateHint
-from unbroken.train.exchange import GradientExchange
+from unbroken.diagnosis.rules.metrics import parse_policy, wants_skip
 from unbroken.train.hooks import FaultHook
 from unbroken.train.managed_group import ManagedProcessGroup
-from unbroken.train.overlap import OverlappedExchange
-from unbroken.train.sdc_check import ExchangeCheck
 from unbroken.train.state import LoadStateDictFn, StateDictFn, StateRegistry, as_local, as_shards, check_state_pair
-from unbroken.train.vote import ReplicaVote
+from unbroken.train.step.catch_up import CatchUp, DonateHint
+from unbroken.train.step.exchange import GradientExchange
+from unbroken.train.step.overlap import OverlappedExchange
+from unbroken.train.step.sdc_check import ExchangeCheck
+from unbroken.train.step.vote import ReplicaVote
 from unbroken.wire.auth import JobSecret
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class Manager:
         anomaly_policy: what a non-finite loss or gradient norm does (``parse_policy``).
         fault_hook: injected faults (``unbroken.init()`` installs them), usually None.
         verify_exchange: compare every exchange's sums across the replicas before committing
-            (:mod:`unbroken.train.sdc_check`).
+            (:mod:`unbroken.train.step.sdc_check`).
         weights_every: also compare the replicas' parameters and optimizer state every this
             many steps (0: never).
         on_shutdown: releases what the factory set up beside the parts (run at shutdown).
@@ -96,7 +96,7 @@ class Manager:
             False from :meth:`start_step` (``optimizer.zero_grad()``) until :meth:`commit`. After
             ``optimizer.step()`` it says whether the optimizer really stepped; a step that failed
             (a peer died mid-exchange, every replica sat it out) leaves ``step`` where it was.
-        sdc: the check of every exchange's sums across replicas (:class:`~unbroken.train.sdc_check.ExchangeCheck`):
+        sdc: the check of every exchange's sums across replicas (:class:`~unbroken.train.step.sdc_check.ExchangeCheck`):
             its ``findings``, ``detected`` count and ``last_result`` (the committed sum's fingerprint).
 
     Thread model (docs/architecture.md, "Threads of a replica process"). Every public method
@@ -111,7 +111,7 @@ class Manager:
       of the same decision, which the lock orders after the other one. A late donate hint is
       acted on a step later.
     - ``unbroken-fetch`` and ``unbroken-catch-up-exchange``
-      (:func:`~unbroken.train.catch_up.in_background`) read ``secret``, ``deadline``,
+      (:func:`~unbroken.train.step.catch_up.in_background`) read ``secret``, ``deadline``,
       ``device`` and the group; their results come back in Futures waited on by the training
       thread.
     - the recorder is appended to by the training thread and drained by the connection
@@ -701,9 +701,9 @@ class Manager:
 
     def _epoch_superseded(self, step: int) -> bool:
         """Whether the coordinator aborted the epoch of this step's exchange before its peers
-        applied ``step`` (:mod:`unbroken.train.vote`). An epoch pushed with the abort that trains
+        applied ``step`` (:mod:`unbroken.train.step.vote`). An epoch pushed with the abort that trains
         a later step says they did: a member died after the step's sum completed everywhere.
-        So does a fingerprint swap that completed after the sum (:mod:`unbroken.train.sdc_check`):
+        So does a fingerprint swap that completed after the sum (:mod:`unbroken.train.step.sdc_check`):
         every member was past it, and the abort came from a member that will not commit it."""
         if self.sdc.completed(self.group.epoch, step):
             return False
@@ -718,7 +718,7 @@ class Manager:
         return vetoed
 
     def _vote(self, ok: bool) -> bool:
-        """Whether every rank of this replica may commit the step (:mod:`unbroken.train.vote`);
+        """Whether every rank of this replica may commit the step (:mod:`unbroken.train.step.vote`);
         a reported error (:meth:`report_error`) makes this rank's vote no, once."""
         if self._error is not None:
             log.warning(

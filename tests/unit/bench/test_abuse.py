@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from unbroken.bench.abuse import recovery_s, summary
+from unbroken.bench.control_plane.abuse import recovery_s, summary
 
 
 def test_recovery_ends_when_the_victim_trains_again_after_the_kill() -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from unbroken.bench.coordinator_sim import Plan, SimReplica
+from unbroken.bench.control_plane.coordinator_sim import Plan, SimReplica
 from unbroken.control import protocol
 from unbroken.control.protocol.serving import ConnectionServer
 from unbroken.wire.auth import JobSecret
@@ -92,7 +92,7 @@ def test_a_group_says_what_it_asked_before_a_loss_right_behind_its_hello() -> No
 @pytest.mark.parametrize("epoch", [None, 5])
 def test_a_simulated_node_says_the_node_hello_a_relay_says(epoch: int | None) -> None:
     """Built without its eight Hello objects, the simulated node's hello is the protocol's own text."""
-    from unbroken.bench.coordinator_sim_nodes import SimNode
+    from unbroken.bench.control_plane.coordinator_sim_nodes import SimNode
 
     node = SimNode(dataclasses.replace(plan(0.0), ranks_per_node=8), 6001, 0.0, multiprocessing.Value("q", -1))
     node.step, node.epoch = 33, epoch

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from unbroken.bench.diagnosis import SCENARIOS, plan
-from unbroken.bench.diagnosis_rates import CLEAN_CLASS, summarize, variant
+from unbroken.bench.network.diagnosis import SCENARIOS, plan
+from unbroken.bench.network.diagnosis_rates import CLEAN_CLASS, summarize, variant
 from unbroken.config import ENV_EXCHANGE
 
 
@@ -76,7 +76,7 @@ def test_plan_runs_each_fault_kind_and_the_clean_run_n_times() -> None:
 
 
 def test_run_scores_split_healthy_from_the_culprits_fault() -> None:
-    from unbroken.bench.diagnosis_rates import calibrate, run_scores
+    from unbroken.bench.network.diagnosis_rates import calibrate, run_scores
 
     confirm = {"step_time": 2, "straggler": 2, "link": 2}
     healthy_log = [

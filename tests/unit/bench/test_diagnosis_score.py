@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from unbroken.bench.diagnosis import SCENARIOS, Scenario, score
+from unbroken.bench.network.diagnosis import SCENARIOS, Scenario, score
 
 STRAGGLER = Scenario(
     "s", "slow_rank", 100, ("slow_rank:replica=0,factor=2,step=40",), expect=frozenset({"straggler"}), culprit=0
@@ -66,7 +66,7 @@ def test_scenario_suite_covers_the_issue() -> None:
 
 
 def test_overhead_ratio_is_paired_so_drifting_load_cancels() -> None:
-    from unbroken.bench.diagnosis import paired_ratio
+    from unbroken.bench.network.diagnosis import paired_ratio
 
     # Load doubles between the first and the second pair; within each pair the recorder costs 1%.
     pairs = [([1.01] * 5, [1.0] * 5), ([2.02] * 5, [2.0] * 5), ([1.01] * 3, [1.0] * 3)]
@@ -75,7 +75,7 @@ def test_overhead_ratio_is_paired_so_drifting_load_cancels() -> None:
 
 
 def test_recorder_cost_is_timed_per_thread() -> None:
-    from unbroken.bench.diagnosis import recorder_cost_us
+    from unbroken.bench.network.diagnosis import recorder_cost_us
 
     cost = recorder_cost_us(n=50)
     assert set(cost) == {"training_thread", "ring_transfers", "batch"} and all(v > 0 for v in cost.values())
@@ -84,7 +84,7 @@ def test_recorder_cost_is_timed_per_thread() -> None:
 def test_hogs_are_real_busy_processes_and_end_by_their_pids() -> None:
     import time
 
-    from unbroken.bench.diagnosis import start_hogs, stop_hogs
+    from unbroken.bench.network.diagnosis import start_hogs, stop_hogs
 
     hogs = start_hogs(2)
     try:

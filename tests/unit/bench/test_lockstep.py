@@ -1,11 +1,11 @@
-"""The exchange's hold on simulated groups (:mod:`unbroken.bench.lockstep`): no group asks for a
+"""The exchange's hold on simulated groups (:mod:`unbroken.bench.training.lockstep`): no group asks for a
 step before every training group, in every client process, was answered for the one before."""
 
 from __future__ import annotations
 
 import asyncio
 
-from unbroken.bench.lockstep import Lockstep
+from unbroken.bench.training.lockstep import Lockstep
 
 
 async def _held_until_the_last_group_is_answered() -> tuple[bool, bool, bool, bool]:

@@ -1,6 +1,6 @@
 """The recovery benchmark's figures, computed from synthetic step records.
 
-The records mimic what :mod:`unbroken.bench.recovery_worker` writes, so the definitions of
+The records mimic what :mod:`unbroken.bench.training.recovery_worker` writes, so the definitions of
 stall, rejoin steps and donor slowdown are pinned without running processes.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from unbroken.bench.recovery import (
+from unbroken.bench.training.recovery import (
     digests_identical,
     fault_figures,
     median_step,
@@ -153,7 +153,7 @@ def test_serving_figures_sum_what_the_donors_served(tmp_path: Path) -> None:
 
 
 def test_hidden_share_is_the_busy_exchange_not_waited_for() -> None:
-    from unbroken.bench.recovery import hidden_share
+    from unbroken.bench.training.recovery import hidden_share
 
     # The backend exchanged for 0.04 s a step; 0.01 s of it was left when backward ended.
     rows = {

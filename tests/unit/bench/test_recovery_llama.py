@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from click.testing import CliRunner
 
-from unbroken.bench.recovery import recovery, sample_account
+from unbroken.bench.training.recovery import recovery, sample_account
 
 
 def test_sample_account_is_the_last_committed_steps_account() -> None:

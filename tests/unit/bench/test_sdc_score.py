@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from unbroken.bench.sdc import committed_differing, fault_plan, findings, overhead, score
+from unbroken.bench.training.sdc import committed_differing, fault_plan, findings, overhead, score
 from unbroken.faults.schedule import parse_flag
 
 

@@ -6,7 +6,15 @@ import datetime
 
 import pytest
 
-from unbroken.bench.titan_trainer import Start, full_strength_s, judge, stall_s, steady_step_s, step_times, summarize
+from unbroken.bench.training.titan_trainer import (
+    Start,
+    full_strength_s,
+    judge,
+    stall_s,
+    steady_step_s,
+    step_times,
+    summarize,
+)
 
 T0 = datetime.datetime(2026, 11, 29, 10, 0, 0).timestamp()
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from unbroken.bench.lease_filesystems import EtcdServer, missing_tools
+from unbroken.bench.control_plane.lease_filesystems import EtcdServer, missing_tools
 from unbroken.control.state.lease import Lease, LeaseKeeper, Watch, claim_next
 from unbroken.control.state.lease_etcd import LeaseEtcd, parse_url
 

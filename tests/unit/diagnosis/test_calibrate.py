@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from unbroken.diagnosis import calibrate, links, steptime
-from unbroken.diagnosis.master import DiagnosisMaster
+from unbroken.diagnosis.master.master import DiagnosisMaster
+from unbroken.diagnosis.rules import calibrate, links, steptime
 
 
 def test_held_is_the_lowest_score_of_each_run_of_confirm() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import random
 
-from unbroken.diagnosis.master import DiagnosisMaster
-from unbroken.diagnosis.master_state import MasterSettings
+from unbroken.diagnosis.master.master import DiagnosisMaster
+from unbroken.diagnosis.master.master_state import MasterSettings
 from unbroken.diagnosis.telemetry import Collective, Stall, StepMetrics, TelemetryBatch, Transfer
 
 NS = 1_000_000_000

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from unbroken.diagnosis.master import DiagnosisMaster
+from unbroken.diagnosis.master.master import DiagnosisMaster
 from unbroken.diagnosis.telemetry import Collective, Stall, TelemetryBatch, Transfer
 
 NS = 1_000_000_000

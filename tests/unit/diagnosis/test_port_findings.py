@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from unbroken.diagnosis.links import port_findings
+from unbroken.diagnosis.rules.links import port_findings
 
 
 def ev(t: float, what: str = "down", host: str = "h1", iface: str = "eth0", peer: int = 2) -> dict[str, object]:

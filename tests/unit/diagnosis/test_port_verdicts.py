@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from unbroken.diagnosis.master import DiagnosisMaster
+from unbroken.diagnosis.master.master import DiagnosisMaster
 from unbroken.diagnosis.telemetry import PathEvent, TelemetryBatch, TelemetryError
 from unbroken.diagnosis.verdict import PORT_FAILURE
 

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from unbroken.diagnosis import hang, links, straggler
-from unbroken.diagnosis.metrics import MetricDetector, parse_policy, wants_skip
 from unbroken.diagnosis.robust import learned_threshold, robust_z
+from unbroken.diagnosis.rules import hang, links, straggler
+from unbroken.diagnosis.rules.metrics import MetricDetector, parse_policy, wants_skip
+from unbroken.diagnosis.rules.window import WindowMonitor
 from unbroken.diagnosis.verdict import COMM_HANG, NONCOMM_HANG, Culprit, Verdict
-from unbroken.diagnosis.window import WindowMonitor
 
 
 def view(replica: int, entered: int, wait: float | None, silent: float = 0.1, opens=()) -> hang.RankView:

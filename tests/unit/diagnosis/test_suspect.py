@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from unbroken.diagnosis.suspect import KEPT_STEPS, SuspectTracker
+from unbroken.diagnosis.rules.suspect import KEPT_STEPS, SuspectTracker
 from unbroken.diagnosis.verdict import SUSPECT_HARDWARE
 
 

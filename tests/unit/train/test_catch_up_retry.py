@@ -12,7 +12,7 @@ import pytest
 from tests.unit.train.parts import SECRET, fake_server
 from unbroken.comm.catchup import TransferError
 from unbroken.control.quorum.rules import QuorumDecision
-from unbroken.train.catch_up import CatchUp
+from unbroken.train.step.catch_up import CatchUp
 
 DONORS = {"1": "127.0.0.1:1"}
 

@@ -6,7 +6,7 @@ import torch
 
 from unbroken.comm.cross_replica import PendingSum
 from unbroken.train.ddp import DistributedDataParallel, _buckets
-from unbroken.train.overlap import busy_seconds
+from unbroken.train.step.overlap import busy_seconds
 
 
 def test_buckets_follow_reverse_parameter_order_up_to_the_cap() -> None:

@@ -17,7 +17,7 @@ from tests.unit.train.parts import manager_with_fakes
 from unbroken.config import ConfigError, stack_signal
 from unbroken.train.factory import build_manager, stack_dump_path
 from unbroken.train.manager import Manager
-from unbroken.train.vote import vote_device
+from unbroken.train.step.vote import vote_device
 
 
 def bare_manager() -> Manager:
@@ -151,7 +151,7 @@ def test_background_work_hands_back_its_result_or_its_error_in_a_future() -> Non
     for the docs' thread table, whose outcome the training thread gets from a Future."""
     import threading
 
-    from unbroken.train.catch_up import in_background
+    from unbroken.train.step.catch_up import in_background
 
     names: list[str] = []
 

@@ -9,8 +9,8 @@ import torch
 from unbroken.comm.cross_replica import ExchangeFailed
 from unbroken.comm.fingerprint import fingerprint, fold
 from unbroken.control.quorum.rules import QuorumDecision
-from unbroken.train.sdc_check import SDC_ERROR, ExchangeCheck, encode
-from unbroken.train.sdc_judge import Prints
+from unbroken.train.step.sdc_check import SDC_ERROR, ExchangeCheck, encode
+from unbroken.train.step.sdc_judge import Prints
 
 CPU = torch.device("cpu")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unbroken.train.sdc_check import decode, encode
-from unbroken.train.sdc_judge import Attempt, Prints, judge, majority, named_by_rerun
+from unbroken.train.step.sdc_check import decode, encode
+from unbroken.train.step.sdc_judge import Attempt, Prints, judge, majority, named_by_rerun
 
 
 def same(n: int, result: int = 7, weights: int | None = None) -> dict[int, Prints]:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from unbroken.bench.abuse_flood import Flood, Target, legit_connect
+from unbroken.bench.control_plane.abuse_flood import Flood, Target, legit_connect
 from unbroken.checkpoint.peer import PeerStore
 from unbroken.comm.catchup import CatchupServer, fetch_state, take_snapshot
 from unbroken.control.coordinator import Coordinator, CoordinatorSettings

@@ -2,7 +2,7 @@
 
 Every acknowledgement gives one sample: the bytes it acknowledged, over the time since the later of
 their post and the previous acknowledgement on that connection (a pipelined link's service time,
-not its queueing), and the bytes still outstanding. :class:`~unbroken.diagnosis.window.WindowMonitor`
+not its queueing), and the bytes still outstanding. :class:`~unbroken.diagnosis.rules.window.WindowMonitor`
 flags the connection when throughput halves while data waits. Failures (a path down, a stall
 past the bound) are counted with their times, so that a port that fails once is named
 ``failing`` and one that fails again within :data:`FLAP_WINDOW_S` ``flapping``: a link verdict
@@ -17,8 +17,8 @@ import time
 from typing import Any
 
 from unbroken.comm.iccl.protocol import PATH_NAMES, HopPaths
-from unbroken.diagnosis.links import port_findings
-from unbroken.diagnosis.window import WindowMonitor
+from unbroken.diagnosis.rules.links import port_findings
+from unbroken.diagnosis.rules.window import WindowMonitor
 
 FLAP_WINDOW_S = 30.0
 MAX_DOWNS = 64
@@ -107,7 +107,7 @@ class LinkWatch:
 
     def verdicts(self, now: float | None = None) -> list[dict[str, Any]]:
         """This hop's ports that failed in the last :data:`FLAP_WINDOW_S`
-        (:func:`~unbroken.diagnosis.links.port_findings`: ``failing`` once, ``flapping`` more)."""
+        (:func:`~unbroken.diagnosis.rules.links.port_findings`: ``failing`` once, ``flapping`` more)."""
         events = [
             {
                 "t": t,

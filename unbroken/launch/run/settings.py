@@ -16,7 +16,7 @@ from unbroken import config as env
 from unbroken.checkpoint.storage.disk import check_writable
 from unbroken.control.coordinator import CoordinatorSettings
 from unbroken.control.quorum.job_health import DEFAULT_FATAL_EPOCHS, DEFAULT_NO_PROGRESS_S, JobHealth
-from unbroken.diagnosis.metrics import parse_policy
+from unbroken.diagnosis.rules.metrics import parse_policy
 from unbroken.faults.schedule import Schedule
 from unbroken.launch.policy import RestartPolicy, Slot
 from unbroken.launch.recovery.verdicts import VERDICT_ACTIONS
@@ -58,7 +58,7 @@ class LaunchSettings:
         checkpoint_dir: the job's checkpoint directory, handed to the workers; a ``rollback``
             verdict restarts every replica from a checkpoint found there.
         anomaly_policy: what training-metric anomalies do, over the default policy
-            (``"nonfinite_loss=rollback"``; see :func:`unbroken.diagnosis.metrics.parse_policy`),
+            (``"nonfinite_loss=rollback"``; see :func:`unbroken.diagnosis.rules.metrics.parse_policy`),
             for the workers (skipping a step) and the coordinator's verdicts.
         term_grace_s: on SIGTERM, how long the workers have to finish their step and flush a
             checkpoint (:mod:`unbroken.train.preemption`) before what is left is killed.
