@@ -214,7 +214,9 @@ class CrossReplicaGroup:
             aborted = self._aborted_epoch
             return self.epoch is not None and aborted is not None and aborted >= self.epoch
 
-    def allreduce_sum(self, tensor: torch.Tensor, deadline_s: float, op: Any = None, abortable: bool = True) -> float:
+    def allreduce_sum(
+        self, tensor: torch.Tensor, deadline_s: float, op: Any = None, abortable: bool = True, recorded: bool = True
+    ) -> float:
         """Sums ``tensor`` in place across the group; returns the seconds it took.
 
         ``op``: another ``dist.ReduceOp`` (MAX, MIN, PRODUCT) for a side collective that is
@@ -223,6 +225,11 @@ class CrossReplicaGroup:
         completion, a backend error or the deadline do (the exchange check's fingerprint swap: a
         member that will not commit reports the epoch failed once its own swap is done, while
         its peers may still be receiving theirs).
+        ``recorded=False``: the flight recorder does not see it as a collective: its time is
+        added to the group's last one (the fingerprint swap right after the exchange). In the
+        cluster box a tbf-slowed link was named in 14 steps without the swap; with the swap as a
+        collective of its own (a few bytes, halving every link's evidence), not within 30; with
+        its time counted as compute, in 31 steps or not at all; added to the exchange, in 16 and 25.
 
         Raises:
             ExchangeFailed: a peer failed, the deadline passed, or the coordinator aborted
@@ -246,12 +253,12 @@ class CrossReplicaGroup:
             self.last_join_wait_s = time.perf_counter() - start
             start = time.perf_counter()  # the learned deadline times the exchange alone
         deadline_s = max(deadline_s, getattr(self._pg, "min_deadline_s", 0.0))  # ICCL: room for a failover
-        rec = self.recorder
+        rec = self.recorder if recorded else None
         nbytes = tensor.numel() * tensor.element_size()
         token = rec.begin(f"{self.tag}/epoch{epoch}", "allreduce", nbytes, self.members) if rec else None
         ok: bool | None = False  # False: the deadline passed (a stall); None: explained failure
         try:
-            fut = self._start(tensor, wake, op)
+            fut = self._start(tensor, wake, op, rec)
             woke = wake.wait(deadline_s)
             with self._lock:
                 self._wake = None
@@ -272,6 +279,8 @@ class CrossReplicaGroup:
         finally:
             if rec is not None and token is not None:
                 rec.end(token, ok)
+            elif ok and not recorded and self.recorder is not None:
+                self.recorder.extend_last(f"{self.tag}/epoch{epoch}")
 
     @property
     def overlaps(self) -> bool:
@@ -409,9 +418,12 @@ class CrossReplicaGroup:
         if batch is not None and batch[1] is not None and self.recorder is not None:
             self.recorder.end(batch[1], ok)
 
-    def _start(self, tensor: torch.Tensor, wake: threading.Event, op: Any = None) -> Any:
-        """Starts the sum (or ``op``); returns what ``wake`` is set on when it is done."""
-        run = self.transport.start(self._pg, tensor, self.rank, self.size, wake, op, self.recorder)
+    def _start(
+        self, tensor: torch.Tensor, wake: threading.Event, op: Any = None, recorder: FlightRecorder | None = None
+    ) -> Any:
+        """Starts the sum (or ``op``); returns what ``wake`` is set on when it is done. The
+        transport records its transfers in ``recorder`` (None: nobody's)."""
+        run = self.transport.start(self._pg, tensor, self.rank, self.size, wake, op, recorder)
         self._track(run)
         return run
 

@@ -97,6 +97,14 @@ class FlightRecorder:
         self.open = rec
         return rec
 
+    def extend_last(self, group: str) -> None:
+        """The last collective of ``group``, if it completed, lasts until now: an unrecorded
+        follow-up on the same group (the exchange's fingerprint swap) belongs to it, so the
+        time it takes is neither a collective of its own nor this rank's compute."""
+        last = self.ring[-1] if self.ring else None
+        if last is not None and last.group == group and last.ok:
+            last.exit_ns = time.monotonic_ns()
+
     def end(self, rec: Collective, ok: bool | None) -> None:
         """``ok``: True done, False abandoned at its deadline (a stall), None failed for a known reason."""
         rec.exit_ns = time.monotonic_ns()

@@ -101,3 +101,19 @@ GOOD = Collective("g", 1, "allreduce", 8, 1, 2, True, [0, 1], 0, 0).to_row()
 def test_a_malformed_batch_is_refused_naming_what_is_wrong(field: str, msg: Any) -> None:
     with pytest.raises(TelemetryError, match=field):
         TelemetryBatch.from_msg(msg)
+
+
+def test_an_unrecorded_follow_up_extends_its_groups_last_collective_only_if_it_completed() -> None:
+    rec = FlightRecorder(0)
+    done = rec.begin("g/epoch1", "allreduce", 1024, [0, 1])
+    rec.end(done, True)
+    before = done.exit_ns
+    rec.extend_last("g/epoch2")  # another group's: untouched
+    assert done.exit_ns == before
+    rec.extend_last("g/epoch1")
+    assert done.exit_ns > before and len(rec.ring) == 1
+    failed = rec.begin("g/epoch1", "allreduce", 1024, [0, 1])
+    rec.end(failed, None)
+    end = failed.exit_ns
+    rec.extend_last("g/epoch1")
+    assert failed.exit_ns == end

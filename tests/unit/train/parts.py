@@ -85,7 +85,9 @@ class FakeGroup:
     ) -> None:
         self.epoch = epoch
 
-    def allreduce_sum(self, tensor: torch.Tensor, deadline_s: float, op: Any = None, abortable: bool = True) -> float:
+    def allreduce_sum(
+        self, tensor: torch.Tensor, deadline_s: float, op: Any = None, abortable: bool = True, recorded: bool = True
+    ) -> float:
         if self.fail:
             self.last_failure = (self.epoch, "a peer hung up")
             raise ExchangeFailed("a peer hung up")

@@ -24,7 +24,9 @@ class SwapGroup:
         self.last_failure: tuple[int | None, str] | None = None
         self.abortable: list[bool] = []
 
-    def allreduce_sum(self, tensor: torch.Tensor, deadline_s: float, op: Any = None, abortable: bool = True) -> float:
+    def allreduce_sum(
+        self, tensor: torch.Tensor, deadline_s: float, op: Any = None, abortable: bool = True, recorded: bool = True
+    ) -> float:
         self.abortable.append(abortable)
         if self.fail:
             raise ExchangeFailed("a peer hung up")

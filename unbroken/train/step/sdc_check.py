@@ -174,7 +174,7 @@ class ExchangeCheck:
         me = d.members.index(self.replica_id)
         t = encode(mine, me, len(d.members), device)
         try:
-            group.allreduce_sum(t, deadline_s, abortable=False)
+            group.allreduce_sum(t, deadline_s, abortable=False, recorded=False)
         except ExchangeFailed as e:
             log.warning("replica %d step %d: swapping fingerprints failed: %s", self.replica_id, d.step, e)
             self.spent_s += time.perf_counter() - began
