@@ -74,6 +74,7 @@ ENV_SECRET_FILE = "UNBROKEN_SECRET_FILE"
 ENV_RANK = "RANK"
 # torchft's launch lines name a worker's replica group in this (torchtitan reads it too)
 ENV_REPLICA_GROUP_ID = "REPLICA_GROUP_ID"
+ENV_NUM_REPLICA_GROUPS = "NUM_REPLICA_GROUPS"
 ENV_WORLD_SIZE = "WORLD_SIZE"
 ENV_LOCAL_RANK = "LOCAL_RANK"
 ENV_MASTER_ADDR = "MASTER_ADDR"
@@ -543,6 +544,9 @@ class WorkerSettings:
             off when the supervisor's environment sets it to 0).
         wait_to_join: the job has hot spares: the worker waits for its first quorum without a
             bound (``UNBROKEN_WAIT_TO_JOIN``).
+        replica_groups: every replica group the job starts, hot spares included (None:
+            ``num_replicas``). With ``replica``, written as torchft's ``NUM_REPLICA_GROUPS`` and
+            ``REPLICA_GROUP_ID``, which torchft's examples read to pick their data shard.
     """
 
     coordinator: str
@@ -565,6 +569,7 @@ class WorkerSettings:
     chaos: str | None = None
     lr_scaling: bool = True
     wait_to_join: bool = False
+    replica_groups: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1:
@@ -635,6 +640,8 @@ class WorkerSettings:
             ENV_SECRET_FILE: str(Path(self.secret_file).resolve()),
             ENV_REPLICA_ID: str(self.replica),
             ENV_NUM_REPLICAS: str(self.num_replicas),
+            ENV_REPLICA_GROUP_ID: str(self.replica),
+            ENV_NUM_REPLICA_GROUPS: str(self.replica_groups or self.num_replicas),
             ENV_RUN_DIR: str(self.run_dir),
             ENV_RESTART_COUNT: restarts,
             ENV_NODE: self.node,
@@ -713,6 +720,7 @@ class WorkerSettings:
                 integer(ENV_GROUP_RANK), nodes, text(ENV_MASTER_ADDR), integer(ENV_MASTER_PORT), gloo_socket_ifname(env)
             )
         backend = env.get(ENV_CROSS_REPLICA_BACKEND)
+        groups = integer(ENV_NUM_REPLICA_GROUPS) if env.get(ENV_NUM_REPLICA_GROUPS) else None
         return cls(
             coordinator=text(ENV_COORDINATOR),
             secret_file=Path(text(ENV_SECRET_FILE)),
@@ -734,6 +742,7 @@ class WorkerSettings:
             chaos=env.get(ENV_CHAOS) or None,
             lr_scaling=_lr_scaling(env),
             wait_to_join=env.get(ENV_WAIT_TO_JOIN) == "1",
+            replica_groups=groups if groups != integer(ENV_NUM_REPLICAS) else None,
         )
 
 

@@ -48,10 +48,20 @@ def test_what_the_supervisor_writes_the_worker_reads_back(tmp_path: Path) -> Non
             python_path="/shim",
             chaos='{"t0": 1.0, "faults": []}',
             lr_scaling=False,
+            replica_groups=5,
         ),
         _settings(tmp_path, world_size=4, master_port=42000, group=GroupPlace(1, 2, "198.18.0.10", 42000, "eth0")),
     ):
         assert WorkerSettings.from_env(s.to_env({})) == s
+
+
+def test_a_torchft_script_finds_its_group_and_the_groups_of_the_job(tmp_path: Path) -> None:
+    """torchft's examples pick their data shard from REPLICA_GROUP_ID of NUM_REPLICA_GROUPS; a
+    hot spare's group number is past --replicas, so the count includes the spares."""
+    environ = _settings(tmp_path, replica=3, replica_groups=4).to_env({"REPLICA_GROUP_ID": "0"})
+    assert (environ["REPLICA_GROUP_ID"], environ["NUM_REPLICA_GROUPS"]) == ("3", "4")
+    environ = _settings(tmp_path).to_env({})
+    assert (environ["REPLICA_GROUP_ID"], environ["NUM_REPLICA_GROUPS"]) == ("2", "3")
 
 
 def test_the_worker_reads_where_it_sits_from_what_its_supervisor_wrote(tmp_path: Path) -> None:
