@@ -50,3 +50,24 @@ async def _scenario(run_dir: Path) -> tuple[int, bool]:
 def test_malformed_heartbeats_do_not_end_the_monitor(tmp_path: Path) -> None:
     step, ended = asyncio.run(_scenario(tmp_path / "run"))
     assert step == 7 and not ended
+
+
+def test_a_verdict_after_sigterm_is_not_acted_on(tmp_path: Path) -> None:
+    """Stopping replicas flush and go silent: a hang verdict then must not restart one."""
+    import time
+
+    from unbroken.launch.lifecycle import State
+    from unbroken.observe import schema as ev
+    from unbroken.observe.events import read_jsonl
+
+    run_dir = tmp_path / "run"
+    launcher = Launcher(LaunchSettings(command=("true",), replicas=2, run_dir=run_dir, warm_spare=False))
+    try:
+        launcher.lifecycle.state[1] = State.TRAINING
+        launcher._terminated = time.monotonic()
+        launcher._on_verdict(ev.Verdict(culprit={"replica": 1}, verdict_class="noncomm_hang", confidence=0.85))
+    finally:
+        launcher.events.close()
+    kinds = [(e["kind"], e.get("reason")) for e in read_jsonl(run_dir / "events.jsonl")]
+    assert ("verdict_ignored", "the job is ending (SIGTERM)") in kinds
+    assert not any(k in ("verdict_acted", "restart_decision") for k, _ in kinds)

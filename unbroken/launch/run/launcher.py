@@ -220,6 +220,7 @@ class Launcher(Supervisor[SupervisedReplica]):
             ),
             chaos=chaos_env(faults, self.job_start).get(env.ENV_CHAOS),
             wait_to_join=self.s.hot_spares > 0,
+            replica_groups=self.s.replicas + self.s.hot_spares,
         )
 
     async def _spawn(self, r: SupervisedReplica) -> None:
@@ -399,13 +400,18 @@ class Launcher(Supervisor[SupervisedReplica]):
         """Applies :func:`unbroken.launch.recovery.verdicts.verdict_action` to the culprit replica."""
         replica = culprit_replica(e)
         action, why = verdict_action(e, self.s.on_verdict)
-        if action == IGNORE or replica not in self.replicas:
+        ending = self._terminated is not None  # its replicas flush and exit: silence is expected
+        if action == IGNORE or replica not in self.replicas or ending:
             self.events.emit(
                 "verdict_ignored",
                 verdict_class=e.verdict_class,
                 replica=replica,
                 action=action,
-                reason=why if action == IGNORE else "not a replica of this job",
+                reason=why
+                if action == IGNORE
+                else "the job is ending (SIGTERM)"
+                if ending
+                else "not a replica of this job",
             )
             return
         if action == ROLLBACK:
