@@ -145,6 +145,8 @@ class Manager:
         self._tensors: list[torch.Tensor] = []  # given to allreduce this step
         self._works: list[dist.Work] = []
         self._init_sync = init_sync
+        if init_sync:  # the replicas' states differ until the first step's sync
+            manager.sdc.weights_from_step = max(manager.sdc.weights_from_step, 1)
         self._exchange = ExchangeGroup(manager)
         self._user_fns: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]] = {}
         manager.register_state_dict_fn(STATE_KEY, self._load_counters, self._counters)

@@ -115,6 +115,9 @@ class ExchangeCheck:
         self.spent_s = 0.0
         # (epoch, step) of the last swap that completed: every member was past that exchange.
         self.swapped: tuple[int, int] | None = None
+        # Weights are compared from this step on: before it, a replica's state may still be one
+        # the others' is about to overwrite (torchft's init_sync, at step 0).
+        self.weights_from_step = 0
 
     def completed(self, epoch: int | None, step: int) -> bool:
         """Whether every member of ``epoch`` completed ``step``'s exchange and swapped its
@@ -147,8 +150,14 @@ class ExchangeCheck:
 
     def weights_due(self, d: QuorumDecision) -> bool:
         """Whether this step's check includes this member's weights: every ``weights_every``
-        steps, unless it catches up this step (its state is not loaded yet)."""
-        return self.weights_every > 0 and d.step % self.weights_every == 0 and self.replica_id not in d.behind_set
+        steps from ``weights_from_step``, unless it catches up this step (its state is not
+        loaded yet)."""
+        return (
+            self.weights_every > 0
+            and d.step % self.weights_every == 0
+            and d.step >= self.weights_from_step
+            and self.replica_id not in d.behind_set
+        )
 
     def verify(
         self,
