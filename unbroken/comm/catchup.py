@@ -98,6 +98,19 @@ def snapshot_layout(state: Any) -> tuple[dict[str, tuple[torch.Tensor, TensorSpe
     return tensors, skeleton, entries, max((e.end for e in entries), default=0)
 
 
+def host_memory_available(meminfo: str = "/proc/meminfo") -> int | None:
+    """The kernel's estimate of memory available to new allocations, in bytes; None where it
+    does not say (not Linux)."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 @dataclasses.dataclass
 class Snapshot:
     """A copy of the state of one step, in host memory."""
@@ -127,16 +140,30 @@ class SnapshotPool:
                     return self._free.pop(i)
         return HostBuffer(nbytes)  # pre-touched: page faults now, not during the copy
 
-    def prewarm(self, nbytes: int) -> None:
-        """Allocates and touches a buffer of ``nbytes`` on a background thread.
+    def prewarm(self, nbytes: int, available: int | None = None) -> bool:
+        """Allocates and touches a buffer of ``nbytes`` on a background thread; whether it did.
 
         A first snapshot into fresh memory runs at page-fault speed (about 1.6 GB/s here,
         against 13-20 GB/s into touched memory); doing that ahead of time keeps it off the
-        donor's training thread when a peer needs its state.
+        donor's training thread when a peer needs its state. Not where the host has little
+        room: a buffer of more than a quarter of the memory ``available`` (default: the
+        kernel's MemAvailable) would be held by every replica on the host for a catch-up that
+        may never come, and a donation then needs a second one (torchft's ``train_ddp.py``, 3 GB
+        of state per replica, ran a 24 GB machine out of memory). A donation then allocates
+        its buffer when needed, at page-fault speed.
         """
+        available = host_memory_available() if available is None else available
+        if available is not None and nbytes > available // 4:
+            log.info(
+                "not reserving %.1f GB for catch-up snapshots ahead: the host has %.1f GB available",
+                nbytes / 1e9,
+                available / 1e9,
+            )
+            return False
         threading.Thread(
             target=lambda: self.give_back(HostBuffer(nbytes)), name="unbroken-snapshot-prewarm", daemon=True
         ).start()
+        return True
 
     def give_back(self, buf: HostBuffer) -> None:
         with self._lock:

@@ -350,3 +350,22 @@ def test_optimizer_scheduler_and_module_state_round_trip_through_the_allow_list(
     model.load_state_dict(got["model"])
     opt.load_state_dict(got["optim"])
     sched.load_state_dict(got["sched"])
+
+
+def test_the_snapshot_reserve_is_taken_ahead_only_where_the_host_has_room(tmp_path: Path) -> None:
+    """A replica reserves its catch-up snapshot buffer ahead when the state is at most a quarter
+    of the host's available memory; otherwise a donation allocates it when needed."""
+    pool = transfer.SnapshotPool()
+    assert not pool.prewarm(3 << 30, available=8 << 30)  # train_ddp's 3 GB on a crowded 24 GB host
+    assert pool.take(4096).capacity >= 4096  # a donation still gets its buffer, allocated then
+    assert pool.prewarm(1 << 20, available=8 << 30)
+    deadline = time.monotonic() + 10
+    while not pool._free and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool._free and pool._free[0].capacity >= 1 << 20
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:    8000000 kB\n")
+    assert transfer.host_memory_available(str(meminfo)) == 8000000 * 1024
+    meminfo.write_text("MemTotal:       24000000 kB\n")
+    assert transfer.host_memory_available(str(meminfo)) is None
+    assert transfer.host_memory_available(str(tmp_path / "absent")) is None
