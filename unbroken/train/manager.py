@@ -186,6 +186,7 @@ class Manager:
         self._may_commit = False  # this step's sync_gradients() returned True and it is not committed yet
         self._grad_numel: int | None = None  # see expect_gradients
         self._overlap: OverlappedExchange | None = None  # this step's exchange during backward
+        self._after_catch_up = False  # the last step began had a member catching up
         # Whether a failed exchange goes back to the loop instead of being redone in place with
         # the same gradients (see wait_quorum): set when the batches depend on the quorum.
         self.redo_failed_steps = False
@@ -259,11 +260,11 @@ class Manager:
         return self._prepare(self._answer(self._quorum))
 
     def _answer(self, fut: Future[dict[str, Any]]) -> dict[str, Any]:
-        """A quorum answer. A replica of a job with hot spares waits for its first without a
-        bound: parked as a spare, it may wait for a member's place until the job ends (the
-        coordinator's no-progress rule, not this wait, ends a job that cannot train)."""
-        first = self.decision is None and self.config.wait_to_join
-        return fut.result(timeout=None if first else self.quorum_timeout_s)
+        """A quorum answer. A replica of a job with hot spares waits without a bound: parked (a
+        spare, or a member whose place a spare took while it hung) it may wait for a place until
+        the job ends. The client fails the request once the coordinator is lost for its
+        reconnect timeout, and the coordinator's no-progress rule ends a job that cannot train."""
+        return fut.result(timeout=None if self.config.wait_to_join else self.quorum_timeout_s)
 
     @property
     def quorum_pending(self) -> bool:
@@ -387,6 +388,9 @@ class Manager:
         self.start_step()
         assert self._quorum is not None
         d = self._prepare(self._answer(self._quorum))
+        # A newcomer is cold in its catch-up step (first forward and backward) and the one after
+        # (its first optimizer step on the loaded state): both wait with the start-up deadline.
+        cold, self._after_catch_up = bool(d.behind) or self._after_catch_up, bool(d.behind)
         if (d.behind and not self.catch_up_in_buckets) or not self.group.overlaps:
             self._overlap = OverlappedExchange(None, step=self.step)
             return self._overlap
@@ -400,8 +404,7 @@ class Manager:
             step=self.step,
             skip=False if behind else self._sits_out(),
             zero=behind,
-            # The newcomer's first buckets follow its cold first forward and backward.
-            deadline_s=self.deadline.initial_s if d.behind else None,
+            deadline_s=self.deadline.initial_s if cold else None,
         )
         return self._overlap
 

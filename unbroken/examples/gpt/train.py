@@ -42,6 +42,12 @@ def main() -> None:
         default=0.0,
         help="Make each step's compute last at least this long, as a larger model's would (tests and demos).",
     )
+    ap.add_argument(
+        "--quorum-timeout-s",
+        type=float,
+        default=600.0,
+        help="How long a step waits for a quorum before it fails.",
+    )
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)  # every replica starts from the same weights
@@ -50,7 +56,7 @@ def main() -> None:
     corpus = make_corpus(cfg.vocab_size, seed=1234)
 
     # --- unbroken: join the job; register what a recovering peer needs ------------------
-    with unbroken.init() as manager:
+    with unbroken.init(quorum_timeout_s=args.quorum_timeout_s) as manager:
         optimizer = unbroken.Optimizer(torch.optim.AdamW(model.parameters(), lr=args.lr), manager)
         # A plain model's own state dicts; an FSDP2 model registers unbroken.model_state(model, optimizer).
         manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
