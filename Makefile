@@ -93,6 +93,17 @@ torchft-upstream: install
 		$(PY) -m pip download -q --no-deps -d $(UPSTREAM) $(UPSTREAM_WHEELS) && \
 		for w in $(UPSTREAM)/*.whl; do $(PY) -m zipfile -e $$w $(UPSTREAM) || exit 1; done; }
 
+# torchft's train_ddp.py example (its repository's root, in no wheel), pinned by commit and
+# SHA-256, for `unbroken bench torchft-ddp`; TORCHFT_REPO=path takes it from a torchft checkout.
+TORCHFT_COMMIT := 73dafea422116b2a713542719c8454efe5444c6c
+TORCHFT_DDP_SHA256 := cd4406ce2c5dbc8777e4700e32c6016eea317fa48183fc74567751b8636cf8cc
+torchft-example: torchft-upstream
+	test -f $(UPSTREAM)/train_ddp.py || { \
+		if [ -n "$(TORCHFT_REPO)" ]; then git -C "$(TORCHFT_REPO)" show $(TORCHFT_COMMIT):train_ddp.py > $(UPSTREAM)/train_ddp.py.part; \
+		else curl -fsSL https://raw.githubusercontent.com/pytorch/torchft/$(TORCHFT_COMMIT)/train_ddp.py -o $(UPSTREAM)/train_ddp.py.part; fi && \
+		echo "$(TORCHFT_DDP_SHA256)  $(UPSTREAM)/train_ddp.py.part" | sha256sum -c --quiet && \
+		mv $(UPSTREAM)/train_ddp.py.part $(UPSTREAM)/train_ddp.py; }
+
 # The long end-to-end scenarios the suite leaves out (about 5 minutes on 2 cores).
 scenarios: install slurm lease-fs torchft-upstream
 	$(PY) -m pytest -q -p no:cacheprovider -m scenario

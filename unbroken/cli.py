@@ -45,6 +45,7 @@ BENCHMARKS: dict[str, str] = {
     "rendezvous": "unbroken.bench.control_plane.rendezvous:rendezvous",
     "lease": "unbroken.bench.control_plane.lease_filesystems:lease",
     "torchtitan": "unbroken.bench.training.titan_trainer:torchtitan",
+    "torchft-ddp": "unbroken.bench.training.ddp_example:torchft_ddp",
     "sdc": "unbroken.bench.training.sdc:sdc",
 }
 
