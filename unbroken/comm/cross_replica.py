@@ -24,6 +24,7 @@ bind, and why they are trusted, :mod:`unbroken.comm.transport.backend_transport`
 from __future__ import annotations
 
 import datetime
+import hashlib
 import threading
 import time
 from collections import OrderedDict
@@ -64,6 +65,14 @@ class PendingSum:
 
     def done(self) -> bool:
         return self.future is None or self.future.done()
+
+
+def epoch_name(tag: str, epoch: int, members: list[int]) -> str:
+    """``TAG/epochN/DIGEST``: the rendezvous keys and connections of one epoch's group, named by
+    its members too, so that a group built ahead for a forecast that did not come true never
+    pairs with the one the epoch formed with (:meth:`CrossReplicaGroup.prepare`)."""
+    digest = hashlib.blake2b(repr(list(members)).encode(), digest_size=6).hexdigest()
+    return f"{tag}/epoch{epoch}/{digest}"
 
 
 class CrossReplicaGroup:
@@ -112,6 +121,10 @@ class CrossReplicaGroup:
         self._aborted_epoch: int | None = None
         self._lock = threading.Lock()
         self._store_lock = threading.Lock()
+        self._prepare_lock = threading.Lock()
+        # The group of a forecast epoch being built ahead (prepare): its key and its build.
+        self._prepared: tuple[tuple[str, int, tuple[int, ...], str], Future[Any]] | None = None
+        self.prepared_hits = 0  # epochs whose group was built ahead and taken as it was
         self.recorder: FlightRecorder | None = None
         self.members: list[int] = []
         self.last_join_wait_s = 0.0  # how long the last exchange waited for its epoch's rendezvous
@@ -139,26 +152,71 @@ class CrossReplicaGroup:
         self._batch_over(None)  # a batch of overlapped sums left open by the last epoch
         self.members, self.tag = list(members or range(size)), tag
         self.epoch, self.rank, self.size = epoch, rank, size
+        with self._prepare_lock:
+            prepared, self._prepared = self._prepared, None
+        if prepared is not None and prepared[0] == (store_address, epoch, tuple(self.members), tag):
+            self._pending = prepared[1]  # built ahead, as forecast: its rendezvous is under way or done
+            self.prepared_hits += 1
+            return
+        if prepared is not None:
+            prepared[1].add_done_callback(self._retire_built)  # another epoch formed than forecast
         if size == 1:
             return
+        self._pending = self._build(store_address, epoch, rank, size, tag, device, self.members)
+
+    def prepare(
+        self, store_address: str, epoch: int, members: list[int], me: int, tag: str, device: torch.device
+    ) -> bool:
+        """Starts building the group of an epoch the coordinator forecasts (a newcomer admitted
+        at the members' next step), while this one still trains; whether a build started.
+
+        A new epoch's rendezvous waits for every member, a newcomer's first steps among them,
+        and took a survivor's whole step on 2 cores (0.05-0.07 s for 3 members against 0.015 s
+        for 2); begun a step ahead, it is done by the time the epoch forms. Only a forecast:
+        :meth:`configure` takes the group when the epoch forms as forecast (the same epoch
+        number, members, store and tag), else it is released. Each group's rendezvous keys name
+        its members (:func:`epoch_name`), so a forecast that missed never meets the real epoch.
+        Called from the coordinator connection's thread.
+        """
+        if me not in members or len(members) < 2:
+            return False
+        key = (store_address, epoch, tuple(members), tag)
+        with self._prepare_lock:
+            if self.epoch is not None and epoch <= self.epoch:
+                return False
+            if self._prepared is not None:
+                if self._prepared[0] == key:
+                    return False
+                self._prepared[1].add_done_callback(self._retire_built)
+            self._prepared = (
+                key,
+                self._build(store_address, epoch, members.index(me), len(members), tag, device, members),
+            )
+        return True
+
+    def _build(
+        self, store_address: str, epoch: int, rank: int, size: int, tag: str, device: torch.device, members: list[int]
+    ) -> Future[Any]:
+        """The group of ``epoch``, built on a background thread: its rendezvous waits for every
+        member, and a member that dies or hangs meanwhile must not hold the caller."""
         pending: Future[Any] = Future()
-        self._pending = pending
         try:
             store = self._store(store_address)  # here, not on the build thread: the pool keeps epochs in order
         except ValueError as e:  # an address that is no HOST:PORT: this epoch's exchange fails with it
             pending.set_exception(e)
-            return
+            return pending
+        name = epoch_name(tag, epoch, members)
 
         def build() -> None:
             try:
-                prefix = dist.PrefixStore(f"unbroken/{tag}/epoch{epoch}", store)
+                prefix = dist.PrefixStore(f"unbroken/{name}", store)
                 link = EpochLink(
                     prefix,
                     store_address,
                     rank,
                     size,
                     device,
-                    f"{tag}/epoch{epoch}",
+                    name,
                     self._secret,
                     self.backend_setting,
                     self.timeout,
@@ -170,6 +228,7 @@ class CrossReplicaGroup:
                 pending.set_exception(e)
 
         threading.Thread(target=build, name=f"unbroken-group-epoch{epoch}", daemon=True).start()
+        return pending
 
     def make_group(
         self, backend: str, store: Any, rank: int, size: int, store_address: str, device: torch.device
@@ -478,6 +537,10 @@ class CrossReplicaGroup:
     def close(self, timeout_s: float = 0.0) -> None:
         """Leaves the current epoch and waits up to ``timeout_s`` for the groups to be released."""
         self.abandon()
+        with self._prepare_lock:
+            prepared, self._prepared = self._prepared, None
+        if prepared is not None:
+            prepared[1].add_done_callback(self._retire_built)
         if timeout_s > 0:
             self.reaper.drain(timeout_s)
 

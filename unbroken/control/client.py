@@ -32,7 +32,7 @@ from typing import Any, Protocol
 from unbroken.config import parse_host_ports
 from unbroken.control import protocol
 from unbroken.control.quorum.heartbeat import COORDINATOR_SILENT_S, heartbeat_due, silent_after
-from unbroken.control.quorum.rules import QuorumDecision, push_answers
+from unbroken.control.quorum.rules import QuorumDecision, members_of_runs, push_answers
 from unbroken.control.quorum.silence import SilenceWatch
 from unbroken.diagnosis.telemetry import TelemetryBatch
 from unbroken.wire.auth import AuthError, JobSecret, Session
@@ -100,6 +100,8 @@ class CoordinatorClient:
         on_abort: called from the connection thread with the epoch to abort.
         on_donate: called from the connection thread when this replica will likely serve a
             newcomer (its id) at its next step.
+        on_prepare: called from the connection thread with a forecast epoch, its members and
+            the store its groups meet on (:class:`~unbroken.control.protocol.Prepare`).
         heartbeat_s: heartbeat period.
         reconnect_timeout_s: give up (fail pending requests) after this long without a
             connection; covers a coordinator restart.
@@ -112,6 +114,7 @@ class CoordinatorClient:
         hello: dict[str, Any],
         on_abort: Callable[[int], None] | None = None,
         on_donate: Callable[[int], None] | None = None,
+        on_prepare: Callable[[int, list[int], str], object] | None = None,
         heartbeat_s: float = 0.1,
         reconnect_timeout_s: float = 120.0,
         telemetry: Callable[[], TelemetryBatch] | None = None,
@@ -127,6 +130,7 @@ class CoordinatorClient:
             raise ValueError(f"CoordinatorClient's hello: {e}") from None
         self.on_abort = on_abort
         self.on_donate = on_donate
+        self.on_prepare = on_prepare
         self.heartbeat_s = heartbeat_s
         self.reconnect_timeout_s = reconnect_timeout_s
         self.telemetry = telemetry  # flight-recorder batches ride along with the heartbeat
@@ -428,10 +432,19 @@ class CoordinatorClient:
             self.on_abort(protocol.Abort.from_msg(msg).epoch)
         elif op == protocol.Donate.OP and self.on_donate is not None:
             self.on_donate(protocol.Donate.from_msg(msg).to)
+        elif op == protocol.Prepare.OP and self.on_prepare is not None:
+            self._prepare(protocol.Prepare.from_msg(msg))
         elif op == protocol.Alive.OP:
             protocol.Alive.from_msg(msg)  # heard: all it says (see COORDINATOR_SILENT_S)
         elif op == protocol.Error.OP:
             log.warning("coordinator: %s", protocol.Error.from_msg(msg).message)
+
+    def _prepare(self, p: protocol.Prepare) -> None:
+        """A forecast epoch (:class:`~unbroken.control.protocol.Prepare`): its members checked, its
+        store defaulting as a quorum answer's does; handed to ``on_prepare``."""
+        assert self.on_prepare is not None
+        members = members_of_runs(p.member_runs)  # ValueError: skipped as a malformed line
+        self.on_prepare(p.epoch, list(members), p.store or self.store_address or "")
 
     def _answer(self, msg: dict[str, Any]) -> None:
         """A quorum answer (:class:`~unbroken.control.protocol.QuorumAnswer` in full, or

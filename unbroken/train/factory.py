@@ -144,6 +144,9 @@ def build_manager(
         },
         on_abort=group.abort,
         on_donate=hint,
+        on_prepare=lambda epoch, members, store: group.prepare(
+            store, epoch, members, config.replica_id, f"rank{config.rank}", device
+        ),
         telemetry=recorder.batch if recorder is not None else None,
     )
 

@@ -75,6 +75,7 @@ EXAMPLES = [
     protocol.Abort(epoch=3),
     protocol.EpochPush(abort=3, decision={"epoch": 4, "step": 9}, transfer_addrs={"1": "h:3"}, store="h:2"),
     protocol.Donate(to=2),
+    protocol.Prepare(epoch=5, member_runs=[[0, 2]], store="h:2"),
     protocol.Error("no"),
     protocol.Assign(replicas=[0, 2], num_replicas=3),
     protocol.GroupAssign(

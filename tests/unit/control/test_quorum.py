@@ -162,6 +162,32 @@ def test_upcoming_donors_forecast_the_donors_of_the_next_decision() -> None:
     assert q.upcoming_donors() == {}
 
 
+def test_the_upcoming_epoch_is_forecast_with_its_newcomers_as_it_then_forms() -> None:
+    q = two_left_of_four()
+    assert q.upcoming_epoch() is None  # nobody is waiting to join
+    q.connect(2)
+    q.request(QuorumRequest(2, 0), 2.0)
+    forecast = q.upcoming_epoch()
+    assert forecast is not None
+    q.request(QuorumRequest(0, 11), 2.5)
+    _, formed = q.request(QuorumRequest(1, 11), 2.5)
+    assert (formed[0].epoch, formed[0].members) == (forecast.epoch, forecast.members) == (forecast.epoch, (0, 1, 2))
+    assert q.upcoming_epoch() is None
+
+
+def test_no_epoch_is_forecast_where_a_member_is_silent_or_the_newcomer_would_be_parked() -> None:
+    q = two_left_of_four()
+    q.connect(2)
+    q.request(QuorumRequest(2, 0), 2.0)
+    q.silent.add(1)  # it may be evicted first: the next epoch is not known
+    assert q.upcoming_epoch() is None
+    capped = started(n=2)
+    capped.rules = dataclasses.replace(capped.rules, max_members=2)
+    capped.connect(2)
+    capped.request(QuorumRequest(2, 0), 1.0)
+    assert capped.upcoming_epoch() is None  # a full epoch parks the spare: nothing forms
+
+
 def test_no_donor_is_forecast_while_the_epoch_is_broken() -> None:
     q = started()
     q.disconnect(2, 1.0)  # the members' exchange fails: the next decision is not yet known

@@ -207,6 +207,11 @@ def test_newcomers_asking_in_one_burst_have_their_donors_told_once_after_it(tmp_
     assert all(sorted(m["to"] for m in s.told(0, k) if m["op"] == "donate") == [1, 2] for k in range(RANKS))
     told = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert sorted(e["newcomer"] for e in told if e["kind"] == "donor_told") == [1, 2]
+    # every rank of every member of the forecast epoch, the newcomers too, builds its group ahead
+    for replica in range(3):
+        for k in range(RANKS):
+            prepares = [m for m in s.told(replica, k) if m["op"] == "prepare"]
+            assert [(m["epoch"], m["member_runs"]) for m in prepares] == [(2, [[0, 2]])], (replica, k)
 
 
 class Wire:

@@ -175,7 +175,7 @@ class SimNode(SimReplica):
                 if op == protocol.QuorumSame.OP and "decision" not in inner:
                     same = protocol.QuorumSame.from_msg(inner)
                     self.grant = Grant.from_answer(same.same_epoch, same.step, same.through)
-                elif op not in (protocol.Alive.OP, protocol.Donate.OP, protocol.Error.OP):
+                elif op not in (protocol.Alive.OP, protocol.Donate.OP, protocol.Prepare.OP, protocol.Error.OP):
                     self.grant = None
                 super()._handle(inner)
                 self._mind_standby()

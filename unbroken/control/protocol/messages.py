@@ -59,6 +59,7 @@ from unbroken.control.protocol.rank_messages import (
     Exited,
     Heartbeat,
     Hello,
+    Prepare,
     QuorumAnswer,
     QuorumAsk,
     QuorumSame,
@@ -83,6 +84,7 @@ __all__ = [
     "Bye",
     "Direction",
     "Donate",
+    "Prepare",
     "DumpStack",
     "EpochPush",
     "Error",
@@ -132,7 +134,7 @@ class Direction(enum.Enum):
 MESSAGES: dict[Direction, tuple[type[Any], ...]] = {
     Direction.RANK_TO_COORDINATOR: (Hello, Heartbeat, Telemetry, QuorumAsk, Bye, Exited),
     # ``quorum``: a full answer (sent pre-encoded) or the fast path's short one.
-    Direction.COORDINATOR_TO_RANK: (Welcome, QuorumAnswer, QuorumSame, Abort, EpochPush, Donate, Alive, Error),
+    Direction.COORDINATOR_TO_RANK: (Welcome, QuorumAnswer, QuorumSame, Abort, EpochPush, Donate, Prepare, Alive, Error),
     Direction.AGENT_TO_COORDINATOR: (AgentHello, AgentHeartbeat, Exited, StackReport, GroupPort, GroupRelease),
     Direction.COORDINATOR_TO_AGENT: (
         Assign,

@@ -317,6 +317,29 @@ class Donate:
 
 
 @dataclasses.dataclass(frozen=True)
+class Prepare:
+    """The epoch that forms at the members' next step if nothing else changes (a newcomer is
+    admitted): its members build its cross-replica group ahead
+    (:meth:`unbroken.comm.cross_replica.CrossReplicaGroup.prepare`). A forecast, not a
+    decision: members as ``member_runs``, checked where they are read."""
+
+    OP: ClassVar[str] = "prepare"
+    epoch: int
+    member_runs: list[Any]
+    store: str
+
+    @classmethod
+    def from_msg(cls, msg: Message) -> Prepare:
+        runs = msg.get("member_runs")
+        if not isinstance(runs, list):
+            raise ValueError("a prepare message needs member_runs, a list")
+        return cls(epoch=count(msg, "epoch"), member_runs=runs, store=text(msg, "store"))
+
+    def to_msg(self) -> Message:
+        return {"op": self.OP, **dataclasses.asdict(self)}
+
+
+@dataclasses.dataclass(frozen=True)
 class Alive:
     """To a rank whose request waits: the coordinator is alive and holds its lease (a rank
     that hears nothing for long tries the standby)."""

@@ -350,6 +350,25 @@ class QuorumState:
             return {}
         return {b: ahead[i % len(ahead)] for i, b in enumerate(newcomers)}
 
+    def upcoming_epoch(self) -> QuorumDecision | None:
+        """The epoch that forms when the newcomers now waiting are admitted at the members' next
+        step, if nothing else changes (every member alive, none silent); None when none waits
+        or no such forecast holds. Its members build its groups ahead
+        (:class:`unbroken.control.protocol.Prepare`); only the decision that forms counts."""
+        cur = self.current
+        if cur is None or self.broken:
+            return None
+        newcomers = [r for r in self.waiting if r not in cur.member_set]
+        if not newcomers or any(m not in self.alive or m in self.silent for m in cur.members):
+            return None
+        steps = {m: 1 for m in cur.members} | {r: 0 for r in newcomers}  # members are ahead
+        cap = self.rules.max_members
+        chosen = choose_members(steps, cur.member_set, cap) if cap is not None and len(steps) > cap else set(steps)
+        members = tuple(sorted(chosen))
+        if members == cur.members:
+            return None  # every newcomer would be parked
+        return QuorumDecision(self.epoch + 1, 0, members, ())
+
     def in_flight_members(self) -> tuple[int, ...]:
         """Members of a broken epoch that may still be blocked in its exchange."""
         if self.current is None or not self.broken:

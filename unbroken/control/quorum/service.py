@@ -23,7 +23,7 @@ from unbroken.control import protocol
 from unbroken.control.quorum.failure import classify
 from unbroken.control.quorum.grants import StepClock, grant_steps
 from unbroken.control.quorum.job_health import JobHealth, JobStop
-from unbroken.control.quorum.rules import QuorumDecision, QuorumRequest, QuorumState, push_answers
+from unbroken.control.quorum.rules import QuorumDecision, QuorumRequest, QuorumState, member_runs, push_answers
 from unbroken.control.quorum.setaside import SetAside
 from unbroken.control.state.state_store import StateStore
 from unbroken.observe import schema as ev
@@ -129,6 +129,7 @@ class QuorumService:
         self.aborted: dict[int, int] = {}
         self.aborts_pushed: int | None = None  # the broken epoch whose members were told to abort
         self.hinted: dict[int, int] = {}  # newcomer -> the epoch in which its donor was told
+        self.prepared: tuple[int, tuple[int, ...]] | None = None  # the last forecast told (epoch, members)
         self._hint_due = False
         self.push_due = False  # an eviction broke the epoch: push_epoch() runs once the evictions of this turn are done
         self.max_asks_per_s, self.max_grant_s = max_asks_per_s, max_grant_s
@@ -354,6 +355,21 @@ class QuorumService:
             self.events.emit(ev.DonorTold(newcomer=joiner, donor=donor, epoch=epoch))
             for conn in self.replicas.get(donor, {}).values():
                 conn.link.send(protocol.Donate(to=joiner).to_msg())
+        self.prepare_upcoming()
+
+    def prepare_upcoming(self) -> None:
+        """Tells every member of the forecast epoch (:meth:`QuorumState.upcoming_epoch`), the
+        newcomers too, to build its cross-replica groups now, once per forecast: the rendezvous
+        of an epoch with a newcomer took the survivors' whole step when it began with the epoch."""
+        forecast = self.quorum.upcoming_epoch()
+        if forecast is None or self.prepared == (forecast.epoch, forecast.members):
+            return
+        self.prepared = (forecast.epoch, forecast.members)
+        runs = member_runs(forecast.members)
+        for replica in forecast.members:
+            for conn in self.replicas.get(replica, {}).values():
+                store = self.rendezvous(forecast, conn)
+                conn.link.send(protocol.Prepare(epoch=forecast.epoch, member_runs=runs, store=store).to_msg())
 
     def deliver(self, decisions: list[QuorumDecision]) -> None:
         for d in decisions:

@@ -314,7 +314,7 @@ class RelayBook:
                 same = protocol.QuorumSame.from_msg(msg)
                 rank.grant = Grant.from_answer(same.same_epoch, same.step, same.through)
                 self._answered(rank, same.id, same.same_epoch)
-            elif op not in (protocol.Alive.OP, protocol.Donate.OP, protocol.Error.OP):
+            elif op not in (protocol.Alive.OP, protocol.Donate.OP, protocol.Prepare.OP, protocol.Error.OP):
                 rank.grant = None  # a full answer, a pushed epoch, an abort: the coordinator decides again
                 if op == protocol.QuorumAnswer.OP:
                     self._answered(rank, protocol.count(msg, "id"), protocol.count(msg["decision"], "epoch"))
