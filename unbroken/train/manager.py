@@ -167,6 +167,7 @@ class Manager:
             "last_exchange_s": 0.0,
             "last_recovery_s": 0.0,
             "last_join_wait_s": 0.0,
+            "last_quorum_wait_s": 0.0,  # the step's wait for its quorum answer
         }
         self._catch_up = CatchUp(catchup, secret, config.replica_id, self.stats, recorder, donate_hint)
         self.sdc = ExchangeCheck(config.replica_id, weights_every, enabled=verify_exchange, recorder=recorder)
@@ -264,7 +265,10 @@ class Manager:
         spare, or a member whose place a spare took while it hung) it may wait for a place until
         the job ends. The client fails the request once the coordinator is lost for its
         reconnect timeout, and the coordinator's no-progress rule ends a job that cannot train."""
-        return fut.result(timeout=None if self.config.wait_to_join else self.quorum_timeout_s)
+        waited = time.perf_counter()
+        answer = fut.result(timeout=None if self.config.wait_to_join else self.quorum_timeout_s)
+        self.stats["last_quorum_wait_s"] = time.perf_counter() - waited
+        return answer
 
     @property
     def quorum_pending(self) -> bool:

@@ -87,6 +87,8 @@ def test_crash_figures_from_a_clean_rejoin() -> None:
     assert f.donor_snapshot_s == pytest.approx(0.004)
     assert f.donor_snapshot_early is True and f.fetch_s == pytest.approx(0.12)
     assert f.catch_up_excess_s == pytest.approx(0.005 + 0.03)  # steps 50 and 51 above the median; 52 not
+    # the rejoin: from the restart's ready (5.25 s) through step 52; the stalled steps came before
+    assert f.worst_rejoin_step_s == pytest.approx(0.13) and f.worst_rejoin_ratio == pytest.approx(1.3)
 
 
 def test_no_rejoin_is_reported_as_missing_not_zero() -> None:

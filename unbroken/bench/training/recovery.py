@@ -111,6 +111,8 @@ class FaultFigures:
     donor_snapshot_early: bool | None = None  # taken at the step's start (the coordinator's hint)
     fetch_s: float | None = None  # the newcomer's fetch, quorum answer to last byte
     catch_up_excess_s: float | None = None  # survivors' extra time over the catch-up step and the 2 after
+    worst_rejoin_step_s: float | None = None  # survivors' longest step of the rejoin (see fault_figures)
+    worst_rejoin_ratio: float | None = None  # that step over the median step before the fault
 
     def as_json(self) -> dict[str, Any]:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in dataclasses.asdict(self).items()}
@@ -135,6 +137,10 @@ def fault_figures(
     - catch-up excess: each survivor's step time above the median over the catch-up step and
       the two after it, averaged over survivors: the whole cost of a catch-up on this machine,
       wherever it lands (a fetch that outlasts the step makes the next step wait for it).
+    - worst rejoin step: the survivors' longest step of the rejoin, from the moment the victim
+      could train again through the two steps after the catch-up step, and its ratio to the
+      median. Unlike the worst step after the fault, it leaves out the step the fault itself
+      broke (a survivor waits for the eviction there) and the noise of the later steps.
     """
     survivors = {r: rows for r, rows in rows_by_replica.items() if r != victim}
     median = median_step(survivors, before=fault_t)
@@ -150,6 +156,7 @@ def fault_figures(
     catch_up_step = caught_up[0]["step"] if caught_up else None
     rejoin_steps = None
     donor_slowdown = non_donor_slowdown = donor_snapshot_s = donor_snapshot_early = fetch_s = excess = None
+    worst_rejoin: float | None = None
     if readies and catch_up_step is not None:
         first_contributing = catch_up_step + 1
         committed_after_ready = {
@@ -167,6 +174,13 @@ def fault_figures(
             if len(window) == 3:
                 excesses.append(sum(t - median for t in window))
         excess = statistics.mean(excesses) if excesses else None
+        rejoin = [
+            r["step_s"]
+            for rows in survivors.values()
+            for r in step_rows(rows)
+            if r["t1"] > readies[-1] and r["step"] <= catch_up_step + 2
+        ]
+        worst_rejoin = max(rejoin, default=None)
         for rows in survivors.values():
             at = [r for r in step_rows(rows) if r["step"] == catch_up_step]
             if not at:
@@ -200,6 +214,8 @@ def fault_figures(
         donor_snapshot_early=donor_snapshot_early,
         fetch_s=fetch_s,
         catch_up_excess_s=excess,
+        worst_rejoin_step_s=worst_rejoin,
+        worst_rejoin_ratio=None if worst_rejoin is None else worst_rejoin / median,
     )
 
 

@@ -147,6 +147,7 @@ def main() -> None:
     log = open(args.out / f"steps-r{replica}.jsonl", "a", buffering=1)  # noqa: SIM115
     log.write(json.dumps({"event": "ready", "t": time.time(), "pid": os.getpid()}) + "\n")
     step = 0
+    checked_s = 0.0  # the verified exchange's seconds before this step (manager.sdc.spent_s)
     while step < args.steps:
         t0 = time.time()
         if unbroken_loop:
@@ -170,6 +171,9 @@ def main() -> None:
                 "committed": committed,
                 "exchange_s": manager.stats["last_exchange_s"],
                 "join_wait_s": manager.stats["last_join_wait_s"],
+                "quorum_wait_s": manager.stats["last_quorum_wait_s"],
+                "check_s": manager.sdc.spent_s - checked_s,
+                "prepared_hits": manager.group.prepared_hits,
                 "recovery_s": manager.stats["last_recovery_s"],
                 "fetch_s": manager.stats.get("last_fetch_s", 0.0),
                 "load_s": manager.stats.get("last_load_s", 0.0),
@@ -180,6 +184,7 @@ def main() -> None:
             }
             if args.mode in ("ddp", "torchft"):  # the exchange ran during backward: how much of it was left to wait for
                 row["busy_s"] = manager.stats.get("last_exchange_busy_s", 0.0)
+            checked_s = manager.sdc.spent_s
             step = manager.step
         elif args.mode == "torch_ddp":
             inner.step()

@@ -132,6 +132,7 @@ class GradientExchange:
         self, locals_: list[torch.Tensor], buf: torch.Tensor, seconds: float, d: QuorumDecision, observe: bool = True
     ) -> bool:
         """Checks the exchanged totals and writes the average into the gradients."""
+        joined_s = self.group.last_join_wait_s  # before the fingerprint swap, a sum of its own
         if not self._verified([buf], d):
             return False
         contributing = self._contributors(buf, d)
@@ -140,7 +141,7 @@ class GradientExchange:
         if observe:
             self.deadline.observe(seconds)
         self.stats["last_exchange_s"] = seconds
-        self.stats["last_join_wait_s"] = self.group.last_join_wait_s
+        self.stats["last_join_wait_s"] = joined_s
         if contributing == 0:
             return False  # every replica sat this step out: nothing to apply
         write_average(locals_, buf, contributing)
