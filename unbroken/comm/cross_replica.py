@@ -67,6 +67,10 @@ class PendingSum:
         return self.future is None or self.future.done()
 
 
+PreparedKey = tuple[str, int, tuple[int, ...], str]  # (store address, epoch, members, tag)
+MAX_PREPARED = 4  # groups of forecast epochs built ahead at once, at most
+
+
 def epoch_name(tag: str, epoch: int, members: list[int]) -> str:
     """``TAG/epochN/DIGEST``: the rendezvous keys and connections of one epoch's group, named by
     its members too, so that a group built ahead for a forecast that did not come true never
@@ -123,7 +127,10 @@ class CrossReplicaGroup:
         self._store_lock = threading.Lock()
         self._prepare_lock = threading.Lock()
         # The group of a forecast epoch being built ahead (prepare): its key and its build.
-        self._prepared: tuple[tuple[str, int, tuple[int, ...], str], Future[Any]] | None = None
+        # Groups of forecast epochs being built ahead (prepare), by (store, epoch, members, tag);
+        # and every such key ever started for an epoch not yet configured: a name is built once.
+        self._prepared: dict[PreparedKey, Future[Any]] = {}
+        self._started_ahead: set[PreparedKey] = set()
         self.prepared_hits = 0  # epochs whose group was built ahead and taken as it was
         self.recorder: FlightRecorder | None = None
         self.members: list[int] = []
@@ -152,14 +159,24 @@ class CrossReplicaGroup:
         self._batch_over(None)  # a batch of overlapped sums left open by the last epoch
         self.members, self.tag = list(members or range(size)), tag
         self.epoch, self.rank, self.size = epoch, rank, size
+        key = (store_address, epoch, tuple(self.members), tag)
         with self._prepare_lock:
-            prepared, self._prepared = self._prepared, None
-        if prepared is not None and prepared[0] == (store_address, epoch, tuple(self.members), tag):
-            self._pending = prepared[1]  # built ahead, as forecast: its rendezvous is under way or done
+            prepared = self._prepared.pop(key, None)
+            started = key in self._started_ahead
+            # Forecasts of this epoch or earlier ones are done with; later ones may still form.
+            stale = [k for k in self._prepared if k[1] <= epoch]
+            released = [self._prepared.pop(k) for k in stale]
+            self._started_ahead = {k for k in self._started_ahead if k[1] > epoch}
+        for pending in released:
+            pending.add_done_callback(self._retire_built)
+        if prepared is not None:
+            self._pending = prepared  # built ahead, as forecast: its rendezvous is under way or done
             self.prepared_hits += 1
             return
-        if prepared is not None:
-            prepared[1].add_done_callback(self._retire_built)  # another epoch formed than forecast
+        if started:  # built ahead and released since: its name cannot be met twice
+            self._pending = Future()
+            self._pending.set_exception(RuntimeError(f"epoch {epoch}'s group was built ahead and released"))
+            return
         if size == 1:
             return
         self._pending = self._build(store_address, epoch, rank, size, tag, device, self.members)
@@ -182,15 +199,14 @@ class CrossReplicaGroup:
             return False
         key = (store_address, epoch, tuple(members), tag)
         with self._prepare_lock:
-            if self.epoch is not None and epoch <= self.epoch:
+            if (self.epoch is not None and epoch <= self.epoch) or key in self._started_ahead:
                 return False
-            if self._prepared is not None:
-                if self._prepared[0] == key:
-                    return False
-                self._prepared[1].add_done_callback(self._retire_built)
-            self._prepared = (
-                key,
-                self._build(store_address, epoch, members.index(me), len(members), tag, device, members),
+            if len(self._prepared) >= MAX_PREPARED:  # forecasts that keep changing: keep the newest
+                oldest = min(self._prepared, key=lambda k: k[1])
+                self._prepared.pop(oldest).add_done_callback(self._retire_built)
+            self._started_ahead.add(key)
+            self._prepared[key] = self._build(
+                store_address, epoch, members.index(me), len(members), tag, device, members
             )
         return True
 
@@ -538,9 +554,9 @@ class CrossReplicaGroup:
         """Leaves the current epoch and waits up to ``timeout_s`` for the groups to be released."""
         self.abandon()
         with self._prepare_lock:
-            prepared, self._prepared = self._prepared, None
-        if prepared is not None:
-            prepared[1].add_done_callback(self._retire_built)
+            prepared, self._prepared = list(self._prepared.values()), {}
+        for pending in prepared:
+            pending.add_done_callback(self._retire_built)
         if timeout_s > 0:
             self.reaper.drain(timeout_s)
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from unbroken.comm.cross_replica import CrossReplicaGroup, epoch_name
+from unbroken.comm.transport import EpochLink, Transport
 from unbroken.wire.auth import JobSecret
 from unbroken.wire.store import StoreServer
 
@@ -82,3 +83,58 @@ def test_each_membership_of_an_epoch_meets_under_its_own_name() -> None:
     assert epoch_name("t", 3, [0, 1, 2]) != epoch_name("t", 3, [0, 1])
     assert epoch_name("t", 3, [0, 1]) == epoch_name("t", 3, [0, 1]) != epoch_name("t", 4, [0, 1])
     assert epoch_name("rank0", 3, [0, 1]).startswith("rank0/epoch3/")
+
+
+class NamingTransport(Transport):
+    """Builds nothing: records each epoch name a build asked for (a name must be built once)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.released: list[Any] = []
+
+    def build(self, link: EpochLink) -> tuple[str, Any]:
+        self.names.append(link.tag_epoch)
+        return "gloo", object()
+
+    def start(self, *args: Any) -> Any:
+        raise AssertionError("no sum here")
+
+    def release(self, reaper: Any, pg: Any, backend: str, epoch: int | None, works: list[Any]) -> None:
+        self.released.append(pg)
+
+
+def _settled(group: CrossReplicaGroup) -> None:
+    for pending in list(group._prepared.values()) + ([group._pending] if group._pending else []):
+        try:
+            pending.result(timeout=10)
+        except Exception:  # noqa: BLE001 - a failed build counts as settled
+            pass
+
+
+def test_forecasts_that_change_never_build_one_epoch_name_twice() -> None:
+    transport = NamingTransport()
+    group = CrossReplicaGroup(SECRET, transport=transport)
+    store = "127.0.0.1:1"
+    try:
+        group.configure(store, 2, 0, 2, tag="t", device=CPU, members=[0, 1])
+        # epoch 4 forecast with a newcomer, then epoch 3 forms first without it: kept for 4
+        assert group.prepare(store, 4, [0, 1, 2], 0, "t", CPU)
+        _settled(group)
+        group.configure(store, 3, 0, 2, tag="t", device=CPU, members=[0, 1])
+        _settled(group)
+        group.configure(store, 4, 0, 3, tag="t", device=CPU, members=[0, 1, 2])
+        assert group.prepared_hits == 1
+        assert transport.names.count(epoch_name("t", 4, [0, 1, 2])) == 1
+        # forecast 6 with 2, then with 3 instead, then 6 forms with 2 after all: built ahead once
+        # and released, its name is not built again; the epoch fails and the next one forms
+        assert group.prepare(store, 6, [0, 1, 2], 0, "t", CPU)
+        for extra in (3, 4, 5, 6):  # forecasts past MAX_PREPARED push out the first
+            assert group.prepare(store, 6, [0, 1, extra], 0, "t", CPU)
+        assert not group.prepare(store, 6, [0, 1, 2], 0, "t", CPU)  # its name was started once
+        _settled(group)
+        group.configure(store, 6, 0, 3, tag="t", device=CPU, members=[0, 1, 2])
+        assert group._pending is not None and group._pending.exception() is not None
+        assert transport.names.count(epoch_name("t", 6, [0, 1, 2])) == 1
+        assert len(group._prepared) == 0  # every forecast of epoch 6 released
+    finally:
+        group.close()
