@@ -22,10 +22,10 @@ import torch
 
 from tests.integration.harness import ROOT, Job
 
-pytestmark = [pytest.mark.integration, pytest.mark.scenario]
+pytestmark = [pytest.mark.integration]
 
 UPSTREAM = ROOT / ".cache" / "upstream"
-WRAPPER = ROOT / "unbroken" / "bench" / "titan_standins.py"
+WRAPPER = ROOT / "unbroken" / "bench" / "training" / "titan_standins.py"
 STEP = re.compile(r"step:\s+(\d+)")
 
 
