@@ -69,6 +69,7 @@ class PendingSum:
 
 PreparedKey = tuple[str, int, tuple[int, ...], str]  # (store address, epoch, members, tag)
 MAX_PREPARED = 4  # groups of forecast epochs built ahead at once, at most
+MAX_STARTED_AHEAD = 64  # names of forecast epochs remembered as built (pruned by each configure)
 
 
 def epoch_name(tag: str, epoch: int, members: list[int]) -> str:
@@ -126,7 +127,6 @@ class CrossReplicaGroup:
         self._lock = threading.Lock()
         self._store_lock = threading.Lock()
         self._prepare_lock = threading.Lock()
-        # The group of a forecast epoch being built ahead (prepare): its key and its build.
         # Groups of forecast epochs being built ahead (prepare), by (store, epoch, members, tag);
         # and every such key ever started for an epoch not yet configured: a name is built once.
         self._prepared: dict[PreparedKey, Future[Any]] = {}
@@ -204,6 +204,8 @@ class CrossReplicaGroup:
             if len(self._prepared) >= MAX_PREPARED:  # forecasts that keep changing: keep the newest
                 oldest = min(self._prepared, key=lambda k: k[1])
                 self._prepared.pop(oldest).add_done_callback(self._retire_built)
+            if len(self._started_ahead) >= MAX_STARTED_AHEAD:  # a replica no epoch takes in
+                self._started_ahead.discard(min(self._started_ahead, key=lambda k: k[1]))
             self._started_ahead.add(key)
             self._prepared[key] = self._build(
                 store_address, epoch, members.index(me), len(members), tag, device, members

@@ -138,3 +138,16 @@ def test_forecasts_that_change_never_build_one_epoch_name_twice() -> None:
         assert len(group._prepared) == 0  # every forecast of epoch 6 released
     finally:
         group.close()
+
+
+def test_a_replica_no_epoch_takes_in_remembers_a_bounded_number_of_forecasts() -> None:
+    """A parked spare hears forecasts that never form; what it keeps of them stays bounded."""
+    from unbroken.comm.cross_replica import MAX_PREPARED, MAX_STARTED_AHEAD
+
+    group = CrossReplicaGroup(SECRET, transport=NamingTransport())
+    try:
+        for epoch in range(1, MAX_STARTED_AHEAD + 20):
+            assert group.prepare("127.0.0.1:1", epoch, [0, 1], 1, "t", CPU)
+        assert len(group._started_ahead) == MAX_STARTED_AHEAD and len(group._prepared) == MAX_PREPARED
+    finally:
+        group.close()

@@ -33,6 +33,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -191,8 +192,8 @@ def run_start(out: Path, script: Path, args: Any, env: dict[str, str]) -> Start:
 
 def summarize(starts: list[Start]) -> dict[str, Any]:
     def median(key: str) -> float | None:
-        vals = sorted(v for s in starts if (v := getattr(s, key)) is not None)
-        return vals[len(vals) // 2] if vals else None
+        vals = [v for s in starts if (v := getattr(s, key)) is not None]
+        return round(statistics.median(vals), 3) if vals else None
 
     return {
         "starts": len(starts),

@@ -28,6 +28,7 @@ from unbroken.control.quorum.setaside import SetAside
 from unbroken.control.state.state_store import StateStore
 from unbroken.observe import schema as ev
 from unbroken.observe.events import EventLog
+from unbroken.wire import jsontext
 
 
 @dataclasses.dataclass
@@ -366,10 +367,14 @@ class QuorumService:
             return
         self.prepared = (forecast.epoch, forecast.members)
         runs = member_runs(forecast.members)
+        by_store: dict[str, bytes] = {}  # one text per store the groups meet on, encoded once
         for replica in forecast.members:
             for conn in self.replicas.get(replica, {}).values():
                 store = self.rendezvous(forecast, conn)
-                conn.link.send(protocol.Prepare(epoch=forecast.epoch, member_runs=runs, store=store).to_msg())
+                text = by_store.get(store)
+                if text is None:
+                    text = by_store[store] = jsontext.dumps(protocol.Prepare(forecast.epoch, runs, store).to_msg())
+                conn.link.send_payload(text)
 
     def deliver(self, decisions: list[QuorumDecision]) -> None:
         for d in decisions:

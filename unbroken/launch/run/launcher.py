@@ -400,18 +400,14 @@ class Launcher(Supervisor[SupervisedReplica]):
         """Applies :func:`unbroken.launch.recovery.verdicts.verdict_action` to the culprit replica."""
         replica = culprit_replica(e)
         action, why = verdict_action(e, self.s.on_verdict)
-        ending = self._terminated is not None  # its replicas flush and exit: silence is expected
-        if action == IGNORE or replica not in self.replicas or ending:
+        ignored = why if action == IGNORE else None
+        if ignored is None and replica not in self.replicas:
+            ignored = "not a replica of this job"
+        if ignored is None and self._terminated is not None:  # its replicas flush and go quiet
+            ignored = "the job is ending (SIGTERM)"
+        if ignored is not None:
             self.events.emit(
-                "verdict_ignored",
-                verdict_class=e.verdict_class,
-                replica=replica,
-                action=action,
-                reason=why
-                if action == IGNORE
-                else "the job is ending (SIGTERM)"
-                if ending
-                else "not a replica of this job",
+                "verdict_ignored", verdict_class=e.verdict_class, replica=replica, action=action, reason=ignored
             )
             return
         if action == ROLLBACK:
