@@ -78,7 +78,7 @@ def test_plan_runs_each_fault_kind_and_the_clean_run_n_times() -> None:
 def test_run_scores_split_healthy_from_the_culprits_fault() -> None:
     from unbroken.bench.network.diagnosis_rates import calibrate, run_scores
 
-    confirm = {"step_time": 2, "straggler": 2, "link": 2}
+    confirm = {"step_time": 2, "straggler": 2, "link": 2, "link_one_way": 2}
     healthy_log = [
         {"step_time": {"0/0": 1.0, "1/0": 1.1}, "straggler": {"0/0": 1.0, "1/0": 0.8}, "link": {"0-1": 0.5}}
     ] * 3
@@ -90,8 +90,12 @@ def test_run_scores_split_healthy_from_the_culprits_fault() -> None:
     assert fault == {"straggler": {"faulty": [pytest.approx(1 / 0.6, abs=1e-3)]}}  # held: the weaker of the two
     node_log = [{"link": {"0-2": 9.0, "1-2": 7.0, "0-1": 0.5}}] * 2
     assert run_scores("slow_node", False, 2, node_log, confirm)["link"] == {"faulty": [7.0]}  # its weakest link
+    lone_log = [{"link_one_way": {"2-0": 30.0, "2-1": 25.0, "0-1": 0.4}}] * 2  # "src-dst", judged alone
+    assert run_scores("slow_node", False, 2, lone_log, confirm)["link_one_way"] == {"faulty": [25.0]}
     link_log = [{"link": {"0-2": 9.0, "1-2": 0.7, "0-1": 0.5}}] * 2
     assert run_scores("slow_link", False, (2, 0), link_log, confirm)["link"] == {"faulty": [9.0]}
-    got = calibrate([{"scores": clean}, {"scores": fault}], {"step_time": 1.2, "straggler": 1.39, "link": 2.5})
+    got = calibrate(
+        [{"scores": clean}, {"scores": fault}], {"step_time": 1.2, "straggler": 1.39, "link": 2.5, "link_one_way": 5.0}
+    )
     assert got["straggler"]["derived_threshold"] == pytest.approx((1.25 * (1 / 0.6)) ** 0.5, abs=1e-3)
     assert got["link"]["healthy"]["max"] == 0.5 and got["link"]["derived_threshold"] is None  # no fault measured

@@ -185,6 +185,22 @@ def test_slow_node_is_its_row_and_column() -> None:
     assert 30 <= seq < 50
 
 
+def test_slow_node_whose_receivers_come_late_is_named() -> None:
+    """As in the box with ``tbf`` on one host: its peers' receives from it come late (they are
+    still in their own slow transfers to it), and a transfer counted only when its receiver had
+    waited left its links without samples: no verdict in 50 collectives. Timed from the late
+    receiver's own post, they show the slow wire."""
+    m = DiagnosisMaster()
+    wire = lambda seq, a, b, step: 0.001 * (20.0 if 2 in (a, b) and seq >= 30 else 1.0)  # noqa: E731
+    late = lambda seq, a, b, step: 0.05 if 2 in (a, b) and seq >= 30 else 0.0  # noqa: E731
+    assert ring_collectives(m, range(30), wire, late) == []
+    verdicts = ring_collectives(m, range(30, 60), wire, late)
+    assert verdicts, "no verdict on a node whose wire is 20x slower"
+    seq, v = verdicts[0]
+    assert (v.kind, v.culprit.replica, v.culprit.link, v.evidence["pattern"]) == ("comm_slow", 2, None, "node")
+    assert seq < 50
+
+
 def test_scheduling_noise_on_a_busy_host_is_no_slow_link() -> None:
     """Heavy-tailed extra delays (a descheduled thread) on any transfer: the floor stays healthy."""
     rng = random.Random(7)

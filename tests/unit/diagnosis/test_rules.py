@@ -148,6 +148,77 @@ def test_opposite_clock_errors_on_a_link_cancel() -> None:
     assert links.classify_slow(skewed) is None
 
 
+def transfer(send_post: float, recv_post: float, recv_done: float, queued: float = 0.0) -> links.TransferTimes:
+    return links.TransferTimes((0, 0), (1, 0), send_post, recv_post, recv_done, queued, 0.5)
+
+
+def test_a_late_receiver_is_timed_on_its_own_clock() -> None:
+    """It posted 4 ms after the sender: 1 ms from its post to the data, whatever the sender's
+    clock says; no pair correction needed."""
+    t = transfer(10.000, 20.004, 20.005)  # the receiver's clock runs 10 s ahead
+    assert links.transfer_time(t, 10.0, 0.0, None) == pytest.approx(0.002)  # 1 ms over 0.5 MB
+
+
+def test_an_awaited_transfer_needs_its_pairs_clocks_reconciled() -> None:
+    t = transfer(1.000, 0.990, 1.003)
+    assert links.transfer_time(t, 0.0, 0.0, None) is None
+    assert links.transfer_time(t, 0.0, 0.0, 0.0015) == pytest.approx(0.0015 / 0.5)
+
+
+def test_a_cpu_wait_before_the_sender_posted_is_not_taken_off() -> None:
+    """The receiver posted at 0.990 and was preempted for 8 ms before the sender posted at 1.000:
+    that wait cannot have fallen inside the transfer, and nothing comes off."""
+    t = transfer(1.000, 0.990, 1.002, queued=0.008)
+    assert links.transfer_time(t, 0.0, 0.0, 0.0) == pytest.approx(0.004)
+    late = transfer(1.000, 1.001, 1.010, queued=0.006)  # a late receiver's wait is all inside
+    assert links.transfer_time(late, 0.0, 0.0, None) == pytest.approx(0.006)
+
+
+def test_clock_corrections_from_a_pairs_fastest_transfers() -> None:
+    """The receiver's clock maps 1.5 ms late: 0.5 ms transfers read 2.0 ms one way, -1.0 ms the
+    other; the correction puts both at 0.5 ms, and a late transfer is left as it was."""
+    a, b = (0, 0), (1, 0)
+    e = 0.0015
+    there = [
+        links.TransferTimes(a, b, 1.0 + i, 0.99 + i + e, 1.0005 + i + e + 0.001 * (i % 3), 0.0, 1.0) for i in range(5)
+    ]
+    back = [links.TransferTimes(b, a, 1.0 + i + e, 0.99 + i, 1.0005 + i, 0.0, 1.0) for i in range(5)]
+    fix = links.clock_corrections(there + back, {a: 0.0, b: 0.0})
+    assert fix[(a, b)] == pytest.approx(e) and fix[(b, a)] == pytest.approx(-e)
+    assert links.transfer_time(there[0], 0.0, 0.0, fix[(a, b)]) == pytest.approx(0.0005)
+    assert links.transfer_time(back[0], 0.0, 0.0, fix[(b, a)]) == pytest.approx(0.0005)
+    assert links.clock_corrections(there, {a: 0.0, b: 0.0}) == {}  # one way only: no estimate
+
+
+def test_slow_node_known_by_its_outgoing_directions_alone_is_named() -> None:
+    """Its incoming cells are short (their pairs' clocks not reconciled yet): its links are
+    judged by their outgoing direction alone."""
+    got = cells({(1, 0), (1, 2)}, 20.0)
+    got[(0, 1)] = got[(0, 1)][:2]
+    got[(2, 1)] = got[(2, 1)][:3]
+    f = links.classify_slow(got)
+    assert f is not None and (f.pattern, f.replica) == ("node", 1)
+    assert f.evidence["one_way_scores"].keys() == {"1>0", "1>2"}
+
+
+def test_a_lone_direction_must_clear_twice_the_bar() -> None:
+    """A whole link 2.5x its peers is slow; a direction alone, whose clock error does not
+    cancel, must be 5x the healthy directions."""
+    got = cells({(1, 2)}, 4.0)
+    got[(2, 1)] = got[(2, 1)][:2]
+    assert links.classify_slow(got) is None
+    got[(1, 2)] = [x * 2 for x in got[(1, 2)]]  # 8x
+    f = links.classify_slow(got)
+    assert f is not None and (f.pattern, f.link) == ("link", (1, 2))
+
+
+def test_a_lone_direction_is_never_the_reference() -> None:
+    """With no link known both ways there is no scale: no verdict, however uneven the cells."""
+    got = {(0, 1): [0.01] * 8, (1, 2): [0.5] * 8, (2, 0): [0.01] * 8}
+    assert links.classify_slow(got) is None
+    assert links.one_way_scores(got) == {}
+
+
 def test_uniform_matrix_has_no_culprit() -> None:
     assert links.classify_slow(cells(set())) is None
 

@@ -42,6 +42,7 @@ from unbroken.config import ENV_EXCHANGE, ENV_LINK_FAULT, ENV_RECORDER
 from unbroken.diagnosis.master.master import DiagnosisMaster
 from unbroken.diagnosis.master.master_state import MasterSettings
 from unbroken.diagnosis.rules.calibrate import describe
+from unbroken.diagnosis.rules.links import ONE_WAY_FACTOR
 from unbroken.diagnosis.verdict import COMM_HANG, COMM_SLOW, METRIC_ANOMALY, NONCOMM_HANG, STRAGGLER
 from unbroken.faults.schedule import Schedule
 from unbroken.launch.run.launcher import Launcher, LaunchSettings
@@ -359,7 +360,12 @@ def run_scenario(sc: Scenario, root: Path, run: int | None = None, grace_s: floa
         events, rows = asyncio.run(_run(sc, run_dir, scores=log, grace_s=grace_s))
     out = score(sc, events, rows)
     settings = MasterSettings()
-    confirm = {"step_time": settings.confirm, "straggler": settings.straggler_confirm, "link": settings.link_confirm}
+    confirm = {
+        "step_time": settings.confirm,
+        "straggler": settings.straggler_confirm,
+        "link": settings.link_confirm,
+        "link_one_way": settings.link_confirm,
+    }
     out["scores"] = run_scores(sc.name, sc.clean, sc.culprit, log, confirm)
     (run_dir / "scores.jsonl").write_text("".join(json.dumps(e) + "\n" for e in log))
     out.update(
@@ -535,7 +541,13 @@ def diagnosis(
         rows.append(row)
     s = MasterSettings()
     result["calibration"] = calibrate(
-        rows, {"step_time": s.step_time_threshold, "straggler": 1 / s.straggler_threshold, "link": s.link_ratio}
+        rows,
+        {
+            "step_time": s.step_time_threshold,
+            "straggler": 1 / s.straggler_threshold,
+            "link": s.link_ratio,
+            "link_one_way": ONE_WAY_FACTOR * s.link_ratio,
+        },
     )
     for row in rows:  # thousands of held scores per run: the calibration above summarizes them
         row["scores"] = {rule: {side: describe(xs) for side, xs in got.items()} for rule, got in row["scores"].items()}

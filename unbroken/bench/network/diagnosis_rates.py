@@ -112,13 +112,15 @@ RULES: dict[str, tuple[frozenset[str], bool]] = {
     "step_time": (frozenset({"throughput_drop"}), False),
     "straggler": (frozenset({"straggler_1.5x", "straggler_3x"}), True),
     "link": (frozenset({"slow_link", "slow_node"}), False),
+    # A direction judged alone (its link's other direction unknown), keyed "src-dst".
+    "link_one_way": (frozenset({"slow_link", "slow_node"}), False),
 }
 
 
 def _culprit_keys(rule: str, culprit: int | tuple[int, int] | None, keys: Sequence[str]) -> list[str]:
     if culprit is None:
         return []
-    if rule == "link":
+    if rule in ("link", "link_one_way"):
         if isinstance(culprit, tuple):
             return [k for k in keys if set(k.split("-")) == {str(c) for c in culprit}]
         return [k for k in keys if str(culprit) in k.split("-")]

@@ -56,8 +56,8 @@ class DiagnosisMaster:
         # rank -> seconds between consecutive collectives' last arrivals: the job's own pace
         self.cadence: dict[int, deque[float]] = {}
         self._last_start: dict[int, float] = {}
-        self.cells: dict[tuple[int, int], deque[float]] = {}
-        self._halves: dict[tuple[Any, ...], tuple[float, float, int, float]] = {}
+        self.cells: dict[tuple[int, int], deque[links.TransferTimes]] = {}  # (sender, receiver) replicas
+        self._halves: dict[tuple[Any, ...], tuple[Ident, float, float, int, float]] = {}
         self.detectors: dict[Ident, MetricDetector] = {}
         self._pending_metric: list[Verdict] = []
         self._pending_silent: list[Verdict] = []  # evicted while silent (see forget)
@@ -131,10 +131,10 @@ class DiagnosisMaster:
                 t.seq,
                 t.ring_step,
                 t.direction,
-                replica,
+                ident,
                 t.peer,
-                t.post_ns / 1e9 + to_c,
-                t.done_ns / 1e9 + to_c,
+                t.post_ns / 1e9,
+                t.done_ns / 1e9,
                 t.nbytes,
                 max(0, t.rq_done_ns - t.rq_post_ns) / 1e9,
             )
@@ -275,14 +275,15 @@ class DiagnosisMaster:
         seq: int,
         step: int,
         direction: str,
-        me: int,
+        ident: Ident,
         peer: int,
         post: float,
         done: float,
         nbytes: int,
         queued_s: float = 0.0,
     ) -> None:
-        """One side of a transfer; with the other side, one time per MB for its link's cell.
+        """One side of a transfer (times on ``ident``'s own clock); with the other side, one
+        sample for its link's cell.
 
         ``queued_s``: how long this side's thread waited for a CPU during the transfer. The
         receiver's is subtracted: data that arrived while its thread waited for a CPU held by
@@ -290,29 +291,41 @@ class DiagnosisMaster:
         """
         if seq < self.s.link_warmup:
             return
+        me = ident[0]
         src, dst = (me, peer) if direction == "send" else (peer, me)
         key = (group, seq, step, src, dst)
         other = self._halves.pop(key, None)
         if other is None:
-            self._halves[key] = (post, done, nbytes, queued_s)
+            self._halves[key] = (ident, post, done, nbytes, queued_s)
             if len(self._halves) > 512:
                 self._halves.pop(next(iter(self._halves)))
             return
         if direction == "recv":
-            recv_post, recv_done, recv_queued, send_post = post, done, queued_s, other[0]
+            sender, send_post = other[0], other[1]
+            receiver, recv_post, recv_done, recv_queued = ident, post, done, queued_s
         else:
-            recv_post, recv_done, recv_queued, send_post = other[0], other[1], other[3], post
-        if recv_post > send_post:
-            # The receiver came late (it was still busy): the data was not waiting on the wire but
-            # on the receiver, and a busy receiver's slow wake-up is its own (measured on 2 shared
-            # cores: these transfers' fastest quarter is 2x that of the ones a receiver awaited).
-            return
-        # Signed: the two ends' clocks disagree by a fraction of a millisecond, one way on a
-        # link's one direction and the other way on the other; clipping at zero would keep the
-        # error on one side only, and the link's sum of both directions would no longer cancel it.
-        seconds = recv_done - send_post - recv_queued
-        mb = max(nbytes, 1) / 1e6
-        self.cells.setdefault((src, dst), deque(maxlen=self.s.link_window)).append(seconds / mb)
+            sender, send_post = ident, post
+            receiver, recv_post, recv_done, recv_queued = other[0], other[1], other[2], other[4]
+        sample = links.TransferTimes(
+            sender, receiver, send_post, recv_post, recv_done, recv_queued, max(nbytes, 1) / 1e6
+        )
+        self.cells.setdefault((src, dst), deque(maxlen=self.s.link_window)).append(sample)
+
+    def _cell_times(self) -> dict[tuple[int, int], list[float]]:
+        """Each cell's transfers (:func:`links.transfer_time`) in seconds per MB, read with the
+        clock offsets known now, which improve as the job runs (a sample mapped when it came kept
+        the error of its day: healthy links read -40 ms/MB in the box), and each pair's
+        correction from its own transfers (:func:`links.clock_corrections`)."""
+        off = {i: r.offset_s for i, r in self.ranks.items() if r.offset_s is not None}
+        fix = links.clock_corrections((t for xs in self.cells.values() for t in xs), off)
+        out: dict[tuple[int, int], list[float]] = {}
+        for k, xs in self.cells.items():
+            for t in xs:
+                if t.sender in off and t.receiver in off:
+                    x = links.transfer_time(t, off[t.sender], off[t.receiver], fix.get((t.sender, t.receiver)))
+                    if x is not None:
+                        out.setdefault(k, []).append(x)
+        return out
 
     # -- thresholds ------------------------------------------------------------------------
 
@@ -529,9 +542,12 @@ class DiagnosisMaster:
         return out
 
     def _slow_links(self) -> list[Verdict]:
-        scores = links.link_scores(self.cells, self.s.link_min_samples, self.s.link_quantile)
+        cells = self._cell_times()
+        scores = links.link_scores(cells, self.s.link_min_samples, self.s.link_quantile)
         self.last_scores["link"] = {f"{a}-{b}": round(x, 4) for (a, b), x in scores.items()}
-        f = links.classify_slow(self.cells, self.s.link_ratio, self.s.link_min_samples, self.s.link_quantile)
+        lone = links.one_way_scores(cells, self.s.link_min_samples, self.s.link_quantile)
+        self.last_scores["link_one_way"] = {f"{a}-{b}": round(x, 4) for (a, b), x in lone.items()}
+        f = links.classify_slow(cells, self.s.link_ratio, self.s.link_min_samples, self.s.link_quantile)
         # Which direction of a slow link is the slower may flip between collectives; the link does not.
         sig = (f.pattern, frozenset(f.link) if f.link else f.replica) if f else None
         prev, n, at = self._link_streak

@@ -1,20 +1,19 @@
 """The connection matrix: which node or link makes transfers slow (C4D).
 
-Cells hold the time per megabyte of transfers from a sender to a receiver, each measured only
-when the receiver was already waiting for it (from the send's post to the receive's
-completion): the connection was then the only thing between the data and its reader. An idle
-connection, or one whose receiver is late because it is busy, gives no samples and is never
-called slow.
+Cells hold the time per megabyte of transfers from a sender to a receiver, from the later of
+the send's and the receive's posts to the receive's completion, less the receiving thread's
+wait for a CPU (:func:`transfer_time`): the connection was then the only thing between the
+data and its reader. An idle connection gives no samples and is never called slow.
 
-A cell joins two clocks: the sender's post and the receiver's completion, each mapped to the
-coordinator's clock with an offset good to a fraction of a millisecond, the length of a whole
-transfer. Measured in clean ring runs on 2 shared cores: one direction of a link read 0.35 ms/MB
-slow and the other as much fast (clipped at zero), and the fastest cells, made the reference,
-put every other cell at 4-14x: false ``comm_slow`` verdicts naming a healthy node or link. The
-two directions of a link carry opposite errors, so the rules judge *links*: a link's figures
-are the sums over its two directions of a low and a high quantile of their samples, in which
-the clock error cancels. Sender and receiver cannot be told apart that way; a slow node (every
-link of one member slow) and a slow link can, and those are the two patterns named.
+A transfer the receiver awaited joins two clocks: the sender's post and the receiver's
+completion, each mapped to the coordinator's clock by the smallest telemetry delay seen, which
+is milliseconds off early in a job and a fraction of one later: as long as a whole transfer.
+Each transfer is kept on its ends' own clocks and read with the offsets known when it is judged,
+and each pair's clocks are reconciled from its own fastest transfers both ways
+(:func:`clock_corrections`). The rules judge *links*: a link's figures are the sums over its two
+directions of a low and a high quantile of their samples, in which what clock error is left
+cancels. Sender and receiver cannot be told apart that way; a slow node (every link of one member
+slow) and a slow link can, and those are the two patterns named.
 
 The evidence a verdict needs: a link is slow when its low figure (the fastest quarter of its
 transfers: scheduling on a busy host only ever *adds* delay to some of them, while a slow wire
@@ -27,13 +26,21 @@ threshold. Measured on 2 shared cores, with and without a CPU hog
 reference's high one) peaked at 1.23 over ~1100 evaluations; a 60 MB/s link scored 17-25 once
 its window held the fault. ``ratio`` 2.5 sits 2x above the worst healthy score and 7x below
 the fault.
+
+A link whose one direction has too few samples (its awaited transfers cannot be read until the
+pair's clocks are reconciled, which needs awaited transfers both ways: a slow node's peers are
+late in every receive from it, so its links may go 30 collectives without) is judged by the
+other direction alone, against half the reference (a direction is about half a link's
+figure), at :data:`ONE_WAY_FACTOR` times the ratio: whatever clock error is left does not
+cancel in one direction, so it must clear twice the bar a whole link does, 5x its healthy
+counterpart. A 20 Mbit/s direction reads 100x or more. A lone direction is never the reference.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -41,6 +48,78 @@ import numpy as np
 from unbroken.diagnosis.robust import quantile_of
 
 Cell = tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferTimes:
+    """One transfer as its two ends saw it, each on its own clock: read with the offsets the
+    master knows *when it judges*, not when the transfer arrived. Offsets are the smallest
+    telemetry delay seen so far; early in a job they are milliseconds off (measured in the box:
+    8.6, 1.2 and 8.5 ms for three ranks after 15 collectives, within 0.8 ms of each other after
+    90), and a sample mapped then kept that error in its cell (healthy links read -40 ms/MB)."""
+
+    sender: tuple[int, int]  # (replica, rank)
+    receiver: tuple[int, int]
+    send_post: float
+    recv_post: float
+    recv_done: float
+    recv_queued: float  # the receiving thread's wait for a CPU between its post and done
+    mb: float
+
+
+def transfer_time(t: TransferTimes, send_offset: float, recv_offset: float, correction: float | None) -> float | None:
+    """The transfer's time on the wire, in seconds per MB, each end's clock mapped by its
+    offset; None for an awaited transfer whose pair's clocks are not reconciled yet.
+
+    *Late* (the receiver posted after the sender; it was still busy): from its own post, on its
+    own clock, with no clock error; what had not arrived yet still crossed the wire while it
+    waited, so this is a floor of the wire's time. Dropping late transfers starved a slow link of
+    samples: its receivers are always late, still in their own slow transfers (in the box with
+    ``tbf`` on one host its cells went 50 collectives without enough, and no verdict came).
+    *Awaited* (the receiver posted first): from the sender's post to the receive's completion,
+    across two clocks, the sender's moved by the pair's ``correction``
+    (:func:`clock_corrections`); without one, the clock error (milliseconds, against a healthy
+    transfer's half millisecond) would not cancel beside late transfers, which carry none.
+    Either way only the receiving thread's wait for a CPU that can have fallen after the
+    transfer began is the machine's and is taken off: a receiver preempted before the sender
+    posted waited for nothing.
+    """
+    send_post = t.send_post + send_offset
+    recv_post, recv_done = t.recv_post + recv_offset, t.recv_done + recv_offset
+    if recv_post > send_post:
+        start = recv_post
+    elif correction is None:
+        return None
+    else:
+        start = send_post + correction
+    queued_after = max(0.0, t.recv_queued - max(0.0, start - recv_post))
+    return (recv_done - start - queued_after) / t.mb
+
+
+def clock_corrections(
+    samples: Iterable[TransferTimes], offsets: Mapping[tuple[int, int], float]
+) -> dict[tuple[tuple[int, int], tuple[int, int]], float]:
+    """Per (sender, receiver) pair, what to add to the sender's offset so that both ends read
+    one clock, estimated from the transfers themselves (NTP's symmetric assumption).
+
+    Offsets are the smallest telemetry delay seen, good only to that delay: measured in the box
+    (one kernel, so the true offsets are equal) they stood 2.4, 2.4 and 0.95 ms, a 1.5 ms error
+    between two ranks against a healthy transfer's 0.5 ms. A transfer the receiver awaited reads
+    ``wire + e`` one way and ``wire - e`` the other; the fastest of each way differ by ``2e``.
+    The link's two directions summed do not depend on it; a direction alone, or a receiver
+    timed from its own post (no ``e`` at all) beside one timed from the sender's, does. A pair
+    without awaited transfers both ways is left as it is (0).
+    """
+    fastest: dict[tuple[tuple[int, int], tuple[int, int]], float] = {}
+    for t in samples:
+        if t.sender not in offsets or t.receiver not in offsets:
+            continue
+        send_post, recv_post = t.send_post + offsets[t.sender], t.recv_post + offsets[t.receiver]
+        if recv_post <= send_post:  # awaited: the sender's post started the transfer
+            pair = (t.sender, t.receiver)
+            x = t.recv_done + offsets[t.receiver] - send_post
+            fastest[pair] = min(fastest.get(pair, math.inf), x)
+    return {(a, b): (x - fastest[(b, a)]) / 2 for (a, b), x in fastest.items() if (b, a) in fastest}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +133,7 @@ class LinkFinding:
 
 CELL_QUANTILE = 0.25
 HIGH_QUANTILE = 0.75
+ONE_WAY_FACTOR = 2.0
 
 
 def link_figures(
@@ -72,10 +152,25 @@ def link_figures(
     return out
 
 
+def one_way_figures(
+    cells: Mapping[Cell, Sequence[float]], min_samples: int, low: float = CELL_QUANTILE
+) -> dict[Cell, tuple[float, Cell]]:
+    """Per link ``(a, b)``, ``a < b``, known in one direction only (that direction has
+    ``min_samples`` samples, the other fewer): the direction's ``low`` quantile and the direction."""
+    out = {}
+    for (src, dst), xs in cells.items():
+        back = cells.get((dst, src), ())
+        if len(xs) >= min_samples and len(back) < min_samples:
+            out[(min(src, dst), max(src, dst))] = (quantile_of(xs, low), (src, dst))
+    return out
+
+
 def reference_high(figs: Mapping[Cell, tuple[float, float]]) -> float | None:
     """The median high figure of the fastest third of the links (by low figure), or None when
-    fewer than two links are known or it is not positive (no healthy scale to judge by)."""
-    if len(figs) < 2:
+    no link is known or it is not positive (no healthy scale to judge by). One link is enough: a
+    link is never slow against its own high figure, but directions judged alone may be (a slow
+    node of a 3-member ring leaves one link whole)."""
+    if not figs:
         return None
     refs = sorted(figs, key=lambda k: figs[k][0])[: max(1, math.ceil(len(figs) / 3))]
     ref = float(np.median([figs[k][1] for k in refs]))
@@ -90,6 +185,17 @@ def link_scores(
     figs = link_figures(cells, min_samples, quantile, HIGH_QUANTILE)
     ref = reference_high(figs)
     return {} if ref is None else {k: lo / ref for k, (lo, _) in figs.items()}
+
+
+def one_way_scores(
+    cells: Mapping[Cell, Sequence[float]], min_samples: int = 8, quantile: float = CELL_QUANTILE
+) -> dict[Cell, float]:
+    """Each direction judged alone (see :func:`one_way_figures`), keyed by ``(src, dst)``: its low
+    figure over half the two-way links' reference (compared with ``ONE_WAY_FACTOR * ratio``)."""
+    ref = reference_high(link_figures(cells, min_samples, quantile, HIGH_QUANTILE))
+    if ref is None:
+        return {}
+    return {d: 2 * lo / ref for lo, d in one_way_figures(cells, min_samples, quantile).values()}
 
 
 def classify_slow(
@@ -109,20 +215,25 @@ def classify_slow(
     ref = reference_high(figs)
     if ref is None:
         return None
+    lone = one_way_figures(cells, min_samples, quantile)
+    known = set(figs) | set(lone)
     slow = {k for k, (lo, _) in figs.items() if lo >= ratio * ref}
-    if not slow or len(slow) == len(figs):
+    slow |= {k for k, (lo, _) in lone.items() if 2 * lo >= ONE_WAY_FACTOR * ratio * ref}
+    if not slow or len(slow) == len(known):
         return None
     evidence = {
         "links_s_per_mb": {f"{a}-{b}": [round(lo, 5), round(hi, 5)] for (a, b), (lo, hi) in sorted(figs.items())},
         "reference_high_s_per_mb": round(ref, 5),
         "scores": {f"{a}-{b}": round(figs[(a, b)][0] / ref, 2) for a, b in sorted(figs)},
+        "one_way_scores": {f"{s}>{d}": round(2 * lo / ref, 2) for lo, (s, d) in (lone[k] for k in sorted(lone))},
         "quantiles": [quantile, high],
         "ratio": ratio,
+        "one_way_ratio": ONE_WAY_FACTOR * ratio,
         "slow_links": [f"{a}-{b}" for a, b in sorted(slow)],
     }
     slow_cells = tuple(sorted(c for a, b in slow for c in ((a, b), (b, a))))
-    for n in sorted({n for k in figs for n in k}):
-        touching = {k for k in figs if n in k}
+    for n in sorted({n for k in known for n in k}):
+        touching = {k for k in known if n in k}
         if len(touching) > 1 and touching == slow:
             return LinkFinding("node", n, None, slow_cells, evidence)
     if len(slow) == 1:
