@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 # then already satisfied, so pip never pulls a CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install demo test test-unit test-gpu lint commits scenarios clean browser slurm lease-fs torchft-upstream
+.PHONY: install demo test test-unit test-gpu lint commits scenarios clean browser slurm nftables lease-fs torchft-upstream
 
 install: $(STAMP)
 
@@ -26,7 +26,7 @@ demo: install
 # share the 2 cores, as a busy node would; 391 s against 539 s in one process), torchtitan's
 # trainer through a kill -9 among them (make torchft-upstream: 324 MB, about 20 s, the [torchft] extra and
 # two unpacked wheels): the whole suite stays under 10 minutes on 2 cores.
-test: install browser lease-fs torchft-upstream
+test: install browser lease-fs torchft-upstream nftables
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 tests/unit
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --ignore=tests/unit
 
@@ -59,6 +59,14 @@ lease-fs:
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 		apt-get install -y -q $(LEASE_FS_PKGS) >/dev/null || (apt-get update -q && apt-get install -y -q $(LEASE_FS_PKGS)); \
 	else echo "$(LEASE_FS_PKGS) are missing and this is not root: the lease's filesystem tests will be skipped"; fi
+
+# The box's lossy link (`unbroken bench cluster --scenario lossy_link`) drops packets with nftables
+# (`netem` is not built into every kernel): installed here when running as root.
+nftables:
+	@if PATH="$$PATH:/usr/sbin:/sbin" sh -c 'command -v nft' >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get install -y -q nftables >/dev/null || (apt-get update -q && apt-get install -y -q nftables); \
+	else echo "nftables is missing and this is not root: the lossy-link scenario cannot run"; fi
 
 # The Slurm scenario (`unbroken bench cluster --slurm`) needs Debian's slurm-wlm and munge:
 # installed here when running as root (CI); otherwise that scenario is skipped and says why.
@@ -107,7 +115,7 @@ torchft-example: torchft-upstream
 		mv $(UPSTREAM)/train_ddp.py.part $(UPSTREAM)/train_ddp.py; }
 
 # The long end-to-end scenarios the suite leaves out (about 5 minutes on 2 cores).
-scenarios: install slurm lease-fs torchft-upstream
+scenarios: install slurm nftables lease-fs torchft-upstream
 	$(PY) -m pytest -q -p no:cacheprovider -m scenario
 
 clean:

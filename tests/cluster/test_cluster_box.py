@@ -9,12 +9,14 @@ tbf-slowed link are ``scenario``-marked (``make scenarios``).
 from __future__ import annotations
 
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from unbroken.cluster import scenarios
-from unbroken.cluster.box import Box
+from unbroken.cluster.box import Box, nft_path
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("box_available")]
 
@@ -35,6 +37,56 @@ def test_the_box_cuts_links_for_real_and_leaves_nothing_behind(tmp_path: Path) -
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     links = subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
     assert tag not in names and tag not in links
+
+
+RECEIVER = """
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(("0.0.0.0", 9999))
+s.settimeout(1.0)
+got = 0
+try:
+    while True:
+        s.recv(64)
+        got += 1
+except TimeoutError:
+    print(got)
+"""
+
+
+def test_a_lossy_host_drops_its_packets_in_the_kernel() -> None:
+    """``Box.lossy``: an nftables rule in h1's namespace drops the share asked of what reaches
+    it (400 datagrams at 30%: 280 expected); gone with ``lossless``."""
+    if nft_path() is None:
+        pytest.skip("nft (Debian's nftables) is missing: `make nftables` installs it")
+
+    def received(box: Box) -> int:
+        rx = subprocess.Popen(
+            ["ip", "netns", "exec", box.host("h1").netns, sys.executable, "-c", RECEIVER],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            time.sleep(0.5)
+            send = (
+                "import socket, time; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                f"for _ in range(400): s.sendto(b'x', ('{box.host('h1').addr}', 9999)); time.sleep(0.001)"
+            )
+            subprocess.run(["ip", "netns", "exec", box.host("h0").netns, sys.executable, "-c", send], check=True)
+            out, _ = rx.communicate(timeout=10)
+        finally:
+            if rx.poll() is None:
+                rx.kill()
+                rx.wait()
+        return int(out)
+
+    with Box(2) as box:
+        box.lossy("h1", 30.0)
+        lossy = received(box)
+        box.lossless("h1")
+        clean = received(box)
+    assert 200 <= lossy <= 350, lossy
+    assert clean == 400
 
 
 def test_node_loss_in_a_two_node_replica_group_restarts_the_group_on_the_spare(tmp_path: Path) -> None:

@@ -84,6 +84,14 @@ def _run(*argv: str) -> str:
     return done.stdout
 
 
+LOSS_TABLE = "unbroken_loss"
+
+
+def nft_path() -> str | None:
+    """The ``nft`` binary (it lives in /usr/sbin, which a user's PATH may not hold), or None."""
+    return shutil.which("nft") or shutil.which("nft", path="/usr/sbin:/sbin")
+
+
 def unavailable() -> str | None:
     """Why no box can be built here, or None when it can (tried for real: one namespace made and
     deleted)."""
@@ -315,6 +323,63 @@ class Box:
         _run("tc", "qdisc", "replace", "dev", h.switch_end(interface), *shape)  # towards the host
         _run("tc", "-n", h.netns, "qdisc", "replace", "dev", interface, *shape)  # from the host
         self._slow.add(host)
+
+    def lossy(self, host: str, percent: float, interface: str = "eth0") -> None:
+        """Drops ``percent`` of ``host``'s packets on ``interface``, both ways, in its kernel (an
+        nftables rule drawing a random number per packet), as a failing cable or optic does: TCP
+        retransmits, and transfers through it slow down or stall. ``netem`` is not built into
+        every kernel (this VM's lacks it); nftables is. Needs ``nft`` (``make nftables``)."""
+        if not 0 < percent < 100:
+            raise ValueError(f"percent must be in (0, 100), got {percent}")
+        nft = nft_path()
+        if nft is None:
+            raise RuntimeError("dropping packets needs `nft` (Debian's nftables): `make nftables` installs it")
+        h = self.host(host)
+        per_mille = max(1, round(percent * 10))
+        ns = ("ip", "netns", "exec", h.netns, nft)
+        _run(*ns, "add", "table", "inet", LOSS_TABLE)
+        for chain, hook, match in (("from_host", "output", "oifname"), ("to_host", "input", "iifname")):
+            _run(
+                *ns,
+                "add",
+                "chain",
+                "inet",
+                LOSS_TABLE,
+                chain,
+                "{",
+                "type",
+                "filter",
+                "hook",
+                hook,
+                "priority",
+                "0",
+                ";",
+                "}",
+            )
+            _run(
+                *ns,
+                "add",
+                "rule",
+                "inet",
+                LOSS_TABLE,
+                chain,
+                match,
+                interface,
+                "numgen",
+                "random",
+                "mod",
+                "1000",
+                "<",
+                str(per_mille),
+                "drop",
+            )
+
+    def lossless(self, host: str) -> None:
+        """Undoes :meth:`lossy` (the rules also go with the host's namespace)."""
+        nft = nft_path()
+        if nft is not None:
+            with contextlib.suppress(RuntimeError):
+                _run("ip", "netns", "exec", self.host(host).netns, nft, "delete", "table", "inet", LOSS_TABLE)
 
     def unslow(self, host: str, interface: str = "eth0") -> None:
         h = self.host(host)
