@@ -436,8 +436,9 @@ SCENARIOS = (
     Scenario("slurm_by_hand", slurm_by_hand),
     Scenario("kubernetes", k8s_pods.kubernetes_pods),
 )
-# Not in the default set: it needs nftables (`make nftables`), and diagnosis does not name a lossy
-# link yet (docs/benchmarks/2026-11-29-slow-link-box.md); `--scenario lossy_link` runs it.
+# Not in the default set: it needs nftables (`make nftables`), and 5 runs are too few to show that
+# diagnosis names a lossy link every time (docs/benchmarks/2026-11-29-slow-link-box.md);
+# `--scenario lossy_link` runs it.
 LOSSY = Scenario("lossy_link", lambda root, quick: slow_link(root, quick, "loss"))
 # Not in the default set: it needs Debian's slurm-wlm and munge (`make slurm`); `--slurm` runs it.
 SLURM = Scenario("slurm", slurm)

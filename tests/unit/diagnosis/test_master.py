@@ -201,6 +201,19 @@ def test_slow_node_whose_receivers_come_late_is_named() -> None:
     assert seq < 50
 
 
+def test_a_lossy_link_is_named_by_its_stalls() -> None:
+    """Link 1-2 drops packets after seq 30: one of its transfers in three collectives waits out a
+    retransmission (0.3 s against 1 ms); its other transfers, and its floor, stay healthy."""
+    m = DiagnosisMaster()
+    wire = lambda seq, a, b, step: 0.3 if {a, b} == {1, 2} and seq >= 30 and seq % 3 == 0 and step == 1 else 0.001  # noqa: E731
+    assert ring_collectives(m, range(30), wire) == []
+    verdicts = ring_collectives(m, range(30, 60), wire)
+    assert verdicts, "no verdict on a link whose transfers stall"
+    seq, v = verdicts[0]
+    assert (v.kind, set(v.culprit.link), v.evidence["stalling_links"]) == ("comm_slow", {1, 2}, ["1-2"])
+    assert seq < 50
+
+
 def test_scheduling_noise_on_a_busy_host_is_no_slow_link() -> None:
     """Heavy-tailed extra delays (a descheduled thread) on any transfer: the floor stays healthy."""
     rng = random.Random(7)

@@ -219,6 +219,39 @@ def test_a_lone_direction_is_never_the_reference() -> None:
     assert links.one_way_scores(got) == {}
 
 
+def stalled(got: dict, cell: tuple[int, int], n: int, seconds_per_mb: float = 5.0) -> dict:
+    got = dict(got)
+    got[cell] = [seconds_per_mb] * n + got[cell][n:]
+    return got
+
+
+def test_a_lossy_link_stalls_while_its_floor_stays_healthy() -> None:
+    """Two transfers of sixteen waiting out a retransmission (500x a healthy one) on link 1-2:
+    its fastest quarter is healthy, so it is not slow, but it stalls."""
+    base = {k: v * 2 for k, v in cells(set()).items()}  # 16 samples a cell
+    got = stalled(base, (2, 1), 2)
+    assert links.classify_slow(got) is None
+    f = links.classify_stalling(got)
+    assert f is not None and (f.pattern, f.link) == ("link", (1, 2))
+    assert f.evidence["stalls"] == {"0-1": 0, "0-2": 0, "1-2": 2}
+
+
+def test_one_stall_or_a_busy_hosts_tail_is_no_lossy_link() -> None:
+    """One stall in a window, or every transfer's tail at 36x the floor (the worst of 11,871
+    clean transfers in the box), is not a lossy link."""
+    base = {k: v * 2 for k, v in cells(set()).items()}
+    assert links.classify_stalling(stalled(base, (2, 1), 1)) is None
+    tail = {k: [x * (36.0 if i % 4 == 0 else 1.0) for i, x in enumerate(v)] for k, v in base.items()}
+    assert links.classify_stalling(tail) is None
+
+
+def test_a_lossy_node_stalls_on_all_its_links() -> None:
+    base = {k: v * 2 for k, v in cells(set()).items()}
+    got = stalled(stalled(base, (0, 1), 2), (2, 1), 3)
+    f = links.classify_stalling(got)
+    assert f is not None and (f.pattern, f.replica) == ("node", 1)
+
+
 def test_uniform_matrix_has_no_culprit() -> None:
     assert links.classify_slow(cells(set())) is None
 

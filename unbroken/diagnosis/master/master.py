@@ -548,8 +548,10 @@ class DiagnosisMaster:
         lone = links.one_way_scores(cells, self.s.link_min_samples, self.s.link_quantile)
         self.last_scores["link_one_way"] = {f"{a}-{b}": round(x, 4) for (a, b), x in lone.items()}
         f = links.classify_slow(cells, self.s.link_ratio, self.s.link_min_samples, self.s.link_quantile)
+        if f is None:
+            f = links.classify_stalling(cells, self.s.link_min_samples, self.s.link_quantile)
         # Which direction of a slow link is the slower may flip between collectives; the link does not.
-        sig = (f.pattern, frozenset(f.link) if f.link else f.replica) if f else None
+        sig = (f.pattern, frozenset(f.link) if f.link else f.replica, "stalls" in f.evidence) if f else None
         prev, n, at = self._link_streak
         # Counted in new collectives, not evaluations: one slow burst re-read at every tick
         # of the coordinator is still one burst.
