@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -42,8 +41,10 @@ def test_the_box_cuts_links_for_real_and_leaves_nothing_behind(tmp_path: Path) -
 RECEIVER = """
 import socket, sys
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.SOL_SOCKET, 33, 1 << 22)  # SO_RCVBUFFORCE (root): no drop of its own
 s.bind(("0.0.0.0", 9999))
 s.settimeout(1.0)
+print("ready", flush=True)
 got = 0
 try:
     while True:
@@ -67,7 +68,7 @@ def test_a_lossy_host_drops_its_packets_in_the_kernel() -> None:
             text=True,
         )
         try:
-            time.sleep(0.5)
+            assert rx.stdout is not None and rx.stdout.readline().strip() == "ready"  # bound before we send
             send = (
                 "import socket, time; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
                 f"for _ in range(400): s.sendto(b'x', ('{box.host('h1').addr}', 9999)); time.sleep(0.001)"

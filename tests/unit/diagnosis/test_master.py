@@ -210,7 +210,12 @@ def test_a_lossy_link_is_named_by_its_stalls() -> None:
     verdicts = ring_collectives(m, range(30, 60), wire)
     assert verdicts, "no verdict on a link whose transfers stall"
     seq, v = verdicts[0]
-    assert (v.kind, set(v.culprit.link), v.evidence["stalling_links"]) == ("comm_slow", {1, 2}, ["1-2"])
+    assert (v.kind, set(v.culprit.link), v.evidence["cause"], v.evidence["stalling_links"]) == (
+        "comm_slow",
+        {1, 2},
+        "stalling",
+        ["1-2"],
+    )
     assert seq < 50
 
 

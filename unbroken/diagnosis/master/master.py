@@ -551,7 +551,7 @@ class DiagnosisMaster:
         if f is None:
             f = links.classify_stalling(cells, self.s.link_min_samples, self.s.link_quantile)
         # Which direction of a slow link is the slower may flip between collectives; the link does not.
-        sig = (f.pattern, frozenset(f.link) if f.link else f.replica, "stalls" in f.evidence) if f else None
+        sig = (f.pattern, frozenset(f.link) if f.link else f.replica, f.cause) if f else None
         prev, n, at = self._link_streak
         # Counted in new collectives, not evaluations: one slow burst re-read at every tick
         # of the coordinator is still one burst.
@@ -560,7 +560,7 @@ class DiagnosisMaster:
         if f is None or n < self.s.link_confirm:
             return []
         node = next((r.node for i, r in self.ranks.items() if i[0] == f.replica), None)
-        ev = {"pattern": f.pattern, **f.evidence}
+        ev = {"pattern": f.pattern, "cause": f.cause, **f.evidence}
         return [Verdict(Culprit(f.replica, None, node if f.pattern != "link" else None, f.link), COMM_SLOW, 0.8, ev)]
 
     def _step_time(self) -> list[Verdict]:

@@ -108,7 +108,8 @@ def clock_corrections(
     ``wire + e`` one way and ``wire - e`` the other; the fastest of each way differ by ``2e``.
     The link's two directions summed do not depend on it; a direction alone, or a receiver
     timed from its own post (no ``e`` at all) beside one timed from the sender's, does. A pair
-    without awaited transfers both ways is left as it is (0).
+    without awaited transfers both ways gets no entry, and its awaited transfers are not read
+    (:func:`transfer_time`).
     """
     fastest: dict[tuple[tuple[int, int], tuple[int, int]], float] = {}
     for t in samples:
@@ -129,6 +130,7 @@ class LinkFinding:
     link: Cell | None
     slow_cells: tuple[Cell, ...]
     evidence: dict[str, Any]
+    cause: str = "slow"  # "slow": its fastest transfers are; "stalling": some wait out retransmissions
 
 
 CELL_QUANTILE = 0.25
@@ -231,20 +233,20 @@ def classify_slow(
         "one_way_ratio": ONE_WAY_FACTOR * ratio,
         "slow_links": [f"{a}-{b}" for a, b in sorted(slow)],
     }
-    return _pattern(known, slow, evidence)
+    return _pattern(known, slow, evidence, "slow")
 
 
-def _pattern(known: set[Cell], bad: set[Cell], evidence: dict[str, Any]) -> LinkFinding | None:
+def _pattern(known: set[Cell], bad: set[Cell], evidence: dict[str, Any], cause: str) -> LinkFinding | None:
     """Every known link of one member bad: that member's node; one link alone: that link (by
     both ends: which one sends the worse direction is not known); anything else: nobody."""
     cells = tuple(sorted(c for a, b in bad for c in ((a, b), (b, a))))
     for n in sorted({n for k in known for n in k}):
         touching = {k for k in known if n in k}
         if len(touching) > 1 and touching == bad:
-            return LinkFinding("node", n, None, cells, evidence)
+            return LinkFinding("node", n, None, cells, evidence, cause)
     if len(bad) == 1:
         a, b = next(iter(bad))
-        return LinkFinding("link", a, (a, b), cells, evidence)
+        return LinkFinding("link", a, (a, b), cells, evidence, cause)
     return None
 
 
@@ -297,7 +299,7 @@ def classify_stalling(
         "min_stalls": min_stalls,
         "stalling_links": [f"{a}-{b}" for a, b in sorted(bad)],
     }
-    return _pattern(known, bad, evidence)
+    return _pattern(known, bad, evidence, "stalling")
 
 
 @dataclasses.dataclass(frozen=True)
