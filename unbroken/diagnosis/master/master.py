@@ -23,6 +23,7 @@ from typing import Any
 from unbroken.diagnosis.master.master_state import Ident, MasterSettings, OpenCollective, OpenRecv, RankState
 from unbroken.diagnosis.robust import learned_threshold, median
 from unbroken.diagnosis.rules import hang, links, ports, steptime, straggler
+from unbroken.diagnosis.rules.link_samples import LinkSamples
 from unbroken.diagnosis.rules.metrics import DEFAULT_POLICY, MetricDetector
 from unbroken.diagnosis.telemetry import StepMetrics, TelemetryBatch
 from unbroken.diagnosis.verdict import (
@@ -56,7 +57,7 @@ class DiagnosisMaster:
         # rank -> seconds between consecutive collectives' last arrivals: the job's own pace
         self.cadence: dict[int, deque[float]] = {}
         self._last_start: dict[int, float] = {}
-        self.cells: dict[tuple[int, int], deque[links.TransferTimes]] = {}  # (sender, receiver) replicas
+        self.cells = LinkSamples(self.s.link_window)  # (sender, receiver) replicas
         self._halves: dict[tuple[Any, ...], tuple[Ident, float, float, int, float]] = {}
         self.detectors: dict[Ident, MetricDetector] = {}
         self._pending_metric: list[Verdict] = []
@@ -214,7 +215,7 @@ class DiagnosisMaster:
             + sum(len(x) for c in self.compute.values() for x in c.values())
             + sum(len(x) for x in self.last.values())
             + sum(len(x) for x in self.cadence.values())
-            + sum(len(x) for x in self.cells.values())
+            + len(self.cells)
             + len(self._halves)
             + len(self.detectors)
             + len(self._change_streak)
@@ -309,23 +310,14 @@ class DiagnosisMaster:
         sample = links.TransferTimes(
             sender, receiver, send_post, recv_post, recv_done, recv_queued, max(nbytes, 1) / 1e6
         )
-        self.cells.setdefault((src, dst), deque(maxlen=self.s.link_window)).append(sample)
+        self.cells.append((src, dst), sample)
 
-    def _cell_times(self) -> dict[tuple[int, int], list[float]]:
+    def _cell_times(self) -> links.CellTimes:
         """Each cell's transfers (:func:`links.transfer_time`) in seconds per MB, read with the
         clock offsets known now, which improve as the job runs (a sample mapped when it came kept
         the error of its day: healthy links read -40 ms/MB in the box), and each pair's
         correction from its own transfers (:func:`links.clock_corrections`)."""
-        off = {i: r.offset_s for i, r in self.ranks.items() if r.offset_s is not None}
-        fix = links.clock_corrections((t for xs in self.cells.values() for t in xs), off)
-        out: dict[tuple[int, int], list[float]] = {}
-        for k, xs in self.cells.items():
-            for t in xs:
-                if t.sender in off and t.receiver in off:
-                    x = links.transfer_time(t, off[t.sender], off[t.receiver], fix.get((t.sender, t.receiver)))
-                    if x is not None:
-                        out.setdefault(k, []).append(x)
-        return out
+        return self.cells.times({i: r.offset_s for i, r in self.ranks.items() if r.offset_s is not None})
 
     # -- thresholds ------------------------------------------------------------------------
 
@@ -355,8 +347,7 @@ class DiagnosisMaster:
             self._pending_silent += [v for v in self._silent(now, evicted=replica) if v.culprit.replica == replica]
         for ident in [i for i in self.ranks if i[0] == replica]:
             del self.ranks[ident]
-        for key in [k for k in self.cells if replica in k]:
-            del self.cells[key]
+        self.cells.forget(replica)
         for comp in self.compute.values():
             comp.pop(replica, None)
         for best in self.best.values():

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -123,6 +123,76 @@ def clock_corrections(
     return {(a, b): (x - fastest[(b, a)]) / 2 for (a, b), x in fastest.items() if (b, a) in fastest}
 
 
+class CellTimes(Mapping[Cell, np.ndarray]):
+    """Each cell's transfer times (seconds per MB), as :class:`~unbroken.diagnosis.rules.link_samples.LinkSamples`
+    reads them: one row per cell, NaN in unused slots. A mapping of cell to its times, as the
+    rules take; its quantiles and stall counts are computed for all cells at once, and the
+    quantiles kept, since the rules ask for the same ones several times per judgement."""
+
+    def __init__(self, cells: Sequence[Cell], values: np.ndarray) -> None:
+        xs = np.sort(values, axis=1)  # NaN last
+        n = (~np.isnan(xs)).sum(axis=1)
+        keep = n > 0  # a cell without a readable transfer is not known (as a plain mapping leaves it out)
+        self._cells = [c for c, k in zip(cells, keep, strict=True) if k]
+        self._sorted, self._n = xs[keep], n[keep]
+        self._index = {c: i for i, c in enumerate(self._cells)}
+        self._quantiles: dict[float, dict[Cell, float]] = {}
+
+    def __getitem__(self, cell: Cell) -> np.ndarray:
+        i = self._index[cell]
+        return self._sorted[i, : self._n[i]]
+
+    def __iter__(self) -> Iterator[Cell]:
+        return iter(self._cells)
+
+    def __len__(self) -> int:
+        return len(self._cells)
+
+    def sizes(self) -> dict[Cell, int]:
+        return dict(zip(self._cells, self._n.tolist(), strict=True))
+
+    def quantiles(self, q: float) -> dict[Cell, float]:
+        """:func:`quantile_of` of every cell, computed at once."""
+        got = self._quantiles.get(q)
+        if got is None:
+            if not self._cells:
+                return {}
+            pos = q * (self._n - 1)
+            lo = pos.astype(np.int64)
+            hi = np.minimum(lo + 1, self._n - 1)
+            rows = np.arange(len(self._cells))
+            a, b = self._sorted[rows, lo], self._sorted[rows, hi]
+            got = self._quantiles[q] = dict(zip(self._cells, (a + (b - a) * (pos - lo)).tolist(), strict=True))
+        return got
+
+    def count_at_least(self, threshold: float) -> dict[Cell, int]:
+        with np.errstate(invalid="ignore"):
+            counts = (self._sorted >= threshold).sum(axis=1)
+        return dict(zip(self._cells, counts.tolist(), strict=True))
+
+
+# The rules take a plain mapping (tests, calibration) or the master's vectorized read.
+Times = Mapping[Cell, Sequence[float]] | CellTimes
+
+
+def _sizes(cells: Times) -> dict[Cell, int]:
+    return cells.sizes() if isinstance(cells, CellTimes) else {k: len(xs) for k, xs in cells.items()}
+
+
+def _quantiles(cells: Times, q: float, of: Iterable[Cell]) -> dict[Cell, float]:
+    """``q`` quantile of the cells ``of``: all at once from a :class:`CellTimes`."""
+    if isinstance(cells, CellTimes):
+        got = cells.quantiles(q)
+        return {k: got[k] for k in of}
+    return {k: quantile_of(cells[k], q) for k in of}
+
+
+def _count_at_least(cells: Times, threshold: float) -> dict[Cell, int]:
+    if isinstance(cells, CellTimes):
+        return cells.count_at_least(threshold)
+    return {k: sum(1 for x in xs if x >= threshold) for k, xs in cells.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class LinkFinding:
     pattern: str  # "node" or "link"
@@ -139,32 +209,24 @@ ONE_WAY_FACTOR = 2.0
 
 
 def link_figures(
-    cells: Mapping[Cell, Sequence[float]], min_samples: int, low: float = CELL_QUANTILE, high: float = HIGH_QUANTILE
+    cells: Times, min_samples: int, low: float = CELL_QUANTILE, high: float = HIGH_QUANTILE
 ) -> dict[Cell, tuple[float, float]]:
     """(low, high) figure per link ``(a, b)``, ``a < b``, whose two directions both have
     ``min_samples`` samples: the sums of the directions' ``low`` and ``high`` quantiles."""
-    out = {}
-    for (a, b), xs in cells.items():
-        back = cells.get((b, a))
-        if a < b and back is not None and len(xs) >= min_samples and len(back) >= min_samples:
-            out[(a, b)] = (
-                quantile_of(xs, low) + quantile_of(back, low),
-                quantile_of(xs, high) + quantile_of(back, high),
-            )
-    return out
+    n = _sizes(cells)
+    both = [(a, b) for a, b in n if a < b and n[(a, b)] >= min_samples and n.get((b, a), 0) >= min_samples]
+    of = both + [(b, a) for a, b in both]
+    lo, hi = _quantiles(cells, low, of), _quantiles(cells, high, of)
+    return {(a, b): (lo[(a, b)] + lo[(b, a)], hi[(a, b)] + hi[(b, a)]) for a, b in both}
 
 
-def one_way_figures(
-    cells: Mapping[Cell, Sequence[float]], min_samples: int, low: float = CELL_QUANTILE
-) -> dict[Cell, tuple[float, Cell]]:
+def one_way_figures(cells: Times, min_samples: int, low: float = CELL_QUANTILE) -> dict[Cell, tuple[float, Cell]]:
     """Per link ``(a, b)``, ``a < b``, known in one direction only (that direction has
     ``min_samples`` samples, the other fewer): the direction's ``low`` quantile and the direction."""
-    out = {}
-    for (src, dst), xs in cells.items():
-        back = cells.get((dst, src), ())
-        if len(xs) >= min_samples and len(back) < min_samples:
-            out[(min(src, dst), max(src, dst))] = (quantile_of(xs, low), (src, dst))
-    return out
+    n = _sizes(cells)
+    alone = [(src, dst) for src, dst in n if n[(src, dst)] >= min_samples and n.get((dst, src), 0) < min_samples]
+    lo = _quantiles(cells, low, alone)
+    return {(min(src, dst), max(src, dst)): (lo[(src, dst)], (src, dst)) for src, dst in alone}
 
 
 def reference_high(figs: Mapping[Cell, tuple[float, float]]) -> float | None:
@@ -179,9 +241,7 @@ def reference_high(figs: Mapping[Cell, tuple[float, float]]) -> float | None:
     return ref if ref > 0 else None
 
 
-def link_scores(
-    cells: Mapping[Cell, Sequence[float]], min_samples: int = 8, quantile: float = CELL_QUANTILE
-) -> dict[Cell, float]:
+def link_scores(cells: Times, min_samples: int = 8, quantile: float = CELL_QUANTILE) -> dict[Cell, float]:
     """Each known link's score: its low figure over the reference links' high figure (what
     :func:`classify_slow` compares with ``ratio``); empty when no reference can be taken."""
     figs = link_figures(cells, min_samples, quantile, HIGH_QUANTILE)
@@ -189,9 +249,7 @@ def link_scores(
     return {} if ref is None else {k: lo / ref for k, (lo, _) in figs.items()}
 
 
-def one_way_scores(
-    cells: Mapping[Cell, Sequence[float]], min_samples: int = 8, quantile: float = CELL_QUANTILE
-) -> dict[Cell, float]:
+def one_way_scores(cells: Times, min_samples: int = 8, quantile: float = CELL_QUANTILE) -> dict[Cell, float]:
     """Each direction judged alone (see :func:`one_way_figures`), keyed by ``(src, dst)``: its low
     figure over half the two-way links' reference (compared with ``ONE_WAY_FACTOR * ratio``)."""
     ref = reference_high(link_figures(cells, min_samples, quantile, HIGH_QUANTILE))
@@ -201,7 +259,7 @@ def one_way_scores(
 
 
 def classify_slow(
-    cells: Mapping[Cell, Sequence[float]],
+    cells: Times,
     ratio: float = 2.5,
     min_samples: int = 8,
     quantile: float = CELL_QUANTILE,
@@ -255,7 +313,7 @@ MIN_STALLS = 2
 
 
 def classify_stalling(
-    cells: Mapping[Cell, Sequence[float]],
+    cells: Times,
     min_samples: int = 8,
     quantile: float = CELL_QUANTILE,
     factor: float = STALL_FACTOR,
@@ -276,7 +334,8 @@ def classify_stalling(
         raise ValueError(
             f"need factor > 1, min_stalls >= 1, min_samples >= 1; got {factor}, {min_stalls}, {min_samples}"
         )
-    floors = [quantile_of(xs, quantile) for xs in cells.values() if len(xs) >= min_samples]
+    n = _sizes(cells)
+    floors = list(_quantiles(cells, quantile, [k for k, m in n.items() if m >= min_samples]).values())
     if len(floors) < 2:
         return None
     scale = float(np.median(floors))
@@ -284,10 +343,10 @@ def classify_stalling(
         return None
     counts: dict[Cell, int] = {}
     sizes: dict[Cell, int] = {}
-    for (a, b), xs in cells.items():
+    for (a, b), stalls in _count_at_least(cells, factor * scale).items():
         link = (min(a, b), max(a, b))
-        sizes[link] = sizes.get(link, 0) + len(xs)
-        counts[link] = counts.get(link, 0) + sum(1 for x in xs if x >= factor * scale)
+        sizes[link] = sizes.get(link, 0) + n[(a, b)]
+        counts[link] = counts.get(link, 0) + stalls
     known = {k for k, n in sizes.items() if n >= min_samples}
     bad = {k for k in known if counts[k] >= min_stalls}
     if not bad or len(bad) == len(known):
