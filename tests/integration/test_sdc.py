@@ -6,7 +6,7 @@ each (a result in the step it happens, the weight at the next weight check), nam
 keep every replica from
 committing a differing sum, and repair the corrupted replica from a healthy peer by catch-up
 (no restart): at the end every replica holds the same bytes. The replica named twice is reported
-as suspect hardware.
+as suspect hardware and set aside: its node is isolated and it moves to the spare slot.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 from tests.integration.harness import Job, assert_identical
 
 pytestmark = pytest.mark.integration
-STEPS = 18
+STEPS = 40
 WEIGHT_EVERY = 4
 
 
@@ -45,7 +45,7 @@ def test_flipped_bits_in_a_result_and_a_weight_are_caught_named_and_repaired(tmp
     with Job(
         tmp_path / "run",
         steps=STEPS,
-        extra=faults,
+        extra=[*faults, "--spares", "1"],
         train_args=["--pace-s", "0.05"],
         env={"UNBROKEN_WEIGHT_CHECK_EVERY": str(WEIGHT_EVERY)},
     ) as job:
@@ -62,10 +62,13 @@ def test_flipped_bits_in_a_result_and_a_weight_are_caught_named_and_repaired(tmp
     assert "silent data corruption: the weights differ" in logs[0]
     assert "culprit [1]; not committing this step" in logs[1]
     assert "culprit [2]; not committing this step" in logs[2]
-    # Healed by catch-up from a healthy peer, not by a restart.
+    # Healed by catch-up from a healthy peer, not by a restart: the one restart is replica 1's
+    # move to the spare slot once it is a suspect (below).
     caught = {e["replica"] for e in job.events("caught_up")}
     assert {1, 2} <= caught, job.events("caught_up")
-    assert len(job.events("process_started")) == 3
+    starts = [(e["replica"], e["node"]) for e in job.events("process_started")]
+    assert sorted(r for r, _ in starts) == [0, 1, 1, 2], starts
+    assert starts[-1][0] == 1 and starts[-1][1] not in {n for _, n in starts[:-1]}, starts
     # No step was committed with differing sums, and every step was verified somewhere.
     fps = committed_fingerprints(job)
     assert all(len(v) == 1 for v in fps.values()), {s: v for s, v in fps.items() if len(v) > 1}
@@ -76,3 +79,5 @@ def test_flipped_bits_in_a_result_and_a_weight_are_caught_named_and_repaired(tmp
     assert any(what == "weights" and culprits == (2,) for _, what, culprits in found), found
     suspects = [v for v in job.events("verdict") if v["class"] == "suspect_hardware"]
     assert [v["culprit"]["replica"] for v in suspects] == [1], suspects
+    isolated = job.events("node_isolated")
+    assert [(e["replica"], e["reason"]) for e in isolated] == [(1, "diagnosis verdict: suspect_hardware")], isolated

@@ -29,6 +29,18 @@ def test_each_class_has_its_remedy(cls: str, action: str) -> None:
     assert verdict_action(v(cls), "isolate")[0] == action
 
 
+def test_suspect_hardware_is_set_aside_only_onto_a_spare_slot() -> None:
+    # Moved off its node when a spare slot is free; otherwise it stays: each corruption was
+    # healed from a peer, and a restart in place would mend nothing.
+    assert verdict_action(v("suspect_hardware"), "isolate", spare_free=True)[0] == "isolate"
+    action, why = verdict_action(v("suspect_hardware"), "isolate", spare_free=False)
+    assert action == "ignore" and "no spare slot" in why
+    action, why = verdict_action(v("suspect_hardware"), "restart", spare_free=True)
+    assert action == "ignore" and "--on-verdict restart" in why
+    # Other classes do not depend on a spare: a straggler restarts in place without one.
+    assert verdict_action(v("straggler"), "isolate", spare_free=False)[0] == "isolate"
+
+
 def test_on_verdict_caps_the_action() -> None:
     assert verdict_action(v("straggler"), "restart")[0] == "restart"
     assert verdict_action(v("noncomm_hang"), "ignore")[0] == "ignore"

@@ -16,6 +16,11 @@ Each verdict class has its own remedy, and ``--on-verdict`` caps it (``ignore`` 
   gradient has been averaged into every replica, so no single replica's state is good;
   ``skip_step`` and ``none`` were already handled inside the worker, so the supervisor does
   nothing.
+- ``suspect_hardware`` (a replica named for silent data corruption again within a window):
+  ``isolate``, and only that: its node is set aside and the replica moves to a spare slot.
+  Each corruption was already healed from a peer, so without a spare slot (or with
+  ``--on-verdict`` below ``isolate``) the replica stays where it is: a restart in place would
+  cost a catch-up and mend nothing.
 - a verdict about a *link* (``culprit.link`` set with no single guilty node), or one that names
   no replica (``culprit.replica`` -1 or missing): nothing. Killing either end does not mend a
   link; the exchange's deadline abandons the stuck collective and the verdict is the evidence
@@ -47,7 +52,7 @@ CLASS_ACTIONS: dict[str, str] = {
     STRAGGLER: ISOLATE,
     COMM_SLOW: ISOLATE,
     PORT_FAILURE: IGNORE,  # its ICCL hop moved to the backup path: evidence and a metric, nothing to mend here
-    SUSPECT_HARDWARE: IGNORE,  # each corruption was healed by catch-up; the verdict is for the operator
+    SUSPECT_HARDWARE: ISOLATE,  # set aside: moved off the hardware that corrupted again (only to a spare slot)
 }
 _METRIC_ACTIONS = {"isolate": ISOLATE, "rollback": ROLLBACK}
 
@@ -76,7 +81,7 @@ def anomaly(verdict: ev.Verdict) -> Any:
     return _evidence(verdict).get("anomaly")
 
 
-def verdict_action(verdict: ev.Verdict, on_verdict: str) -> tuple[str, str]:
+def verdict_action(verdict: ev.Verdict, on_verdict: str, spare_free: bool = True) -> tuple[str, str]:
     """The action for one ``verdict`` event and why: (``isolate``|``restart``|``ignore``, reason).
 
     ``rollback`` acts on the whole job, not on the culprit (see the module doc).
@@ -84,6 +89,7 @@ def verdict_action(verdict: ev.Verdict, on_verdict: str) -> tuple[str, str]:
     Args:
         verdict: the event (its class, culprit and evidence).
         on_verdict: the strongest action the user allows (``--on-verdict``).
+        spare_free: whether a spare slot is free to move a replica to.
     """
     if on_verdict not in _STRENGTH:
         raise ValueError(f"--on-verdict must be one of {', '.join(VERDICT_ACTIONS)}, got {on_verdict!r}")
@@ -103,6 +109,9 @@ def verdict_action(verdict: ev.Verdict, on_verdict: str) -> tuple[str, str]:
         wanted = CLASS_ACTIONS[kind]
     else:
         return IGNORE, f"unknown verdict class {kind!r}"
+    if kind == SUSPECT_HARDWARE and (_STRENGTH[on_verdict] < _STRENGTH[ISOLATE] or not spare_free):
+        why = f"--on-verdict {on_verdict}" if _STRENGTH[on_verdict] < _STRENGTH[ISOLATE] else "no spare slot is free"
+        return IGNORE, f"{kind}: the replica stays ({why}); each corruption was healed from a peer"
     if _STRENGTH[on_verdict] < _STRENGTH[wanted]:
         return on_verdict, f"{kind} calls for {wanted}, capped by --on-verdict {on_verdict}"
     return wanted, f"{kind}: {wanted}"

@@ -399,7 +399,7 @@ class Launcher(Supervisor[SupervisedReplica]):
     def _on_verdict(self, e: ev.Verdict) -> None:
         """Applies :func:`unbroken.launch.recovery.verdicts.verdict_action` to the culprit replica."""
         replica = culprit_replica(e)
-        action, why = verdict_action(e, self.s.on_verdict)
+        action, why = verdict_action(e, self.s.on_verdict, spare_free=bool(self.placement.free_slots()))
         ignored = why if action == IGNORE else None
         if ignored is None and replica not in self.replicas:
             ignored = "not a replica of this job"

@@ -50,7 +50,8 @@ class LaunchSettings:
         schedule: faults to inject.
         on_verdict: the strongest action a diagnosis verdict may take on its culprit (see
             :mod:`unbroken.launch.recovery.verdicts`): ``isolate`` (its node is isolated and the replica
-            moves to a spare, or restarts in place if none is free), ``restart``, or ``ignore``.
+            moves to a spare, or restarts in place if none is free; a ``suspect_hardware``
+            replica moves only to a free spare, and otherwise stays), ``restart``, or ``ignore``.
         on_hang: a replica evicted for silence while its processes still run is killed and
             restarted (``restart``) or left to resume and rejoin by itself (``wait``).
         warm_spare: keep one worker process with torch already imported for restarts
