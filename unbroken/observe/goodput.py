@@ -29,7 +29,14 @@ Event = Mapping[str, Any]
 Row = Mapping[str, Any]
 
 # A restarted coordinator is what detects its own kill (a fault with no replica target).
-DETECTION_KINDS = ("process_exited", "replica_evicted", "verdict", "restart_decision", "coordinator_restarted")
+DETECTION_KINDS = (
+    "process_exited",
+    "replica_evicted",
+    "verdict",
+    "restart_decision",
+    "coordinator_restarted",
+    "sdc_detected",  # names its culprits: a flipped bit is found by the verified exchange, not by silence
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +83,13 @@ def detections(events: Sequence[Event]) -> list[tuple[Event, Event | None]]:
         for e in events:
             if e["t"] < f["t"] or e["kind"] not in DETECTION_KINDS:
                 continue
-            who = (e.get("culprit") or {}).get("replica") if e["kind"] == "verdict" else e.get("replica")
-            if who in targets or (not targets and e["kind"] == "coordinator_restarted"):
+            if e["kind"] == "sdc_detected":
+                named = set(e.get("culprits") or ())
+            elif e["kind"] == "verdict":
+                named = {(e.get("culprit") or {}).get("replica")}
+            else:
+                named = {e.get("replica")}
+            if named & targets or (not targets and e["kind"] == "coordinator_restarted"):
                 hit = e
                 break
         out.append((f, hit))

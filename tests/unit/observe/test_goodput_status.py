@@ -74,6 +74,27 @@ def test_a_killed_coordinator_is_detected_by_its_restart_and_recovered_once_it_s
     assert row["detected"] and not row["recovered"]
 
 
+def test_a_flipped_bit_is_detected_by_the_finding_that_names_it_and_recovered_by_its_catch_up() -> None:
+    from unbroken.launch.run.demo import fault_outcomes
+
+    events = [
+        {"t": 0.0, "kind": "quorum", "epoch": 1, "members": [0, 1, 2], "behind": []},
+        {"t": 4.0, "kind": "fault_injected", "replica": 0, "fault_kind": "bitflip", "target": "replica 0"},
+        # Every member reports the finding; the first that names replica 0 detects it.
+        {"t": 4.1, "kind": "sdc_detected", "replica": 2, "rank": 0, "step": 9, "culprits": [0], "committed": True},
+        {"t": 4.1, "kind": "caught_up", "replica": 1, "rank": 0, "step": 9, "seconds": 0.1, "nbytes": 1},
+        {"t": 4.3, "kind": "caught_up", "replica": 0, "rank": 0, "step": 10, "seconds": 0.1, "nbytes": 1},
+    ]
+    [row] = fault_outcomes(events)
+    assert row["detected"] and row["attributed_correctly"] and row["recovered"]
+    assert row["detected_by"] == "sdc_detected" and row["detect_s"] == pytest.approx(0.1)
+    [row] = fault_outcomes(events[:4])  # another replica's catch-up is not this one's repair
+    assert row["detected"] and not row["recovered"]
+    wrong = [*events[:2], {**events[2], "culprits": [1]}]
+    [row] = fault_outcomes(wrong)  # a finding that names someone else does not detect it
+    assert not row["detected"]
+
+
 def test_status_rows_join_the_coordinator_and_the_typed_events(tmp_path: Path) -> None:
     status = {
         "epoch": 4,

@@ -1,12 +1,14 @@
-"""``unbroken demo``: 3 replicas on CPU through a crash, a hang and a slow rank, then a report.
+"""``unbroken demo``: 3 replicas on CPU through a crash, a hang, a flipped bit and a slow rank, then a report.
 
 ``--model gpt`` (the default, the faster) trains the example GPT, one process per replica;
 ``--model llama`` the example Hugging Face Llama, each replica 2 ranks sharding it with FSDP2 and
 the cross-replica average in FSDP2's all-reduce hook (:mod:`unbroken.examples.llama.train`).
 
 Everything is real: the supervisor and coordinator run here, the replicas are separate
-processes exchanging gradients over Gloo, and the faults are a ``kill -9``, a ``SIGSTOP`` and a
-rank that really computes slower. The slow rank is found by a ``straggler`` verdict of the
+processes exchanging gradients over Gloo, and the faults are a ``kill -9``, a ``SIGSTOP``, a bit
+flipped in one member's copy of an exchange's sum (GPT only: silent data corruption, found by the
+verified exchange in the step it happens and healed from a peer) and a rank that really computes
+slower. The slow rank is found by a ``straggler`` verdict of the
 diagnosis master in the coordinator (:mod:`unbroken.diagnosis`); the supervisor isolates its
 slot and moves the replica to the spare. At the end: a summary table,
 ``--json``, and ``report.html`` beside a fault-free reference of the same training.
@@ -62,6 +64,7 @@ MODELS = {
         steps=300,
         faults=(
             "crash:replica=1,step=50",
+            "bitflip:replica=0,step=90,where=result,bit=30",
             "hang:replica=2,step=130",
             "slow_rank:replica=0,factor=4,step=210,duration_s=20",
         ),
@@ -165,7 +168,11 @@ def fault_outcomes(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "detected_by": None,
         }
         if hit is not None:
-            culprit = hit.get("culprit") or {"replica": hit.get("replica"), "rank": hit.get("rank")}
+            if hit["kind"] == "sdc_detected":  # reported by a member; names the culprit replicas
+                named = hit.get("culprits") or []
+                culprit = {"replica": named[0] if len(named) == 1 else None, "rank": None}
+            else:
+                culprit = hit.get("culprit") or {"replica": hit.get("replica"), "rank": hit.get("rank")}
             row["detect_s"] = round(hit["t"] - f["t"], 3)
             row["detected_by"] = hit["kind"] + (f" ({hit.get('class')})" if hit["kind"] == "verdict" else "")
             row["attributed_correctly"] = culprit.get("replica") == target and culprit.get("rank") in (
@@ -175,12 +182,13 @@ def fault_outcomes(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if target is None:  # the coordinator's: recovered once an epoch is served again (resumed or new)
                 row["recovered"] = any(e["kind"] in ("quorum", "epoch_resumed") and e["t"] >= hit["t"] for e in events)
             else:
+                # Back to training, or (a flipped bit) healed from a peer without a restart.
                 row["recovered"] = any(
-                    e["kind"] == "replica_state"
-                    and e["replica"] == target
+                    e["replica"] == target
                     and e["t"] > hit["t"]
-                    and e["new"] == "training"
+                    and (e["kind"] == "caught_up" or (e["kind"] == "replica_state" and e["new"] == "training"))
                     for e in events
+                    if e["kind"] in ("replica_state", "caught_up")
                 )
         out.append(row)
     return out
@@ -283,10 +291,11 @@ def demo(
     http_port: int,
     **kw: Any,
 ) -> None:
-    """Train an example model as 3 replicas through a crash, a hang and a slow rank; report the cost.
+    """Train an example model as 3 replicas through a crash, a hang, a bit flip and a slow rank; report the cost.
 
     Without --fault/--faults-file the default schedule runs. GPT: crash of replica 1 at step 50,
-    hang of replica 2 at step 130, replica 0 four times slower from step 210 for 20 s. Llama:
+    a bit flipped in replica 0's copy of step 90's sum, hang of replica 2 at step 130, replica 0
+    four times slower from step 210 for 20 s. Llama:
     crash of rank 1 of replica 1 at step 25 (its whole group restarts), hang of replica 2 at step
     55, replica 0 three times slower from step 85 for 40 s.
     """
