@@ -82,3 +82,26 @@ def test_a_forgotten_replica_leaves_no_cell_and_its_rows_are_reused() -> None:
 def test_window_must_hold_a_transfer() -> None:
     with pytest.raises(ValueError, match="window"):
         LinkSamples(0)
+
+
+def test_quantiles_read_the_newest_transfers_and_stalls_the_whole_window() -> None:
+    store = LinkSamples(8, recent=4)
+    for i in range(12):  # transfers 4..11 kept; 8..11 are the newest four
+        for cell, (a, b) in (((0, 1), ((0, 0), (1, 0))), ((1, 0), ((1, 0), (0, 0)))):
+            late = 0.010 if i in (5, 6) and cell == (0, 1) else 0.001  # two stalls, older than the newest four
+            t = float(i)
+            sample = links.TransferTimes(a, b, t, t + 0.0001, t + 0.0001 + late * (1 + i / 100), 0.0, 1.0)
+            store.append(cell, sample, offsets={(0, 0): 0.0, (1, 0): 0.0})
+    got = store.times({(0, 0): 0.0, (1, 0): 0.0})
+    newest = [0.001 * (1 + i / 100) for i in range(8, 12)]
+    assert sorted(got[(0, 1)].tolist()) == pytest.approx(newest)
+    assert got.count_at_least(0.005) == {(0, 1): 2, (1, 0): 0}
+    # A transfer whose ends' offsets were unknown when it came is not counted; a cell made again
+    # in a reused row does not inherit the old cell's stalls.
+    store.append((0, 2), links.TransferTimes((0, 0), (2, 0), 0.0, 0.0001, 0.5, 0.0, 1.0))
+    store.forget(1)
+    store.append((3, 4), links.TransferTimes((3, 0), (4, 0), 0.0, 0.0001, 0.0011, 0.0, 1.0), offsets={})
+    got = store.times({(0, 0): 0.0, (2, 0): 0.0, (3, 0): 0.0, (4, 0): 0.0})
+    assert got.count_at_least(0.005) == {(0, 2): 0, (3, 4): 0}
+    with pytest.raises(ValueError, match="recent"):
+        LinkSamples(4, recent=5)

@@ -17,14 +17,29 @@ from unbroken.diagnosis.rules.window import WindowMonitor
 from unbroken.diagnosis.verdict import COMM_HANG, NONCOMM_HANG, Culprit, Verdict
 
 
-def view(replica: int, entered: int, wait: float | None, silent: float = 0.1, opens=()) -> hang.RankView:
-    return hang.RankView(replica, 0, f"n{replica}", entered, wait, silent, tuple(opens))
+def view(replica: int, entered: int, wait: float | None, silent: float = 0.1, opens=(), furthest=None) -> hang.RankView:
+    furthest = max((o.step for o in opens), default=None) if furthest is None else furthest
+    return hang.RankView(replica, 0, f"n{replica}", entered, wait, silent, tuple(opens), furthest)
 
 
 def test_lagging_counter_is_a_noncomm_hang_of_that_rank() -> None:
     views = [view(0, 7, 1.0), view(1, 6, None), view(2, 7, 1.0)]
     f = hang.classify_hang("g", views, hang_s=0.5, silent_s=1.0)
     assert f is not None and f.kind == NONCOMM_HANG and f.culprit.replica == 1
+
+
+def test_a_lagging_rank_waiting_on_the_ring_is_not_a_noncomm_hang() -> None:
+    # Replica 0 is still in seq 6 with a receive open (its peers' data is late on a lossy
+    # link) while 1 and 2 wait at seq 7: it is in communication, not stuck outside it.
+    views = [view(0, 6, 1.0, opens=[hang.OpenTransfer(2, 3, 0.9)]), view(1, 7, 1.0), view(2, 7, 1.0)]
+    assert hang.classify_hang("g", views, hang_s=0.5, silent_s=1.0) is None
+    # Stopped in there (its telemetry silent) it is named all the same; so is a lagger outside.
+    views[0] = view(0, 6, 1.0, silent=1.5, opens=[hang.OpenTransfer(2, 3, 0.9)])
+    f = hang.classify_hang("g", views, hang_s=0.5, silent_s=1.0)
+    assert f is not None and f.kind == NONCOMM_HANG and f.culprit.replica == 0
+    views[0] = view(0, 6, None)
+    f = hang.classify_hang("g", views, hang_s=0.5, silent_s=1.0)
+    assert f is not None and f.kind == NONCOMM_HANG and f.culprit.replica == 0
 
 
 def test_short_waits_are_not_hangs() -> None:
@@ -45,6 +60,23 @@ def test_equal_counters_earliest_stalled_transfer_names_the_link() -> None:
         view(1, 7, 1.0, opens=[hang.OpenTransfer(0, 1, 0.95)]),
         view(2, 7, 1.0, opens=[hang.OpenTransfer(1, 2, 0.9)]),
     ]
+    f = hang.classify_hang("g", views, hang_s=0.5, silent_s=1.0)
+    assert f is not None and f.kind == COMM_HANG and f.culprit.link == (0, 1)
+
+
+def test_a_stall_downstream_of_a_sender_still_at_an_earlier_step_names_nobody_yet() -> None:
+    # 2 waits on 1 -> 2 at ring step 1, but 1 has shown nothing past step 0 (its own wait on
+    # 0 -> 1 at step 0 is not in its telemetry yet): 1 -> 2 is a consequence, not the fault.
+    views = [
+        view(0, 7, 0.7, furthest=0),
+        view(1, 7, 0.7, furthest=0),
+        view(2, 7, 0.7, opens=[hang.OpenTransfer(1, 1, 0.55)]),
+    ]
+    assert hang.classify_hang("g", views, hang_s=0.5, silent_s=1.0) is None
+    views[1] = view(1, 7, 0.7)  # nothing open reported at all: no evidence either
+    assert hang.classify_hang("g", views, hang_s=0.5, silent_s=1.0) is None
+    # Once 1's telemetry shows its open receive from 0 at step 0, the link 0 -> 1 is named.
+    views[1] = view(1, 7, 0.7, opens=[hang.OpenTransfer(0, 0, 0.6)])
     f = hang.classify_hang("g", views, hang_s=0.5, silent_s=1.0)
     assert f is not None and f.kind == COMM_HANG and f.culprit.link == (0, 1)
 
@@ -243,6 +275,15 @@ def test_one_stall_or_a_busy_hosts_tail_is_no_lossy_link() -> None:
     assert links.classify_stalling(stalled(base, (2, 1), 1)) is None
     tail = {k: [x * (36.0 if i % 4 == 0 else 1.0) for i, x in enumerate(v)] for k, v in base.items()}
     assert links.classify_stalling(tail) is None
+
+
+def test_a_node_and_its_own_link_are_the_same_evidence() -> None:
+    link12, node1, node0 = ("link", frozenset({1, 2}), "stalling"), ("node", 1, "stalling"), ("node", 0, "stalling")
+    assert links.same_evidence(link12, node1) and links.same_evidence(node1, link12)
+    assert not links.same_evidence(link12, node0)  # not one of its ends
+    assert not links.same_evidence(link12, ("node", 1, "slow"))  # another cause
+    assert not links.same_evidence(("link", frozenset({0, 1}), "slow"), ("link", frozenset({1, 2}), "slow"))
+    assert links.same_evidence(None, None) and not links.same_evidence(node1, None)
 
 
 def test_a_lossy_node_stalls_on_all_its_links() -> None:

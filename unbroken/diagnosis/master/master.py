@@ -57,7 +57,7 @@ class DiagnosisMaster:
         # rank -> seconds between consecutive collectives' last arrivals: the job's own pace
         self.cadence: dict[int, deque[float]] = {}
         self._last_start: dict[int, float] = {}
-        self.cells = LinkSamples(self.s.link_window)  # (sender, receiver) replicas
+        self.cells = LinkSamples(max(self.s.link_stall_window, self.s.link_window), recent=self.s.link_window)
         self._halves: dict[tuple[Any, ...], tuple[Ident, float, float, int, float]] = {}
         self.detectors: dict[Ident, MetricDetector] = {}
         self._pending_metric: list[Verdict] = []
@@ -153,6 +153,9 @@ class DiagnosisMaster:
             for t in batch.open_links
             if t.direction == "recv"
         ]
+        r.open_steps = {}
+        for t in batch.open_links:
+            r.open_steps[t.group] = max(r.open_steps.get(t.group, -1), t.ring_step)
         r.flags = list(batch.flags)
         self.port_events.extend(ports.port_event(now, replica, p) for p in batch.paths)
         det = self._detector(ident)
@@ -202,7 +205,12 @@ class DiagnosisMaster:
     def footprint(self) -> int:
         """Entries held, all containers together: what a long job must not grow."""
         per_rank = sum(
-            len(r.entered) + len(r.failed) + sum(len(x) for x in r.exits.values()) + len(r.gaps) + len(r.open_recvs)
+            len(r.entered)
+            + len(r.failed)
+            + sum(len(x) for x in r.exits.values())
+            + len(r.gaps)
+            + len(r.open_recvs)
+            + len(r.open_steps)
             for r in self.ranks.values()
         )
         return (
@@ -310,7 +318,8 @@ class DiagnosisMaster:
         sample = links.TransferTimes(
             sender, receiver, send_post, recv_post, recv_done, recv_queued, max(nbytes, 1) / 1e6
         )
-        self.cells.append((src, dst), sample)
+        known = {i: r.offset_s for i in (sender, receiver) if (r := self.ranks.get(i)) and r.offset_s is not None}
+        self.cells.append((src, dst), sample, offsets=known)
 
     def _cell_times(self) -> links.CellTimes:
         """Each cell's transfers (:func:`links.transfer_time`) in seconds per MB, read with the
@@ -410,7 +419,18 @@ class DiagnosisMaster:
                 opens = tuple(
                     hang.OpenTransfer(o.peer, o.ring_step, now - o.post) for o in r.open_recvs if o.group == group
                 )
-                views.append(hang.RankView(m, rank, r.node, r.entered.get(group, -1), wait, now - r.last_seen, opens))
+                views.append(
+                    hang.RankView(
+                        m,
+                        rank,
+                        r.node,
+                        r.entered.get(group, -1),
+                        wait,
+                        now - r.last_seen,
+                        opens,
+                        r.open_steps.get(group),
+                    )
+                )
             if len(views) < len(members):
                 continue  # a member left the job: its peers' failed waits are explained
             f = hang.classify_hang(group, views, self.hang_s, silent_s)
@@ -545,8 +565,10 @@ class DiagnosisMaster:
         sig = (f.pattern, frozenset(f.link) if f.link else f.replica, f.cause) if f else None
         prev, n, at = self._link_streak
         # Counted in new collectives, not evaluations: one slow burst re-read at every tick
-        # of the coordinator is still one burst.
-        n = 1 if sig != prev else n + (at != self._arrived)
+        # of the coordinator is still one burst. A node and one of its own links are the same
+        # evidence seen more or less whole (a lossy host's second link shows its stalls a few
+        # collectives after the first): the streak goes on.
+        n = 1 if not links.same_evidence(sig, prev) else n + (at != self._arrived)
         self._link_streak = (sig, n, self._arrived)
         if f is None or n < self.s.link_confirm:
             return []

@@ -38,6 +38,9 @@ class MasterSettings:
     straggler_threshold: float = 0.72
     link_window: int = 16  # transfers per cell: 8 collectives, as each direction carries every other one
     link_min_samples: int = 12
+    # Transfers per cell whose stalls count (links.classify_stalling): a lossy link stalls one or
+    # two in 16, and counted over 16 its finding came and went before it could hold.
+    link_stall_window: int = 64
     # A link's fastest quarter over the reference links' slowest quarter (unbroken.diagnosis.rules.links):
     # healthy links of a loaded 2-core host scored 1.23 at worst over ~1100 evaluations of clean
     # ring runs, with and without a CPU hog; an injected 60 MB/s wire scores 17-25.
@@ -93,4 +96,6 @@ class RankState:
     latest: str = ""
     completed: int = 0  # collectives completed since this rank connected
     open_recvs: list[OpenRecv] = dataclasses.field(default_factory=list)
+    # group -> the furthest ring step of its open transfers, sends or receives (how far it got)
+    open_steps: dict[str, int] = dataclasses.field(default_factory=dict)
     flags: list[FlaggedLink] = dataclasses.field(default_factory=list)

@@ -39,6 +39,8 @@ class RankView:
             or is not in a collective).
         silent_s: time since this rank's last telemetry.
         open_recvs: its ring receives still outstanding.
+        furthest_step: the furthest ring step of its transfers still open, sends or receives
+            (None: none reported): how far it got in the ring.
     """
 
     replica: int
@@ -48,6 +50,7 @@ class RankView:
     wait_s: float | None
     silent_s: float
     open_recvs: tuple[OpenTransfer, ...] = ()
+    furthest_step: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +82,13 @@ def classify_hang(group: str, views: list[RankView], hang_s: float, silent_s: fl
         "silent_s": {str(v.replica): round(v.silent_s, 3) for v in views},
     }
     laggers = sorted((v for v in views if v.entered < top), key=lambda v: v.entered)
+    if any(v.wait_s is not None and v.furthest_step is not None and v.silent_s < silent_s for v in laggers):
+        # A lagging rank still inside its collective with ring transfers open is waiting on
+        # the network, not stuck outside it: its peers finished that collective and their data
+        # to it is late (a lossy link: in the box at 5% loss on one host this named a healthy
+        # replica). Not a non-communication hang; the collective's deadline record names the
+        # transfer if it never completes.
+        return None
     if laggers:
         v = laggers[0]
         evidence["reason"] = f"replica {v.replica} is at seq {v.entered} while others wait at seq {top}"
@@ -102,6 +112,14 @@ def classify_hang(group: str, views: list[RankView], hang_s: float, silent_s: fl
     stalls = [(t.step, -t.age_s, t.sender, v) for v in views for t in v.open_recvs]
     if stalls:
         step, neg_age, sender, receiver = min(stalls, key=lambda s: (s[0], s[1]))
+        behind = next((v for v in views if v.replica == sender), None)
+        inside = behind is not None and behind.wait_s is not None  # not through the collective yet
+        if behind is not None and inside and (behind.furthest_step is None or behind.furthest_step < step):
+            # The sender has not shown a transfer of that ring step: it is still at an earlier
+            # one, whose own stall its telemetry has not shown yet (a ring with a CPU hog once
+            # named 1 -> 2 at step 1 while 1 waited on 0 -> 1 at step 0). A stall there is a
+            # consequence; wait for the sender's evidence (or the deadline's record) to name it.
+            return None
         evidence["open_recvs"] = [
             {"sender": t.sender, "receiver": v.replica, "ring_step": t.step, "age_s": round(t.age_s, 3)}
             for v in views

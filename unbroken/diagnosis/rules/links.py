@@ -129,12 +129,14 @@ class CellTimes(Mapping[Cell, np.ndarray]):
     rules take; its quantiles and stall counts are computed for all cells at once, and the
     quantiles kept, since the rules ask for the same ones several times per judgement."""
 
-    def __init__(self, cells: Sequence[Cell], values: np.ndarray) -> None:
+    def __init__(self, cells: Sequence[Cell], values: np.ndarray, stall_values: np.ndarray | None = None) -> None:
         xs = np.sort(values, axis=1)  # NaN last
         n = (~np.isnan(xs)).sum(axis=1)
         keep = n > 0  # a cell without a readable transfer is not known (as a plain mapping leaves it out)
         self._cells = [c for c, k in zip(cells, keep, strict=True) if k]
         self._sorted, self._n = xs[keep], n[keep]
+        # Stalls are counted over a longer window when one is given (LinkSamples' ``window``).
+        self._stall_values = self._sorted if stall_values is None else stall_values[keep]
         self._index = {c: i for i, c in enumerate(self._cells)}
         self._quantiles: dict[float, dict[Cell, float]] = {}
 
@@ -167,7 +169,7 @@ class CellTimes(Mapping[Cell, np.ndarray]):
 
     def count_at_least(self, threshold: float) -> dict[Cell, int]:
         with np.errstate(invalid="ignore"):
-            counts = (self._sorted >= threshold).sum(axis=1)
+            counts = (self._stall_values >= threshold).sum(axis=1)
         return dict(zip(self._cells, counts.tolist(), strict=True))
 
 
@@ -308,6 +310,18 @@ def _pattern(known: set[Cell], bad: set[Cell], evidence: dict[str, Any], cause: 
     return None
 
 
+def same_evidence(a: tuple[Any, ...] | None, b: tuple[Any, ...] | None) -> bool:
+    """Whether two findings' signatures, ``(pattern, culprit, cause)`` with culprit a node's
+    replica or a link's frozenset of ends, name the same fault: equal, or a node and one of its
+    own links with the same cause."""
+    if a is None or b is None or a == b:
+        return a == b
+    if a[2] != b[2] or {a[0], b[0]} != {"node", "link"}:
+        return False
+    node, link = (a[1], b[1]) if a[0] == "node" else (b[1], a[1])
+    return node in link
+
+
 STALL_FACTOR = 100.0
 MIN_STALLS = 2
 
@@ -328,7 +342,10 @@ def classify_stalling(
     two in each 16, while the job ran 2.8x slower. Over 10 clean box runs (11,871 transfers) the
     worst was 36x the floor (p99.9 18x). A stall is ``factor`` (100) times the median floor of
     the known cells; a link stalls with ``min_stalls`` of them in its window (both directions),
-    and only while some known link has none.
+    and only while some known link has none. From a :class:`CellTimes` with a stall window
+    (the master's: 64 transfers a direction, against the rules' 16), stalls are counted over
+    that longer window: counted over 16, two stalls seldom met, and the finding came and went
+    before it could hold for its confirmation (18 of 20 box runs named within 30 steps).
     """
     if factor <= 1.0 or min_stalls < 1 or min_samples < 1:
         raise ValueError(
