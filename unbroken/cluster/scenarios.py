@@ -319,9 +319,16 @@ def slow_link(root: Path, quick: bool = False, fault: str | None = "tbf") -> Rec
     finally:
         box.close()
     verdicts = [e for e in job.events("verdict") if e["t"] >= t0 - (1e9 if clean else 0)]
-    inv = consistency(job, [0, 1, 2])
-    checks: dict[str, bool] = {"agents_finished": all(c == 0 for c in codes.values()), "identical": inv["identical"]}
+    # A lossy host's replica may be set aside when its exchanges fail, and the job, ended a few
+    # steps after the verdict, then finishes without it (seen in 3 of 65 runs): every replica
+    # that finished must be identical, at least two of them, and any other set aside or evicted.
+    finished = sorted(job.finals()) if fault == "loss" else [0, 1, 2]
+    left = {e["replica"] for e in job.events() if e["kind"] in ("replica_set_aside", "replica_evicted")}
+    inv = consistency(job, finished)
+    identical = inv["identical"] and len(finished) >= 2 and set(range(3)) - set(finished) <= left
+    checks: dict[str, bool] = {"agents_finished": all(c == 0 for c in codes.values()), "identical": identical}
     figures: dict[str, Any] = {"verdicts": [{"class": v["class"], "culprit": v["culprit"]} for v in verdicts][:5]}
+    figures["finished_replicas"] = finished
     if clean:
         checks["no_false_verdict"] = not verdicts
     else:
