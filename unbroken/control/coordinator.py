@@ -193,7 +193,7 @@ class Coordinator:
             self.store,
             self.events,
             self.health,
-            QuorumHooks(evict=self._evict, fail_job=self._fail_job, store_for=self._store_for),
+            QuorumHooks(evict=self._evict, fail_job=self._fail_job, store_for=self._store_for, blame=self._stall_blame),
             max_asks_per_s=settings.max_asks_per_s,
             max_grant_s=settings.max_grant_s,
         )
@@ -688,6 +688,10 @@ class Coordinator:
             )
         )
         self.agents.job_failed(stop)
+
+    def _stall_blame(self, epochs: list[int]) -> dict[int, int]:
+        """Whom the failed ``epochs``' abandoned collectives point at (:meth:`DiagnosisMaster.stall_blame`)."""
+        return self.diagnosis.master.stall_blame(epochs)
 
     def _store_for(self, link: protocol.Link) -> str:
         """The TCPStore's address as seen by this client (a wildcard bind is no address to dial)."""

@@ -45,3 +45,23 @@ def test_the_hold_doubles_on_a_repeat_and_nobody_is_set_aside_below_the_minimum(
     s.progressed()
     assert s.failed(3, [0, 1, 2], min_replicas=2, now=20.0) == 2
     assert s.until[2] == 40.0
+
+
+def test_the_failed_epochs_evidence_picks_whom_to_set_aside() -> None:
+    # A lossy link at replica 1: the abandoned collectives' open transfers point at 1 (and its
+    # peers once each), where the membership guess would have held healthy replica 2.
+    s = SetAside(after_failures=2, hold_s=10.0)
+    s.formed(1, [0, 1, 2])
+    asked: list[list[int]] = []
+
+    def blame(epochs: list[int]) -> dict[int, int]:
+        asked.append(epochs)
+        return {0: 1, 1: 2, 2: 1}
+
+    assert s.failed(1, [0, 1, 2], 1, 0.0, blame) is None
+    assert s.failed(2, [0, 1, 2], 1, 0.1, blame) == 1
+    assert asked == [[1, 2]]  # asked about the streak's epochs
+    # No evidence: the membership guess, as before.
+    s.progressed()
+    s.failed(3, [0, 2], 1, 1.0, lambda e: {})
+    assert s.failed(4, [0, 2], 1, 1.1, lambda e: {}) == 2

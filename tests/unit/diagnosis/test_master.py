@@ -317,6 +317,23 @@ def test_stall_seen_by_one_deadline_and_two_aborted_members_names_the_link() -> 
     assert hang and hang[0].culprit.link == (0, 1)
 
 
+def test_stall_blame_points_at_the_ends_of_the_first_transfer_left_open_at_both_ends() -> None:
+    m = DiagnosisMaster()
+    t = 50.0
+    open_ = {
+        0: [waiting(7, "send", 1, 0, t)],
+        1: [waiting(7, "recv", 0, 0, t), waiting(7, "send", 2, 0, t)],
+        2: [waiting(7, "recv", 1, 1, t + 0.01)],
+    }
+    for r in (0, 1, 2):
+        rec = Collective(G, 7, "allreduce", 4, int(t * NS), int((t + 0.5) * NS), False, [0, 1, 2], 0, 0)
+        m.ingest((r, 0), f"n{r}", batch(t + 0.6, records=[rec], stalls=[Stall(G, 7, open_[r], True)]), t + 0.6)
+    assert m.stall_blame([1]) == {0: 1, 1: 1}  # 0 -> 1 at step 0; 1 -> 2 is its consequence
+    assert m.stall_blame([2]) == {}  # another epoch's failure: no evidence
+    m.evaluate(t + 0.6)  # judged (a comm_hang): the evidence is still there for the set-aside
+    assert m.stall_blame([1, 2]) == {0: 1, 1: 1}
+
+
 def test_collective_failed_everywhere_without_a_deadline_is_no_comm_hang() -> None:
     """A closed connection (a crash) fails every member at once with transfers open: not a stall."""
     assert stalled_collective({0: False, 1: False, 2: False}) == []

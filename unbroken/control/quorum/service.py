@@ -17,7 +17,7 @@ import asyncio
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from unbroken.control import protocol
 from unbroken.control.quorum.failure import classify
@@ -85,11 +85,14 @@ class QuorumHooks:
         fail_job: ends the job (a configuration that can never work, no progress).
         store_for: the rendezvous store's address as the given connection sees it (a node's
             own store when every member can dial it, else the coordinator's).
+        blame: per replica, how strongly the evidence of the given failed epochs points at it
+            (the diagnosis master's ``stall_blame``); whom a run of failing epochs sets aside.
     """
 
     evict: Callable[[int, ev.EvictCause, str], None]
     fail_job: Callable[[JobStop], None]
     store_for: Callable[[protocol.Link], str]
+    blame: Callable[[list[int]], Mapping[int, int]] | None = None
 
 
 class QuorumService:
@@ -272,7 +275,7 @@ class QuorumService:
         failed_epochs = [f for (_, _, _, f) in ranks.values() if f is not None]
         if failed_epochs and cur is not None and max(failed_epochs) == cur.epoch:
             self._judge_failure(cur.epoch, cur.members, replica, [c.failure for (c, _, _, _) in ranks.values()])
-            victim = self.setaside.failed(cur.epoch, cur.members, self.min_replicas, now)
+            victim = self.setaside.failed(cur.epoch, cur.members, self.min_replicas, now, self.hooks.blame)
             if victim is not None:
                 self.events.emit(
                     "replica_set_aside",

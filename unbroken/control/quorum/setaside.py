@@ -6,10 +6,14 @@ fails (its group's rendezvous or exchange times out), and the next epoch, formed
 who asked, includes it again. Pure logic with time passed in: after ``after_failures``
 consecutive failed epochs with no step committed in between, one member is set aside for a
 while (its quorum requests are held, and forming does not wait for it); the members left then
-train on. Which member: the one that entered the membership last (a replica coming back from a
-partition is the likeliest to be cut off still), highest id on a tie, and one not tried yet in
-this streak, so that a wrong guess is corrected by the next failure (the wrongly held replica
-is given back at once). The hold doubles each time
+train on. Which member: the one the failed epochs' own evidence blames most (the diagnosis
+master's ``stall_blame``: the ends of the earliest transfer left open at both ends when a
+collective was abandoned), then the one that entered the membership last (a replica coming back
+from a partition is the likeliest to be cut off still), highest id on a tie, and one not tried
+yet in this streak, so that a wrong guess is corrected by the next failure (the wrongly held
+replica is given back at once). Without the evidence, a lossy link's host once kept training
+while a healthy replica was held: the epochs without it no longer failed, so nothing corrected
+the guess. The hold doubles each time
 the same replica is set aside again; once it ends, the replica is admitted as a newcomer and
 catches up, and if its epochs fail again it is set aside again.
 """
@@ -17,7 +21,7 @@ catches up, and if its epochs fail again it is set aside again.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 
 @dataclasses.dataclass
@@ -54,8 +58,17 @@ class SetAside:
         self.streak.clear()
         self.tried.clear()
 
-    def failed(self, epoch: int, members: Iterable[int], min_replicas: int, now: float) -> int | None:
-        """A member reported epoch ``epoch`` failed; returns the replica set aside now, if any."""
+    def failed(
+        self,
+        epoch: int,
+        members: Iterable[int],
+        min_replicas: int,
+        now: float,
+        blame: Callable[[list[int]], Mapping[int, int]] | None = None,
+    ) -> int | None:
+        """A member reported epoch ``epoch`` failed; returns the replica set aside now, if any.
+
+        ``blame``: per replica, how strongly the given failed epochs' evidence points at it."""
         if epoch in self.streak:
             return None
         self.streak.append(epoch)
@@ -72,7 +85,8 @@ class SetAside:
         if not left:
             self.tried.clear()
             left = pool
-        victim = max(left, key=lambda m: (self.joined.get(m, 0), m))
+        counts = blame(list(self.streak)) if blame is not None else {}
+        victim = max(left, key=lambda m: (counts.get(m, 0), self.joined.get(m, 0), m))
         self.tried.add(victim)
         n = self.times.get(victim, 0)
         self.times[victim] = n + 1

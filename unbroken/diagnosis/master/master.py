@@ -17,7 +17,7 @@ event loop): with every epoch kept, 200 stalls across 64 replicas made one tick 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from unbroken.diagnosis.master.master_state import Ident, MasterSettings, OpenCollective, OpenRecv, RankState
@@ -72,6 +72,7 @@ class DiagnosisMaster:
         self._reported: dict[tuple[Any, ...], float] = {}
         # (group, seq, rank) -> replica -> transfers still open when it abandoned the collective
         self.stalls: dict[tuple[str, int, int], dict[int, list[tuple[str, int, int, float]]]] = {}
+        self._abandoned: deque[tuple[str, dict[int, list[tuple[str, int, int, float]]]]] = deque(maxlen=64)
         # ... of which at least one member gave up at its own deadline; the others may have been
         # aborted by the coordinator because of it (a crash fails every member at once instead)
         self._deadline_passed: set[tuple[str, int, int]] = set()
@@ -231,6 +232,7 @@ class DiagnosisMaster:
             + len(self._epoch_group)
             + len(self._reported)
             + sum(len(x) for x in self.stalls.values())
+            + len(self._abandoned)
             + len(self._deadline_passed)
         )
 
@@ -456,15 +458,14 @@ class DiagnosisMaster:
         for key, got in list(self.stalls.items()):
             group, seq, rank = key
             members = self.members.get(group, [])
-            sends = {(m, peer, step) for m, links in got.items() for d, peer, step, _ in links if d == "send"}
-            recvs = [(step, post, peer, m) for m, links in got.items() for d, peer, step, post in links if d == "recv"]
-            paired = [x for x in recvs if (x[2], x[3], x[0]) in sends]
+            paired, recvs = _open_receives(got)
             # Both ends of one transfer saying it never finished is evidence enough; the others
             # may have been aborted by the coordinator before their own deadline.
             if len(members) < 2 or key not in self._deadline_passed or not (paired or set(members) <= set(got)):
                 continue
             del self.stalls[key]
             self._deadline_passed.discard(key)
+            self._abandoned.append((group, got))
             if not (paired or recvs):
                 continue
             step, post, sender, receiver = min(paired or recvs)
@@ -485,6 +486,24 @@ class DiagnosisMaster:
             out.append(
                 Verdict(Culprit(sender, rank, node, (sender, receiver)), COMM_HANG, 0.9 if paired else 0.6, evidence)
             )
+        return out
+
+    def stall_blame(self, epochs: Collection[int]) -> dict[int, int]:
+        """Per replica, how many collectives of ``epochs`` abandoned at a deadline had it at an
+        end of their earliest transfer that both ends left open: around whom a run of failing
+        epochs breaks (the coordinator sets aside a member of such a run,
+        :mod:`unbroken.control.quorum.setaside`). Empty without such evidence (no ring, or
+        nothing left open at both ends)."""
+        out: dict[int, int] = {}
+        for group, got in [(k[0], g) for k, g in self.stalls.items()] + list(self._abandoned):
+            _, _, epoch = group.rpartition("/epoch")
+            if not epoch.isdigit() or int(epoch) not in epochs:
+                continue
+            paired, _ = _open_receives(got)
+            if paired:
+                _, _, sender, receiver = min(paired)
+                for m in (sender, receiver):
+                    out[m] = out.get(m, 0) + 1
         return out
 
     def _silent(self, now: float, evicted: int | None = None) -> list[Verdict]:
@@ -623,3 +642,13 @@ class DiagnosisMaster:
                     )
                 )
         return out
+
+
+def _open_receives(
+    got: dict[int, list[tuple[str, int, int, float]]],
+) -> tuple[list[tuple[int, float, int, int]], list[tuple[int, float, int, int]]]:
+    """The receives a collective's members left open, as (ring step, post, sender, receiver):
+    those whose sender's send is open too, and all of them."""
+    sends = {(m, peer, step) for m, links in got.items() for d, peer, step, _ in links if d == "send"}
+    recvs = [(step, post, peer, m) for m, links in got.items() for d, peer, step, post in links if d == "recv"]
+    return [x for x in recvs if (x[2], x[3], x[0]) in sends], recvs

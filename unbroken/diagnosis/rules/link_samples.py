@@ -32,7 +32,7 @@ class LinkSamples:
     before it could hold. They are counted on each transfer's time as read when it came (the
     offsets then, its pair's clocks not reconciled): a stall is 100x a healthy floor, and
     that reading is off by the clock error, milliseconds at worst; reading 64 transfers a cell
-    exactly at every collective cost the coordinator 2.5x the time of reading 16.
+    exactly at every collective cost the coordinator nearly twice the time of reading 16.
     """
 
     def __init__(self, window: int, recent: int | None = None) -> None:
