@@ -20,10 +20,17 @@ from collections import deque
 from collections.abc import Callable, Collection
 from typing import Any
 
-from unbroken.diagnosis.master.master_state import Ident, MasterSettings, OpenCollective, OpenRecv, RankState
+from unbroken.diagnosis.master.connections import ConnectionMatrix
+from unbroken.diagnosis.master.master_state import (
+    Ident,
+    MasterSettings,
+    OpenCollective,
+    OpenRecv,
+    RankOffsets,
+    RankState,
+)
 from unbroken.diagnosis.robust import learned_threshold, median
-from unbroken.diagnosis.rules import hang, links, ports, steptime, straggler
-from unbroken.diagnosis.rules.link_samples import LinkSamples
+from unbroken.diagnosis.rules import hang, ports, steptime, straggler
 from unbroken.diagnosis.rules.metrics import DEFAULT_POLICY, MetricDetector
 from unbroken.diagnosis.telemetry import StepMetrics, TelemetryBatch
 from unbroken.diagnosis.verdict import (
@@ -57,12 +64,10 @@ class DiagnosisMaster:
         # rank -> seconds between consecutive collectives' last arrivals: the job's own pace
         self.cadence: dict[int, deque[float]] = {}
         self._last_start: dict[int, float] = {}
-        self.cells = LinkSamples(max(self.s.link_stall_window, self.s.link_window), recent=self.s.link_window)
-        self._halves: dict[tuple[Any, ...], tuple[Ident, float, float, int, float]] = {}
+        self.links = ConnectionMatrix(self.s)  # the ring's transfers, per (sender, receiver) replicas
         self.detectors: dict[Ident, MetricDetector] = {}
         self._pending_metric: list[Verdict] = []
         self._pending_silent: list[Verdict] = []  # evicted while silent (see forget)
-        self._link_streak: tuple[Any, int, int] = (None, 0, -1)
         self._change_streak: dict[Ident, tuple[int, int, int]] = {}  # first, length, at collective
         self._straggler_streak: dict[int, tuple[Any, int, int]] = {}
         self._arrived = 0  # collectives completed by every member so far
@@ -128,7 +133,7 @@ class DiagnosisMaster:
         else:
             r.open = None
         for t in batch.links:
-            self._link_half(
+            self.links.half(
                 t.group,
                 t.seq,
                 t.ring_step,
@@ -139,6 +144,7 @@ class DiagnosisMaster:
                 t.done_ns / 1e9,
                 t.nbytes,
                 max(0, t.rq_done_ns - t.rq_post_ns) / 1e9,
+                RankOffsets(self.ranks),
             )
         for stall in batch.stalls:
             got = self.stalls.setdefault((stall.group, stall.seq, rank), {})
@@ -224,8 +230,7 @@ class DiagnosisMaster:
             + sum(len(x) for c in self.compute.values() for x in c.values())
             + sum(len(x) for x in self.last.values())
             + sum(len(x) for x in self.cadence.values())
-            + len(self.cells)
-            + len(self._halves)
+            + len(self.links)
             + len(self.detectors)
             + len(self._change_streak)
             + len(self._straggler_streak)
@@ -280,56 +285,6 @@ class DiagnosisMaster:
                 best[rep] = min(best.get(rep, float("inf")), median(xs))
         self.last.setdefault(rank, deque(maxlen=self.s.straggler_window)).append(max(got, key=lambda k: got[k][0]))
 
-    def _link_half(
-        self,
-        group: str,
-        seq: int,
-        step: int,
-        direction: str,
-        ident: Ident,
-        peer: int,
-        post: float,
-        done: float,
-        nbytes: int,
-        queued_s: float = 0.0,
-    ) -> None:
-        """One side of a transfer (times on ``ident``'s own clock); with the other side, one
-        sample for its link's cell.
-
-        ``queued_s``: how long this side's thread waited for a CPU during the transfer. The
-        receiver's is subtracted: data that arrived while its thread waited for a CPU held by
-        other processes waited on the machine, not on the wire.
-        """
-        if seq < self.s.link_warmup:
-            return
-        me = ident[0]
-        src, dst = (me, peer) if direction == "send" else (peer, me)
-        key = (group, seq, step, src, dst)
-        other = self._halves.pop(key, None)
-        if other is None:
-            self._halves[key] = (ident, post, done, nbytes, queued_s)
-            if len(self._halves) > 512:
-                self._halves.pop(next(iter(self._halves)))
-            return
-        if direction == "recv":
-            sender, send_post = other[0], other[1]
-            receiver, recv_post, recv_done, recv_queued = ident, post, done, queued_s
-        else:
-            sender, send_post = ident, post
-            receiver, recv_post, recv_done, recv_queued = other[0], other[1], other[2], other[4]
-        sample = links.TransferTimes(
-            sender, receiver, send_post, recv_post, recv_done, recv_queued, max(nbytes, 1) / 1e6
-        )
-        known = {i: r.offset_s for i in (sender, receiver) if (r := self.ranks.get(i)) and r.offset_s is not None}
-        self.cells.append((src, dst), sample, offsets=known)
-
-    def _cell_times(self) -> links.CellTimes:
-        """Each cell's transfers (:func:`links.transfer_time`) in seconds per MB, read with the
-        clock offsets known now, which improve as the job runs (a sample mapped when it came kept
-        the error of its day: healthy links read -40 ms/MB in the box), and each pair's
-        correction from its own transfers (:func:`links.clock_corrections`)."""
-        return self.cells.times({i: r.offset_s for i, r in self.ranks.items() if r.offset_s is not None})
-
     # -- thresholds ------------------------------------------------------------------------
 
     @property
@@ -358,7 +313,7 @@ class DiagnosisMaster:
             self._pending_silent += [v for v in self._silent(now, evicted=replica) if v.culprit.replica == replica]
         for ident in [i for i in self.ranks if i[0] == replica]:
             del self.ranks[ident]
-        self.cells.forget(replica)
+        self.links.forget(replica)
         for comp in self.compute.values():
             comp.pop(replica, None)
         for best in self.best.values():
@@ -572,24 +527,8 @@ class DiagnosisMaster:
         return out
 
     def _slow_links(self) -> list[Verdict]:
-        cells = self._cell_times()
-        scores = links.link_scores(cells, self.s.link_min_samples, self.s.link_quantile)
-        self.last_scores["link"] = {f"{a}-{b}": round(x, 4) for (a, b), x in scores.items()}
-        lone = links.one_way_scores(cells, self.s.link_min_samples, self.s.link_quantile)
-        self.last_scores["link_one_way"] = {f"{a}-{b}": round(x, 4) for (a, b), x in lone.items()}
-        f = links.classify_slow(cells, self.s.link_ratio, self.s.link_min_samples, self.s.link_quantile)
+        f = self.links.judge(RankOffsets(self.ranks), self._arrived, self.last_scores)
         if f is None:
-            f = links.classify_stalling(cells, self.s.link_min_samples, self.s.link_quantile)
-        # Which direction of a slow link is the slower may flip between collectives; the link does not.
-        sig = (f.pattern, frozenset(f.link) if f.link else f.replica, f.cause) if f else None
-        prev, n, at = self._link_streak
-        # Counted in new collectives, not evaluations: one slow burst re-read at every tick
-        # of the coordinator is still one burst. A node and one of its own links are the same
-        # evidence seen more or less whole (a lossy host's second link shows its stalls a few
-        # collectives after the first): the streak goes on.
-        n = 1 if not links.same_evidence(sig, prev) else n + (at != self._arrived)
-        self._link_streak = (sig, n, self._arrived)
-        if f is None or n < self.s.link_confirm:
             return []
         node = next((r.node for i, r in self.ranks.items() if i[0] == f.replica), None)
         ev = {"pattern": f.pattern, "cause": f.cause, **f.evidence}

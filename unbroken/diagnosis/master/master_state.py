@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Iterator, Mapping
 
 from unbroken.diagnosis.rules.steptime import STEP_TIME_THRESHOLD
 from unbroken.diagnosis.telemetry import FlaggedLink
@@ -99,3 +100,23 @@ class RankState:
     # group -> the furthest ring step of its open transfers, sends or receives (how far it got)
     open_steps: dict[str, int] = dataclasses.field(default_factory=dict)
     flags: list[FlaggedLink] = dataclasses.field(default_factory=list)
+
+
+class RankOffsets(Mapping[Ident, float]):
+    """Each rank's clock offset to the coordinator's, where known: a live view of the ranks,
+    read per transfer without copying every rank's (thousands of them at scale)."""
+
+    def __init__(self, ranks: Mapping[Ident, RankState]) -> None:
+        self._ranks = ranks
+
+    def __getitem__(self, ident: Ident) -> float:
+        off = self._ranks[ident].offset_s
+        if off is None:
+            raise KeyError(ident)
+        return off
+
+    def __iter__(self) -> Iterator[Ident]:
+        return (i for i, r in self._ranks.items() if r.offset_s is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for r in self._ranks.values() if r.offset_s is not None)
