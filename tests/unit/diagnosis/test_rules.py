@@ -17,9 +17,13 @@ from unbroken.diagnosis.rules.window import WindowMonitor
 from unbroken.diagnosis.verdict import COMM_HANG, NONCOMM_HANG, Culprit, Verdict
 
 
-def view(replica: int, entered: int, wait: float | None, silent: float = 0.1, opens=(), furthest=None) -> hang.RankView:
+def view(
+    replica: int, entered: int, wait: float | None, silent: float = 0.1, opens=(), furthest=None, done=None
+) -> hang.RankView:
+    """A rank not waiting (``wait`` None) completed what it entered, unless ``done`` says otherwise."""
     furthest = max((o.step for o in opens), default=None) if furthest is None else furthest
-    return hang.RankView(replica, 0, f"n{replica}", entered, wait, silent, tuple(opens), furthest)
+    done = (entered if wait is None else entered - 1) if done is None else done
+    return hang.RankView(replica, 0, f"n{replica}", entered, wait, silent, tuple(opens), furthest, done)
 
 
 def test_lagging_counter_is_a_noncomm_hang_of_that_rank() -> None:
@@ -74,6 +78,9 @@ def test_a_stall_downstream_of_a_sender_still_at_an_earlier_step_names_nobody_ye
     ]
     assert hang.classify_hang("g", views, hang_s=0.5, silent_s=1.0) is None
     views[1] = view(1, 7, 0.7)  # nothing open reported at all: no evidence either
+    assert hang.classify_hang("g", views, hang_s=0.5, silent_s=1.0) is None
+    # Nor when its telemetry says it is between collectives but it never completed seq 7.
+    views[1] = view(1, 7, None, done=6)
     assert hang.classify_hang("g", views, hang_s=0.5, silent_s=1.0) is None
     # Once 1's telemetry shows its open receive from 0 at step 0, the link 0 -> 1 is named.
     views[1] = view(1, 7, 0.7, opens=[hang.OpenTransfer(0, 0, 0.6)])

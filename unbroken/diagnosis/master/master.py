@@ -386,6 +386,7 @@ class DiagnosisMaster:
                         now - r.last_seen,
                         opens,
                         r.open_steps.get(group),
+                        max(r.exits.get(group, {}), default=-1),
                     )
                 )
             if len(views) < len(members):

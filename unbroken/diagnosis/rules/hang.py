@@ -41,6 +41,7 @@ class RankView:
         open_recvs: its ring receives still outstanding.
         furthest_step: the furthest ring step of its transfers still open, sends or receives
             (None: none reported): how far it got in the ring.
+        done: the highest sequence number it completed on the group (-1: none).
     """
 
     replica: int
@@ -51,6 +52,7 @@ class RankView:
     silent_s: float
     open_recvs: tuple[OpenTransfer, ...] = ()
     furthest_step: int | None = None
+    done: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,12 +115,12 @@ def classify_hang(group: str, views: list[RankView], hang_s: float, silent_s: fl
     if stalls:
         step, neg_age, sender, receiver = min(stalls, key=lambda s: (s[0], s[1]))
         behind = next((v for v in views if v.replica == sender), None)
-        inside = behind is not None and behind.wait_s is not None  # not through the collective yet
-        if behind is not None and inside and (behind.furthest_step is None or behind.furthest_step < step):
-            # The sender has not shown a transfer of that ring step: it is still at an earlier
-            # one, whose own stall its telemetry has not shown yet (a ring with a CPU hog once
-            # named 1 -> 2 at step 1 while 1 waited on 0 -> 1 at step 0). A stall there is a
-            # consequence; wait for the sender's evidence (or the deadline's record) to name it.
+        if behind is not None and behind.done < top and (behind.furthest_step is None or behind.furthest_step < step):
+            # The sender has neither completed the collective nor shown a transfer of that ring
+            # step: it may still be at an earlier one, whose own stall its telemetry has not
+            # shown yet (twice in 40 hang_comm runs, 1 -> 2 at step 1 was named while 1 waited on
+            # 0 -> 1 at step 0). A stall there is a consequence; wait for the sender's evidence
+            # (or the deadline's record) to name it.
             return None
         evidence["open_recvs"] = [
             {"sender": t.sender, "receiver": v.replica, "ring_step": t.step, "age_s": round(t.age_s, 3)}
