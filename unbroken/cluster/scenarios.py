@@ -444,8 +444,8 @@ SCENARIOS = (
     Scenario("kubernetes", k8s_pods.kubernetes_pods),
 )
 # Not in the default set: it needs nftables (`make nftables`), and it names the lossy host within
-# 30 steps in 139 of 145 runs (20 of 20 on the final code; docs/benchmarks/
-# 2026-11-29-link-rule-cost-and-lossy-links.md): in the whole box that would fail one run in 25.
+# 30 steps in 39 of 40 runs (docs/benchmarks/2026-11-29-link-rule-cost-and-lossy-links.md): in
+# the whole box that would fail one run in 40.
 # `--scenario lossy_link` runs it.
 LOSSY = Scenario("lossy_link", lambda root, quick: slow_link(root, quick, "loss"))
 # Not in the default set: it needs Debian's slurm-wlm and munge (`make slurm`); `--slurm` runs it.
