@@ -5,8 +5,8 @@ recovery seconds); root is needed (network namespaces). ``slurm_by_hand`` is the
 example, its ``srun`` lines' commands run by hand in the namespaces; ``--slurm`` runs the same
 example under a real Slurm (the ``slurm`` scenario: ``slurmctld``, a ``slurmd`` per host), which
 needs Debian's ``slurm-wlm`` and ``munge`` (``make slurm``) and so is not in the default set;
-nor is ``lossy_link`` (packets dropped with nftables, ``make nftables``), measured over too few
-runs yet.
+nor is ``lossy_link`` (packets dropped with nftables, ``make nftables``), named within 30 steps
+in 39 of 40 runs: in every whole-box run it would fail one in 40.
 """
 
 from __future__ import annotations

@@ -132,6 +132,7 @@ class DiagnosisMaster:
             r.latest = op.group
         else:
             r.open = None
+        offsets = RankOffsets(self.ranks)
         for t in batch.links:
             self.links.half(
                 t.group,
@@ -144,7 +145,7 @@ class DiagnosisMaster:
                 t.done_ns / 1e9,
                 t.nbytes,
                 max(0, t.rq_done_ns - t.rq_post_ns) / 1e9,
-                RankOffsets(self.ranks),
+                offsets,
             )
         for stall in batch.stalls:
             got = self.stalls.setdefault((stall.group, stall.seq, rank), {})

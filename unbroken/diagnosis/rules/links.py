@@ -110,6 +110,10 @@ def clock_corrections(
     timed from its own post (no ``e`` at all) beside one timed from the sender's, does. A pair
     without awaited transfers both ways gets no entry, and its awaited transfers are not read
     (:func:`transfer_time`).
+
+    The master reads samples through :class:`~unbroken.diagnosis.rules.link_samples.LinkSamples`,
+    which computes the same in one vectorized pass; this is its plain statement, which the unit
+    tests compare it with.
     """
     fastest: dict[tuple[tuple[int, int], tuple[int, int]], float] = {}
     for t in samples:
