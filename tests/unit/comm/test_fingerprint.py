@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unbroken.comm.fingerprint import COLUMNS, fingerprint, fold, state_prints
+from unbroken.comm.fingerprint import BLOCK, fingerprint, fold, state_prints
 
 
 def fp(t: torch.Tensor) -> int:
     return fold([fingerprint(t)])
 
 
-@pytest.mark.parametrize("n", [1, 7, COLUMNS - 1, COLUMNS, COLUMNS + 5, 3 * COLUMNS + 17])
+@pytest.mark.parametrize("n", [1, 7, BLOCK - 1, BLOCK, BLOCK + 5, 3 * BLOCK + 17])
 def test_every_single_bit_flip_changes_the_fingerprint(n: int) -> None:
     g = torch.Generator().manual_seed(n)
     t = torch.randn(n, generator=g)
@@ -27,10 +27,12 @@ def test_every_single_bit_flip_changes_the_fingerprint(n: int) -> None:
 
 
 def test_swapped_elements_change_it_and_addition_order_does_not() -> None:
-    t = torch.arange(1.0, 2 * COLUMNS + 3)
+    t = torch.arange(1.0, 2 * BLOCK + 3)
     swapped = t.clone()
-    swapped[[3, COLUMNS + 9]] = swapped[[COLUMNS + 9, 3]]
+    swapped[[3, BLOCK + 9]] = swapped[[BLOCK + 9, 3]]
     assert fp(swapped) != fp(t)
+    blocks = t[: 2 * BLOCK].view(2, BLOCK)
+    assert fp(blocks.flip(0).reshape(-1)) != fp(t[: 2 * BLOCK])  # two blocks swapped
     # Integer sums do not depend on the order a kernel adds in: as many threads as you like.
     before = torch.get_num_threads()
     try:
