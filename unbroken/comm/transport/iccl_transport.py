@@ -21,6 +21,7 @@ class IcclTransport(BackendTransport):
     """The ICCL ring on CPU (its ``allreduce`` has the backend's surface), else the backend's."""
 
     name = "iccl"
+    gathers = False  # ICCL's ring carries sums only
 
     def build(self, link: EpochLink) -> tuple[str, Any]:
         if link.device.type != "cpu":

@@ -24,6 +24,7 @@ class RingTransport(BackendTransport):
 
     name = "ring"
     overlaps = False
+    gathers = False
 
     def start(
         self,

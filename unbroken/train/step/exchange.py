@@ -164,6 +164,7 @@ class GradientExchange:
         mark_bucket(buf, o.decision.step, o.skip, o.zero)
         if not o.buffers:
             self.check.begin()
+            o.expected = total // 4
         self.check.sent(buf)
         try:
             o.pending.append(self.group.start_allreduce_sum(buf, self._deadline_of(o), total))
@@ -209,6 +210,8 @@ class GradientExchange:
         self.stats["last_exchange_s"] = seconds
         self.stats["last_join_wait_s"] = self.group.last_join_wait_s
         self.stats["last_exchange_busy_s"] = busy_seconds(pending)
+        if not last and not o.mismatch and o.all_summed():  # the swap travels while backward ends
+            self.check.start(self.group, o.decision, self.device)
         return self._verify_buckets(o) if last else not o.mismatch
 
     def _verify_buckets(self, o: OverlappedExchange) -> bool:

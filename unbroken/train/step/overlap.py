@@ -96,6 +96,8 @@ class OverlappedExchange:
         deadline_s: this step's deadline where the learned one does not hold (None: it does).
             In a step where a replica catches up bucket by bucket, the newcomer's first forward
             and backward come before its first bucket: a cold start, not a hang.
+        expected: the gradient elements the step's buckets carry in all (``expect_gradients``;
+            0: not announced): once that many are summed, the fingerprint swap may start.
     """
 
     decision: QuorumDecision | None
@@ -110,6 +112,12 @@ class OverlappedExchange:
     outcome: bool | None = None
     waited_s: float = 0.0  # in waits during backward (process_group()): not this rank's compute
     deadline_s: float | None = None
+    expected: int = 0
+
+    def all_summed(self) -> bool:
+        """Whether every announced gradient element has been summed and nothing is in flight."""
+        summed = sum(b.numel() - METADATA for b in self.buffers)
+        return self.expected > 0 and not self.pending and summed == self.expected
 
 
 def busy_seconds(pending: list[PendingSum]) -> float:

@@ -4,10 +4,13 @@
 sends (:meth:`ExchangeCheck.sent`, before the sum starts) and receives
 (:meth:`ExchangeCheck.received`, once it is summed); the fingerprints are computed there, on the
 buffer's device (:mod:`unbroken.comm.fingerprint`). Once the step's last sum is in,
-:meth:`ExchangeCheck.verify` folds them into one value each, and the members swap them in one
-small sum over the same group: member ``i`` writes its values into its own slots as 16-bit
-pieces (exact in float32, so every transport carries them unchanged) and zeros elsewhere. Every
-member then holds every member's fingerprints and reaches the same conclusion
+they are folded into one value each, and the members swap them over the same group: member ``i``
+writes its values into its own row as 16-bit pieces (exact in float32, so every transport
+carries them unchanged) and zeros elsewhere, and the rows are all-gathered (summed, on a
+transport without an all-gather). The swap starts as the last bucket comes in
+(:meth:`ExchangeCheck.start`) where the exchange runs during backward, else in
+:meth:`ExchangeCheck.verify`, which judges it. Every member then holds every member's
+fingerprints and reaches the same conclusion
 (:mod:`unbroken.train.step.sdc_judge`); a member that may not commit votes no, so its replica does
 not apply the step (:mod:`unbroken.train.step.vote`). Every ``weights_every`` steps the member adds a
 fingerprint of its parameters and optimizer state, taken before the optimizer steps.
@@ -24,7 +27,7 @@ from typing import Any
 
 import torch
 
-from unbroken.comm.cross_replica import CrossReplicaGroup, ExchangeFailed
+from unbroken.comm.cross_replica import CrossReplicaGroup, ExchangeFailed, PendingSum
 from unbroken.comm.fingerprint import fingerprint as _fingerprint
 from unbroken.comm.fingerprint import fold
 from unbroken.comm.recorder import FlightRecorder
@@ -41,6 +44,19 @@ PIECE = 1 << 16
 SLOTS = 3 * PIECES + 2
 FINDINGS_KEPT = 64  # the last findings a replica keeps (for its report and tests)
 SDC_ERROR = "silent data corruption"  # how the failed exchange is reported to the coordinator
+
+
+@dataclasses.dataclass
+class _Swap:
+    """A fingerprint swap started as soon as the attempt's last sum was in (:meth:`ExchangeCheck.start`)."""
+
+    epoch: int | None
+    step: int
+    received: int  # buffers fingerprinted when it started: a later one makes it stale
+    mine: Prints
+    tensor: torch.Tensor
+    pending: PendingSum | None  # None: it failed to start (``error``)
+    error: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +134,8 @@ class ExchangeCheck:
         # Weights are compared from this step on: before it, a replica's state may still be one
         # the others' is about to overwrite (torchft's init_sync, at step 0).
         self.weights_from_step = 0
+        self._swap: _Swap | None = None
+        self.early_swaps = 0  # swaps that began as the last bucket came in (:meth:`start`)
 
     def completed(self, epoch: int | None, step: int) -> bool:
         """Whether every member of ``epoch`` completed ``step``'s exchange and swapped its
@@ -129,6 +147,7 @@ class ExchangeCheck:
         """A new exchange attempt: forgets the buffers of the last one."""
         self.swapped = None
         self.last_result = 0
+        self._swap = None
         self._sent.clear()
         self._received.clear()
         self._layout.clear()
@@ -159,6 +178,26 @@ class ExchangeCheck:
             and self.replica_id not in d.behind_set
         )
 
+    def start(self, group: CrossReplicaGroup, d: QuorumDecision, device: torch.device) -> None:
+        """Starts swapping this attempt's fingerprints now that its last sum is in, so the swap
+        travels while this rank ends its backward pass and clips (:meth:`verify` then only
+        waits for it). Not when this step's check includes the weights: mid-backward, FSDP2's
+        modules may hold unsharded parameters, so those are read in :meth:`verify`."""
+        if not self.enabled or len(d.members) < 2 or self._swap is not None or self.weights_due(d):
+            return
+        began = time.perf_counter()
+        mine = Prints(fold(self._sent), fold(self._received), None)
+        t = encode(mine, d.members.index(self.replica_id), len(d.members), device)
+        try:
+            pending = group.start_side_sum(t, rows=True)
+        except ExchangeFailed as e:
+            self._swap = _Swap(d.epoch, d.step, len(self._received), mine, t, None, str(e))
+        else:
+            if pending is not None:
+                self._swap = _Swap(d.epoch, d.step, len(self._received), mine, t, pending)
+                self.early_swaps += 1
+        self.spent_s += time.perf_counter() - began
+
     def verify(
         self,
         group: CrossReplicaGroup,
@@ -167,23 +206,39 @@ class ExchangeCheck:
         device: torch.device,
         weights: Callable[[], int] | None = None,
     ) -> bool:
-        """Swaps this attempt's fingerprints with the members of ``d`` and judges them; whether
-        this member may commit. False too when the swap itself fails (the epoch broke).
+        """Swaps this attempt's fingerprints with the members of ``d`` (or finishes the swap
+        :meth:`start` began) and judges them; whether this member may commit. False too when the
+        swap itself fails (the epoch broke).
 
         ``weights``: the fingerprint of this member's state, called when :meth:`weights_due`.
         """
         if not self.enabled or len(d.members) < 2:
             return True
         began = time.perf_counter()
-        mine = Prints(
-            fold(self._sent),
-            fold(self._received),
-            weights() if weights is not None and self.weights_due(d) else None,
-        )
-        me = d.members.index(self.replica_id)
-        t = encode(mine, me, len(d.members), device)
+        swap, self._swap = self._swap, None
         try:
-            group.allreduce_sum(t, deadline_s, abortable=False, recorded=False)
+            if swap is not None and (swap.epoch, swap.step) == (d.epoch, d.step):
+                if swap.pending is None:
+                    raise ExchangeFailed(swap.error)
+                group.finish_side_sum(swap.pending, deadline_s)
+                if swap.received == len(self._received):
+                    mine, t = swap.mine, swap.tensor
+                else:  # a bucket came after it (another backward pass): every member swaps again
+                    swap = None
+            else:
+                swap = None
+            if swap is None:
+                mine = Prints(
+                    fold(self._sent),
+                    fold(self._received),
+                    weights() if weights is not None and self.weights_due(d) else None,
+                )
+                t = encode(mine, d.members.index(self.replica_id), len(d.members), device)
+                pending = group.start_side_sum(t, rows=True)
+                if pending is not None:
+                    group.finish_side_sum(pending, deadline_s)
+                else:  # a transport that sums one at a time (the ring)
+                    group.allreduce_sum(t, deadline_s, abortable=False, recorded=False)
         except ExchangeFailed as e:
             log.warning("replica %d step %d: swapping fingerprints failed: %s", self.replica_id, d.step, e)
             self.spent_s += time.perf_counter() - began
@@ -232,6 +287,7 @@ class ExchangeCheck:
         """This rank's findings, for a report (JSON)."""
         return {
             "detected": self.detected,
+            "early_swaps": self.early_swaps,
             "findings": [
                 {
                     "step": f.step,
