@@ -265,19 +265,25 @@ def test_llama_coordinator_restart(tmp_path: Path, clean_loss: float) -> None:
 
 
 @heavy
-def test_llama_demo_survives_a_crash_and_a_hang(tmp_path: Path) -> None:
-    """``unbroken demo --model llama``: the demo's story on 3 replicas x 2 FSDP2 ranks."""
+def test_llama_demo_survives_a_crash_a_bit_flip_and_a_hang(tmp_path: Path) -> None:
+    """``unbroken demo --model llama``: the demo's story on 3 replicas x 2 FSDP2 ranks. The bit
+    flip lands in one rank's sum inside FSDP2's all-reduce hook, where the fingerprint swap
+    starts as the last bucket comes in: caught, named and healed there too."""
     import subprocess
     import sys
 
     cmd = [sys.executable, "-m", "unbroken", "demo", "--model", "llama", "--steps", "60", "--json"]
     cmd += ["--run-dir", str(tmp_path / "run"), "--fault", "crash:replica=1,rank=1,step=15"]
+    cmd += ["--fault", "bitflip:replica=0,rank=1,step=27,where=result,bit=30"]
     cmd += ["--fault", "hang:replica=2,step=35"]
     done = subprocess.run(cmd, env=python_env(), capture_output=True, timeout=900, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout)
     assert summary["model"] == "llama" and summary["steps"] == 60
     assert summary["replicas_identical"] is True
+    assert [f["kind"] for f in summary["faults"]] == ["crash", "bitflip", "hang"], summary["faults"]
     for fault in summary["faults"]:
         assert fault["detected"] and fault["attributed_correctly"] and fault["recovered"], fault
+    rows = metrics(tmp_path / "run", 0)
+    assert rows[-1]["early_swaps"] > 40, rows[-1]  # the swap began at the last bucket in most steps
     assert summary["checkpoints_on_disk"][0] == 60

@@ -63,3 +63,26 @@ def test_the_plan_spreads_one_flip_of_each_kind() -> None:
     assert {f.where for f in plan} == {"grad", "result", "weight", "moment"}
     at = [f.step or 0 for f in plan]
     assert all(b - a >= 2 * 5 + 2 for a, b in zip(at, at[1:], strict=False)) and steps > at[-1] + 5
+
+
+def test_the_alternating_llama_job_compares_each_on_block_with_the_off_block_before() -> None:
+    from unbroken.bench.training.sdc import alternating_ratio
+
+    rows: list[dict] = []
+    for replica in range(3):
+        spent = 0.0
+        for step in range(90):
+            on = (step // 10) % 2 == 1
+            drift = 1.0 + step / 200  # the machine slows down through the job: blocks cancel it
+            step_s = drift * (1.02 if on else 1.0)
+            if step % 10 == 0:
+                step_s = 9.0  # the step that switches is left out
+            spent += 0.005 if on else 0.0
+            rows.append(
+                {"replica": replica, "step": step, "committed": True, "checked": on, "step_s": step_s, "check_s": spent}
+            )
+    out = alternating_ratio(rows, 10)
+    assert out["pairs"] == 9  # blocks 3, 5, 7 in each of 3 replicas (block 1 is warm-up)
+    assert 1.018 < out["ratio"] < 1.022  # the drift cancels between the off-blocks on either side
+    assert out["check_share"] is not None and 0.003 < out["check_share"] < 0.006
+    assert alternating_ratio([], 10) == {"ratio": None, "pairs": 0, "ratios_p10_p90": [], "check_share": None}

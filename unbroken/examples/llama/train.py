@@ -91,6 +91,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ranks-per-replica", type=int, default=0, help="With --plain: ranks per replica (default all).")
     ap.add_argument("--run-dir", type=Path, default=None, help="With --plain: where records go (default .).")
     ap.add_argument(
+        "--check-alternate",
+        type=int,
+        default=0,
+        help="Benchmarks: the verified exchange off, then on, every N steps, at the same steps in every "
+        "replica, to time its cost within one job (0: always as UNBROKEN_VERIFY_EXCHANGE says).",
+    )
+    ap.add_argument(
         "--fault-step",
         type=int,
         default=-1,
@@ -312,6 +319,8 @@ def train_unbroken(args: argparse.Namespace) -> None:
         # ------------------------------------------------------------------------------------
         records = Records(run_dir, args.log_name, c.replica_id, c.rank)
         while manager.step < args.steps:
+            if args.check_alternate > 0:  # every member switches at the same step (see --check-alternate)
+                manager.sdc.enabled = (manager.step // args.check_alternate) % 2 == 1
             t0 = time.time()
             c0 = time.thread_time()
             manager.start_step()  # the quorum request travels while the batches are read
@@ -370,6 +379,10 @@ def train_unbroken(args: argparse.Namespace) -> None:
                     "fetch_s": st.get("last_fetch_s", 0.0),
                     "snapshot_s": st.get("last_snapshot_s", 0.0),
                     "snapshot_early": bool(st.get("last_snapshot_early", 0.0)),
+                    "checked": manager.sdc.enabled,
+                    "sdc_detected": manager.sdc.detected,
+                    "check_s": manager.sdc.spent_s,  # cumulative: the exchange check's own time
+                    "early_swaps": manager.sdc.early_swaps,  # cumulative (sdc_check.ExchangeCheck.start)
                     "pid": os.getpid(),
                 }
             )

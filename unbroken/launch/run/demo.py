@@ -78,6 +78,7 @@ MODELS = {
         steps=120,
         faults=(
             "crash:replica=1,rank=1,step=25",
+            "bitflip:replica=0,rank=1,step=40,where=result,bit=30",
             "hang:replica=2,step=55",
             "slow_rank:replica=0,factor=3,step=85,duration_s=40",
         ),
