@@ -48,6 +48,8 @@ def test_crash_figures_from_a_clean_rejoin() -> None:
     rows = {}
     for r in (0, 1):
         before = _steps(r, range(20), 0.0, 0.1)
+        if r == 0:
+            before[10]["step_s"] = 0.15  # one noisy step before the fault (its t1 stays put)
         stalled = [{"step": 20, "t0": 2.0, "t1": 2.4, "step_s": 0.4, "committed": True, "behind": [], "donor": False}]
         after = _steps(r, range(21, 60), 2.4, 0.1)
         for row in after:
@@ -89,6 +91,9 @@ def test_crash_figures_from_a_clean_rejoin() -> None:
     assert f.catch_up_excess_s == pytest.approx(0.005 + 0.03)  # steps 50 and 51 above the median; 52 not
     # the rejoin: from the restart's ready (5.25 s) through step 52; the stalled steps came before
     assert f.worst_rejoin_step_s == pytest.approx(0.13) and f.worst_rejoin_ratio == pytest.approx(1.3)
+    # Windows of the rejoin's 4 steps (49 to 52) before the fault, steps 5 to 19: 12 of them,
+    # the 4 that hold the noisy step 10 read 1.5.
+    assert f.clean_window_ratio_p50 == pytest.approx(1.0) and f.clean_window_ratio_p90 == pytest.approx(1.5)
 
 
 def test_no_rejoin_is_reported_as_missing_not_zero() -> None:

@@ -113,6 +113,10 @@ class FaultFigures:
     catch_up_excess_s: float | None = None  # survivors' extra time over the catch-up step and the 2 after
     worst_rejoin_step_s: float | None = None  # survivors' longest step of the rejoin (see fault_figures)
     worst_rejoin_ratio: float | None = None  # that step over the median step before the fault
+    # The same figure for windows of as many steps with no fault (before it): the machine's own
+    # spread, which the rejoin's figure is read against (median and 90th percentile of windows).
+    clean_window_ratio_p50: float | None = None
+    clean_window_ratio_p90: float | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in dataclasses.asdict(self).items()}
@@ -141,6 +145,8 @@ def fault_figures(
       could train again through the two steps after the catch-up step, and its ratio to the
       median. Unlike the worst step after the fault, it leaves out the step the fault itself
       broke (a survivor waits for the eviction there) and the noise of the later steps.
+    - clean window ratio: the same longest-over-median for every window of as many steps before
+      the fault (:func:`clean_window_ratios`): what the rejoin's figure would read with no rejoin.
     """
     survivors = {r: rows for r, rows in rows_by_replica.items() if r != victim}
     median = median_step(survivors, before=fault_t)
@@ -181,6 +187,13 @@ def fault_figures(
             if r["t1"] > readies[-1] and r["step"] <= catch_up_step + 2
         ]
         worst_rejoin = max(rejoin, default=None)
+        rejoin_steps_seen = {
+            r["step"]
+            for rows in survivors.values()
+            for r in step_rows(rows)
+            if r["t1"] > readies[-1] and r["step"] <= catch_up_step + 2
+        }
+        clean = clean_window_ratios(survivors, fault_t, len(rejoin_steps_seen), median)
         for rows in survivors.values():
             at = [r for r in step_rows(rows) if r["step"] == catch_up_step]
             if not at:
@@ -216,7 +229,32 @@ def fault_figures(
         catch_up_excess_s=excess,
         worst_rejoin_step_s=worst_rejoin,
         worst_rejoin_ratio=None if worst_rejoin is None else worst_rejoin / median,
+        clean_window_ratio_p50=statistics.median(clean) if readies and catch_up_step is not None and clean else None,
+        clean_window_ratio_p90=_p90(clean) if readies and catch_up_step is not None and clean else None,
     )
+
+
+def clean_window_ratios(survivors: dict[int, list[Row]], fault_t: float, steps: int, median: float) -> list[float]:
+    """For every run of ``steps`` consecutive steps the survivors committed before the fault (the
+    first :data:`WARMUP_STEPS` left out), their longest step over ``median``."""
+    if steps < 1 or median <= 0:
+        return []
+    by_step: dict[int, list[float]] = {}
+    for rows in survivors.values():
+        for r in step_rows(rows):
+            if r.get("committed") and r["t1"] <= fault_t and r["step"] >= WARMUP_STEPS:
+                by_step.setdefault(r["step"], []).append(r["step_s"])
+    ordered = sorted(by_step)
+    out = []
+    for i in range(len(ordered) - steps + 1):
+        window = ordered[i : i + steps]
+        if window[-1] - window[0] == steps - 1:  # consecutive steps only
+            out.append(max(t for s in window for t in by_step[s]) / median)
+    return out
+
+
+def _p90(xs: list[float]) -> float:
+    return xs[0] if len(xs) < 2 else statistics.quantiles(xs, n=10)[-1]
 
 
 def sample_account(rows_by_replica: dict[int, list[Row]]) -> dict[str, int]:
