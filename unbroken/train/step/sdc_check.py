@@ -8,7 +8,7 @@ they are folded into one value each, and the members swap them over the same gro
 writes its values into its own row as 16-bit pieces (exact in float32, so every transport
 carries them unchanged) and zeros elsewhere, and the rows are all-gathered (summed, on a
 transport without an all-gather). The swap starts as the last bucket comes in
-(:meth:`ExchangeCheck.start`) where the exchange runs during backward, else in
+(:meth:`ExchangeCheck.start`) where each bucket is waited for during backward, else in
 :meth:`ExchangeCheck.verify`, which judges it. Every member then holds every member's
 fingerprints and reaches the same conclusion
 (:mod:`unbroken.train.step.sdc_judge`); a member that may not commit votes no, so its replica does
