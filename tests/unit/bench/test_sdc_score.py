@@ -66,7 +66,7 @@ def test_the_plan_spreads_one_flip_of_each_kind() -> None:
 
 
 def test_the_alternating_llama_job_compares_each_on_block_with_the_off_block_before() -> None:
-    from unbroken.bench.training.sdc import alternating_ratio
+    from unbroken.bench.training.alternate import alternating_ratio
 
     rows: list[dict] = []
     for replica in range(3):
@@ -84,5 +84,8 @@ def test_the_alternating_llama_job_compares_each_on_block_with_the_off_block_bef
     out = alternating_ratio(rows, 10)
     assert out["pairs"] == 9  # blocks 3, 5, 7 in each of 3 replicas (block 1 is warm-up)
     assert 1.018 < out["ratio"] < 1.022  # the drift cancels between the off-blocks on either side
-    assert out["check_share"] is not None and 0.003 < out["check_share"] < 0.006
-    assert alternating_ratio([], 10) == {"ratio": None, "pairs": 0, "ratios_p10_p90": [], "check_share": None}
+    assert out["own_share"] is not None and 0.003 < out["own_share"] < 0.006
+    assert alternating_ratio([], 10) == {"ratio": None, "pairs": 0, "ratios_p10_p90": [], "own_share": None}
+    recorded = [{k: v for k, v in r.items() if k != "check_s"} | {"recorded": r["checked"]} for r in rows]
+    out = alternating_ratio(recorded, 10, flag="recorded")  # another switch, no own time recorded
+    assert 1.018 < out["ratio"] < 1.022 and out["own_share"] is None

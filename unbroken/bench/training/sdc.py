@@ -13,9 +13,8 @@ Three jobs of the example GPT under ``unbroken run`` (real processes, Gloo, CPU)
   ratio of median step times;
 - **llama** (``--llama-steps``), the example Llama, 3 replicas of 2 FSDP2 ranks, the check off
   and on in alternate blocks of 10 steps in one job (``--check-alternate``): each on-block's
-  median step over the off-block before it (:func:`alternating_ratio`). Two jobs, one with the
-  check and one without, differed by more than the check costs on a shared 2-core machine
-  (0.41 to 0.56 s medians for the same job within an hour); blocks of one job share its load.
+  median step over the off-blocks around it (:mod:`unbroken.bench.training.alternate`, which
+  says why two separate jobs cannot time it).
 
 The JSON object has ``injected`` (detectable flips), ``detected``, ``culprit_named``,
 ``false_detections``, ``committed_differing`` (steps that replicas committed with different
@@ -38,14 +37,13 @@ from typing import Any
 import click
 
 from unbroken.bench.output import publish
+from unbroken.bench.training.alternate import ALTERNATE_EVERY, alternating_ratio, run_llama
 from unbroken.config import ENV_VERIFY_EXCHANGE, ENV_WEIGHT_CHECK_EVERY
 from unbroken.faults.schedule import Fault, parse_flag
 from unbroken.observe.events import read_jsonl
 
 Row = dict[str, Any]
 TRAIN_MODULE = "unbroken.examples.gpt.train"
-LLAMA_MODULE = "unbroken.examples.llama.train"
-ALTERNATE_EVERY = 10  # steps of each block with the check off, then on (the llama job)
 
 
 def fault_plan(weight_every: int) -> tuple[list[str], int]:
@@ -173,67 +171,6 @@ def overhead(rows: Sequence[Row], skip: int = 20) -> float | None:
     return (mine[-1]["check_s"] - mine[0]["check_s"]) / step_s if step_s > 0 else None
 
 
-def alternating_ratio(rows: Sequence[Row], every: int) -> dict[str, Any]:
-    """The check's cost from one job whose check was off, then on, in blocks of ``every`` steps.
-
-    Per replica (rank 0's rows), each on-block's median step over the mean of the medians of
-    the off-blocks on either side (so a steady drift of the machine cancels; the one before
-    alone for a last on-block), the first step of every block left out (it switches) and the
-    first pair too (warm-up); the figure is the median of those ratios over blocks and replicas.
-    ``check_share``: the check's own time over the step time in the on-blocks.
-    """
-    ratios: list[float] = []
-    spent = step_total = 0.0
-    by_replica: dict[int, list[Row]] = defaultdict(list)
-    for r in rows:
-        if r.get("committed") and "checked" in r:
-            by_replica[r.get("replica", 0)].append(r)
-    for mine in by_replica.values():
-        blocks: dict[int, list[float]] = defaultdict(list)
-        previous: Row | None = None
-        for r in sorted(mine, key=lambda r: r["step"]):
-            if r["step"] % every:
-                blocks[r["step"] // every].append(r["step_s"])
-                if r["checked"] and previous is not None and previous["checked"]:
-                    spent += r["check_s"] - previous["check_s"]
-                    step_total += r["step_s"]
-            previous = r
-        for b in range(3, max(blocks, default=0) + 1, 2):  # on-blocks are the odd ones
-            if blocks.get(b) and blocks.get(b - 1):
-                around = [statistics.median(blocks[k]) for k in (b - 1, b + 1) if blocks.get(k)]
-                ratios.append(statistics.median(blocks[b]) / statistics.fmean(around))
-    return {
-        "ratio": round(statistics.median(ratios), 4) if ratios else None,
-        "pairs": len(ratios),
-        "ratios_p10_p90": [round(x, 4) for x in _p10_p90(ratios)],
-        "check_share": round(spent / step_total, 4) if step_total else None,
-    }
-
-
-def _p10_p90(xs: Sequence[float]) -> list[float]:
-    if len(xs) < 2:
-        return list(xs)
-    q = statistics.quantiles(xs, n=10)
-    return [q[0], q[-1]]
-
-
-def run_llama(run_dir: Path, steps: int, every: int) -> tuple[list[Row], float]:
-    """The example Llama, 3 replicas x 2 FSDP2 ranks under ``unbroken run``, the check alternating."""
-    cmd = [sys.executable, "-m", "unbroken", "run", "--replicas", "3", "--ranks-per-replica", "2"]
-    cmd += ["--run-dir", str(run_dir), "--on-verdict", "ignore", "--", sys.executable, "-m", LLAMA_MODULE]
-    cmd += ["--steps", str(steps), "--device", "cpu", "--samples-per-replica", "4", "--seq-len", "64"]
-    cmd += ["--check-alternate", str(every)]
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    with open(run_dir.parent / f"{run_dir.name}-launcher.log", "wb") as log:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        code = subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    if code != 0:
-        raise click.ClickException(f"the job in {run_dir} ended with code {code}; see its launcher log")
-    rows = [r | {"replica": k} for k in range(3) for r in read_jsonl(run_dir / f"metrics-r{k}.jsonl") if "step" in r]
-    return rows, time.monotonic() - t0
-
-
 def median_step_s(rows: Sequence[Row], skip: int = 20) -> float | None:
     xs = [r["step_s"] for r in rows if r.get("replica") == 0 and r.get("committed")][skip:]
     return statistics.median(xs) if xs else None
@@ -302,8 +239,16 @@ def sdc(weight_every: int, clean_steps: int, llama_steps: int, root: Path, as_js
 
     llama: Row = {"steps": llama_steps}
     if llama_steps:
-        rows, wall = run_llama(root / f"{stamp}-llama", llama_steps, ALTERNATE_EVERY)
-        llama |= alternating_ratio(rows, ALTERNATE_EVERY) | {"every": ALTERNATE_EVERY, "wall_s": round(wall, 1)}
+        rows, wall = run_llama(root / f"{stamp}-llama", llama_steps, "check")
+        timed = alternating_ratio(rows, ALTERNATE_EVERY)
+        llama |= {
+            "ratio": timed["ratio"],
+            "pairs": timed["pairs"],
+            "ratios_p10_p90": timed["ratios_p10_p90"],
+            "check_share": timed["own_share"],  # the check's own time over the on-blocks' steps
+            "every": ALTERNATE_EVERY,
+            "wall_s": round(wall, 1),
+        }
 
     jobs = [faults_job, pair]
     result: Row = {

@@ -98,6 +98,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "replica, to time its cost within one job (0: always as UNBROKEN_VERIFY_EXCHANGE says).",
     )
     ap.add_argument(
+        "--recorder-alternate",
+        type=int,
+        default=0,
+        help="Benchmarks: the flight recorder and its shipments off, then on, every N steps (as "
+        "--check-alternate; 0: always as UNBROKEN_RECORDER says).",
+    )
+    ap.add_argument(
         "--fault-step",
         type=int,
         default=-1,
@@ -318,9 +325,14 @@ def train_unbroken(args: argparse.Namespace) -> None:
                 save_dcp(model, optimizer, args.dcp_dir, 0)
         # ------------------------------------------------------------------------------------
         records = Records(run_dir, args.log_name, c.replica_id, c.rank)
+        recorder = manager.recorder
         while manager.step < args.steps:
             if args.check_alternate > 0:  # every member switches at the same step (see --check-alternate)
                 manager.sdc.enabled = (manager.step // args.check_alternate) % 2 == 1
+            if args.recorder_alternate > 0 and recorder is not None:  # between steps: no collective open
+                on = (manager.step // args.recorder_alternate) % 2 == 1
+                manager.recorder = manager.group.recorder = recorder if on else None
+                manager.client.telemetry = recorder.batch if on else None  # plain heartbeats meanwhile
             t0 = time.time()
             c0 = time.thread_time()
             manager.start_step()  # the quorum request travels while the batches are read
@@ -380,6 +392,7 @@ def train_unbroken(args: argparse.Namespace) -> None:
                     "snapshot_s": st.get("last_snapshot_s", 0.0),
                     "snapshot_early": bool(st.get("last_snapshot_early", 0.0)),
                     "checked": manager.sdc.enabled,
+                    "recorded": manager.recorder is not None,
                     "sdc_detected": manager.sdc.detected,
                     "check_s": manager.sdc.spent_s,  # cumulative: the exchange check's own time
                     "early_swaps": manager.sdc.early_swaps,  # cumulative (sdc_check.ExchangeCheck.start)
