@@ -37,7 +37,7 @@ import click
 
 from unbroken.bench.network.diagnosis_rates import CLEAN_CLASS, calibrate, run_scores, summarize, variant
 from unbroken.bench.output import publish
-from unbroken.bench.training.alternate import ALTERNATE_EVERY, alternating_ratio, run_llama
+from unbroken.bench.training.alternate import ALTERNATE_EVERY, alternating_ratio, run_llama, run_mlp
 from unbroken.comm.recorder import FlightRecorder
 from unbroken.config import ENV_EXCHANGE, ENV_LINK_FAULT, ENV_RECORDER
 from unbroken.diagnosis.master.master import DiagnosisMaster
@@ -509,6 +509,14 @@ def plan(only: Sequence[str], runs: int) -> list[tuple[Scenario, int | None]]:
     f"alternate blocks of {ALTERNATE_EVERY} steps (0: none; needs the examples extra).",
 )
 @click.option(
+    "--mlp-recorder-steps",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Steps of a job of bench recovery's MLP (3 replicas, 3M parameters) that times the recorder "
+    f"off and on in alternate blocks of {ALTERNATE_EVERY} steps (0: none).",
+)
+@click.option(
     "--grace-s",
     type=float,
     default=2.0,
@@ -527,6 +535,7 @@ def diagnosis(
     overhead_rounds: int,
     overhead_steps: int,
     llama_recorder_steps: int,
+    mlp_recorder_steps: int,
     grace_s: float,
     run_dir: Path,
     as_json: bool,
@@ -539,21 +548,24 @@ def diagnosis(
         raise click.UsageError(f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(sorted(names))}")
     if overhead_rounds < 0 or overhead_steps < 20 or runs < 0:
         raise click.UsageError("--overhead-rounds and --runs must be >= 0 and --overhead-steps >= 20")
-    if llama_recorder_steps and llama_recorder_steps < 4 * ALTERNATE_EVERY:
-        raise click.UsageError(f"--llama-recorder-steps must be 0 or at least {4 * ALTERNATE_EVERY}")
+    for name, value in (("--llama-recorder-steps", llama_recorder_steps), ("--mlp-recorder-steps", mlp_recorder_steps)):
+        if value and value < 4 * ALTERNATE_EVERY:
+            raise click.UsageError(f"{name} must be 0 or at least {4 * ALTERNATE_EVERY}, got {value}")
     result: Row = {"record_overhead_ratio": None, "runs": runs, "loadavg_at_start": list(os.getloadavg())}
     if overhead_rounds and not only:
         click.echo(f"recorder overhead: {overhead_rounds} on/off pairs of {overhead_steps} steps ...", err=True)
         result.update(record_overhead(run_dir, overhead_rounds, overhead_steps))
-    if llama_recorder_steps:
-        click.echo(f"recorder on the example Llama: {llama_recorder_steps} steps in alternate blocks ...", err=True)
-        llama_dir = run_dir / "llama-recorder"
-        shutil.rmtree(llama_dir, ignore_errors=True)
-        rows_l, wall = run_llama(llama_dir, llama_recorder_steps, "recorder")
-        timed = alternating_ratio(rows_l, ALTERNATE_EVERY, flag="recorded")
-        result["llama_record_overhead_ratio"] = timed["ratio"]
-        result["llama_recorder"] = {k: v for k, v in timed.items() if k != "own_share"} | {
-            "steps": llama_recorder_steps,
+    for model, steps in (("llama", llama_recorder_steps), ("mlp", mlp_recorder_steps)):
+        if not steps:
+            continue
+        click.echo(f"recorder on the {model}: {steps} steps in alternate blocks ...", err=True)
+        job_dir = run_dir / f"{model}-recorder"
+        shutil.rmtree(job_dir, ignore_errors=True)
+        job_rows, wall = run_llama(job_dir, steps, "recorder") if model == "llama" else run_mlp(job_dir, steps)
+        timed = alternating_ratio(job_rows, ALTERNATE_EVERY, flag="recorded", spent="")
+        result[f"{model}_record_overhead_ratio"] = timed["ratio"]
+        result[f"{model}_recorder"] = {k: v for k, v in timed.items() if k != "own_share"} | {
+            "steps": steps,
             "every": ALTERNATE_EVERY,
             "wall_s": round(wall, 1),
         }

@@ -3,9 +3,10 @@
 Two jobs of the example Llama (6 processes on a shared 2-core machine), one with a feature and
 one without, differ by more than a feature of 1% costs: the same job's median step moved from
 0.41 to 0.56 s within an hour. The example's ``--check-alternate N`` and ``--recorder-alternate
-N`` switch the verified exchange or the flight recorder off and on every N steps, at the same
-steps in every replica; :func:`alternating_ratio` compares each on-block with the off-blocks
-around it, so a drift of the machine's load cancels.
+N`` (and the benchmark MLP's ``--recorder-alternate N``) switch the verified exchange or the
+flight recorder off and on every N steps, at the same steps in every replica;
+:func:`alternating_ratio` compares each on-block with the off-blocks around it, so a drift of
+the machine's load cancels.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from unbroken.observe.events import read_jsonl
 
 Row = dict[str, Any]
 LLAMA_MODULE = "unbroken.examples.llama.train"
+MLP_MODULE = "unbroken.bench.training.recovery_worker"
 ALTERNATE_EVERY = 10  # steps of each block with the switch off, then on
 SWITCHES = ("check", "recorder")
 
@@ -94,4 +96,22 @@ def run_llama(run_dir: Path, steps: int, switch: str, every: int = ALTERNATE_EVE
     if code != 0:
         raise click.ClickException(f"the job in {run_dir} ended with code {code}; see its launcher log")
     rows = [r | {"replica": k} for k in range(3) for r in read_jsonl(run_dir / f"metrics-r{k}.jsonl") if "step" in r]
+    return rows, time.monotonic() - t0
+
+
+def run_mlp(run_dir: Path, steps: int, params_m: float = 3.0, every: int = ALTERNATE_EVERY) -> tuple[list[Row], float]:
+    """``bench recovery``'s MLP, 3 replicas of one rank under ``unbroken run``, the flight recorder
+    and its shipments off and on in alternate blocks of ``every`` steps."""
+    cmd = [sys.executable, "-m", "unbroken", "run", "--replicas", "3", "--run-dir", str(run_dir)]
+    cmd += ["--on-verdict", "ignore", "--", sys.executable, "-m", MLP_MODULE, "--mode", "unbroken"]
+    cmd += ["--params-m", str(params_m), "--steps", str(steps), "--out", str(run_dir)]
+    cmd += ["--recorder-alternate", str(every)]
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    with open(run_dir.parent / f"{run_dir.name}-launcher.log", "wb") as log:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        code = subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if code != 0:
+        raise click.ClickException(f"the job in {run_dir} ended with code {code}; see its launcher log")
+    rows = [r | {"replica": k} for k in range(3) for r in read_jsonl(run_dir / f"steps-r{k}.jsonl") if "step" in r]
     return rows, time.monotonic() - t0

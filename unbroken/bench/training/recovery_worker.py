@@ -98,6 +98,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument(
+        "--recorder-alternate",
+        type=int,
+        default=0,
+        help="The flight recorder and its shipments off, then on, every N steps (the same steps in "
+        "every replica), to time it within one job (unbroken.bench.training.alternate); 0: never.",
+    )
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -148,7 +155,12 @@ def main() -> None:
     log.write(json.dumps({"event": "ready", "t": time.time(), "pid": os.getpid()}) + "\n")
     step = 0
     checked_s = 0.0  # the verified exchange's seconds before this step (manager.sdc.spent_s)
+    recorder = manager.recorder if unbroken_loop else None
     while step < args.steps:
+        if args.recorder_alternate > 0 and recorder is not None:  # between steps: no collective open
+            on = (step // args.recorder_alternate) % 2 == 1
+            manager.recorder = manager.group.recorder = recorder if on else None
+            manager.client.telemetry = recorder.batch if on else None  # plain heartbeats meanwhile
         t0 = time.time()
         if unbroken_loop:
             optimizer.zero_grad()
@@ -181,6 +193,7 @@ def main() -> None:
                 "snapshot_wait_s": manager.stats.get("last_snapshot_wait_s", 0.0),
                 "snapshot_early": bool(manager.stats.get("last_snapshot_early", 0.0)),
                 "fetch_cpu_s": manager.stats.get("last_fetch_cpu_s", 0.0),
+                "recorded": manager.recorder is not None,
             }
             if args.mode in ("ddp", "torchft"):  # the exchange ran during backward: how much of it was left to wait for
                 row["busy_s"] = manager.stats.get("last_exchange_busy_s", 0.0)
