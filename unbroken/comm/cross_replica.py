@@ -364,14 +364,14 @@ class CrossReplicaGroup:
         """Whether several sums may be in flight at once (the backend's; the ring's may not)."""
         return self.transport.overlaps
 
-    def start_side_sum(self, tensor: torch.Tensor, rows: bool = False) -> PendingSum | None:
+    def start_side_sum(self, tensor: torch.Tensor) -> PendingSum | None:
         """Starts a small sum right behind the step's buckets and returns at once (None where it
         cannot: one member, no group yet, or a transport that does not overlap; the caller then
         sums with :meth:`allreduce_sum`). :meth:`finish_side_sum` waits for it.
 
-        ``rows``: ``tensor`` is one equal row per member, zero but for this member's own
-        (row :attr:`rank`): its sum is then an all-gather of the rows, which the backend does
-        with half the hops (:meth:`~unbroken.comm.transport.base.Transport.start_gather`).
+        ``tensor`` is one equal row per member, zero but for this member's own (row
+        :attr:`rank`): its sum is an all-gather of the rows, which the backend does with half
+        the hops (:meth:`~unbroken.comm.transport.base.Transport.start_gather`).
 
         The exchange check's fingerprint swap starts here as soon as the step's last bucket is
         summed, so it travels while this rank ends its backward pass and clips gradients,
@@ -386,10 +386,7 @@ class CrossReplicaGroup:
             return None
         epoch = self.epoch
         try:
-            if rows:
-                held = self.transport.start_gather(pg, tensor, self.rank, self.size)
-            else:
-                held = self.transport.start_overlapped(pg, tensor)
+            held = self.transport.start_gather(pg, tensor, self.rank, self.size)
             self._track(held)
         except Exception as e:
             self.abandon()

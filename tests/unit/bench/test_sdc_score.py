@@ -87,5 +87,5 @@ def test_the_alternating_llama_job_compares_each_on_block_with_the_off_block_bef
     assert out["own_share"] is not None and 0.003 < out["own_share"] < 0.006
     assert alternating_ratio([], 10) == {"ratio": None, "pairs": 0, "ratios_p10_p90": [], "own_share": None}
     recorded = [{k: v for k, v in r.items() if k != "check_s"} | {"recorded": r["checked"]} for r in rows]
-    out = alternating_ratio(recorded, 10, flag="recorded")  # another switch, no own time recorded
+    out = alternating_ratio(recorded, 10, flag="recorded", spent=None)  # another switch, no own time
     assert 1.018 < out["ratio"] < 1.022 and out["own_share"] is None

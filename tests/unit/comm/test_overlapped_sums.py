@@ -80,26 +80,6 @@ def test_the_coordinators_abort_ends_the_wait_at_once() -> None:
     assert time.monotonic() - began < 10.0  # not the 20 s deadline
 
 
-def test_a_side_sum_started_behind_the_buckets_pairs_with_a_peers_late_one() -> None:
-    a, b, _server = _pair(3)
-    swaps = torch.full((4,), 1.0), torch.full((4,), 2.0)
-
-    def early() -> float:  # the fingerprint swap started as soon as the last bucket is in
-        _buckets(a, [1.0, 2.0])
-        pending = a.start_side_sum(swaps[0])
-        assert pending is not None
-        time.sleep(0.05)  # the rank clips gradients meanwhile
-        return a.finish_side_sum(pending, 5.0)
-
-    def late() -> float:  # this member's swap comes only in verify (its weights were due)
-        _buckets(b, [1.0, 2.0])
-        return b.allreduce_sum(swaps[1], 5.0, abortable=False, recorded=False)
-
-    ra, rb = _both(early, late)
-    assert not isinstance(ra, Exception) and not isinstance(rb, Exception)
-    assert swaps[0].tolist() == swaps[1].tolist() == [3.0] * 4
-
-
 def test_a_side_sum_a_peer_never_starts_fails_at_its_deadline() -> None:
     a, b, _server = _pair(4)
     _both(lambda: _buckets(a, [1.0]), lambda: _buckets(b, [1.0]))
@@ -120,7 +100,7 @@ def test_rows_are_gathered_into_every_members_tensor() -> None:
     def member(g: CrossReplicaGroup, t: torch.Tensor, pause: float) -> float:
         _buckets(g, [1.0])
         time.sleep(pause)  # one starts as its last bucket lands, the other later
-        pending = g.start_side_sum(t, rows=True)
+        pending = g.start_side_sum(t)
         assert pending is not None
         return g.finish_side_sum(pending, 5.0)
 

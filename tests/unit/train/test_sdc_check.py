@@ -41,9 +41,8 @@ class SwapGroup:
     refuse_start = False
     sums_only = False  # a transport that sums one at a time (the ring): no side sum
 
-    def start_side_sum(self, tensor: torch.Tensor, rows: bool = False) -> object:
+    def start_side_sum(self, tensor: torch.Tensor) -> object:
         """The swap's start: the peers' rows are added when it is finished, as a backend would."""
-        assert rows  # one row per member: an all-gather where the backend has one
         if self.refuse_start:
             raise ExchangeFailed("a peer hung up before the swap began")
         if self.sums_only:

@@ -562,7 +562,7 @@ def diagnosis(
         job_dir = run_dir / f"{model}-recorder"
         shutil.rmtree(job_dir, ignore_errors=True)
         job_rows, wall = run_llama(job_dir, steps, "recorder") if model == "llama" else run_mlp(job_dir, steps)
-        timed = alternating_ratio(job_rows, ALTERNATE_EVERY, flag="recorded", spent="")
+        timed = alternating_ratio(job_rows, ALTERNATE_EVERY, flag="recorded", spent=None)
         result[f"{model}_record_overhead_ratio"] = timed["ratio"]
         result[f"{model}_recorder"] = {k: v for k, v in timed.items() if k != "own_share"} | {
             "steps": steps,

@@ -32,7 +32,9 @@ ALTERNATE_EVERY = 10  # steps of each block with the switch off, then on
 SWITCHES = ("check", "recorder")
 
 
-def alternating_ratio(rows: Sequence[Row], every: int, flag: str = "checked", spent: str = "check_s") -> dict[str, Any]:
+def alternating_ratio(
+    rows: Sequence[Row], every: int, flag: str = "checked", spent: str | None = "check_s"
+) -> dict[str, Any]:
     """A switch's cost from one job that ran with it off, then on, in blocks of ``every`` steps
     (``flag``: the row's field saying whether it was on in that step).
 
@@ -41,7 +43,7 @@ def alternating_ratio(rows: Sequence[Row], every: int, flag: str = "checked", sp
     alone for a last on-block), the first step of every block left out (it switches) and the
     first pair too (warm-up); the figure is the median of those ratios over blocks and replicas.
     ``own_share``: the cumulative ``spent`` field's growth (the check's own time) over the step
-    time in the on-blocks, where the rows have it.
+    time in the on-blocks, where the rows have it (None: the switch records no own time).
     """
     ratios: list[float] = []
     own = step_total = 0.0
@@ -55,7 +57,7 @@ def alternating_ratio(rows: Sequence[Row], every: int, flag: str = "checked", sp
         for r in sorted(mine, key=lambda r: r["step"]):
             if r["step"] % every:
                 blocks[r["step"] // every].append(r["step_s"])
-                if r[flag] and previous is not None and previous[flag] and spent in r:
+                if spent is not None and r[flag] and previous is not None and previous[flag] and spent in r:
                     own += r[spent] - previous[spent]
                     step_total += r["step_s"]
             previous = r
@@ -88,15 +90,7 @@ def run_llama(run_dir: Path, steps: int, switch: str, every: int = ALTERNATE_EVE
     cmd += ["--run-dir", str(run_dir), "--on-verdict", "ignore", "--", sys.executable, "-m", LLAMA_MODULE]
     cmd += ["--steps", str(steps), "--device", "cpu", "--samples-per-replica", "4", "--seq-len", "64"]
     cmd += [f"--{switch}-alternate", str(every)]
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    with open(run_dir.parent / f"{run_dir.name}-launcher.log", "wb") as log:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        code = subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    if code != 0:
-        raise click.ClickException(f"the job in {run_dir} ended with code {code}; see its launcher log")
-    rows = [r | {"replica": k} for k in range(3) for r in read_jsonl(run_dir / f"metrics-r{k}.jsonl") if "step" in r]
-    return rows, time.monotonic() - t0
+    return _launch(cmd, run_dir, "metrics")
 
 
 def run_mlp(run_dir: Path, steps: int, params_m: float = 3.0, every: int = ALTERNATE_EVERY) -> tuple[list[Row], float]:
@@ -106,6 +100,12 @@ def run_mlp(run_dir: Path, steps: int, params_m: float = 3.0, every: int = ALTER
     cmd += ["--on-verdict", "ignore", "--", sys.executable, "-m", MLP_MODULE, "--mode", "unbroken"]
     cmd += ["--params-m", str(params_m), "--steps", str(steps), "--out", str(run_dir)]
     cmd += ["--recorder-alternate", str(every)]
+    return _launch(cmd, run_dir, "steps")
+
+
+def _launch(cmd: list[str], run_dir: Path, rows_name: str, replicas: int = 3) -> tuple[list[Row], float]:
+    """Runs ``cmd`` (an ``unbroken run``), its output in a launcher log beside ``run_dir``; every
+    replica's step rows (``{rows_name}-r{R}.jsonl``, tagged with ``replica``) and the wall seconds."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     with open(run_dir.parent / f"{run_dir.name}-launcher.log", "wb") as log:
@@ -113,5 +113,10 @@ def run_mlp(run_dir: Path, steps: int, params_m: float = 3.0, every: int = ALTER
         code = subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     if code != 0:
         raise click.ClickException(f"the job in {run_dir} ended with code {code}; see its launcher log")
-    rows = [r | {"replica": k} for k in range(3) for r in read_jsonl(run_dir / f"steps-r{k}.jsonl") if "step" in r]
+    rows = [
+        r | {"replica": k}
+        for k in range(replicas)
+        for r in read_jsonl(run_dir / f"{rows_name}-r{k}.jsonl")
+        if "step" in r
+    ]
     return rows, time.monotonic() - t0

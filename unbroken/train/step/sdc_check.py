@@ -189,7 +189,7 @@ class ExchangeCheck:
         mine = Prints(fold(self._sent), fold(self._received), None)
         t = encode(mine, d.members.index(self.replica_id), len(d.members), device)
         try:
-            pending = group.start_side_sum(t, rows=True)
+            pending = group.start_side_sum(t)
         except ExchangeFailed as e:
             self._swap = _Swap(d.epoch, d.step, len(self._received), mine, t, None, str(e))
         else:
@@ -234,7 +234,7 @@ class ExchangeCheck:
                     weights() if weights is not None and self.weights_due(d) else None,
                 )
                 t = encode(mine, d.members.index(self.replica_id), len(d.members), device)
-                pending = group.start_side_sum(t, rows=True)
+                pending = group.start_side_sum(t)
                 if pending is not None:
                     group.finish_side_sum(pending, deadline_s)
                 else:  # a transport that sums one at a time (the ring)
