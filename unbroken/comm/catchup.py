@@ -287,19 +287,20 @@ class CatchupServer:
                 try:
                     session = server_handshake(conn, self._secret, PURPOSE, ticket=ticket)
                     step, wait_s = _parse_request(recv_sealed(conn, session, MAX_REQUEST))
+                    asked = time.perf_counter()
                 except (AuthError, FrameError, ValueError, OSError) as e:
                     self._refused += 1
                     self._refusals.note(str(e), time.monotonic())
                     return
                 try:
-                    self._send(conn, session, step, wait_s, start, cpu_start)
+                    self._send(conn, session, step, wait_s, start, asked, cpu_start)
                 except OSError as e:
                     log.warning("state transfer to a peer failed: %s", e)
         finally:
             self._waiting.release()
 
     def _send(
-        self, conn: socket.socket, session: Any, step: int, wait_s: float, start: float, cpu_start: float
+        self, conn: socket.socket, session: Any, step: int, wait_s: float, start: float, asked: float, cpu_start: float
     ) -> None:
         deadline = time.monotonic() + wait_s
         with self._cond:
@@ -317,6 +318,7 @@ class CatchupServer:
             if not self._slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 send_sealed(conn, session, json.dumps({"ok": False, "busy": True}).encode())
                 return
+            sending = time.perf_counter()
             try:
                 self._send_snapshot(conn, session, snap)
             finally:
@@ -330,6 +332,9 @@ class CatchupServer:
                 "bytes": snap.total,
                 "s": time.perf_counter() - start,
                 "cpu_s": time.thread_time() - cpu_start,
+                "handshake_s": asked - start,  # from the admitted connection to its request
+                "wait_s": sending - asked,  # for the snapshot's copy, then a transfer slot
+                "send_s": time.perf_counter() - sending,
             }
         )
         del self.served[:-MAX_SERVED_RECORDS]

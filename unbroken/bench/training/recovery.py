@@ -291,6 +291,11 @@ def serving_figures(run_dir: Path, replicas: int, median_step_s: float) -> dict[
         "serve_cpu_s": round(cpu, 4),
         "serve_mb": round(sum(x["bytes"] for x in served) / 1e6, 1),
         "serve_cpu_step_share": round(cpu / median_step_s, 4) if median_step_s > 0 else None,
+        **{
+            f"serve_{phase}": round(sum(x[phase] for x in served), 4)
+            for phase in ("handshake_s", "wait_s", "send_s")
+            if all(phase in x for x in served)
+        },
     }
 
 
