@@ -287,3 +287,20 @@ def test_llama_demo_survives_a_crash_a_bit_flip_and_a_hang(tmp_path: Path) -> No
     rows = metrics(tmp_path / "run", 0)
     assert rows[-1]["early_swaps"] > 40, rows[-1]  # the swap began at the last bucket in most steps
     assert summary["checkpoints_on_disk"][0] == 60
+
+
+@heavy
+def test_llama_plain_and_unbroken_steps_alternate_in_one_job(tmp_path: Path) -> None:
+    """``--plain-alternate`` (what ``bench recovery --alternate-steps`` times): blocks of plain
+    HSDP steps over a static Gloo group between blocks of unbroken's steps; the replicas stay
+    identical through both, and every step's record says which it was."""
+    run_dir = tmp_path / "run"
+    with Job(
+        run_dir, replicas=2, steps=20, script=SCRIPT, extra=CALM, train_args=[*SMALL, "--plain-alternate", "5"]
+    ) as job:
+        assert job.wait(400) == 0
+    rows = [r for r in metrics(run_dir, 0) if "step" in r]
+    assert [r["step"] for r in rows] == list(range(20))
+    assert [r["unbroken"] for r in rows] == ([False] * 5 + [True] * 5) * 2
+    assert [r["unbroken_step"] for r in rows if r["unbroken"]] == list(range(10))
+    assert_replicas_identical(run_dir, 10)  # unbroken's step count moved in its blocks only

@@ -26,3 +26,7 @@ def test_llama_options_that_cannot_work_are_refused() -> None:
     assert out.exit_code == 2 and "use --model llama" in out.output
     out = runner.invoke(recovery, ["--model", "llama", "--api", "ddp"])
     assert out.exit_code == 2 and "FSDP2's hook" in out.output
+    out = runner.invoke(recovery, ["--alternate-steps", "210"])
+    assert out.exit_code == 2 and "add --model llama" in out.output
+    out = runner.invoke(recovery, ["--model", "llama", "--alternate-steps", "30"])
+    assert out.exit_code == 2 and "at least 40" in out.output

@@ -4,7 +4,8 @@ Two jobs of the example Llama (6 processes on a shared 2-core machine), one with
 one without, differ by more than a feature of 1% costs: the same job's median step moved from
 0.41 to 0.56 s within an hour. The example's ``--check-alternate N`` and ``--recorder-alternate
 N`` (and the benchmark MLP's ``--recorder-alternate N``) switch the verified exchange or the
-flight recorder off and on every N steps, at the same steps in every replica;
+flight recorder off and on every N steps, at the same steps in every replica, and its
+``--plain-alternate N`` switches between plain HSDP and unbroken's whole step;
 :func:`alternating_ratio` compares each on-block with the off-blocks around it, so a drift of
 the machine's load cancels.
 """
@@ -29,7 +30,7 @@ Row = dict[str, Any]
 LLAMA_MODULE = "unbroken.examples.llama.train"
 MLP_MODULE = "unbroken.bench.training.recovery_worker"
 ALTERNATE_EVERY = 10  # steps of each block with the switch off, then on
-SWITCHES = ("check", "recorder")
+SWITCHES = ("check", "recorder", "plain")
 
 
 def alternating_ratio(
@@ -82,8 +83,8 @@ def _p10_p90(xs: Sequence[float]) -> list[float]:
 
 def run_llama(run_dir: Path, steps: int, switch: str, every: int = ALTERNATE_EVERY) -> tuple[list[Row], float]:
     """The example Llama, 3 replicas x 2 FSDP2 ranks under ``unbroken run``, ``switch`` (``check``:
-    the verified exchange, ``recorder``: the flight recorder and its shipments) off and on in
-    alternate blocks of ``every`` steps."""
+    the verified exchange, ``recorder``: the flight recorder and its shipments, ``plain``: unbroken's
+    whole step, plain HSDP in the off-blocks) off and on in alternate blocks of ``every`` steps."""
     if switch not in SWITCHES:
         raise ValueError(f"switch must be one of {', '.join(SWITCHES)}, got {switch!r}")
     cmd = [sys.executable, "-m", "unbroken", "run", "--replicas", "3", "--ranks-per-replica", "2"]

@@ -51,6 +51,7 @@ from typing import Any
 import click
 
 from unbroken.bench.output import publish
+from unbroken.bench.training.alternate import ALTERNATE_EVERY, alternating_ratio, run_llama
 from unbroken.launch.run.launcher import Launcher, LaunchSettings, free_port
 from unbroken.observe.events import read_jsonl
 
@@ -315,6 +316,7 @@ class BenchSettings:
     ranks: int = 1  # ranks per replica
     device: str = "cpu"  # where the llama trains (--model llama); the MLP trains on the CPU
     batch_size: int = 32  # of the MLP: compute per step at the same exchange size
+    alternate_steps: int = 0  # of the Llama: one job alternating plain HSDP and unbroken (see run_alternate)
 
     @property
     def processes(self) -> int:
@@ -479,6 +481,25 @@ def pair_order(round_index: int) -> tuple[str, str]:
     return ("baseline", "steady") if round_index % 2 == 0 else ("steady", "baseline")
 
 
+def run_alternate(s: BenchSettings) -> dict[str, Any]:
+    """unbroken's step against plain HSDP inside one job of the example Llama: blocks of
+    :data:`~unbroken.bench.training.alternate.ALTERNATE_EVERY` steps of each in turn (its
+    ``--plain-alternate``), each unbroken block's median step over the plain blocks around it.
+    Two separate jobs on this shared machine differ by more than the few percent to be told apart
+    (:mod:`unbroken.bench.training.alternate`). unbroken's background threads (heartbeats, the
+    coordinator's connection) run in the plain blocks too: a small cost the figure leaves out."""
+    rows, wall = run_llama(_fresh(s.root / "alternate"), s.alternate_steps, "plain")
+    timed = alternating_ratio(rows, ALTERNATE_EVERY, flag="unbroken", spent=None)
+    return {
+        "overhead_ratio": timed["ratio"],
+        "pairs": timed["pairs"],
+        "ratios_p10_p90": timed["ratios_p10_p90"],
+        "every": ALTERNATE_EVERY,
+        "steps": s.alternate_steps,
+        "wall_s": round(wall, 1),
+    }
+
+
 def run_all(s: BenchSettings, rounds: int, log: Any, scenarios: tuple[str, ...] = SCENARIOS) -> dict[str, Any]:
     victim = s.replicas - 1
     baseline_medians, steady_medians = [], []
@@ -520,6 +541,9 @@ def run_all(s: BenchSettings, rounds: int, log: Any, scenarios: tuple[str, ...] 
                 for b, u in zip(baseline_medians, steady_medians, strict=False)
             ],
         }
+    if s.alternate_steps:
+        log(f"one job of {s.alternate_steps} steps: plain HSDP and unbroken in alternate blocks of {ALTERNATE_EVERY}")
+        result["alternating"] = run_alternate(s)
     if baseline_cpu and len(baseline_cpu) == len(steady_cpu):
         # The same work on the training thread in both jobs: a ratio near 1 says the gap in step
         # time is waiting (quorum, exchange) and the other threads' and processes' CPU.
@@ -715,6 +739,15 @@ def ddp_figures(s: BenchSettings, model: str, rounds: int, log: Any, identical: 
     help="Where the llama trains (--model llama): cuda runs one rank per replica by default, the replicas "
     "sharing the machine's GPUs (auto: Gloo across replicas on a shared GPU, NCCL otherwise).",
 )
+@click.option(
+    "--alternate-steps",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    help="--model llama on CPU: also one job of this many steps alternating plain HSDP and unbroken's "
+    f"step in blocks of {ALTERNATE_EVERY}, timing unbroken's cost inside one job (0: none; without "
+    "--only, only that job runs).",
+)
 @click.option("--work-dir", type=click.Path(path_type=Path), default=Path("runs/bench/recovery"), show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/bench/recovery.json"), show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
@@ -731,11 +764,22 @@ def recovery(
     model: str,
     ranks_per_replica: int | None,
     device: str,
+    alternate_steps: int,
     work_dir: Path,
     out: Path,
     as_json: bool,
 ) -> None:
     """Crash and hang recovery, catch-up and no-fault overhead against a plain all-reduce."""
+    if alternate_steps:
+        if model != "llama" or device != "cpu":
+            raise click.BadParameter(
+                "times the example Llama on CPU: add --model llama", param_hint="--alternate-steps"
+            )
+        if alternate_steps < 4 * ALTERNATE_EVERY:
+            raise click.BadParameter(
+                f"must be 0 or at least {4 * ALTERNATE_EVERY} steps (two plain/unbroken pairs after the first)",
+                param_hint="--alternate-steps",
+            )
     if params_m <= 0:
         raise click.BadParameter("must be > 0", param_hint="--params-m")
     if model == "mlp" and ranks_per_replica not in (None, 1):
@@ -749,7 +793,7 @@ def recovery(
             raise click.BadParameter(
                 "--model llama averages in FSDP2's hook, not with the DDP wrapper", param_hint="--api"
             )
-        only = only or ("steady", "crash", "hang")
+        only = only or (() if alternate_steps else ("steady", "crash", "hang"))
     if steps is None:
         steps = 400 if model == "llama" and device == "cuda" else 60
     if fault_step >= steps - 10:
@@ -768,13 +812,14 @@ def recovery(
         ranks=ranks_per_replica or (2 if model == "llama" and device == "cpu" else 1),
         device=device,
         batch_size=batch_size,
+        alternate_steps=alternate_steps,
     )
 
     def log(msg: str) -> None:
         click.echo(msg, err=True)
 
     t0 = time.time()
-    result = run_all(s, rounds, log, only or SCENARIOS)
+    result = run_all(s, rounds, log, only if only or alternate_steps else SCENARIOS)
     result["wall_s"] = round(time.time() - t0, 1)
     publish(result, out, as_json)
     if not as_json:

@@ -24,8 +24,9 @@ Without unbroken: ``--plain`` runs the same model, data and optimizer as a plain
 replica of 2 ranks; ``--ranks-per-replica K`` with a world of N*K ranks makes N replicas averaged
 by a plain Gloo/NCCL all-reduce in the same hook). That is supported, with no fault tolerance;
 it is also the baseline ``unbroken bench recovery --model llama`` compares the hook's cost
-against. Without ``--plain`` the script needs an unbroken job (``unbroken run``): it is not a
-torchrun script.
+against (``--plain-alternate N`` times the same inside one unbroken job: N plain HSDP steps over
+a static Gloo group, then N of unbroken's, in turn). Without ``--plain`` the script needs an
+unbroken job (``unbroken run``): it is not a torchrun script.
 
 Rank 0 of each replica appends one JSON line per step to ``{run_dir}/{--log-name}-r{R}.jsonl``
 (after a ``{"event": "ready"}`` line); at the end every rank writes ``digest-r{R}-rank{K}.json``
@@ -36,6 +37,7 @@ all ranks of its replica, so replicas can be compared bitwise without writing th
 from __future__ import annotations
 
 import argparse
+import datetime
 import hashlib
 import json
 import math
@@ -103,6 +105,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=0,
         help="Benchmarks: the flight recorder and its shipments off, then on, every N steps (as "
         "--check-alternate; 0: always as UNBROKEN_RECORDER says).",
+    )
+    ap.add_argument(
+        "--plain-alternate",
+        type=int,
+        default=0,
+        help="Benchmarks: every N steps, switch between plain HSDP (a static Gloo group across the "
+        "replicas, no quorum, vote or check; the replicas must stay up) and unbroken's step, to time "
+        "unbroken's cost within one job (CPU; 0: unbroken's step always).",
     )
     ap.add_argument(
         "--fault-step",
@@ -298,9 +308,13 @@ def train_unbroken(args: argparse.Namespace) -> None:
         pg = manager.process_group()  # the replicas of this step's quorum, for gradients only
         run_dir = Path(c.run_dir)
         armed = args.fault_step >= 0 and c.replica_id == 1 and c.rank == 1 and not (run_dir / "fault.json").exists()
+        plain = PlainBlocks(args.plain_alternate, run_dir, c.replica_id, c.rank, c.num_replicas)
 
         def all_reduce_hook(t: torch.Tensor) -> None:
             nonlocal armed
+            if plain.now:
+                plain.all_reduce(t)
+                return
             if armed and manager.step == args.fault_step:  # tests: die inside the exchange
                 armed = False
                 (run_dir / "fault.json").write_text(json.dumps({"step": manager.step, "pid": os.getpid()}))
@@ -326,7 +340,13 @@ def train_unbroken(args: argparse.Namespace) -> None:
         # ------------------------------------------------------------------------------------
         records = Records(run_dir, args.log_name, c.replica_id, c.rank)
         recorder = manager.recorder
-        while manager.step < args.steps:
+        while manager.step < args.steps and not plain.finished(args.steps):
+            if plain.next():  # benchmarks: a block of plain HSDP steps (see --plain-alternate)
+                row = plain_step(
+                    model, optimizer, scheduler, data, plain.steps - 1, plain.plan(args), device, bf16, args
+                )
+                records.write(row | {"unbroken": False})
+                continue
             if args.check_alternate > 0:  # every member switches at the same step (see --check-alternate)
                 manager.sdc.enabled = (manager.step // args.check_alternate) % 2 == 1
             if args.recorder_alternate > 0 and recorder is not None:  # between steps: no collective open
@@ -351,7 +371,8 @@ def train_unbroken(args: argparse.Namespace) -> None:
             # a catching-up replica has no gradients and sends zeros): True when it may commit.
             committed = unbroken.average_gradients(manager, model.parameters())
             if committed:
-                manager.request_next_quorum()  # the answer travels while the optimizer steps
+                if not plain.due():
+                    manager.request_next_quorum()  # the answer travels while the optimizer steps
                 optimizer.step()
                 scheduler.step()
                 manager.commit()
@@ -398,6 +419,7 @@ def train_unbroken(args: argparse.Namespace) -> None:
                     "early_swaps": manager.sdc.early_swaps,  # cumulative (sdc_check.ExchangeCheck.start)
                     "pid": os.getpid(),
                 }
+                | plain.label(plan.step)
             )
         if checkpointer is not None:
             checkpointer.close()
@@ -409,6 +431,98 @@ def train_unbroken(args: argparse.Namespace) -> None:
         records.finish(manager.step, state_digest(model, optimizer), manager.catchup.served if c.rank == 0 else [])
         dist.barrier()  # no rank tears its groups down while a sibling still uses them
     dist.destroy_process_group()
+
+
+def plain_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    data: MarkovTokens,
+    step: int,
+    plan: Any,
+    device: torch.device,
+    bf16: bool,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """One step of plain HSDP (the all-reduce is in the FSDP2 hook); its record."""
+    t0 = time.time()
+    c0 = time.thread_time()
+    optimizer.zero_grad(set_to_none=True)
+    loss = forward_backward(model, data, plan.micro_batches, plan.loss_scale, device, bf16)
+    t_exchange = time.time()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
+    optimizer.step()
+    scheduler.step()
+    cpu_s = time.thread_time() - c0
+    t1 = time.time()
+    return {
+        "step": step,
+        "committed": True,
+        "loss": loss,
+        "norm": float(norm),
+        "t0": t0,
+        "t1": t1,
+        "step_s": t1 - t0,
+        "compute_s": t_exchange - t0,
+        "cpu_s": cpu_s,
+    }
+
+
+class PlainBlocks:
+    """Benchmarks only (``--plain-alternate N``): blocks of N plain HSDP steps between blocks of
+    N of unbroken's, at the same steps in every replica, so that ``unbroken bench recovery
+    --llama-alternate-steps`` times unbroken's cost against plain HSDP inside one job (two jobs on
+    one shared machine differ by more than the cost). The plain steps average over a static Gloo
+    group of the replicas' same-numbered ranks (a file store in the run directory), with no
+    quorum, vote or check: no replica may fail meanwhile. Steps are counted here (``steps``),
+    since unbroken's step count does not move in plain blocks.
+    """
+
+    def __init__(self, every: int, run_dir: Path, replica: int, rank: int, replicas: int) -> None:
+        self.every, self.replica, self.rank, self.replicas = every, replica, rank, replicas
+        self.steps = 0  # steps begun, plain or not
+        self.now = False  # the step begun last is plain
+        self.group: Any = None
+        if every > 0:
+            store = dist.FileStore(str(run_dir / f"plain-store-rank{rank}"), replicas)
+            self.group = dist.ProcessGroupGloo(store, replica, replicas, datetime.timedelta(seconds=300))
+
+    def finished(self, steps: int) -> bool:
+        """Whether alternate blocks have run ``steps`` steps in all."""
+        return self.every > 0 and self.steps >= steps
+
+    def due(self) -> bool:
+        """Whether the next step is plain."""
+        return self.every > 0 and (self.steps // self.every) % 2 == 0
+
+    def next(self) -> bool:
+        """Begins a step: whether it is plain."""
+        self.now = self.due()
+        self.steps += 1
+        return self.now
+
+    def plan(self, args: argparse.Namespace) -> Any:
+        """This rank's micro-batches of the plain step begun last, as ``--plain`` plans them."""
+        return rank_plan(
+            plan_step(self.steps - 1, self.replicas, range(self.replicas), args.policy),
+            self.replica,
+            self.rank,
+            dist.get_world_size(),
+            self.replicas,
+            args.samples_per_replica,
+        )
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        """The plain HSDP average across replicas (as ``--plain``'s hook)."""
+        self.group.allreduce([t]).wait()
+        t.div_(self.replicas)
+
+    def label(self, step: int) -> dict[str, Any]:
+        """Fields an unbroken step's record gets where blocks alternate: the step as counted
+        here (blocks are cut by it), and unbroken's own."""
+        if self.every <= 0:
+            return {}
+        return {"step": self.steps - 1, "unbroken_step": step, "unbroken": True}
 
 
 def train_plain(args: argparse.Namespace) -> None:
@@ -445,8 +559,6 @@ def train_plain(args: argparse.Namespace) -> None:
         load_initial_weights(model, args.init_dcp)
     records = Records(args.run_dir or Path("."), args.log_name, replica, local)
     for step in range(args.steps):
-        t0 = time.time()
-        c0 = time.thread_time()
         plan = rank_plan(
             plan_step(step, replicas, range(replicas), args.policy),
             replica,
@@ -455,27 +567,7 @@ def train_plain(args: argparse.Namespace) -> None:
             replicas,
             args.samples_per_replica,
         )
-        optimizer.zero_grad(set_to_none=True)
-        loss = forward_backward(model, data, plan.micro_batches, plan.loss_scale, device, bf16)
-        t_exchange = time.time()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
-        optimizer.step()
-        scheduler.step()
-        cpu_s = time.thread_time() - c0
-        t1 = time.time()
-        records.write(
-            {
-                "step": step,
-                "committed": True,
-                "loss": loss,
-                "norm": float(norm),
-                "t0": t0,
-                "t1": t1,
-                "step_s": t1 - t0,
-                "compute_s": t_exchange - t0,
-                "cpu_s": cpu_s,
-            }
-        )
+        records.write(plain_step(model, optimizer, scheduler, data, step, plan, device, bf16, args))
     records.finish(args.steps, state_digest(model, optimizer), [], group=mesh["shard"].get_group())
     dist.destroy_process_group()
 
