@@ -78,6 +78,7 @@ def test_agreeing_peers_commit_and_the_swap_ignores_aborts() -> None:
     assert run(check, group, decision((0, 1, 2)), sent, got)
     assert check.detected == 0 and check.last_result == result and check.completed(3, 5)
     assert group.abortable == [False]
+    assert 0.0 < check.cpu_s and 0.0 < check.spent_s  # its own time, and of that its thread's CPU
 
 
 def test_a_member_whose_sum_differs_from_the_majority_does_not_commit_and_says_why() -> None:
@@ -136,7 +137,7 @@ def test_a_failed_swap_does_not_commit_and_one_member_or_off_checks_nothing() ->
     assert run(check, SwapGroup(fail=True), decision((0,)), torch.ones(2), torch.ones(2))
     off = ExchangeCheck(0, enabled=False)
     assert run(off, SwapGroup(fail=True), decision((0, 1)), torch.ones(2), torch.ones(2))
-    assert not off.completed(3, 5)
+    assert not off.completed(3, 5) and off.spent_s == off.cpu_s == 0.0
 
 
 def test_a_swap_started_at_the_last_bucket_is_the_one_verify_judges() -> None:

@@ -241,11 +241,15 @@ def sdc(weight_every: int, clean_steps: int, llama_steps: int, root: Path, as_js
     if llama_steps:
         rows, wall = run_llama(root / f"{stamp}-llama", llama_steps, "check")
         timed = alternating_ratio(rows, ALTERNATE_EVERY)
+        cpu = alternating_ratio(rows, ALTERNATE_EVERY, spent="check_cpu_s")["own_share"]
         llama |= {
             "ratio": timed["ratio"],
             "pairs": timed["pairs"],
             "ratios_p10_p90": timed["ratios_p10_p90"],
             "check_share": timed["own_share"],  # the check's own time over the on-blocks' steps
+            # Its CPU on the training thread over the same: with 6 ranks on 2 cores, the
+            # machine's cores spend 3 times this share of each step on it.
+            "check_cpu_share": cpu,
             "every": ALTERNATE_EVERY,
             "wall_s": round(wall, 1),
         }

@@ -416,6 +416,7 @@ def train_unbroken(args: argparse.Namespace) -> None:
                     "recorded": manager.recorder is not None,
                     "sdc_detected": manager.sdc.detected,
                     "check_s": manager.sdc.spent_s,  # cumulative: the exchange check's own time
+                    "check_cpu_s": manager.sdc.cpu_s,  # cumulative: of which this thread's CPU
                     "early_swaps": manager.sdc.early_swaps,  # cumulative (sdc_check.ExchangeCheck.start)
                     "pid": os.getpid(),
                 }

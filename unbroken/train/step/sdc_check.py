@@ -129,6 +129,9 @@ class ExchangeCheck:
         # Seconds this rank spent checking (fingerprints, swap, judging) since it began; on a GPU
         # the fingerprints' kernels run on the stream and are counted where they are waited for.
         self.spent_s = 0.0
+        # Of those, this thread's CPU seconds (the swap's wait and the backend's own threads left
+        # out): on a machine whose cores are all busy, the part that no overlap can hide.
+        self.cpu_s = 0.0
         # (epoch, step) of the last swap that completed: every member was past that exchange.
         self.swapped: tuple[int, int] | None = None
         # Weights are compared from this step on: before it, a replica's state may still be one
@@ -155,17 +158,23 @@ class ExchangeCheck:
     def sent(self, buf: torch.Tensor) -> None:
         """``buf`` is about to be summed: fingerprints what this member sends."""
         if self.enabled:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             self._sent.append(_fingerprint(buf))
-            self.spent_s += time.perf_counter() - t0
+            self._charge(t0, c0)
 
     def received(self, buf: torch.Tensor) -> None:
         """``buf`` holds its sum: fingerprints what this member received."""
         if self.enabled:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             self._received.append(_fingerprint(buf))
             self._layout.append(buf.numel())
-            self.spent_s += time.perf_counter() - t0
+            self._charge(t0, c0)
+
+    def _charge(self, began: float, cpu_began: float) -> None:
+        """Adds the time since ``began`` (perf_counter) and ``cpu_began`` (thread_time) to the
+        check's own."""
+        self.spent_s += time.perf_counter() - began
+        self.cpu_s += time.thread_time() - cpu_began
 
     def weights_due(self, d: QuorumDecision) -> bool:
         """Whether this step's check includes this member's weights: every ``weights_every``
@@ -185,7 +194,7 @@ class ExchangeCheck:
         modules may hold unsharded parameters, so those are read in :meth:`verify`."""
         if not self.enabled or len(d.members) < 2 or self._swap is not None or self.weights_due(d):
             return
-        began = time.perf_counter()
+        began, cpu_began = time.perf_counter(), time.thread_time()
         mine = Prints(fold(self._sent), fold(self._received), None)
         t = encode(mine, d.members.index(self.replica_id), len(d.members), device)
         try:
@@ -196,7 +205,7 @@ class ExchangeCheck:
             if pending is not None:
                 self._swap = _Swap(d.epoch, d.step, len(self._received), mine, t, pending)
                 self.early_swaps += 1
-        self.spent_s += time.perf_counter() - began
+        self._charge(began, cpu_began)
 
     def verify(
         self,
@@ -214,7 +223,7 @@ class ExchangeCheck:
         """
         if not self.enabled or len(d.members) < 2:
             return True
-        began = time.perf_counter()
+        began, cpu_began = time.perf_counter(), time.thread_time()
         swap, self._swap = self._swap, None
         try:
             if swap is not None and (swap.epoch, swap.step) == (d.epoch, d.step):
@@ -241,7 +250,7 @@ class ExchangeCheck:
                     group.allreduce_sum(t, deadline_s, abortable=False, recorded=False)
         except ExchangeFailed as e:
             log.warning("replica %d step %d: swapping fingerprints failed: %s", self.replica_id, d.step, e)
-            self.spent_s += time.perf_counter() - began
+            self._charge(began, cpu_began)
             return False
         self.swapped = (d.epoch, d.step)
         prints = decode(t.tolist(), d.members)
@@ -250,7 +259,7 @@ class ExchangeCheck:
             j = Judgement(commit=False, results_differ=True, unresolved=True)
         else:
             j = judge(prints, self.replica_id, layout, self._previous, d.step)
-        self.spent_s += time.perf_counter() - began
+        self._charge(began, cpu_began)
         if j.unresolved and prints is not None:
             self._previous = Attempt(d.step, layout, prints)
         elif not j.unresolved:
