@@ -47,8 +47,10 @@ want churn && step churn 90 env NCCL_DEBUG=WARN $py -m unbroken bench epochs --d
 want tests && step gpu_tests 240 $py -m pytest -q -p no:cacheprovider -m gpu tests/gpu -s --durations=0 \
     -o junit_family=xunit2 --junitxml="$out/gpu_tests.xml"
 if want recovery; then
+    # --alternate-steps: unbroken against plain HSDP inside one job (blocks of 10 steps each in turn)
     step bench_recovery $((budget - 60 - (SECONDS - start))) $py -m unbroken bench recovery --model llama \
-        --device cuda --rounds "${ROUNDS:-2}" --json --work-dir /tmp/bench-recovery --out "$out/recovery.json"
+        --device cuda --rounds "${ROUNDS:-2}" --only steady --only crash --only hang \
+        --alternate-steps "${ALTERNATE_STEPS:-410}" --json --work-dir /tmp/bench-recovery --out "$out/recovery.json"
     find /tmp/bench-recovery \( -name '*.log' -o -name '*.jsonl' \) -size -2M 2>/dev/null | tar czf "$out/recovery_logs.tgz" -T - 2>/dev/null
 fi
 # Opt-in (CHECKS=takeover): the 12,500-node takeover on 16 cores, the simulated agents spread over

@@ -81,15 +81,18 @@ def _p10_p90(xs: Sequence[float]) -> list[float]:
     return [q[0], q[-1]]
 
 
-def run_llama(run_dir: Path, steps: int, switch: str, every: int = ALTERNATE_EVERY) -> tuple[list[Row], float]:
-    """The example Llama, 3 replicas x 2 FSDP2 ranks under ``unbroken run``, ``switch`` (``check``:
-    the verified exchange, ``recorder``: the flight recorder and its shipments, ``plain``: unbroken's
-    whole step, plain HSDP in the off-blocks) off and on in alternate blocks of ``every`` steps."""
+def run_llama(
+    run_dir: Path, steps: int, switch: str, every: int = ALTERNATE_EVERY, device: str = "cpu", ranks: int = 2
+) -> tuple[list[Row], float]:
+    """The example Llama, 3 replicas of ``ranks`` FSDP2 ranks under ``unbroken run``, ``switch``
+    (``check``: the verified exchange, ``recorder``: the flight recorder and its shipments,
+    ``plain``: unbroken's whole step, plain HSDP in the off-blocks) off and on in alternate blocks
+    of ``every`` steps, on ``device`` (``cuda``: the replicas share the machine's GPUs)."""
     if switch not in SWITCHES:
         raise ValueError(f"switch must be one of {', '.join(SWITCHES)}, got {switch!r}")
-    cmd = [sys.executable, "-m", "unbroken", "run", "--replicas", "3", "--ranks-per-replica", "2"]
+    cmd = [sys.executable, "-m", "unbroken", "run", "--replicas", "3", "--ranks-per-replica", str(ranks)]
     cmd += ["--run-dir", str(run_dir), "--on-verdict", "ignore", "--", sys.executable, "-m", LLAMA_MODULE]
-    cmd += ["--steps", str(steps), "--device", "cpu", "--samples-per-replica", "4", "--seq-len", "64"]
+    cmd += ["--steps", str(steps), "--device", device, "--samples-per-replica", "4", "--seq-len", "64"]
     cmd += [f"--{switch}-alternate", str(every)]
     return _launch(cmd, run_dir, "metrics")
 
