@@ -775,10 +775,8 @@ def recovery(
 ) -> None:
     """Crash and hang recovery, catch-up and no-fault overhead against a plain all-reduce."""
     if alternate_steps:
-        if model != "llama" or device != "cpu":
-            raise click.BadParameter(
-                "times the example Llama on CPU: add --model llama", param_hint="--alternate-steps"
-            )
+        if model != "llama":
+            raise click.BadParameter("times the example Llama: add --model llama", param_hint="--alternate-steps")
         if alternate_steps < 4 * ALTERNATE_EVERY:
             raise click.BadParameter(
                 f"must be 0 or at least {4 * ALTERNATE_EVERY} steps (two plain/unbroken pairs after the first)",

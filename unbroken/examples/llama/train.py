@@ -112,7 +112,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=0,
         help="Benchmarks: every N steps, switch between plain HSDP (a static Gloo group across the "
         "replicas, no quorum, vote or check; the replicas must stay up) and unbroken's step, to time "
-        "unbroken's cost within one job (CPU; 0: unbroken's step always).",
+        "unbroken's cost within one job (0: unbroken's step always).",
     )
     ap.add_argument(
         "--fault-step",
@@ -472,7 +472,7 @@ def plain_step(
 class PlainBlocks:
     """Benchmarks only (``--plain-alternate N``): blocks of N plain HSDP steps between blocks of
     N of unbroken's, at the same steps in every replica, so that ``unbroken bench recovery
-    --llama-alternate-steps`` times unbroken's cost against plain HSDP inside one job (two jobs on
+    --alternate-steps`` times unbroken's cost against plain HSDP inside one job (two jobs on
     one shared machine differ by more than the cost). The plain steps average over a static Gloo
     group of the replicas' same-numbered ranks (a file store in the run directory), with no
     quorum, vote or check: no replica may fail meanwhile. Steps are counted here (``steps``),
