@@ -240,6 +240,8 @@ class Manager:
             self._compute_t0 = time.perf_counter()
             if self.fault_hook is not None:
                 self.fault_hook.start_step(self.step)
+            if self._exchanger.weights is not None:
+                self.sdc.note_weights(self.step, self._exchanger.weights)
 
     def wait_quorum(self) -> QuorumDecision:
         """This step's quorum decision: who trains it and who catches up; waits for it.

@@ -187,7 +187,7 @@ def test_no_early_swap_when_weights_are_due_and_a_refused_start_fails_the_step()
     check.begin()
     check.received(torch.ones(3))
     check.start(group, decision((0, 1), step=8), CPU)  # type: ignore[arg-type]
-    assert not getattr(group, "started", [])  # the weights are read once backward is over
+    assert not getattr(group, "started", [])  # not noted as the step began: read once backward is over
     refusing = SwapGroup()
     refusing.refuse_start = True
     refusing.members = [0, 1]
@@ -196,3 +196,50 @@ def test_no_early_swap_when_weights_are_due_and_a_refused_start_fails_the_step()
     check.start(refusing, decision((0, 1), step=9), CPU)  # type: ignore[arg-type]
     assert not check.verify(refusing, 1.0, decision((0, 1), step=9), CPU)  # type: ignore[arg-type]
     assert refusing.abortable == []  # no second swap on a group that refused the first
+
+
+def test_weights_noted_as_the_step_began_travel_in_the_early_swap() -> None:
+    """``note_weights`` at the step's start (before forward): a step that checks the weights
+    still starts its swap at the last bucket, with that fingerprint, and a diverged replica is
+    named from it; other steps, a member catching up and a redo of another step take nothing."""
+    got = torch.ones(4)
+    result = fold([fingerprint(got)])
+    calls: list[int] = []
+
+    def weights() -> int:
+        calls.append(1)
+        return 98
+
+    check = ExchangeCheck(0, weights_every=4)
+    check.note_weights(9, weights)  # not a checking step
+    assert calls == []
+    check.note_weights(8, weights)
+    assert calls == [1]
+    d = decision((0, 1, 2), step=8)
+    group = SwapGroup({1: Prints(1, result, 99), 2: Prints(2, result, 99)})
+    group.members = list(d.members)
+    check.begin()
+    check.received(got)
+    check.start(group, d, CPU)  # type: ignore[arg-type]
+    assert len(group.started) == 1 and check.early_swaps == 1
+    assert not check.verify(group, 1.0, d, CPU, weights=weights)  # type: ignore[arg-type]
+    assert calls == [1]  # not read again after backward
+    assert check.findings[-1].judgement.weights_differ and check.findings[-1].judgement.culprits == (0,)
+    # Catching up in the step it noted: its state is being replaced, nothing is compared.
+    behind = decision((0, 1, 2), step=8, behind=(0,))
+    group = SwapGroup({1: Prints(1, result, 99), 2: Prints(2, result, 99)})
+    group.members = list(behind.members)
+    check.begin()
+    check.received(got)
+    check.start(group, behind, CPU)  # type: ignore[arg-type]
+    assert check.verify(group, 1.0, behind, CPU, weights=weights)  # type: ignore[arg-type]
+    # A print noted for another step is not used: the weights are read in verify.
+    check.note_weights(12, weights)
+    group = SwapGroup({1: Prints(1, result, 98), 2: Prints(2, result, 98)})
+    group.members = list(d.members)
+    check.begin()
+    check.received(got)
+    check.start(group, decision((0, 1, 2), step=16), CPU)  # type: ignore[arg-type]
+    assert not getattr(group, "started", [])
+    assert check.verify(group, 1.0, decision((0, 1, 2), step=16), CPU, weights=weights)  # type: ignore[arg-type]
+    assert calls == [1, 1, 1]

@@ -13,7 +13,9 @@ transport without an all-gather). The swap starts as the last bucket comes in
 fingerprints and reaches the same conclusion
 (:mod:`unbroken.train.step.sdc_judge`); a member that may not commit votes no, so its replica does
 not apply the step (:mod:`unbroken.train.step.vote`). Every ``weights_every`` steps the member adds a
-fingerprint of its parameters and optimizer state, taken before the optimizer steps.
+fingerprint of its parameters and optimizer state, taken as the step begins
+(:meth:`ExchangeCheck.note_weights`; else in :meth:`ExchangeCheck.verify`): the state the
+optimizer steps from.
 """
 
 from __future__ import annotations
@@ -138,6 +140,7 @@ class ExchangeCheck:
         # the others' is about to overwrite (torchft's init_sync, at step 0).
         self.weights_from_step = 0
         self._swap: _Swap | None = None
+        self._weights: tuple[int, int] | None = None  # (step, fingerprint) taken as the step began
         self.early_swaps = 0  # swaps that began as the last bucket came in (:meth:`start`)
 
     def completed(self, epoch: int | None, step: int) -> bool:
@@ -187,15 +190,42 @@ class ExchangeCheck:
             and self.replica_id not in d.behind_set
         )
 
+    def note_weights(self, step: int, weights: Callable[[], int]) -> None:
+        """Fingerprints this member's weights as ``step`` begins (before its forward pass), when
+        that step may check them, so that its swap can still start as the last bucket comes in.
+
+        Forward and backward change gradients only: the state is the one the optimizer will
+        step from, as :meth:`verify` would read it after backward (a flip injected at the step's
+        start is in it). Mid-backward, FSDP2's modules may hold unsharded parameters, so without
+        this print the weights are read in :meth:`verify`, and that step's swap waits there.
+        """
+        if not self.enabled or self.weights_every <= 0 or step % self.weights_every or step < self.weights_from_step:
+            return
+        began, cpu_began = time.perf_counter(), time.thread_time()
+        self._weights = (step, weights())
+        self._charge(began, cpu_began)
+
+    def _noted_weights(self, d: QuorumDecision) -> int | None:
+        """The weights' fingerprint :meth:`note_weights` took for this step, if it is due."""
+        if self._weights is not None and self._weights[0] == d.step and self.weights_due(d):
+            return self._weights[1]
+        return None
+
     def start(self, group: CrossReplicaGroup, d: QuorumDecision, device: torch.device) -> None:
         """Starts swapping this attempt's fingerprints now that its last sum is in, so the swap
         travels while this rank ends its backward pass and clips (:meth:`verify` then only
-        waits for it). Not when this step's check includes the weights: mid-backward, FSDP2's
-        modules may hold unsharded parameters, so those are read in :meth:`verify`."""
-        if not self.enabled or len(d.members) < 2 or self._swap is not None or self.weights_due(d):
+        waits for it). Not when this step's check includes weights that :meth:`note_weights`
+        did not fingerprint as the step began: those are read in :meth:`verify`."""
+        weights = self._noted_weights(d)
+        if (
+            not self.enabled
+            or len(d.members) < 2
+            or self._swap is not None
+            or (self.weights_due(d) and weights is None)
+        ):
             return
         began, cpu_began = time.perf_counter(), time.thread_time()
-        mine = Prints(fold(self._sent), fold(self._received), None)
+        mine = Prints(fold(self._sent), fold(self._received), weights)
         t = encode(mine, d.members.index(self.replica_id), len(d.members), device)
         try:
             pending = group.start_side_sum(t)
@@ -237,10 +267,11 @@ class ExchangeCheck:
             else:
                 swap = None
             if swap is None:
+                noted = self._noted_weights(d)
                 mine = Prints(
                     fold(self._sent),
                     fold(self._received),
-                    weights() if weights is not None and self.weights_due(d) else None,
+                    noted if noted is not None else weights() if weights is not None and self.weights_due(d) else None,
                 )
                 t = encode(mine, d.members.index(self.replica_id), len(d.members), device)
                 pending = group.start_side_sum(t)
