@@ -240,7 +240,8 @@ class Manager:
             self._compute_t0 = time.perf_counter()
             if self.fault_hook is not None:
                 self.fault_hook.start_step(self.step)
-            if self._exchanger.weights is not None:
+            if self._exchanger.weights is not None and self._last_commit is not None:
+                # (A process that has not trained yet is most likely about to catch up.)
                 self.sdc.note_weights(self.step, self._exchanger.weights)
 
     def wait_quorum(self) -> QuorumDecision:
