@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,19 +82,26 @@ def _p10_p90(xs: Sequence[float]) -> list[float]:
 
 
 def run_llama(
-    run_dir: Path, steps: int, switch: str, every: int = ALTERNATE_EVERY, device: str = "cpu", ranks: int = 2
+    run_dir: Path,
+    steps: int,
+    switch: str,
+    every: int = ALTERNATE_EVERY,
+    device: str = "cpu",
+    ranks: int = 2,
+    env: Mapping[str, str] | None = None,
 ) -> tuple[list[Row], float]:
     """The example Llama, 3 replicas of ``ranks`` FSDP2 ranks under ``unbroken run``, ``switch``
     (``check``: the verified exchange, ``recorder``: the flight recorder and its shipments,
     ``plain``: unbroken's whole step, plain HSDP in the off-blocks) off and on in alternate blocks
-    of ``every`` steps, on ``device`` (``cuda``: the replicas share the machine's GPUs)."""
+    of ``every`` steps, on ``device`` (``cuda``: the replicas share the machine's GPUs); ``env``
+    adds to the job's environment."""
     if switch not in SWITCHES:
         raise ValueError(f"switch must be one of {', '.join(SWITCHES)}, got {switch!r}")
     cmd = [sys.executable, "-m", "unbroken", "run", "--replicas", "3", "--ranks-per-replica", str(ranks)]
     cmd += ["--run-dir", str(run_dir), "--on-verdict", "ignore", "--", sys.executable, "-m", LLAMA_MODULE]
     cmd += ["--steps", str(steps), "--device", device, "--samples-per-replica", "4", "--seq-len", "64"]
     cmd += [f"--{switch}-alternate", str(every)]
-    return _launch(cmd, run_dir, "metrics")
+    return _launch(cmd, run_dir, "metrics", env=env)
 
 
 def run_mlp(run_dir: Path, steps: int, params_m: float = 3.0, every: int = ALTERNATE_EVERY) -> tuple[list[Row], float]:
@@ -107,14 +114,17 @@ def run_mlp(run_dir: Path, steps: int, params_m: float = 3.0, every: int = ALTER
     return _launch(cmd, run_dir, "steps")
 
 
-def _launch(cmd: list[str], run_dir: Path, rows_name: str, replicas: int = 3) -> tuple[list[Row], float]:
+def _launch(
+    cmd: list[str], run_dir: Path, rows_name: str, replicas: int = 3, env: Mapping[str, str] | None = None
+) -> tuple[list[Row], float]:
     """Runs ``cmd`` (an ``unbroken run``), its output in a launcher log beside ``run_dir``; every
     replica's step rows (``{rows_name}-r{R}.jsonl``, tagged with ``replica``) and the wall seconds."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     with open(run_dir.parent / f"{run_dir.name}-launcher.log", "wb") as log:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        code = subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        code = subprocess.call(
+            cmd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, stdout=log, stderr=subprocess.STDOUT
+        )
     if code != 0:
         raise click.ClickException(f"the job in {run_dir} ended with code {code}; see its launcher log")
     rows = [

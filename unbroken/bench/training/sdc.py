@@ -14,7 +14,8 @@ Three jobs of the example GPT under ``unbroken run`` (real processes, Gloo, CPU)
 - **llama** (``--llama-steps``), the example Llama, 3 replicas of 2 FSDP2 ranks, the check off
   and on in alternate blocks of 10 steps in one job (``--check-alternate``): each on-block's
   median step over the off-blocks around it (:mod:`unbroken.bench.training.alternate`, which
-  says why two separate jobs cannot time it).
+  says why two separate jobs cannot time it); ``--llama-weight-every N`` compares the weights
+  every N steps there.
 
 The JSON object has ``injected`` (detectable flips), ``detected``, ``culprit_named``,
 ``false_detections``, ``committed_differing`` (steps that replicas committed with different
@@ -188,9 +189,24 @@ def median_step_s(rows: Sequence[Row], skip: int = 20) -> float | None:
     help="Steps of the example Llama job (3 x 2 FSDP2 ranks) timing the check on and off in alternate "
     f"blocks of {ALTERNATE_EVERY} (0: none; needs the examples extra).",
 )
+@click.option(
+    "--llama-weight-every",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    help="Steps between weight checks in the example Llama job (0: the job's default, every 100).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object on stdout.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("runs/bench/sdc.json"), show_default=True)
-def sdc(weight_every: int, clean_steps: int, llama_steps: int, root: Path, as_json: bool, out: Path) -> None:
+def sdc(
+    weight_every: int,
+    clean_steps: int,
+    llama_steps: int,
+    llama_weight_every: int,
+    root: Path,
+    as_json: bool,
+    out: Path,
+) -> None:
     """Silent data corruption: flipped bits caught in-band, named, and healed from a peer."""
     if weight_every <= 0:
         raise click.BadParameter(f"must be > 0 steps, got {weight_every}", param_hint="--weight-every")
@@ -239,7 +255,8 @@ def sdc(weight_every: int, clean_steps: int, llama_steps: int, root: Path, as_js
 
     llama: Row = {"steps": llama_steps}
     if llama_steps:
-        rows, wall = run_llama(root / f"{stamp}-llama", llama_steps, "check")
+        weights = {ENV_WEIGHT_CHECK_EVERY: str(llama_weight_every)} if llama_weight_every else None
+        rows, wall = run_llama(root / f"{stamp}-llama", llama_steps, "check", env=weights)
         timed = alternating_ratio(rows, ALTERNATE_EVERY)
         cpu = alternating_ratio(rows, ALTERNATE_EVERY, spent="check_cpu_s")["own_share"]
         llama |= {
@@ -250,6 +267,7 @@ def sdc(weight_every: int, clean_steps: int, llama_steps: int, root: Path, as_js
             # Its CPU on the training thread over the same: with 6 ranks on 2 cores, the
             # machine's cores spend 3 times this share of each step on it.
             "check_cpu_share": cpu,
+            "weight_every": llama_weight_every or None,  # None: the job's default
             "every": ALTERNATE_EVERY,
             "wall_s": round(wall, 1),
         }
