@@ -326,15 +326,16 @@ class CatchupServer:
         finally:
             with self._cond:
                 snap.readers -= 1
+        now = time.perf_counter()
         self.served.append(
             {
                 "step": step,
                 "bytes": snap.total,
-                "s": time.perf_counter() - start,
+                "s": now - start,
                 "cpu_s": time.thread_time() - cpu_start,
                 "handshake_s": asked - start,  # from the admitted connection to its request
                 "wait_s": sending - asked,  # for the snapshot's copy, then a transfer slot
-                "send_s": time.perf_counter() - sending,
+                "send_s": now - sending,
             }
         )
         del self.served[:-MAX_SERVED_RECORDS]

@@ -156,6 +156,15 @@ def test_serving_figures_sum_what_the_donors_served(tmp_path: Path) -> None:
     (tmp_path / "digest-r1.json").write_text(json.dumps({"step": 60, "digest": "a", "served": []}))
     got = serving_figures(tmp_path, 3, median_step_s=0.4)
     assert got == {"serve_s": 0.5, "serve_cpu_s": 0.04, "serve_mb": 200.0, "serve_cpu_step_share": 0.1}
+    phases = {"handshake_s": 0.05, "wait_s": 0.0, "send_s": 0.4}  # records that split their time
+    (tmp_path / "digest-r2.json").write_text(
+        json.dumps({"step": 60, "digest": "a", "served": [{"step": 51, "bytes": 1, "s": 0.5, "cpu_s": 0.0, **phases}]})
+    )
+    got = serving_figures(tmp_path, 3, median_step_s=0.4)
+    assert "serve_send_s" not in got  # not every record splits it: no sum of part of them
+    (tmp_path / "digest-r0.json").unlink()
+    got = serving_figures(tmp_path, 3, median_step_s=0.4)
+    assert (got["serve_handshake_s"], got["serve_wait_s"], got["serve_send_s"]) == (0.05, 0.0, 0.4)
     assert serving_figures(tmp_path / "missing", 3, 0.4) == {}
 
 

@@ -53,6 +53,25 @@ def test_fetched_state_is_bitwise_the_snapshot_even_when_the_donor_moves_on() ->
     torch.set_rng_state(got["rng"])  # small tensors own their storage: usable as RNG state
 
 
+def test_a_served_transfer_says_where_its_time_went() -> None:
+    """Each served record splits the transfer into the handshake (admitted connection to its
+    request), the wait for the snapshot and a slot, and the sending: how the 40 ms that Nagle's
+    algorithm added to the handshake was found."""
+    server = CatchupServer(SECRET)
+    try:
+        server.publish(take_snapshot(5, _state(), server.pool))
+        fetch_state(server.address, 5, SECRET)
+        deadline = time.monotonic() + 5.0
+        while not server.served and time.monotonic() < deadline:  # recorded once the last byte is sent
+            time.sleep(0.01)
+    finally:
+        server.close()
+    (record,) = server.served
+    phases = [record["handshake_s"], record["wait_s"], record["send_s"]]
+    assert all(p >= 0.0 for p in phases) and sum(phases) <= record["s"] + 1e-6
+    assert record["bytes"] >= 700 * 700 * 4 and record["step"] == 5
+
+
 @pytest.mark.parametrize("chunk", [transfer.CHUNK, 1000])
 def test_received_into_the_receivers_own_tensors_where_they_fit(monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
     """A behind replica's tensors take the donor's bytes in place (nothing to fault in or copy
