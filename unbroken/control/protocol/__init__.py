@@ -214,8 +214,7 @@ def connect(host: str, port: int, secret: JobSecret, timeout: float) -> tuple[so
     try:
         if connected_to_itself(sock):
             raise ConnectionRefusedError("no coordinator yet (connected to itself)")
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        session = client_handshake(sock, secret, PURPOSE, timeout_s=timeout)
+        session = client_handshake(sock, secret, PURPOSE, timeout_s=timeout)  # sets TCP_NODELAY
     except BaseException:
         sock.close()
         raise

@@ -205,18 +205,21 @@ class ExchangeCheck:
         self._weights = (step, weights())
         self._charge(began, cpu_began)
 
-    def _noted_weights(self, d: QuorumDecision) -> int | None:
-        """The weights' fingerprint :meth:`note_weights` took for this step, if it is due."""
-        if self._weights is not None and self._weights[0] == d.step and self.weights_due(d):
+    def _weights_print(self, d: QuorumDecision, weights: Callable[[], int] | None = None) -> int | None:
+        """This step's weights' fingerprint where :meth:`weights_due`: the one
+        :meth:`note_weights` took as the step began, else ``weights()`` (None without it)."""
+        if not self.weights_due(d):
+            return None
+        if self._weights is not None and self._weights[0] == d.step:
             return self._weights[1]
-        return None
+        return weights() if weights is not None else None
 
     def start(self, group: CrossReplicaGroup, d: QuorumDecision, device: torch.device) -> None:
         """Starts swapping this attempt's fingerprints now that its last sum is in, so the swap
         travels while this rank ends its backward pass and clips (:meth:`verify` then only
         waits for it). Not when this step's check includes weights that :meth:`note_weights`
         did not fingerprint as the step began: those are read in :meth:`verify`."""
-        weights = self._noted_weights(d)
+        weights = self._weights_print(d)  # noted as the step began, or None
         if (
             not self.enabled
             or len(d.members) < 2
@@ -267,12 +270,7 @@ class ExchangeCheck:
             else:
                 swap = None
             if swap is None:
-                noted = self._noted_weights(d)
-                mine = Prints(
-                    fold(self._sent),
-                    fold(self._received),
-                    noted if noted is not None else weights() if weights is not None and self.weights_due(d) else None,
-                )
+                mine = Prints(fold(self._sent), fold(self._received), self._weights_print(d, weights))
                 t = encode(mine, d.members.index(self.replica_id), len(d.members), device)
                 pending = group.start_side_sum(t)
                 if pending is not None:
